@@ -1,0 +1,67 @@
+"""What the engine needs from a model: a KV geometry and a forward over packed step inputs.
+
+Every model family (and the synthetic test model) implements :class:`CausalLM`. The engine allocates one
+:class:`PagedKVCache` from the model's :class:`KVSpec` and hands it to every forward call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from pagedgen.executor.inputs import StepInputs
+
+
+@dataclass(frozen=True, slots=True)
+class KVSpec:
+    """Geometry of the paged KV cache a model needs: one K and one V tensor per attention layer."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if value <= 0:
+                raise ValueError(f"KVSpec.{name} must be positive, got {value}")
+
+    def bytes_per_block(self, block_size: int) -> int:
+        """Bytes one physical block costs across all layers, K and V together."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * element
+
+
+class PagedKVCache:
+    """The long-lived physical K/V tensors: per layer ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    Ownership of blocks lives in ``pagedgen.cache``; this object only holds the storage.
+    """
+
+    def __init__(self, spec: KVSpec, num_blocks: int, block_size: int, device: torch.device | str = "cpu"):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+        self.spec = spec
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        self.keys = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+        self.values = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """A decoder that runs one packed step.
+
+    ``forward`` writes the step's new K/V into ``kv_cache`` through ``inputs.slot_mapping``, reads each
+    request's history through ``inputs.block_tables`` and returns float32 logits ``[len(inputs.logits_rows),
+    vocab_size]`` for the requested rows only.
+    """
+
+    kv_spec: KVSpec
+    vocab_size: int
+
+    def forward(self, inputs: StepInputs, kv_cache: PagedKVCache) -> torch.Tensor: ...

@@ -1,0 +1,115 @@
+"""A synthetic model whose greedy output is a closed formula of tokens it reads back through the block table.
+
+It is the engine's exact oracle (DESIGN.md, oracle 2). Each forward writes every new token id into the K cache
+through ``slot_mapping``, then reads, for each row, the request's first token, the previous token and the
+current token back *from the cache through the block table*. Its greedy next token is::
+
+    next = (first + prev + current + position) % vocab_size        (prev = 0 at position 0)
+
+so a wrong block table, slot mapping, past length or a lost committed block changes the output. The logits
+put a clear maximum on ``next`` and a smaller bump on ``next + 1``, so sampling has something to choose from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedgen.executor.inputs import StepInputs
+from pagedgen.models.base import KVSpec, PagedKVCache
+
+
+def synthetic_next_token(first: int, prev: int, current: int, position: int, vocab_size: int) -> int:
+    """The closed formula of the synthetic model's greedy next token."""
+    return (first + prev + current + position) % vocab_size
+
+
+def synthetic_greedy(
+    tokens: Sequence[int], max_new_tokens: int, vocab_size: int, eos_token_id: int | None = None
+) -> list[int]:
+    """Reference greedy continuation of ``tokens`` (stops before an EOS, which is never emitted)."""
+    seq = list(tokens)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        pos = len(seq) - 1
+        prev = seq[pos - 1] if pos > 0 else 0
+        nxt = synthetic_next_token(seq[0], prev, seq[pos], pos, vocab_size)
+        if eos_token_id is not None and nxt == eos_token_id:
+            break
+        out.append(nxt)
+        seq.append(nxt)
+    return out
+
+
+@dataclass
+class SyntheticModel:
+    """Tiny, weightless, deterministic model with the same surface as :class:`pagedgen.Model`."""
+
+    vocab_size: int = 257
+    eos_token_id: int | None = None
+    max_context: int = 4096
+    name: str = "synthetic"
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    dtype: torch.dtype = torch.float32
+    kv_spec: KVSpec = field(default_factory=lambda: KVSpec(num_layers=1, num_kv_heads=1, head_dim=1))
+
+    def __post_init__(self) -> None:
+        if self.vocab_size < 2 or self.vocab_size > 1 << 24:
+            raise ValueError(f"vocab_size must be in [2, 2**24] (exact in float32), got {self.vocab_size}")
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return () if self.eos_token_id is None else (self.eos_token_id,)
+
+    @property
+    def runtime(self) -> SyntheticModel:
+        return self
+
+    @property
+    def tokenizer(self) -> SyntheticTokenizer:
+        return SyntheticTokenizer(self.vocab_size, self.eos_token_id)
+
+    def forward(self, inputs: StepInputs, kv_cache: PagedKVCache) -> torch.Tensor:
+        bs = inputs.block_size
+        cache = kv_cache.keys[0].view(-1)  # [num_blocks * block_size] (1 head, head_dim 1)
+        cache[inputs.slot_mapping] = inputs.input_ids.to(cache.dtype)
+        row_of_token = torch.repeat_interleave(
+            torch.arange(inputs.num_seqs, device=cache.device), inputs.query_lens.long()
+        )  # [T]
+        tables = inputs.block_tables.long()[row_of_token]  # [T, W]
+        pos = inputs.positions
+        first_slot = tables[:, 0] * bs
+        prev_pos = (pos - 1).clamp(min=0)
+        prev_slot = tables.gather(1, (prev_pos // bs).unsqueeze(1)).squeeze(1) * bs + prev_pos % bs
+        cur_slot = tables.gather(1, (pos // bs).unsqueeze(1)).squeeze(1) * bs + pos % bs
+        first = cache[first_slot].long()
+        prev = torch.where(pos > 0, cache[prev_slot].long(), torch.zeros_like(pos))
+        cur = cache[cur_slot].long()
+        nxt = (first + prev + cur + pos) % self.vocab_size  # [T]
+        rows = inputs.logits_rows
+        logits = torch.zeros(rows.shape[0], self.vocab_size, dtype=torch.float32, device=cache.device)
+        idx = torch.arange(rows.shape[0], device=cache.device)
+        logits[idx, nxt[rows]] = 8.0
+        logits[idx, (nxt[rows] + 1) % self.vocab_size] = 4.0
+        return logits
+
+
+class SyntheticTokenizer:
+    """Printable-ASCII codec for the synthetic model: token t is the character ``chr(32 + t % 95)``.
+
+    Lets stop strings and text deltas be tested on the synthetic model without a real vocabulary.
+    """
+
+    def __init__(self, vocab_size: int, eos_token_id: int | None = None):
+        self.vocab_size = vocab_size
+        self.eos_token_ids = () if eos_token_id is None else (eos_token_id,)
+
+    def encode(self, text: str) -> list[int]:
+        return [(ord(ch) - 32) % 95 % self.vocab_size for ch in text]
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return "".join(
+            chr(32 + t % 95) for t in token_ids if not (skip_special_tokens and t in self.eos_token_ids)
+        )

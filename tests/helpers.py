@@ -1,0 +1,3 @@
+"""Shared builders for the test suite."""
+
+from __future__ import annotations
