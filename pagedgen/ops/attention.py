@@ -119,8 +119,10 @@ def _decode_rows(
     tables = inputs.block_tables.to(device).long()[rows, :width]  # [B_dec, width]
     heads, dim = k_cache.shape[2], k_cache.shape[3]
     span = width * block_size
-    keys = k_cache[tables].view(rows.shape[0], span, heads, dim).transpose(1, 2)  # [B_dec, Hkv, span, D]
-    values = v_cache[tables].view(rows.shape[0], span, heads, dim).transpose(1, 2)  # [B_dec, Hkv, span, D]
+    flat_tables = tables.reshape(-1)  # [B_dec * width]; index_select is far cheaper than advanced indexing
+    keys = k_cache.index_select(0, flat_tables).view(rows.shape[0], span, heads, dim).transpose(1, 2)
+    values = v_cache.index_select(0, flat_tables).view(rows.shape[0], span, heads, dim).transpose(1, 2)
+    # keys, values: [B_dec, Hkv, span, D] (strided views; SDPA reads them without a copy)
     mask = torch.arange(span, device=device) < kv_lens.unsqueeze(1)  # [B_dec, span]
     q = query[token_rows].unsqueeze(2)  # [B_dec, Hq, 1, D]
     attn = F.scaled_dot_product_attention(
@@ -155,8 +157,13 @@ def _prefill_rows(
             continue
         kv_len = past[i] + q_len
         width = -(-kv_len // block_size)
-        keys = k_cache[tables[i, :width]].view(-1, heads, dim)[:kv_len].transpose(0, 1)  # [Hkv, kv_len, D]
-        values = v_cache[tables[i, :width]].view(-1, heads, dim)[:kv_len].transpose(0, 1)  # [Hkv, kv_len, D]
+        blocks = tables[i, :width]  # [width]
+        keys = (
+            k_cache.index_select(0, blocks).view(-1, heads, dim)[:kv_len].transpose(0, 1)
+        )  # [Hkv, kv_len, D]
+        values = (
+            v_cache.index_select(0, blocks).view(-1, heads, dim)[:kv_len].transpose(0, 1)
+        )  # [Hkv, kv_len, D]
         q = query[cu[i] : cu[i + 1]].transpose(0, 1)  # [Hq, q_len, D]
         if past[i] == 0:
             mask, causal = None, True
