@@ -1,0 +1,228 @@
+"""The cache manager the engine talks to: plan, reserve, release and report paged KV-cache ownership.
+
+``PagedCacheManager`` is a facade over per-kind pieces. Today it composes one :class:`BlockPool` (full-context
+paged KV) and the committed :class:`BlockTable` of every resident request; a sliding-window ring or a
+fixed-state pool would join as further pieces behind the same plan / reserve / commit / deallocate surface.
+
+Committed state changes only through :meth:`Reservation.commit` and :meth:`PagedCacheManager.deallocate`;
+planning and stats never mutate. At most one reservation is live at a time, and while it is, deallocation is
+refused, so the reservation's view of committed ownership cannot go stale.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from pagedgen.cache.block_pool import BlockPool
+from pagedgen.cache.block_table import BlockTable, blocks_for_tokens
+from pagedgen.cache.paged import (
+    CacheCandidate,
+    PlanLimits,
+    ResourcePlan,
+    blocks_needed,
+    check_candidates,
+    is_unserviceable,
+    plan_resources,
+)
+from pagedgen.cache.reservation import Reservation, ReservedRow
+from pagedgen.errors import CacheError
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """A snapshot of block accounting; ``blocks_per_request`` is a fresh dict in admission order."""
+
+    total_blocks: int
+    free_blocks: int
+    reserved_blocks: int
+    owned_blocks: int
+    resident_requests: int
+    blocks_per_request: dict[Hashable, int] = field(default_factory=dict)
+
+
+def _positive(name: str, value: int) -> int:
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an int, got {value!r}") from None
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return value
+
+
+class PagedCacheManager:
+    """Paged KV-cache ownership for the dynamic engine.
+
+    ``max_batch_size`` bounds both the rows of one step and the number of resident requests (idle
+    turn-complete residents included). ``max_blocks_per_table`` is the widest block table the executor
+    supports (``None``: only the pool bounds it). Raises ``ValueError`` for a non-positive setting.
+    """
+
+    def __init__(
+        self, num_blocks: int, block_size: int, max_batch_size: int, max_blocks_per_table: int | None = None
+    ):
+        self.num_blocks = _positive("num_blocks", num_blocks)
+        self.block_size = _positive("block_size", block_size)
+        self.max_batch_size = _positive("max_batch_size", max_batch_size)
+        self.max_blocks_per_table = (
+            None if max_blocks_per_table is None else _positive("max_blocks_per_table", max_blocks_per_table)
+        )
+        self.pool = BlockPool(self.num_blocks)
+        self._tables: dict[Hashable, BlockTable] = {}
+        self._live: Reservation | None = None
+
+    # ---- committed state (read-only) ----
+
+    @property
+    def live_reservation(self) -> Reservation | None:
+        return self._live
+
+    @property
+    def max_servable_slots(self) -> int:
+        """Most committed slots one request can ever hold: bounded by the pool and the table width."""
+        width = self.num_blocks
+        if self.max_blocks_per_table is not None:
+            width = min(width, self.max_blocks_per_table)
+        return width * self.block_size
+
+    def tables(self) -> Mapping[Hashable, BlockTable]:
+        """Read-only view of the committed tables in admission order (for validators; do not mutate them)."""
+        return MappingProxyType(self._tables)
+
+    def is_resident(self, request_id: Hashable) -> bool:
+        return request_id in self._tables
+
+    def resident_ids(self) -> tuple[Hashable, ...]:
+        return tuple(self._tables)
+
+    def committed_slots(self, request_id: Hashable) -> int:
+        return self._table(request_id).committed_slots
+
+    def block_table(self, request_id: Hashable) -> tuple[int, ...]:
+        return tuple(self._table(request_id).blocks)
+
+    def stats(self) -> CacheStats:
+        return CacheStats(
+            total_blocks=self.num_blocks,
+            free_blocks=self.pool.num_free,
+            reserved_blocks=self.pool.num_reserved,
+            owned_blocks=self.pool.num_owned,
+            resident_requests=len(self._tables),
+            blocks_per_request={rid: len(t.blocks) for rid, t in self._tables.items()},
+        )
+
+    # ---- the step transaction ----
+
+    def plan_step_resources(
+        self, candidates: Sequence[CacheCandidate], max_rows: int | None = None
+    ) -> ResourcePlan:
+        """Choose the candidates that fit this step, in the given order; say why each other one does not.
+
+        ``max_rows`` caps the selected rows (default ``max_batch_size``). Never mutates. Raises ``CacheError``
+        if a reservation is live, if ``max_rows`` is not positive, or if the candidates contradict committed
+        state (see :func:`check_candidates`).
+        """
+        self._require_no_live("plan")
+        rows = self.max_batch_size if max_rows is None else operator.index(max_rows)
+        if rows < 1:
+            raise CacheError(f"max_rows must be >= 1, got {max_rows}")
+        check_candidates(candidates, self._tables)
+        return plan_resources(candidates, self._tables, self._limits(rows))
+
+    def reserve(self, selected: Sequence[CacheCandidate]) -> Reservation:
+        """Reserve every block the selected candidates need, all or nothing, and return the live reservation.
+
+        Raises ``CacheError`` (changing nothing) if a reservation is already live, ``selected`` is empty or
+        contradicts committed state, exceeds the row or residency limit, contains a candidate that can never
+        fit, or needs more blocks than are free.
+        """
+        self._require_no_live("reserve")
+        if not selected:
+            raise CacheError("cannot reserve an empty selection")
+        check_candidates(selected, self._tables)
+        limits = self._limits(self.max_batch_size)
+        if len(selected) > self.max_batch_size:
+            raise CacheError(f"{len(selected)} rows exceed max_batch_size {self.max_batch_size}")
+        num_new = sum(c.is_new for c in selected)
+        if len(self._tables) + num_new > self.max_batch_size:
+            raise CacheError(
+                f"{len(self._tables)} residents + {num_new} admissions exceed "
+                f"max_batch_size {self.max_batch_size}"
+            )
+        growth = []
+        for candidate in selected:
+            width, new = blocks_needed(candidate, self._tables, self.block_size)
+            if is_unserviceable(width, limits):
+                raise CacheError(f"request {candidate.request_id!r} needs {width} blocks and can never fit")
+            growth.append(new)
+        blocks = self.pool.reserve(sum(growth))  # raises, changing nothing, if too few are free
+        self._live = Reservation(self.pool, self._tables, self._rows(selected, growth, blocks), self._closed)
+        return self._live
+
+    def deallocate(self, request_id: Hashable) -> bool:
+        """Return all of a request's blocks to the pool; False if it is not resident.
+
+        Raises ``CacheError`` while a reservation is live (its snapshot of committed state must hold).
+        Cost: O(blocks of the request).
+        """
+        self._require_no_live("deallocate")
+        table = self._tables.get(request_id)
+        if table is None:
+            return False
+        self.pool.return_owned(table.blocks)
+        del self._tables[request_id]
+        return True
+
+    def blocks_for_slots(self, num_slots: int) -> int:
+        """Blocks a table of ``num_slots`` committed slots needs at this manager's block size."""
+        return blocks_for_tokens(num_slots, self.block_size)
+
+    # ---- internals ----
+
+    def _table(self, request_id: Hashable) -> BlockTable:
+        table = self._tables.get(request_id)
+        if table is None:
+            raise CacheError(f"request {request_id!r} is not resident in the paged cache")
+        return table
+
+    def _limits(self, max_rows: int) -> PlanLimits:
+        return PlanLimits(
+            block_size=self.block_size,
+            total_blocks=self.num_blocks,
+            free_blocks=self.pool.num_free,
+            max_batch_size=self.max_batch_size,
+            max_rows=max_rows,
+            max_blocks_per_table=self.max_blocks_per_table,
+        )
+
+    def _rows(
+        self, selected: Sequence[CacheCandidate], growth: list[int], blocks: tuple[int, ...]
+    ) -> tuple[ReservedRow, ...]:
+        """Split the reserved blocks over the selected rows, in order."""
+        rows = []
+        start = 0
+        for candidate, count in zip(selected, growth, strict=True):
+            table = self._tables.get(candidate.request_id)
+            rows.append(
+                ReservedRow(
+                    request_id=candidate.request_id,
+                    is_new=candidate.is_new,
+                    committed_slots=0 if table is None else table.committed_slots,
+                    required_slots=candidate.required_slots,
+                    committed_blocks=() if table is None else tuple(table.blocks),
+                    new_blocks=blocks[start : start + count],
+                )
+            )
+            start += count
+        return tuple(rows)
+
+    def _require_no_live(self, action: str) -> None:
+        if self._live is not None:
+            raise CacheError(f"cannot {action} while a reservation is live; commit or discard it first")
+
+    def _closed(self, reservation: Reservation) -> None:
+        if self._live is reservation:
+            self._live = None

@@ -1,0 +1,164 @@
+"""Planning paged-cache resources for one engine step: which candidates fit, and why the others do not.
+
+The scheduler hands over its candidates in decode-first order. The planner walks them once, in that order,
+and selects every candidate whose rows, residency and new blocks still fit. It skips an infeasible candidate
+and keeps going, so a blocked prefill does not hide smaller work behind it. A rejected candidate is either
+CAPACITY_DEFERRED (it could run once capacity frees up) or UNSERVICEABLE (it needs more blocks than the whole
+pool, or a wider block table than supported, so it can never run). Planning is pure: it reads committed state
+through a :class:`ResidentView` and mutates nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from pagedgen.cache.block_table import blocks_for_tokens
+from pagedgen.errors import CacheError
+
+
+@dataclass(frozen=True, slots=True)
+class CacheCandidate:
+    """One request the scheduler would like to run this step.
+
+    ``required_slots`` is the committed slot count the request must be able to hold after the step:
+    past + 1 for a decode, past + every remaining prompt token for a prefill (so an admitted prefill owns
+    blocks for its whole prompt and its later chunks need no new blocks). ``is_new`` marks a request that
+    owns no table yet.
+    """
+
+    request_id: Hashable
+    required_slots: int
+    is_new: bool
+
+
+class DeferReason(enum.Enum):
+    CAPACITY_DEFERRED = "capacity_deferred"  # could run later, when rows, residency or blocks free up
+    UNSERVICEABLE = "unserviceable"  # can never fit: more blocks than the pool or than a table may hold
+
+
+@dataclass(frozen=True, slots=True)
+class ResourcePlan:
+    """The planner's answer: the selected candidates and, for every other candidate, why not.
+
+    Both tuples keep the input order. ``new_blocks`` is how many free blocks reserving ``selected`` takes.
+    """
+
+    selected: tuple[CacheCandidate, ...]
+    deferred: tuple[tuple[CacheCandidate, DeferReason], ...]
+    new_blocks: int = 0
+
+    @property
+    def capacity_deferred(self) -> tuple[CacheCandidate, ...]:
+        return tuple(c for c, reason in self.deferred if reason is DeferReason.CAPACITY_DEFERRED)
+
+    @property
+    def unserviceable(self) -> tuple[CacheCandidate, ...]:
+        return tuple(c for c, reason in self.deferred if reason is DeferReason.UNSERVICEABLE)
+
+
+class ResidentView(Protocol):
+    """What planning needs to know about committed residents (the manager's tables)."""
+
+    def get(self, request_id: Hashable, /) -> _TableLike | None: ...
+
+    def __len__(self) -> int: ...
+
+
+class _TableLike(Protocol):
+    blocks: Sequence[int]
+    committed_slots: int
+
+
+@dataclass(frozen=True, slots=True)
+class PlanLimits:
+    """The capacity a plan must respect; built by the manager for each planning call."""
+
+    block_size: int
+    total_blocks: int  # blocks in the whole pool: the UNSERVICEABLE bound
+    free_blocks: int  # blocks a reservation can take now
+    max_batch_size: int  # bound on residents (committed + newly admitted) and on rows
+    max_rows: int  # bound on selected rows this step
+    max_blocks_per_table: int | None  # block-table width the executor supports (None: the pool bound)
+
+
+def check_candidates(candidates: Sequence[CacheCandidate], residents: ResidentView) -> None:
+    """Raise ``CacheError`` if the candidate list contradicts committed state.
+
+    Catches duplicate request ids, an ``is_new`` flag that disagrees with residency, a non-integer or
+    non-positive ``required_slots``, and a resident whose ``required_slots`` is below its committed slots.
+    """
+    seen: set[Hashable] = set()
+    for candidate in candidates:
+        rid = candidate.request_id
+        if rid in seen:
+            raise CacheError(f"request {rid!r} appears twice in the candidate list")
+        seen.add(rid)
+        try:
+            required = operator.index(candidate.required_slots)
+        except TypeError:
+            raise CacheError(
+                f"request {rid!r}: required_slots must be an int, got {candidate.required_slots!r}"
+            ) from None
+        if required < 1:
+            raise CacheError(f"request {rid!r}: required_slots must be >= 1, got {required}")
+        table = residents.get(rid)
+        if candidate.is_new and table is not None:
+            raise CacheError(f"request {rid!r} is marked new but is already resident")
+        if not candidate.is_new and table is None:
+            raise CacheError(f"request {rid!r} is marked resident but owns no block table")
+        if table is not None and required < table.committed_slots:
+            raise CacheError(
+                f"request {rid!r}: required_slots {required} is below its "
+                f"{table.committed_slots} committed slots"
+            )
+
+
+def blocks_needed(candidate: CacheCandidate, residents: ResidentView, block_size: int) -> tuple[int, int]:
+    """``(table width after the step, new blocks to reserve)`` for one candidate."""
+    width = blocks_for_tokens(candidate.required_slots, block_size)
+    table = residents.get(candidate.request_id)
+    owned = 0 if table is None else len(table.blocks)
+    return width, max(0, width - owned)
+
+
+def is_unserviceable(width: int, limits: PlanLimits) -> bool:
+    """True if a table of ``width`` blocks could not exist even in an otherwise empty cache."""
+    if width > limits.total_blocks:
+        return True
+    return limits.max_blocks_per_table is not None and width > limits.max_blocks_per_table
+
+
+def plan_resources(
+    candidates: Sequence[CacheCandidate], residents: ResidentView, limits: PlanLimits
+) -> ResourcePlan:
+    """Select, in order, every candidate that still fits; classify the rest. Mutates nothing.
+
+    A candidate is UNSERVICEABLE if its final table is wider than the pool or the supported width. Otherwise
+    it is CAPACITY_DEFERRED if the row limit is reached, if it is new and committed residents plus the new
+    admissions already selected fill ``max_batch_size``, or if its new blocks exceed those still free after
+    the earlier selections. Validate the candidates with :func:`check_candidates` first.
+    """
+    row_limit = min(limits.max_rows, limits.max_batch_size)
+    free = limits.free_blocks
+    residents_after = len(residents)
+    selected: list[CacheCandidate] = []
+    deferred: list[tuple[CacheCandidate, DeferReason]] = []
+    for candidate in candidates:
+        width, growth = blocks_needed(candidate, residents, limits.block_size)
+        if is_unserviceable(width, limits):
+            deferred.append((candidate, DeferReason.UNSERVICEABLE))
+        elif (
+            len(selected) >= row_limit
+            or (candidate.is_new and residents_after >= limits.max_batch_size)
+            or growth > free
+        ):
+            deferred.append((candidate, DeferReason.CAPACITY_DEFERRED))
+        else:
+            selected.append(candidate)
+            free -= growth
+            residents_after += candidate.is_new
+    return ResourcePlan(tuple(selected), tuple(deferred), limits.free_blocks - free)

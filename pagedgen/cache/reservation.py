@@ -1,0 +1,206 @@
+"""One step's paged-cache transaction: reserved blocks that become committed ownership only at commit.
+
+Between reserve and commit the engine runs the model, which writes K/V into the reserved blocks through the
+combined view :meth:`Reservation.block_table`. Nothing about committed ownership changes in that window: the
+reserved blocks are not in any request's table and new requests have only provisional tables. Then exactly
+one of two things happens:
+
+- :meth:`Reservation.commit` appends the reserved blocks to the tables, publishes new requests' tables and
+  advances committed slots (possibly to fewer tokens than reserved);
+- :meth:`Reservation.discard` returns every reserved block to the free list (rollback).
+
+:meth:`Reservation.validate_commit` proves, without mutating anything, that committed state is exactly as the
+reservation found it (pool generation, every resident table's identity, generation, size and slots), so the
+publish step cannot fail for a reason it could have checked first.
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass
+
+from pagedgen.cache.block_pool import BlockPool, BlockState
+from pagedgen.cache.block_table import BlockTable
+from pagedgen.errors import CacheError
+
+
+class ReservationState(enum.Enum):
+    LIVE = "live"
+    COMMITTED = "committed"
+    DISCARDED = "discarded"
+
+
+@dataclass(frozen=True, slots=True)
+class ReservedRow:
+    """One selected request inside a reservation, in scheduled row order."""
+
+    request_id: Hashable
+    is_new: bool
+    committed_slots: int  # committed slots at reserve time: the request's past length for this step
+    required_slots: int  # the most slots commit may advance to
+    committed_blocks: tuple[int, ...]  # the committed table at reserve time
+    new_blocks: tuple[int, ...]  # reserved blocks, appended to the table at commit
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        return self.committed_blocks + self.new_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class _TableSnapshot:
+    table: BlockTable
+    generation: int
+    committed_slots: int
+    num_blocks: int
+
+    def matches(self, table: BlockTable | None) -> bool:
+        return (
+            table is self.table
+            and table.generation == self.generation
+            and table.committed_slots == self.committed_slots
+            and len(table.blocks) == self.num_blocks
+        )
+
+
+class Reservation:
+    """A live paged-cache transaction over one manager's pool and tables.
+
+    Created only by ``PagedCacheManager.reserve`` after it took the blocks from the pool. ``on_close`` is
+    called once when the reservation commits or is discarded, so the manager can accept the next one.
+    """
+
+    __slots__ = ("state", "_pool", "_tables", "_rows", "_index", "_snapshot", "_generation", "_on_close")
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        tables: dict[Hashable, BlockTable],
+        rows: tuple[ReservedRow, ...],
+        on_close: Callable[[Reservation], None],
+    ):
+        self.state = ReservationState.LIVE
+        self._pool = pool
+        self._tables = tables
+        self._rows = rows
+        self._index = {row.request_id: row for row in rows}
+        self._snapshot = {
+            rid: _TableSnapshot(t, t.generation, t.committed_slots, len(t.blocks))
+            for rid, t in tables.items()
+        }
+        self._generation = pool.generation
+        self._on_close = on_close
+
+    @property
+    def rows(self) -> tuple[ReservedRow, ...]:
+        return self._rows
+
+    @property
+    def request_ids(self) -> tuple[Hashable, ...]:
+        return tuple(row.request_id for row in self._rows)
+
+    def reserved_blocks(self) -> tuple[int, ...]:
+        """Every block this reservation holds, in row order."""
+        return tuple(block for row in self._rows for block in row.new_blocks)
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        return sum(len(row.new_blocks) for row in self._rows)
+
+    def row(self, request_id: Hashable) -> ReservedRow:
+        row = self._index.get(request_id)
+        if row is None:
+            raise CacheError(f"request {request_id!r} is not part of this reservation")
+        return row
+
+    def block_table(self, request_id: Hashable) -> tuple[int, ...]:
+        """Committed plus reserved blocks of one request, in logical order: the table the model reads."""
+        return self.row(request_id).blocks
+
+    def committed_slots(self, request_id: Hashable) -> int:
+        """Committed slots of one request when the reservation was made (0 for a new request)."""
+        return self.row(request_id).committed_slots
+
+    def validate_commit(self, advance: Mapping[Hashable, int] | None = None) -> None:
+        """Raise ``CacheError`` unless :meth:`commit` with ``advance`` would succeed. Mutates nothing.
+
+        Checks that the reservation is live, that no pool mutation happened since reserve, that every resident
+        table is the same object with the same generation, size and committed slots, that every reserved block
+        is still reserved, and that each ``advance`` names a row and lies in ``[committed, required]``.
+        Cost: O(residents + reserved blocks).
+        """
+        if self.state is not ReservationState.LIVE:
+            raise CacheError(f"cannot commit a {self.state.value} reservation")
+        if self._pool.generation != self._generation:
+            raise CacheError(
+                f"block pool changed since reserve (generation {self._generation} -> {self._pool.generation})"
+            )
+        if len(self._tables) != len(self._snapshot):
+            raise CacheError(
+                f"resident count changed since reserve ({len(self._snapshot)} -> {len(self._tables)})"
+            )
+        for rid, snapshot in self._snapshot.items():
+            if not snapshot.matches(self._tables.get(rid)):
+                raise CacheError(f"block table of request {rid!r} changed since reserve")
+        for row in self._rows:
+            for block in row.new_blocks:
+                if self._pool.state(block) is not BlockState.RESERVED:
+                    raise CacheError(
+                        f"reserved block {block} of request {row.request_id!r} is no longer reserved"
+                    )
+        self._target_slots(advance)
+
+    def commit(self, advance: Mapping[Hashable, int] | None = None) -> None:
+        """Publish the reservation: reserved blocks join their tables, committed slots advance.
+
+        ``advance[rid]`` is the request's new committed slot count (default ``required_slots``); a narrower
+        count (a partial prefill chunk, rejected drafts) still keeps every reserved block in the table.
+        Validates first (see :meth:`validate_commit`); a refused commit changes nothing. Cost: O(residents +
+        reserved blocks).
+        """
+        self.validate_commit(advance)
+        targets = self._target_slots(advance)
+        self._pool.publish(self.reserved_blocks())
+        for row in self._rows:
+            if row.is_new:
+                self._tables[row.request_id] = BlockTable(
+                    row.request_id, list(row.new_blocks), targets[row.request_id]
+                )
+            else:
+                self._tables[row.request_id].advance(row.new_blocks, targets[row.request_id])
+        self._pool.record_mutation()
+        self._close(ReservationState.COMMITTED)
+
+    def discard(self) -> None:
+        """Return every reserved block to the pool; committed state stays exactly as before reserve.
+
+        Idempotent once discarded; raises ``CacheError`` after a commit.
+        """
+        if self.state is ReservationState.DISCARDED:
+            return
+        if self.state is ReservationState.COMMITTED:
+            raise CacheError("cannot discard a committed reservation")
+        self._pool.return_reserved(self.reserved_blocks())
+        self._close(ReservationState.DISCARDED)
+
+    def _target_slots(self, advance: Mapping[Hashable, int] | None) -> dict[Hashable, int]:
+        """New committed slots per row; ``CacheError`` for an unknown row or an out-of-range advance."""
+        targets = {row.request_id: row.required_slots for row in self._rows}
+        for rid, slots in (advance or {}).items():
+            row = self.row(rid)
+            try:
+                slots = operator.index(slots)
+            except TypeError:
+                raise CacheError(f"advance for request {rid!r} must be an int, got {slots!r}") from None
+            if not row.committed_slots <= slots <= row.required_slots:
+                raise CacheError(
+                    f"advance for request {rid!r} is {slots}, outside "
+                    f"[{row.committed_slots}, {row.required_slots}]"
+                )
+            targets[rid] = slots
+        return targets
+
+    def _close(self, state: ReservationState) -> None:
+        self.state = state
+        self._on_close(self)

@@ -1,0 +1,161 @@
+"""Pure validators of engine state: each returns the list of violations it found (empty when consistent).
+
+They read state and never mutate it, so tests and ``EngineConfig(debug_invariants=True)`` can call them after
+every operation. They recompute everything from the raw records (block states, free list, tables, the live
+reservation) instead of trusting the counters those records keep, which is the point: a counter corrected
+after the fact would hide exactly the bugs these checks exist to find. Cost: O(pool + residents).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Mapping
+
+from pagedgen.cache.block_pool import BlockPool, BlockState
+from pagedgen.cache.block_table import BlockTable
+from pagedgen.cache.manager import PagedCacheManager
+from pagedgen.cache.reservation import Reservation, ReservationState
+
+
+def validate_cache(manager: PagedCacheManager) -> list[str]:
+    """Every block free, reserved or owned exactly once; tables, reservation and counters consistent."""
+    pool = manager.pool
+    states = pool.states()
+    violations = _pool_records(pool, states)
+    tables = manager.tables()
+    violations += _table_records(manager, tables, states)
+    violations += _reservation_records(manager.live_reservation, tables, states, manager.block_size)
+    owned = sum(len(t.blocks) for t in tables.values())
+    reserved = _live_reserved(manager.live_reservation)
+    if pool.num_free + reserved + owned != pool.num_blocks:
+        violations.append(
+            f"block totals: {pool.num_free} free + {reserved} reserved + {owned} owned != {pool.num_blocks}"
+        )
+    if len(tables) > manager.max_batch_size:
+        violations.append(f"{len(tables)} residents exceed max_batch_size {manager.max_batch_size}")
+    return violations
+
+
+def validate_residents(manager: PagedCacheManager, expected_slots: Mapping[Hashable, int]) -> list[str]:
+    """Request progress agrees with cache progress: the residents are exactly ``expected_slots``' keys, each
+    with that many committed slots (the engine passes every resident request's processed length)."""
+    violations = []
+    resident = set(manager.resident_ids())
+    for rid in resident - set(expected_slots):
+        violations.append(f"request {rid!r} is resident in the cache but not expected")
+    for rid, slots in expected_slots.items():
+        if rid not in resident:
+            violations.append(f"request {rid!r} is expected resident but owns no block table")
+        elif manager.committed_slots(rid) != slots:
+            violations.append(
+                f"request {rid!r} has {manager.committed_slots(rid)} committed slots, expected {slots}"
+            )
+    return violations
+
+
+def _pool_records(pool: BlockPool, states: tuple[BlockState, ...]) -> list[str]:
+    """The free list holds exactly the FREE blocks, once each, and the pool's counters match its states."""
+    violations = []
+    if len(states) != pool.num_blocks:
+        violations.append(f"pool records {len(states)} block states for {pool.num_blocks} blocks")
+    free_list = pool.free_list()
+    for block, count in Counter(free_list).items():
+        if not (isinstance(block, int) and 0 <= block < len(states)):
+            violations.append(f"free list holds invalid block id {block!r}")
+            continue
+        if count > 1:
+            violations.append(f"block {block} appears {count} times in the free list")
+        if states[block] is not BlockState.FREE:
+            violations.append(f"block {block} is in the free list but {states[block].value}")
+    by_state = Counter(states)
+    if by_state[BlockState.FREE] != len(set(free_list)):
+        violations.append(
+            f"{by_state[BlockState.FREE]} blocks are FREE but the free list holds {len(free_list)}"
+        )
+    if pool.num_reserved != by_state[BlockState.RESERVED]:
+        violations.append(
+            f"pool counts {pool.num_reserved} reserved blocks, states say {by_state[BlockState.RESERVED]}"
+        )
+    if pool.num_owned != by_state[BlockState.OWNED]:
+        violations.append(
+            f"pool counts {pool.num_owned} owned blocks, states say {by_state[BlockState.OWNED]}"
+        )
+    return violations
+
+
+def _table_records(
+    manager: PagedCacheManager, tables: Mapping[Hashable, BlockTable], states: tuple[BlockState, ...]
+) -> list[str]:
+    """Each table block is a valid OWNED id owned by exactly one table; slots fit the table's capacity."""
+    violations = []
+    owner: dict[int, Hashable] = {}
+    for rid, table in tables.items():
+        if table.request_id != rid:
+            violations.append(f"table filed under {rid!r} names request {table.request_id!r}")
+        if not 0 <= table.committed_slots <= table.capacity(manager.block_size):
+            violations.append(
+                f"request {rid!r}: {table.committed_slots} committed slots outside its capacity "
+                f"{table.capacity(manager.block_size)} ({len(table.blocks)} blocks)"
+            )
+        width = manager.max_blocks_per_table
+        if width is not None and len(table.blocks) > width:
+            violations.append(f"request {rid!r}: {len(table.blocks)} blocks exceed the table width {width}")
+        for block in table.blocks:
+            if not (isinstance(block, int) and 0 <= block < len(states)):
+                violations.append(f"request {rid!r} holds invalid block id {block!r}")
+                continue
+            if block in owner:
+                violations.append(f"block {block} is owned by both {owner[block]!r} and {rid!r}")
+            owner[block] = rid
+            if states[block] is not BlockState.OWNED:
+                violations.append(f"block {block} is in the table of {rid!r} but {states[block].value}")
+    num_owned = sum(state is BlockState.OWNED for state in states)
+    if num_owned != len(owner):
+        violations.append(f"{num_owned} blocks are OWNED but tables hold {len(owner)} distinct blocks")
+    return violations
+
+
+def _reservation_records(
+    live: Reservation | None,
+    tables: Mapping[Hashable, BlockTable],
+    states: tuple[BlockState, ...],
+    block_size: int,
+) -> list[str]:
+    """The live reservation holds exactly the RESERVED blocks, once each; its rows agree with residency."""
+    num_reserved_states = sum(state is BlockState.RESERVED for state in states)
+    if live is None:
+        if num_reserved_states:
+            return [f"{num_reserved_states} blocks are RESERVED but no reservation is live"]
+        return []
+    violations = []
+    if live.state is not ReservationState.LIVE:
+        violations.append(f"the manager's live reservation is {live.state.value}")
+    blocks = live.reserved_blocks()
+    for block, count in Counter(blocks).items():
+        if not (isinstance(block, int) and 0 <= block < len(states)):
+            violations.append(f"reservation holds invalid block id {block!r}")
+            continue
+        if count > 1:
+            violations.append(f"block {block} is reserved {count} times")
+        if states[block] is not BlockState.RESERVED:
+            violations.append(f"block {block} is held by the reservation but {states[block].value}")
+    if len(set(blocks)) != num_reserved_states:
+        violations.append(
+            f"{num_reserved_states} blocks are RESERVED but the reservation holds {len(set(blocks))}"
+        )
+    for row in live.rows:
+        table = tables.get(row.request_id)
+        if row.is_new and table is not None:
+            violations.append(f"reservation admits {row.request_id!r}, which is already resident")
+        if not row.is_new and table is None:
+            violations.append(f"reservation grows {row.request_id!r}, which is not resident")
+        if not row.committed_slots <= row.required_slots <= len(row.blocks) * block_size:
+            violations.append(
+                f"reservation row {row.request_id!r}: slots {row.committed_slots}..{row.required_slots} "
+                f"do not fit its {len(row.blocks)} blocks"
+            )
+    return violations
+
+
+def _live_reserved(live: Reservation | None) -> int:
+    return 0 if live is None else len(set(live.reserved_blocks()))
