@@ -1,0 +1,192 @@
+"""Paged attention ops: write_kv, the oracle against dense attention, the fast path against the oracle."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedgen.executor.inputs import SequenceChunk, StepInputs, pack_step
+from pagedgen.ops.attention import paged_attention, paged_attention_reference, write_kv
+
+
+@dataclass(slots=True)
+class PagedCase:
+    """A packed step over shuffled physical blocks, with each request's full contiguous K/V kept aside."""
+
+    inputs: StepInputs
+    query: torch.Tensor  # [T, Hq, D]
+    k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    dense_keys: list[torch.Tensor]  # per request [past + q, Hkv, D]
+    dense_values: list[torch.Tensor]  # per request [past + q, Hkv, D]
+
+
+def build_case(
+    seqs: list[tuple[int, int]],
+    block_size: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+) -> PagedCase:
+    """Scatter each request's history into randomly permuted blocks, then write the step's K/V via write_kv.
+
+    ``seqs`` holds ``(past_len, query_len)`` per request. Spare blocks are filled with noise so a read through
+    a wrong block shows up.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-(past + q) // block_size) for past, q in seqs]
+    num_blocks = sum(need) + 2
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    chunks, dense_keys, dense_values, start = [], [], [], 0
+    for (past, q), n in zip(seqs, need, strict=True):
+        table = perm[start : start + n]
+        start += n
+        keys = torch.randn(past + q, num_kv_heads, head_dim, generator=gen).to(dtype)
+        values = torch.randn(past + q, num_kv_heads, head_dim, generator=gen).to(dtype)
+        pos = torch.arange(past)
+        blocks = torch.tensor(table, dtype=torch.long)[pos // block_size]
+        k_cache[blocks, pos % block_size] = keys[:past]
+        v_cache[blocks, pos % block_size] = values[:past]
+        chunks.append(SequenceChunk(tokens=[0] * q, past_len=past, block_table=table))
+        dense_keys.append(keys)
+        dense_values.append(values)
+    inputs = pack_step(chunks, block_size)
+    new_keys = torch.cat([k[past:] for k, (past, _) in zip(dense_keys, seqs, strict=True)])
+    new_values = torch.cat([v[past:] for v, (past, _) in zip(dense_values, seqs, strict=True)])
+    write_kv(new_keys, new_values, k_cache, v_cache, inputs.slot_mapping)
+    query = torch.randn(inputs.num_tokens, num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    return PagedCase(inputs, query, k_cache, v_cache, dense_keys, dense_values)
+
+
+def dense_causal_attention(case: PagedCase, scale: float) -> torch.Tensor:
+    """Textbook attention on each request's contiguous K/V in float64, built independently of the oracle."""
+    outs = []
+    cu = case.inputs.cu_seqlens.tolist()
+    hq, hkv = case.query.shape[1], case.k_cache.shape[2]
+    kv_head = torch.arange(hq) // (hq // hkv)  # [Hq], the kv head each query head reads
+    for i, (keys, values) in enumerate(zip(case.dense_keys, case.dense_values, strict=True)):
+        q = case.query[cu[i] : cu[i + 1]].double()  # [q, Hq, D]
+        k = keys.double()[:, kv_head]  # [kv, Hq, D]
+        v = values.double()[:, kv_head]  # [kv, Hq, D]
+        q_len, kv_len = q.shape[0], k.shape[0]
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [Hq, q, kv]
+        allowed = torch.ones(q_len, kv_len, dtype=torch.bool).tril(diagonal=kv_len - q_len)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+    return torch.cat(outs)
+
+
+seq_strategy = st.tuples(
+    st.integers(min_value=0, max_value=40),
+    st.one_of(st.just(1), st.integers(min_value=1, max_value=20)),
+)
+
+
+@settings(max_examples=200)
+@given(
+    seqs=st.lists(seq_strategy, min_size=1, max_size=8),
+    block_size=st.integers(min_value=1, max_value=32),
+    num_kv_heads=st.integers(min_value=1, max_value=3),
+    group=st.sampled_from([1, 2, 4]),
+    head_dim=st.sampled_from([1, 4, 8]),
+    seed=st.integers(min_value=0, max_value=2**31 - 1),
+)
+def test_fast_path_matches_reference(seqs, block_size, num_kv_heads, group, head_dim, seed):
+    case = build_case(seqs, block_size, num_kv_heads, group, head_dim, seed)
+    scale = head_dim**-0.5
+    fast = paged_attention(case.query, case.k_cache, case.v_cache, case.inputs, scale)
+    ref = paged_attention_reference(case.query, case.k_cache, case.v_cache, case.inputs, scale)
+    assert fast.shape == ref.shape == case.query.shape
+    assert fast.dtype == case.query.dtype
+    assert (fast - ref).abs().max().item() <= 1e-5
+
+
+@settings(max_examples=60)
+@given(
+    seqs=st.lists(seq_strategy, min_size=1, max_size=5),
+    block_size=st.integers(min_value=1, max_value=32),
+    num_kv_heads=st.integers(min_value=1, max_value=3),
+    group=st.sampled_from([1, 2, 4]),
+    seed=st.integers(min_value=0, max_value=2**31 - 1),
+)
+def test_reference_equals_dense_causal_attention(seqs, block_size, num_kv_heads, group, seed):
+    case = build_case(seqs, block_size, num_kv_heads, group, head_dim=8, seed=seed)
+    scale = 0.3
+    ref = paged_attention_reference(case.query, case.k_cache, case.v_cache, case.inputs, scale)
+    dense = dense_causal_attention(case, scale)
+    assert (ref.double() - dense).abs().max().item() <= 1e-5
+
+
+def test_mixed_step_with_gqa_matches_dense_attention():
+    """A fixed mixed step: a fresh prefill, two decodes, a chunked prefill continuing its history."""
+    case = build_case(
+        [(0, 7), (13, 1), (5, 1), (9, 6)], block_size=4, num_kv_heads=2, group=3, head_dim=8, seed=1
+    )
+    fast = paged_attention(case.query, case.k_cache, case.v_cache, case.inputs, 0.25)
+    assert (fast.double() - dense_causal_attention(case, 0.25)).abs().max().item() <= 1e-5
+
+
+def test_fast_path_keeps_a_low_precision_dtype():
+    case = build_case(
+        [(3, 1), (0, 5)], block_size=2, num_kv_heads=1, group=2, head_dim=8, seed=3, dtype=torch.bfloat16
+    )
+    fast = paged_attention(case.query, case.k_cache, case.v_cache, case.inputs, 0.5)
+    ref = paged_attention_reference(case.query, case.k_cache, case.v_cache, case.inputs, 0.5)
+    assert fast.dtype == torch.bfloat16
+    assert (fast.float() - ref.float()).abs().max().item() <= 2e-2
+
+
+def test_a_token_sees_no_future_keys():
+    """Changing a later token's K/V leaves earlier tokens' outputs bit-identical (causality)."""
+    case = build_case([(2, 5)], block_size=3, num_kv_heads=1, group=1, head_dim=4, seed=7)
+    before = paged_attention(case.query, case.k_cache, case.v_cache, case.inputs, 1.0)
+    last_slot = case.inputs.slot_mapping[-1:]
+    write_kv(torch.full((1, 1, 4), 9.0), torch.full((1, 1, 4), 9.0), case.k_cache, case.v_cache, last_slot)
+    after = paged_attention(case.query, case.k_cache, case.v_cache, case.inputs, 1.0)
+    assert torch.equal(before[:-1], after[:-1])
+    assert not torch.equal(before[-1], after[-1])
+
+
+def test_write_kv_writes_exactly_the_mapped_slots():
+    k_cache = torch.zeros(3, 2, 1, 2)
+    v_cache = torch.zeros(3, 2, 1, 2)
+    key = torch.tensor([[[1.0, 2.0]], [[3.0, 4.0]], [[5.0, 6.0]]])  # [3, 1, 2]
+    slots = torch.tensor([5, 0, 2])  # block 2 offset 1, block 0 offset 0, block 1 offset 0
+    write_kv(key, -key, k_cache, v_cache, slots)
+    expected = torch.zeros(3, 2, 1, 2)
+    expected[2, 1, 0] = torch.tensor([1.0, 2.0])
+    expected[0, 0, 0] = torch.tensor([3.0, 4.0])
+    expected[1, 0, 0] = torch.tensor([5.0, 6.0])
+    assert torch.equal(k_cache, expected)
+    assert torch.equal(v_cache, -expected)
+
+
+def test_write_kv_refuses_mismatched_shapes_without_writing():
+    k_cache = torch.zeros(2, 2, 1, 2)
+    v_cache = torch.zeros(2, 2, 1, 2)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        write_kv(torch.ones(2, 1, 2), torch.ones(2, 1, 2), k_cache, v_cache, torch.tensor([0]))
+    with pytest.raises(ValueError, match="key/value"):
+        write_kv(torch.ones(1, 2, 2), torch.ones(1, 2, 2), k_cache, v_cache, torch.tensor([0]))
+    assert not k_cache.any() and not v_cache.any()
+
+
+def test_attention_refuses_inconsistent_shapes():
+    case = build_case([(1, 2)], block_size=2, num_kv_heads=2, group=1, head_dim=4, seed=0)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        paged_attention(case.query[:, :1].repeat(1, 3, 1), case.k_cache, case.v_cache, case.inputs, 1.0)
+    with pytest.raises(ValueError, match="query must be"):
+        paged_attention(case.query[:1], case.k_cache, case.v_cache, case.inputs, 1.0)
+    with pytest.raises(ValueError, match="block_size"):
+        paged_attention_reference(
+            case.query, case.k_cache.view(-1, 1, 2, 4), case.v_cache.view(-1, 1, 2, 4), case.inputs, 1.0
+        )
