@@ -68,7 +68,8 @@ def pack_step(
     """Pack per-request chunks into one flat, padding-free model input.
 
     Vectorised with numpy: the only Python loop is over requests (to concatenate their token lists),
-    never over tokens. Raises ``ValueError`` if a chunk is empty or its block table is too short.
+    never over tokens. Raises ``ValueError`` (building nothing) if there are no chunks, a chunk is empty,
+    its past length is negative, its block table is too short or holds a negative block id.
     """
     if not chunks:
         raise ValueError("pack_step needs at least one sequence chunk")
@@ -78,6 +79,9 @@ def pack_step(
     if (q_lens <= 0).any():
         raise ValueError("every scheduled request must contribute at least one token")
     past = np.fromiter((c.past_len for c in chunks), dtype=np.int64, count=len(chunks))
+    if (past < 0).any():
+        bad = int(np.argmax(past < 0))
+        raise ValueError(f"request row {bad} has a negative past_len {int(past[bad])}")
     widths = np.fromiter((len(c.block_table) for c in chunks), dtype=np.int64, count=len(chunks))
     kv_lens = past + q_lens
     need = (kv_lens + block_size - 1) // block_size
@@ -98,6 +102,9 @@ def pack_step(
     tables = np.zeros((len(chunks), width), dtype=np.int64)
     for i, c in enumerate(chunks):
         tables[i, : len(c.block_table)] = c.block_table
+    if (tables < 0).any():
+        bad = int(np.argmax((tables < 0).any(axis=1)))
+        raise ValueError(f"request row {bad} has a negative block id in {list(chunks[bad].block_table)}")
     blocks = tables[row_of_token, positions // block_size]
     slot_mapping = blocks * block_size + positions % block_size
     want_all = np.fromiter((c.all_logits for c in chunks), dtype=bool, count=len(chunks))

@@ -1,0 +1,76 @@
+"""pack_step: the packed step tensors of a hand-worked example, logits rows, and refused inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedgen.executor.inputs import SequenceChunk, pack_step
+
+# The reference's example [A0 A1 A2 B0 C0 C1] at block_size 4:
+#   A: past 5, three new tokens at positions 5, 6, 7 -> logical block 1 = physical 2 -> slots 9, 10, 11
+#   B: past 0, one token at position 0             -> logical block 0 = physical 5 -> slot 20
+#   C: past 3, two tokens at positions 3, 4        -> physical 1 offset 3 = slot 7, physical 4 offset 0 = 16
+A = SequenceChunk(tokens=[10, 11, 12], past_len=5, block_table=[7, 2])
+B = SequenceChunk(tokens=[20], past_len=0, block_table=[5])
+C = SequenceChunk(tokens=[30, 31], past_len=3, block_table=[1, 4])
+
+
+def test_hand_worked_example_packs_exactly():
+    inputs = pack_step([A, B, C], block_size=4)
+    assert torch.equal(inputs.input_ids, torch.tensor([10, 11, 12, 20, 30, 31], dtype=torch.int64))
+    assert torch.equal(inputs.positions, torch.tensor([5, 6, 7, 0, 3, 4], dtype=torch.int64))
+    assert torch.equal(inputs.cu_seqlens, torch.tensor([0, 3, 4, 6], dtype=torch.int32))
+    assert torch.equal(inputs.past_lens, torch.tensor([5, 0, 3], dtype=torch.int32))
+    assert torch.equal(inputs.block_tables, torch.tensor([[7, 2], [5, 0], [1, 4]], dtype=torch.int32))
+    assert torch.equal(inputs.slot_mapping, torch.tensor([9, 10, 11, 20, 7, 16], dtype=torch.int64))
+    assert torch.equal(inputs.logits_rows, torch.tensor([2, 3, 5], dtype=torch.int64))
+    assert (inputs.max_query_len, inputs.max_kv_len, inputs.min_kv_len) == (3, 8, 1)
+    assert inputs.block_size == 4
+    assert (inputs.num_tokens, inputs.num_seqs) == (6, 3)
+    assert torch.equal(inputs.query_lens, torch.tensor([3, 1, 2], dtype=torch.int32))
+    assert torch.equal(inputs.kv_lens, torch.tensor([8, 1, 5], dtype=torch.int32))
+
+
+def test_block_size_one_maps_every_position_to_its_own_block():
+    chunk = SequenceChunk(tokens=[1, 2, 3], past_len=2, block_table=[9, 3, 6, 0, 8])
+    inputs = pack_step([chunk], block_size=1)
+    assert torch.equal(inputs.slot_mapping, torch.tensor([6, 0, 8]))
+    assert torch.equal(inputs.positions, torch.tensor([2, 3, 4]))
+
+
+def test_all_logits_returns_every_row_of_that_request_only():
+    c_all = SequenceChunk(tokens=C.tokens, past_len=C.past_len, block_table=C.block_table, all_logits=True)
+    assert pack_step([A, B, c_all], block_size=4).logits_rows.tolist() == [2, 3, 4, 5]
+    a_all = SequenceChunk(tokens=A.tokens, past_len=A.past_len, block_table=A.block_table, all_logits=True)
+    inputs = pack_step([a_all, B, C], block_size=4)
+    assert inputs.logits_rows.tolist() == [0, 1, 2, 3, 5]
+    assert inputs.logits_rows.dtype == torch.int64
+
+
+def test_a_longer_block_table_than_needed_is_accepted_and_padded():
+    long_b = SequenceChunk(tokens=[20], past_len=0, block_table=[5, 6, 3])
+    inputs = pack_step([A, long_b], block_size=4)
+    assert inputs.block_tables.tolist() == [[7, 2, 0], [5, 6, 3]]
+    assert inputs.slot_mapping.tolist() == [9, 10, 11, 20]
+
+
+@pytest.mark.parametrize(
+    ("chunks", "block_size", "message"),
+    [
+        ([], 4, "at least one sequence chunk"),
+        ([A, SequenceChunk(tokens=[], past_len=0, block_table=[1])], 4, "at least one token"),
+        ([SequenceChunk(tokens=[1, 2], past_len=7, block_table=[3, 4])], 4, "holds 2 blocks but needs 3"),
+        ([B, SequenceChunk(tokens=[1], past_len=4, block_table=[3])], 4, "request row 1 holds 1 blocks"),
+        ([SequenceChunk(tokens=[1], past_len=-1, block_table=[3])], 4, "negative past_len -1"),
+        (
+            [B, SequenceChunk(tokens=[1], past_len=0, block_table=[-2])],
+            4,
+            "request row 1 has a negative block",
+        ),
+        ([A], 0, "block_size must be positive"),
+    ],
+)
+def test_refused_inputs_name_the_problem(chunks, block_size, message):
+    with pytest.raises(ValueError, match=message):
+        pack_step(chunks, block_size)
