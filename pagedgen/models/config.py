@@ -1,0 +1,274 @@
+"""The architecture description of a decoder, parsed from an HF ``config.json`` dict.
+
+One frozen :class:`ModelConfig` covers every family :mod:`pagedgen.models.llama` implements. The family is
+chosen from the config's ``model_type`` (or, failing that, its ``architectures`` list); its traits (q/k/v
+bias, per-head q/k RMSNorm) come from :data:`FAMILY_TRAITS` and the config's own flags. Anything we do not
+implement (another family, another RoPE scaling, another activation) is refused here, before any weight is
+read, with an error that names the file and the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pagedgen.errors import ModelLoadError, UnsupportedArchitectureError
+
+
+@dataclass(frozen=True, slots=True)
+class FamilyTraits:
+    """What distinguishes one member of the Llama family from another in our single implementation."""
+
+    qkv_bias: bool | None  # None: read the config's ``attention_bias`` flag
+    qk_norm: bool
+
+
+FAMILY_TRAITS: dict[str, FamilyTraits] = {
+    "llama": FamilyTraits(qkv_bias=None, qk_norm=False),
+    "mistral": FamilyTraits(qkv_bias=False, qk_norm=False),
+    "qwen2": FamilyTraits(qkv_bias=True, qk_norm=False),
+    "qwen3": FamilyTraits(qkv_bias=None, qk_norm=True),
+}
+
+_ARCHITECTURE_CLASSES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+# ``freq_factors``: per-frequency divisors shipped as a weight (llama.cpp's ``rope_freqs``, Llama 3.x GGUFs).
+ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+
+_POSITIVE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    """Rotary embedding parameters: the base and an optional frequency scaling (see :data:`ROPE_TYPES`)."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"RopeConfig.rope_type must be one of {ROPE_TYPES}, got {self.rope_type!r}")
+        if not self.theta > 0:
+            raise ValueError(f"RopeConfig.theta must be positive, got {self.theta}")
+        if not self.factor > 0:
+            raise ValueError(f"RopeConfig.factor must be positive, got {self.factor}")
+        if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(
+                f"RopeConfig.high_freq_factor ({self.high_freq_factor}) must exceed "
+                f"low_freq_factor ({self.low_freq_factor}) for llama3 scaling"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Sizes and traits of one decoder; validated so a model built from it cannot mis-shape a tensor."""
+
+    architecture: str  # family key of FAMILY_TRAITS
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None  # not implemented: the usable context is clamped to it
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in FAMILY_TRAITS:
+            raise ValueError(
+                f"ModelConfig.architecture must be one of {sorted(FAMILY_TRAITS)}, got {self.architecture!r}"
+            )
+        for name in _POSITIVE_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"ModelConfig.rms_norm_eps must be positive, got {self.rms_norm_eps}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(
+                f"ModelConfig.sliding_window must be positive or None, got {self.sliding_window}"
+            )
+
+    @property
+    def max_context(self) -> int:
+        """Longest sequence served exactly: inside the window, full attention is sliding-window attention."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """An HF-style ``config.json`` dict that :func:`config_from_hf` parses back to an equal config."""
+        rope = self.rope
+        rope_parameters: dict[str, Any] = {"rope_type": rope.rope_type, "rope_theta": rope.theta}
+        if rope.rope_type != "default":
+            rope_parameters["factor"] = rope.factor
+        if rope.rope_type == "llama3":
+            rope_parameters.update(
+                low_freq_factor=rope.low_freq_factor,
+                high_freq_factor=rope.high_freq_factor,
+                original_max_position_embeddings=rope.original_max_position_embeddings,
+            )
+        return {
+            "model_type": self.architecture,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": rope_parameters,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.qkv_bias,
+            "mlp_bias": self.mlp_bias,
+            "hidden_act": "silu",
+            "sliding_window": self.sliding_window,
+            "use_sliding_window": self.sliding_window is not None,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids),
+        }
+
+
+def resolve_architecture(raw: Mapping[str, Any], source: str) -> str:
+    """The family key for a config dict; raises :class:`UnsupportedArchitectureError` naming what it found."""
+    model_type = raw.get("model_type")
+    if model_type in FAMILY_TRAITS:
+        return str(model_type)
+    for class_name in raw.get("architectures") or ():
+        if class_name in _ARCHITECTURE_CLASSES:
+            return _ARCHITECTURE_CLASSES[class_name]
+    named = model_type or ", ".join(raw.get("architectures") or ()) or "<none given>"
+    raise UnsupportedArchitectureError(
+        f"{source}: unsupported architecture {named!r} "
+        f"(architectures {list(raw.get('architectures') or [])}); supported model_type values: "
+        f"{sorted(FAMILY_TRAITS)}"
+    )
+
+
+def config_from_hf(raw: Mapping[str, Any], source: str) -> ModelConfig:
+    """Parse an HF ``config.json`` dict (transformers 4.x or 5.x spelling) into a :class:`ModelConfig`.
+
+    Raises :class:`UnsupportedArchitectureError` for a family we do not implement and
+    :class:`ModelLoadError` naming ``source`` and the field for a missing or unsupported value.
+    """
+    architecture = resolve_architecture(raw, source)
+    traits = FAMILY_TRAITS[architecture]
+    act = raw.get("hidden_act", raw.get("hidden_activation", "silu"))
+    if act != "silu":
+        raise ModelLoadError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
+    hidden = _require_int(raw, "hidden_size", source)
+    num_heads = _require_int(raw, "num_attention_heads", source)
+    head_dim = raw.get("head_dim") or hidden // num_heads
+    qkv_bias = traits.qkv_bias if traits.qkv_bias is not None else bool(raw.get("attention_bias", False))
+    try:
+        return ModelConfig(
+            architecture=architecture,
+            vocab_size=_require_int(raw, "vocab_size", source),
+            hidden_size=hidden,
+            intermediate_size=_require_int(raw, "intermediate_size", source),
+            num_layers=_require_int(raw, "num_hidden_layers", source),
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            max_position_embeddings=_require_int(raw, "max_position_embeddings", source),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope=_rope_from_hf(raw, source),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            qk_norm=traits.qk_norm,
+            sliding_window=_sliding_window(raw, architecture),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=_int_tuple(raw.get("eos_token_id")),
+        )
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{source}: invalid model config: {exc}") from exc
+
+
+def _require_int(raw: Mapping[str, Any], key: str, source: str) -> int:
+    value = raw.get(key)
+    if value is None:
+        raise ModelLoadError(f"{source}: config field {key!r} is missing")
+    if isinstance(value, bool) or not isinstance(value, int | float) or int(value) != value:
+        raise ModelLoadError(f"{source}: config field {key!r} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _int_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _sliding_window(raw: Mapping[str, Any], architecture: str) -> int | None:
+    """The window the checkpoint attends within, or None when it attends to everything."""
+    window = raw.get("sliding_window")
+    if window is None:
+        return None
+    if architecture in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+        return None
+    return int(window)
+
+
+def _rope_from_hf(raw: Mapping[str, Any], source: str) -> RopeConfig:
+    """RoPE from ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling`` (4.x)."""
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = raw.get("rope_scaling") or {}
+    merged = {**scaling, **params}
+    theta = float(merged.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ModelLoadError(
+            f"{source}: rope scaling type {rope_type!r} is not supported (supported: {ROPE_TYPES})"
+        )
+    original = merged.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192))
+    try:
+        return RopeConfig(
+            theta=theta,
+            rope_type=rope_type,
+            factor=float(merged.get("factor", 1.0)),
+            low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(original),
+        )
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{source}: invalid rope parameters {merged}: {exc}") from exc

@@ -1,0 +1,246 @@
+"""Read a llama.cpp GGUF file into our config and float32 weights, named like an HF checkpoint.
+
+Built on the ``gguf`` package (``GGUFReader`` parses the header, ``gguf.quants.dequantize`` the blocks). Three
+things llama.cpp does differently from an HF checkpoint are undone here:
+
+* tensor names (``blk.3.attn_q.weight`` is ``model.layers.3.self_attn.q_proj.weight``),
+* the Q/K row permutation its converter applies to the ``llama`` architecture (it reorders each head's rows
+  from HF's "rotate half" layout to interleaved pairs, see :func:`permute_qk`),
+* the config, which lives in ``{arch}.*`` metadata keys instead of a ``config.json``.
+
+Llama 3.x rope scaling is stored by llama.cpp as a ``rope_freqs`` tensor of per-frequency divisors; we keep
+it as ``model.rotary_emb.freq_factors`` and mark the rope as ``freq_factors``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pagedgen.errors import ModelLoadError, UnsupportedArchitectureError
+from pagedgen.models.config import ModelConfig, config_from_hf
+
+GGUF_MAGIC = b"GGUF"
+
+# ggml types we dequantise; any other raises naming its type.
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+
+# GGUF ``general.architecture`` -> our family key. llama.cpp writes Mistral 1-2 models as ``llama``.
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+FREQ_FACTORS_NAME = "model.rotary_emb.freq_factors"
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "rope_freqs.weight": FREQ_FACTORS_NAME,
+}
+
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+@dataclass(slots=True)
+class GGUFFile:
+    """An opened GGUF file: its path, ``gguf.GGUFReader`` and the decoded scalar/string metadata."""
+
+    path: Path
+    reader: Any  # gguf.GGUFReader
+    metadata: dict[str, Any]  # scalar and string fields only; arrays are read on demand
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", "<missing general.architecture>"))
+
+    def array(self, key: str) -> list[Any] | None:
+        """A metadata array (tokens, merges, token types), decoded to a Python list, or None if absent."""
+        field = self.reader.fields.get(key)
+        return None if field is None else field.contents()
+
+
+def open_gguf(path: Path) -> GGUFFile:
+    """Open and parse a GGUF header; raises :class:`ModelLoadError` if missing, truncated or foreign."""
+    import gguf
+
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: GGUF file not found")
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(f"{path}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as exc:  # the reader signals truncation with ValueError/IndexError/struct errors
+        raise ModelLoadError(f"{path}: truncated or corrupt GGUF file ({type(exc).__name__}: {exc})") from exc
+    metadata = {}
+    for key, field in reader.fields.items():
+        if field.types and field.types[0] != gguf.GGUFValueType.ARRAY:
+            metadata[key] = field.contents()
+    return GGUFFile(path=path, reader=reader, metadata=metadata)
+
+
+def family_of(file: GGUFFile) -> str:
+    """Our family key for the file's ``general.architecture``; refuses the rest naming it."""
+    arch = file.architecture
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"{file.path}: unsupported GGUF architecture {arch!r}; supported: {sorted(GGUF_ARCHITECTURES)}"
+        )
+    return GGUF_ARCHITECTURES[arch]
+
+
+def gguf_config(file: GGUFFile) -> ModelConfig:
+    """The model config from ``{arch}.*`` metadata, in HF spelling, parsed by :func:`config_from_hf`."""
+    family = family_of(file)
+    arch = file.architecture
+    meta = file.metadata
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    names = {t.name for t in file.reader.tensors}
+    hidden = get("embedding_length")
+    heads = get("attention.head_count")
+    vocab = get("vocab_size")
+    if vocab is None and (tokens := file.reader.fields.get("tokenizer.ggml.tokens")) is not None:
+        vocab = len(tokens.data)
+    raw: dict[str, Any] = {
+        "model_type": family,
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": get("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": get("attention.head_count_kv", heads),
+        "head_dim": get("attention.key_length"),
+        "max_position_embeddings": get("context_length"),
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_parameters": _gguf_rope(file, names),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "mlp_bias": "blk.0.ffn_up.bias" in names,
+        "sliding_window": get("attention.sliding_window"),
+        "use_sliding_window": get("attention.sliding_window") is not None,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+    }
+    return config_from_hf(raw, str(file.path))
+
+
+def _gguf_rope(file: GGUFFile, names: set[str]) -> dict[str, Any]:
+    arch = file.architecture
+    meta = file.metadata
+    theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if "rope_freqs.weight" in names:
+        return {"rope_type": "freq_factors", "rope_theta": theta}
+    if scaling in ("none", None):
+        return {"rope_type": "default", "rope_theta": theta}
+    if scaling == "linear":
+        return {
+            "rope_type": "linear",
+            "rope_theta": theta,
+            "factor": meta.get(f"{arch}.rope.scaling.factor", 1.0),
+        }
+    return {"rope_type": str(scaling), "rope_theta": theta}  # refused by config_from_hf, naming it
+
+
+def our_tensor_name(gguf_name: str, source: Path) -> str:
+    """Map a llama.cpp tensor name to our (HF) name; raises :class:`ModelLoadError` for an unknown one."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _BLOCK_RE.match(gguf_name)
+    if match and match.group(2) in _BLOCK_NAMES:
+        layer, part, kind = match.groups()
+        return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+    raise ModelLoadError(f"{source}: unknown GGUF tensor {gguf_name!r} (not a Llama-family weight)")
+
+
+def permute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter permutation (HF rotate-half rows -> interleaved pairs); the inverse of ours.
+
+    Kept next to :func:`unpermute_qk` so the round trip is testable against llama.cpp's own formula.
+    """
+    rows = weight.shape[0]
+    return (
+        weight.reshape(n_head, 2, rows // n_head // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    )
+
+
+def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo :func:`permute_qk` on a q/k projection weight or bias (rows = n_head * head_dim)."""
+    rows = weight.shape[0]
+    if rows % (2 * n_head):
+        raise ValueError(f"cannot unpermute {rows} rows over {n_head} heads")
+    return (
+        weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class WeightPlan:
+    """One GGUF tensor, checked: our name, its HF-layout shape and its ggml type name."""
+
+    name: str
+    gguf_name: str
+    shape: tuple[int, ...]
+    ggml_type: str
+    index: int  # position in ``reader.tensors``
+
+
+def plan_weights(file: GGUFFile) -> list[WeightPlan]:
+    """Name, shape and type of every tensor, checked before anything is dequantised.
+
+    Raises :class:`ModelLoadError` for an unknown tensor name or an unsupported ggml type (naming both).
+    """
+    import gguf
+
+    plans = []
+    for index, tensor in enumerate(file.reader.tensors):
+        qtype = gguf.GGMLQuantizationType(tensor.tensor_type).name
+        if qtype not in SUPPORTED_TYPES:
+            raise ModelLoadError(
+                f"{file.path}: tensor {tensor.name!r} uses GGUF type {qtype}, which pagedgen does not "
+                f"dequantise (supported: {', '.join(SUPPORTED_TYPES)})"
+            )
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # ggml lists the innermost dimension first
+        plans.append(WeightPlan(our_tensor_name(tensor.name, file.path), tensor.name, shape, qtype, index))
+    return plans
+
+
+def dequantize_weight(file: GGUFFile, plan: WeightPlan, config: ModelConfig) -> np.ndarray:
+    """One tensor as a C-contiguous float32 array in HF layout, llama.cpp's Q/K permutation undone."""
+    import gguf
+
+    tensor = file.reader.tensors[plan.index]
+    values = gguf.quants.dequantize(tensor.data, gguf.GGMLQuantizationType[plan.ggml_type])
+    if values.size != int(np.prod(plan.shape)):
+        raise ModelLoadError(
+            f"{file.path}: tensor {plan.gguf_name!r} holds {values.size} values, its shape says {plan.shape}"
+        )
+    values = values.reshape(plan.shape)
+    if file.architecture == "llama":  # llama.cpp permutes Q/K rows only for its llama arch
+        if plan.name.endswith(("q_proj.weight", "q_proj.bias")):
+            values = unpermute_qk(values, config.num_heads)
+        elif plan.name.endswith(("k_proj.weight", "k_proj.bias")):
+            values = unpermute_qk(values, config.num_kv_heads)
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    return values if values.flags.writeable else values.copy()  # F32 data is a read-only view of the file

@@ -1,0 +1,234 @@
+"""The Llama family over packed paged steps: Llama 2/3, SmolLM2, Mistral, Qwen2/2.5 and Qwen3.
+
+Written like the paper: token embedding -> N x (RMSNorm, attention, residual, RMSNorm, SwiGLU MLP, residual)
+-> final RMSNorm -> LM head. The members differ only in small traits carried by :class:`ModelConfig`:
+q/k/v bias (Qwen2), RMSNorm of each q/k head before RoPE (Qwen3), RoPE frequency scaling (Llama 3),
+tied embeddings (SmolLM2, small Qwens). Module and parameter names follow HF checkpoints, so a state dict
+loads by name.
+
+Each attention layer projects q/k/v for the step's flat tokens, rotates q/k at ``inputs.positions``, writes
+the new K/V into its paged cache through ``inputs.slot_mapping`` and attends over each request's history
+through ``inputs.block_tables``. The final norm and the head run only for ``inputs.logits_rows``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedgen.executor.inputs import StepInputs
+from pagedgen.models.base import KVSpec, PagedKVCache
+from pagedgen.models.config import ModelConfig, RopeConfig
+from pagedgen.ops.attention import paged_attention, write_kv
+from pagedgen.ops.linear import linear
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    """An unmaterialised parameter: the loader assigns the real tensor (no double allocation)."""
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """``y = x W^T + b`` through :func:`pagedgen.ops.linear.linear`; ``weight`` is ``[out, in]``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.weight = _param(out_features, in_features, dtype=dtype)
+        self.bias = _param(out_features, dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    """Token embedding ``[vocab, hidden]``; also the LM head when embeddings are tied."""
+
+    def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = _param(vocab_size, hidden, dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, as the reference implementations do, then cast back."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = _param(dim, dtype=dtype)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Inverse frequencies ``[head_dim / 2]`` (float32) for the rope type, as transformers computes them."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)  # [head_dim / 2]
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type != "llama3":
+        return inv_freq  # "default"; "freq_factors" divides by a loaded weight at run time
+    old_len = rope.original_max_position_embeddings
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for the step's absolute positions; ``freq_factors`` only for GGUF Llama 3 files."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, device: torch.device):
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(rope, head_dim, device), persistent=False)
+        self.freq_factors = (
+            _param(head_dim // 2, dtype=torch.float32) if rope.rope_type == "freq_factors" else None
+        )
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self.inv_freq if self.freq_factors is None else self.inv_freq / self.freq_factors
+        freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, H, D]`` by the "rotate half" convention of HF checkpoints."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention over the paged KV cache of one layer."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        hidden, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
+        self.scale = d**-0.5
+        self.q_proj = Linear(hidden, self.num_heads * d, config.qkv_bias, dtype)
+        self.k_proj = Linear(hidden, self.num_kv_heads * d, config.qkv_bias, dtype)
+        self.v_proj = Linear(hidden, self.num_kv_heads * d, config.qkv_bias, dtype)
+        self.o_proj = Linear(self.num_heads * d, hidden, False, dtype)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype) if config.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        inputs: StepInputs,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Mutates ``k_cache``/``v_cache`` at the step's slots; returns ``[T, hidden]``."""
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        write_kv(k, v, k_cache, v_cache, inputs.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, inputs, self.scale)  # [T, Hq, D]
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = Linear(hidden, inner, bias, dtype)
+        self.up_proj = Linear(hidden, inner, bias, dtype)
+        self.down_proj = Linear(inner, hidden, bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = Attention(config, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config, dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        inputs: StepInputs,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, inputs, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """The decoder trunk (``model.*`` in HF checkpoints)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim, device)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A :class:`pagedgen.models.base.CausalLM`: one forward per packed engine step.
+
+    Built with unmaterialised (meta) parameters; :func:`pagedgen.models.weights.load_weights` assigns the
+    checkpoint's tensors. ``forward`` runs under ``torch.inference_mode``.
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.kv_spec = KVSpec(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
+        self.vocab_size = config.vocab_size
+        self.model = LlamaModel(config, dtype, device)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Linear(config.hidden_size, config.vocab_size, False, dtype)
+        )
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """``[vocab, hidden]``: the LM head, or the token embedding when they are tied."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs, kv_cache: PagedKVCache) -> torch.Tensor:
+        """Float32 logits ``[len(inputs.logits_rows), vocab]``; mutates ``kv_cache`` at ``slot_mapping``."""
+        if len(kv_cache.keys) != len(self.model.layers):
+            raise ValueError(f"kv_cache has {len(kv_cache.keys)} layers, the model {len(self.model.layers)}")
+        x = self.model.embed_tokens(inputs.input_ids)  # [T, hidden]
+        rope = self.model.rotary_emb(inputs.positions, x.dtype)  # 2 x [T, head_dim]
+        for layer, k_cache, v_cache in zip(self.model.layers, kv_cache.keys, kv_cache.values, strict=True):
+            x = layer(x, rope, inputs, k_cache, v_cache)
+        x = self.model.norm(x[inputs.logits_rows])  # [R, hidden]
+        return linear(x, self.head_weight).float()  # [R, vocab]
