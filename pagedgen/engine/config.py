@@ -1,0 +1,91 @@
+"""Engine configuration and the rule that sizes the KV-cache block pool.
+
+``num_blocks=None`` is resolved by :func:`resolve_num_blocks`:
+
+1. ``num_blocks`` when given;
+2. else ``kv_cache_memory_bytes // bytes_per_block`` when a byte budget is given;
+3. else a quarter of the memory that is free now on the model's device (``MemAvailable`` of the host for
+   CPU, ``torch.cuda.mem_get_info`` free bytes for CUDA; both already exclude the loaded weights), capped at
+   what the workload can ever use: ``max_batch_size`` requests of ``max_context`` tokens each. A quarter
+   leaves room for activations, the sampler and the rest of the process on a shared machine.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from pagedgen.engine.errors import InvalidArgumentError
+
+DEFAULT_MAX_SCHEDULED_TOKENS = 2048
+AUTO_KV_MEMORY_FRACTION = 0.25
+
+
+def _positive_int(name: str, value: object, *, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidArgumentError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How the engine batches and how large its KV cache is (validated on construction).
+
+    ``max_batch_size`` bounds both the scheduled rows of one step and the number of cache-resident requests;
+    ``max_scheduled_tokens`` bounds the query tokens of one model run; ``chunk_size`` optionally bounds one
+    request's prefill contribution per step; ``dynamic_batching=False`` selects the static path;
+    ``debug_invariants`` validates cache and request accounting after every step (raises on a violation).
+    """
+
+    max_batch_size: int = 16
+    max_scheduled_tokens: int = DEFAULT_MAX_SCHEDULED_TOKENS
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    chunk_size: int | None = None
+    dynamic_batching: bool = True
+    debug_invariants: bool = False
+
+    def __post_init__(self) -> None:
+        _positive_int("max_batch_size", self.max_batch_size)
+        _positive_int("max_scheduled_tokens", self.max_scheduled_tokens)
+        _positive_int("block_size", self.block_size)
+        _positive_int("num_blocks", self.num_blocks, optional=True)
+        _positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, optional=True)
+        _positive_int("chunk_size", self.chunk_size, optional=True)
+        for name in ("dynamic_batching", "debug_invariants"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidArgumentError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Bytes free for new allocations on ``device`` right now (host RAM for CPU)."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def resolve_num_blocks(
+    config: EngineConfig, bytes_per_block: int, max_context: int, device: torch.device
+) -> int:
+    """The block-pool size for ``config`` (rule in the module docstring). Raises if not one block fits."""
+    from pagedgen.cache import blocks_for_tokens, num_blocks_for_budget
+
+    if config.num_blocks is not None:
+        return config.num_blocks
+    if config.kv_cache_memory_bytes is not None:
+        return num_blocks_for_budget(config.kv_cache_memory_bytes, bytes_per_block)
+    ceiling = config.max_batch_size * blocks_for_tokens(max_context, config.block_size)
+    budget = int(available_memory_bytes(device) * AUTO_KV_MEMORY_FRACTION)
+    return min(ceiling, num_blocks_for_budget(budget, bytes_per_block))

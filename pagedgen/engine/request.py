@@ -1,0 +1,300 @@
+"""Requests: caller handles, generation parameters, per-turn options, and the engine-owned request state.
+
+A :class:`Request` is one sequence with any number of turns. The caller holds the :class:`Request` handle; the
+engine holds the :class:`RequestState` (the handle holds the engine, never the reverse), so dropping the last
+handle without ``close()`` is noticed by a ``weakref.finalize`` that only queues the id, and the engine
+reclaims the request at its next boundary. Lifecycle (reference, "Request lifecycle")::
+
+    UNASSIGNED --begin_turn--> ASSIGNED --scheduled--> ACTIVE --turn ends--> TURN_COMPLETE --begin_turn--> ..
+    any state --close()--> CLOSED
+
+Counters (reference, "The request length counters"): ``tokens`` is the logical sequence (prompt, generated
+output and every continuation input); ``processed_len`` how many of them are in the committed KV cache. The
+unprocessed interval ``[processed_len, len(tokens))`` is the next step's input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import operator
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from pagedgen.engine.errors import InvalidArgumentError, SessionLimitError
+from pagedgen.engine.events import FinishReason, TokenLogprobs, Usage
+from pagedgen.sampling import RequestSampler, SamplingOptions, StopStringMatcher
+
+if TYPE_CHECKING:
+    from pagedgen.engine.engine import Engine
+
+MAX_LOGPROBS = 20
+
+
+class RequestStatus(enum.Enum):
+    UNASSIGNED = "unassigned"  # created, no turn yet
+    ASSIGNED = "assigned"  # a turn is queued: its input waits for execution
+    ACTIVE = "active"  # the turn is executing (prefilled at least once)
+    TURN_COMPLETE = "turn_complete"  # the turn ended; a later turn may continue the sequence
+    CLOSED = "closed"  # terminal; the engine holds nothing for it
+
+    @property
+    def executable(self) -> bool:
+        return self is RequestStatus.ASSIGNED or self is RequestStatus.ACTIVE
+
+
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingOptions))
+
+
+class GeneratorParams:
+    """Request-level generation parameters, snapshotted by ``Engine.create_request`` (later edits don't leak).
+
+    ``max_length`` (default: the model's context length, and never above it) is the cumulative sequence limit
+    of a request; the other search options are the fields of :class:`pagedgen.sampling.SamplingOptions`.
+    """
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.max_length: int = int(model.max_context)
+        self.sampling = SamplingOptions()
+
+    def set_search_options(self, **options: Any) -> None:
+        """Set any of ``max_length`` and the SamplingOptions fields; all-or-nothing, unknown names raise."""
+        unknown = sorted(set(options) - _SAMPLING_FIELDS - {"max_length"})
+        if unknown:
+            allowed = ", ".join(sorted(_SAMPLING_FIELDS | {"max_length"}))
+            raise InvalidArgumentError(f"unknown search option(s) {unknown}; known options: {allowed}")
+        max_length = options.pop("max_length", self.max_length)
+        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
+            raise InvalidArgumentError(f"max_length must be an int >= 2, got {max_length!r}")
+        if max_length > self.model.max_context:
+            raise InvalidArgumentError(
+                f"max_length {max_length} exceeds the model's context length {self.model.max_context}"
+            )
+        try:
+            sampling = dataclasses.replace(self.sampling, **options)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"invalid search option: {exc}") from exc
+        self.max_length, self.sampling = max_length, sampling
+
+
+class RequestOptions:
+    """Reusable request options; ``max_session_tokens`` 0 means "use the params' max_length"."""
+
+    def __init__(self) -> None:
+        self.max_session_tokens = 0
+
+    def set_max_session_tokens(self, max_session_tokens: int) -> None:
+        """Cumulative limit on prompt + generated + continuation tokens of the whole request."""
+        if (
+            isinstance(max_session_tokens, bool)
+            or not isinstance(max_session_tokens, int)
+            or max_session_tokens < 0
+        ):
+            raise InvalidArgumentError(f"max_session_tokens must be an int >= 0, got {max_session_tokens!r}")
+        self.max_session_tokens = max_session_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class TurnSpec:
+    """What ``begin_turn`` snapshots from :class:`TurnOptions`."""
+
+    max_generated_tokens: int = 0  # 0: no per-turn limit
+    stop_strings: tuple[str, ...] = ()
+    num_logprobs: int = 0
+
+
+class TurnOptions:
+    """Reusable per-turn options for one request (or for any request when created without one)."""
+
+    def __init__(self, request: Request | None = None):
+        if request is not None and not isinstance(request, Request):
+            raise InvalidArgumentError(f"TurnOptions takes a Request or None, got {type(request).__name__}")
+        self.request = request
+        self._spec = TurnSpec()
+
+    def set_max_generated_tokens(self, max_generated_tokens: int) -> None:
+        """Limit on the tokens this turn generates; 0 means only the request's session limit applies."""
+        n = max_generated_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise InvalidArgumentError(f"max_generated_tokens must be an int >= 0, got {n!r}")
+        self._spec = dataclasses.replace(self._spec, max_generated_tokens=n)
+
+    def set_stop_strings(self, stop_strings: Sequence[str]) -> None:
+        """End the turn with STOP_SEQUENCE when the generated text contains one of these (not emitted)."""
+        if isinstance(stop_strings, str) or not all(isinstance(s, str) and s for s in stop_strings):
+            raise InvalidArgumentError(f"stop strings must be a list of non-empty str, got {stop_strings!r}")
+        self._spec = dataclasses.replace(self._spec, stop_strings=tuple(stop_strings))
+
+    def set_logprobs(self, num_logprobs: int) -> None:
+        """Attach the sampled token's logprob and the top ``num_logprobs`` alternatives to TOKEN events."""
+        n = num_logprobs
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS:
+            raise InvalidArgumentError(f"logprobs must be an int in [0, {MAX_LOGPROBS}], got {n!r}")
+        self._spec = dataclasses.replace(self._spec, num_logprobs=n)
+
+    @property
+    def spec(self) -> TurnSpec:
+        return self._spec
+
+
+def validate_token_ids(token_ids: Any, vocab_size: int) -> list[int]:
+    """``token_ids`` copied to a list of ints; InvalidArgumentError if empty, not ints, out of range."""
+    if isinstance(token_ids, (str, bytes)):
+        raise InvalidArgumentError("token_ids must be a sequence of ints, got a string")
+    try:
+        array = np.asarray(token_ids)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"token_ids must be a sequence of ints: {exc}") from exc
+    if array.ndim != 1 or array.size == 0:
+        raise InvalidArgumentError(
+            f"token_ids must be a non-empty 1-D sequence of ints, got shape {array.shape}"
+        )
+    if array.dtype.kind not in "iu":
+        raise InvalidArgumentError(f"token_ids must be ints, got dtype {array.dtype}")
+    low, high = int(array.min()), int(array.max())
+    if low < 0 or high >= vocab_size:
+        raise InvalidArgumentError(f"token ids must lie in [0, {vocab_size}), got min {low} and max {high}")
+    return array.tolist()
+
+
+@dataclass(slots=True, eq=False)
+class RequestState:
+    """The engine-owned state of one request. Only the engine mutates it, on its owner thread.
+
+    Step staging never touches these fields: a committed step publishes a token, the processed length, the
+    turn's generated count and the status together (``commit_step``); a rolled-back step leaves them as they
+    were. ``sampler`` and ``stop_matcher`` are mutated by sampling and are checkpointed by the transaction.
+    """
+
+    request_id: int
+    handle_ref: weakref.ref[Request]
+    sampler: RequestSampler
+    max_total_tokens: int
+    eos_token_ids: frozenset[int]
+    tokens: list[int] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)  # every generated token of the request, in order
+    processed_len: int = 0
+    status: RequestStatus = RequestStatus.UNASSIGNED
+    turn_id: int = 0
+    turn_prompt_tokens: int = 0
+    turn_generated_tokens: int = 0
+    total_generated_tokens: int = 0
+    finish_reason: FinishReason = FinishReason.NONE
+    turn: TurnSpec = field(default_factory=TurnSpec)
+    stop_matcher: StopStringMatcher | None = None
+    # Logprobs of the tokens the stop matcher still holds back, oldest first (released in the same order).
+    held_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    num_pending_events: int = 0
+    first_prompt_len: int = 0
+
+    @property
+    def handle(self) -> Request | None:
+        return self.handle_ref()
+
+    @property
+    def num_unprocessed(self) -> int:
+        return len(self.tokens) - self.processed_len
+
+    def usage(self) -> Usage:
+        return Usage(prompt_tokens=self.turn_prompt_tokens, generated_tokens=self.turn_generated_tokens)
+
+    def check_turn_input(self, num_tokens: int) -> None:
+        """Refuse input that leaves no room for one generated token below ``max_total_tokens``."""
+        if len(self.tokens) + num_tokens >= self.max_total_tokens:
+            raise SessionLimitError(
+                f"the request holds {len(self.tokens)} tokens and the turn adds {num_tokens}; "
+                f"max_session_tokens {self.max_total_tokens} leaves no room for a generated token"
+            )
+
+    def start_turn(self, tokens: list[int], spec: TurnSpec, stop_matcher: StopStringMatcher | None) -> int:
+        """Append a validated input fragment and queue a new turn; returns the new turn id. Cannot fail."""
+        if not self.tokens:
+            self.first_prompt_len = len(tokens)
+        self.tokens.extend(tokens)
+        self.turn_id += 1
+        self.turn = spec
+        self.turn_prompt_tokens = len(tokens)
+        self.turn_generated_tokens = 0
+        self.finish_reason = FinishReason.NONE
+        self.stop_matcher = stop_matcher
+        self.held_logprobs = []
+        self.status = RequestStatus.ASSIGNED
+        return self.turn_id
+
+
+class Request:
+    """The caller's handle of one request; every method must be called on the engine's owner thread.
+
+    Created by ``Engine.create_request``. ``event.request`` is this very object. Dropping the last reference
+    without ``close()`` abandons the request: the engine reclaims it and its blocks at its next boundary.
+    """
+
+    __slots__ = ("_engine", "_state", "_finalizer", "__weakref__")
+
+    def __init__(self, engine: Engine, state_factory: Any):
+        self._engine = engine
+        self._state: RequestState = state_factory(weakref.ref(self))
+        self._finalizer = weakref.finalize(self, engine._abandoned.append, self._state.request_id)
+
+    def begin_turn(self, token_ids: Sequence[int], turn_options: TurnOptions | None = None) -> int:
+        """Queue the next input fragment; returns the new turn id (1, 2, ...). EngineError on misuse."""
+        return self._engine._begin_turn(self, token_ids, turn_options)
+
+    def cancel_turn(self, turn_id: int) -> bool:
+        """Finish the named queued or active turn as CANCELLED; False for a stale, unknown or completed id."""
+        return self._engine._cancel_turn(self, operator.index(turn_id))
+
+    def set_draft_tokens(self, draft_tokens: Sequence[int]) -> None:
+        """Speculative drafts are not supported yet: ``[]`` (clear) is accepted, anything else raises."""
+        self._engine._set_draft_tokens(self, draft_tokens)
+
+    def close(self) -> None:
+        """End the request from any state (idempotent); frees its blocks and purges its pending events."""
+        self._engine._close_request(self)
+
+    @property
+    def id(self) -> int:
+        return self._state.request_id
+
+    @property
+    def status(self) -> RequestStatus:
+        return self._state.status
+
+    @property
+    def turn_id(self) -> int:
+        """The current (latest) turn id; 0 before the first turn."""
+        return self._state.turn_id
+
+    @property
+    def finish_reason(self) -> FinishReason:
+        return self._state.finish_reason
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """The logical sequence: prompt, generated output and continuation input (EOS never included)."""
+        return tuple(self._state.tokens)
+
+    @property
+    def sequence_length(self) -> int:
+        return len(self._state.tokens)
+
+    @property
+    def processed_length(self) -> int:
+        """Tokens of the sequence already represented in the committed KV cache."""
+        return self._state.processed_len
+
+    @property
+    def seed(self) -> int:
+        """The seed of this request's random stream (drawn fresh when the params gave none)."""
+        return self._state.sampler.seed
+
+    def __repr__(self) -> str:
+        s = self._state
+        return (
+            f"Request(id={s.request_id}, status={s.status.name}, turn_id={s.turn_id}, tokens={len(s.tokens)})"
+        )
