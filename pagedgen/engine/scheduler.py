@@ -1,0 +1,215 @@
+"""Decode-first planning for the dynamic path: which requests run this step, and how many tokens each sends.
+
+Policy (reference, "Backpressure and fairness" and "One dynamic step in detail", steps 1-4):
+
+1. Candidates are the executable cache residents in resident order, decodes (whose one unprocessed token
+   is the one their previous step sampled) first,
+   then resident prefills (partial prefills and queued continuations), then waiting non-resident requests in
+   submission order. Turn-complete residents are skipped but keep their blocks.
+2. Each candidate provisionally sends one token; the cache manager selects the ordered subset that fits the
+   row limit, the residency limit and the free blocks, and says why the rest was deferred (temporary
+   capacity, or never serviceable). A blocked prefill does not hide smaller work behind it.
+3. Selected prefills then expand in stable order, bounded by their remaining input, ``chunk_size`` and the
+   global ``max_scheduled_tokens`` budget; packed offsets follow the row order.
+
+Admitting a prefill reserves cache for its whole remaining input (``required_slots = len(tokens)``), so a
+partial prefill can always finish: nobody can take the capacity it needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from pagedgen.cache import CacheCandidate, DeferReason, PagedCacheManager
+from pagedgen.engine.invariants import validate_cache, validate_residents
+from pagedgen.engine.request import RequestState, RequestStatus
+
+
+@dataclass(slots=True)
+class RequestStepPlan:
+    """One scheduled row: a request's share of the step, in scheduler order."""
+
+    state: RequestState
+    past_len: int  # tokens in the committed KV cache before the step
+    seq_len: int  # tokens in the sequence before the step
+    num_tokens: int  # unprocessed tokens sent this step (provisionally 1)
+    is_prefill: bool  # input still being prefilled (not the one token sampled by the previous step)
+    is_new: bool  # not cache-resident: admitted by this step
+    packed_offset: int = 0  # first row of this request in the flat token input
+
+    @property
+    def request_id(self) -> int:
+        return self.state.request_id
+
+    @property
+    def target_slots(self) -> int:
+        """Committed cache slots after the step commits."""
+        return self.past_len + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this row sends its last unprocessed token, so its logits row is sampled."""
+        return self.target_slots == self.seq_len
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """The selected rows (scheduler order) and what was left out, and why."""
+
+    rows: list[RequestStepPlan] = field(default_factory=list)
+    deferred: list[RequestState] = field(default_factory=list)  # fits later, when capacity frees
+    unserviceable: list[RequestState] = field(default_factory=list)  # can never fit the configured cache
+    num_tokens: int = 0
+
+    @property
+    def sampling_rows(self) -> list[RequestStepPlan]:
+        return [row for row in self.rows if row.samples]
+
+
+class DynamicScheduler:
+    """Owns request membership (waiting queue, resident order) and plans each step against the cache."""
+
+    def __init__(
+        self, cache: PagedCacheManager, max_batch_size: int, max_scheduled_tokens: int, chunk_size: int | None
+    ):
+        self.cache = cache
+        self.max_batch_size = max_batch_size
+        self.max_scheduled_tokens = max_scheduled_tokens
+        self.chunk_size = chunk_size
+        self._waiting: dict[int, RequestState] = {}  # non-resident ASSIGNED requests, submission order
+        self._residents: dict[int, RequestState] = {}  # cache residents, admission order
+
+    # -- membership ------------------------------------------------------------------------------------
+
+    def submit(self, state: RequestState) -> None:
+        """A turn was queued: a resident waits in place, anything else joins the waiting queue."""
+        if state.request_id not in self._residents:
+            self._waiting[state.request_id] = state
+
+    def withdraw(self, state: RequestState) -> None:
+        """Drop a non-resident request from the waiting queue (cancelled or failed before admission)."""
+        self._waiting.pop(state.request_id, None)
+
+    def admit(self, state: RequestState) -> None:
+        """A committed step made ``state`` cache-resident."""
+        self._waiting.pop(state.request_id, None)
+        self._residents[state.request_id] = state
+
+    def release(self, state: RequestState) -> None:
+        """Forget ``state`` and return its committed blocks to the pool (close, abandonment, teardown)."""
+        self._waiting.pop(state.request_id, None)
+        self._residents.pop(state.request_id, None)
+        if self.cache.is_resident(state.request_id):
+            self.cache.deallocate(state.request_id)
+
+    def is_resident(self, state: RequestState) -> bool:
+        return state.request_id in self._residents
+
+    def has_work(self) -> bool:
+        return bool(self._waiting) or any(s.status.executable for s in self._residents.values())
+
+    @property
+    def num_resident(self) -> int:
+        return len(self._residents)
+
+    def block_counts(self) -> tuple[int, int]:
+        """``(total, free)`` blocks of the pool."""
+        stats = self.cache.stats()
+        return stats.total_blocks, stats.free_blocks
+
+    @property
+    def residents(self) -> list[RequestState]:
+        return list(self._residents.values())
+
+    @property
+    def waiting(self) -> list[RequestState]:
+        return list(self._waiting.values())
+
+    def violations(self, states: Mapping[int, RequestState]) -> list[str]:
+        """Cache accounting plus request/cache agreement: same residents, committed slots == processed."""
+        problems = validate_cache(self.cache)
+        problems += validate_residents(
+            self.cache, {rid: s.processed_len for rid, s in self._residents.items()}
+        )
+        if self.cache.live_reservation is not None:
+            problems.append("a cache reservation is still live between steps")
+        for rid, state in self._residents.items():
+            if states.get(rid) is not state:
+                problems.append(f"resident request {rid} is not registered with the engine")
+        for rid, state in states.items():
+            if state.processed_len and rid not in self._residents:
+                problems.append(f"request {rid}: {state.processed_len} tokens processed but not resident")
+        for rid, state in self._waiting.items():
+            if rid in self._residents or state.status is not RequestStatus.ASSIGNED or state.processed_len:
+                problems.append(
+                    f"waiting request {rid} is {state.status.value}, resident or partly processed"
+                )
+        return problems
+
+    # -- planning --------------------------------------------------------------------------------------
+
+    def plan(self) -> StepPlan:
+        """Select this step's rows and token counts. Mutates nothing (the cache plan is read-only)."""
+        candidates = self._candidates()
+        if not candidates:
+            return StepPlan()
+        resources = self.cache.plan_step_resources(
+            cache_candidates(candidates),
+            max_rows=min(self.max_batch_size, self.max_scheduled_tokens),
+        )
+        by_id = {row.request_id: row for row in candidates}
+        plan = StepPlan(rows=[by_id[c.request_id] for c in resources.selected])
+        for candidate, reason in resources.deferred:
+            state = by_id[candidate.request_id].state
+            if reason is DeferReason.UNSERVICEABLE:
+                plan.unserviceable.append(state)
+            else:
+                plan.deferred.append(state)
+        plan.num_tokens = self._assign_tokens(plan.rows)
+        return plan
+
+    def _candidates(self) -> list[RequestStepPlan]:
+        decodes: list[RequestStepPlan] = []
+        prefills: list[RequestStepPlan] = []
+        for state in self._residents.values():
+            if state.status.executable:
+                row = _provisional_row(state, is_new=False)
+                (prefills if row.is_prefill else decodes).append(row)
+        waiting = [_provisional_row(state, is_new=True) for state in self._waiting.values()]
+        return decodes + prefills + waiting
+
+    def _assign_tokens(self, rows: list[RequestStepPlan]) -> int:
+        """Expand selected prefills in stable order within the token budget; set packed offsets."""
+        budget = self.max_scheduled_tokens - len(rows)
+        chunk_extra = None if self.chunk_size is None else self.chunk_size - 1
+        offset = 0
+        for row in rows:
+            if row.is_prefill and budget > 0:
+                extra = row.seq_len - row.past_len - 1
+                if chunk_extra is not None:
+                    extra = min(extra, chunk_extra)
+                extra = min(extra, budget)
+                row.num_tokens += extra
+                budget -= extra
+            row.packed_offset = offset
+            offset += row.num_tokens
+        return offset
+
+
+def cache_candidates(rows: list[RequestStepPlan]) -> list[CacheCandidate]:
+    """The cache's view of rows: each must be able to hold its whole sequence (a prefill's whole input)."""
+    return [CacheCandidate(row.request_id, row.seq_len, row.is_new) for row in rows]
+
+
+def _provisional_row(state: RequestState, *, is_new: bool) -> RequestStepPlan:
+    seq_len = len(state.tokens)
+    return RequestStepPlan(
+        state=state,
+        past_len=state.processed_len,
+        seq_len=seq_len,
+        num_tokens=1,
+        # A decode's one input is the token its previous step sampled; anything else is (chunked) prefill.
+        is_prefill=state.status is not RequestStatus.ACTIVE or state.turn_generated_tokens == 0,
+        is_new=is_new,
+    )

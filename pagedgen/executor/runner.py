@@ -1,0 +1,54 @@
+"""The model-execution boundary: owns the physical KV cache and runs the model once per engine step.
+
+The runner is where the reference's ONNX decoder session sits. It classifies execution failures into the
+two types the engine can recover from, and lets everything else through as an unknown (fatal) failure.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pagedgen.errors import PagedGenError
+from pagedgen.executor.inputs import StepInputs
+from pagedgen.models.base import PagedKVCache
+
+
+class RetryableExecutionError(PagedGenError, RuntimeError):
+    """The executor reports a transient failure: the step is rolled back and may be retried unchanged."""
+
+
+class ExecutionCapacityError(PagedGenError, RuntimeError):
+    """The model run exceeded available memory: the step is rolled back; the engine stays healthy."""
+
+
+class ModelRunner:
+    """Runs ``model.runtime.forward`` over packed step inputs against one long-lived :class:`PagedKVCache`.
+
+    ``num_blocks``/``block_size`` must match the cache manager's pool: the manager decides block ownership,
+    this object only holds the storage the block ids point into.
+    """
+
+    def __init__(self, model: Any, num_blocks: int, block_size: int):
+        self.model = model
+        self.runtime = model.runtime
+        self.device = torch.device(model.device)
+        self.vocab_size = int(model.vocab_size)
+        self.kv_cache = PagedKVCache(model.kv_spec, num_blocks, block_size, device=self.device)
+
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        """Run the model once; returns float logits ``[len(inputs.logits_rows), vocab]``.
+
+        Raises ``ExecutionCapacityError`` when the run exhausts device or host memory, a ``RuntimeError``
+        when the model returns logits of the wrong shape; other model errors propagate unchanged.
+        """
+        try:
+            with torch.inference_mode():
+                logits = self.runtime.forward(inputs, self.kv_cache)  # [R, vocab]
+        except (torch.OutOfMemoryError, MemoryError) as exc:
+            raise ExecutionCapacityError(f"model execution ran out of memory: {exc}") from exc
+        expected = (int(inputs.logits_rows.shape[0]), self.vocab_size)
+        if tuple(logits.shape) != expected:
+            raise RuntimeError(f"model returned logits of shape {tuple(logits.shape)}, expected {expected}")
+        return logits
