@@ -1,3 +1,156 @@
 """Shared builders for the test suite."""
 
 from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import pagedgen as pg
+from pagedgen.models.synthetic import SyntheticModel, synthetic_greedy
+
+# ---- engine on the synthetic model ------------------------------------------------------------------
+
+VOCAB = 257
+
+
+def synthetic_model(vocab_size: int = VOCAB, eos_token_id: int | None = None, max_context: int = 4096):
+    return SyntheticModel(vocab_size=vocab_size, eos_token_id=eos_token_id, max_context=max_context)
+
+
+def make_engine(model: Any = None, **config: Any) -> pg.Engine:
+    """An engine with invariant checking on (tests always validate accounting after each step)."""
+    config.setdefault("debug_invariants", True)
+    config.setdefault("num_blocks", 256)
+    return pg.Engine(model if model is not None else synthetic_model(), pg.EngineConfig(**config))
+
+
+def submit(
+    engine: pg.Engine,
+    tokens: Sequence[int],
+    max_new_tokens: int = 0,
+    *,
+    max_session_tokens: int = 0,
+    stop_strings: Sequence[str] = (),
+    logprobs: int = 0,
+    **search: Any,
+) -> pg.Request:
+    """Create a request and begin its first turn."""
+    params = pg.GeneratorParams(engine.model)
+    if search:
+        params.set_search_options(**search)
+    options = pg.RequestOptions()
+    options.set_max_session_tokens(max_session_tokens)
+    request = engine.create_request(params, options)
+    request.begin_turn(list(tokens), turn_options(request, max_new_tokens, stop_strings, logprobs))
+    return request
+
+
+def turn_options(
+    request: pg.Request, max_new_tokens: int = 0, stop_strings: Sequence[str] = (), logprobs: int = 0
+) -> pg.TurnOptions:
+    options = pg.TurnOptions(request)
+    options.set_max_generated_tokens(max_new_tokens)
+    if stop_strings:
+        options.set_stop_strings(list(stop_strings))
+    if logprobs:
+        options.set_logprobs(logprobs)
+    return options
+
+
+def drain(engine: pg.Engine, capacity: int = 64, max_calls: int = 100_000) -> list[pg.EngineEvent]:
+    """Run until nothing is pending; every event in order (the loop of DESIGN.md)."""
+    buffer = engine.create_event_buffer(capacity)
+    events: list[pg.EngineEvent] = []
+    calls = 0
+    while engine.has_pending_requests():
+        events.extend(engine.run(buffer))
+        calls += 1
+        assert calls < max_calls, "engine made no progress"
+    return events
+
+
+def tokens_of(events: Sequence[pg.EngineEvent]) -> dict[pg.Request, list[int]]:
+    """TOKEN payloads grouped by request, in order."""
+    out: dict[pg.Request, list[int]] = defaultdict(list)
+    for event in events:
+        if event.flags & pg.EngineEventFlags.TOKEN:
+            out[event.request].append(event.token)
+    return out
+
+
+def finishes_of(events: Sequence[pg.EngineEvent]) -> dict[pg.Request, list[pg.EngineEvent]]:
+    """TURN_FINISHED events grouped by request."""
+    out: dict[pg.Request, list[pg.EngineEvent]] = defaultdict(list)
+    for event in events:
+        if event.flags & pg.EngineEventFlags.TURN_FINISHED:
+            out[event.request].append(event)
+    return out
+
+
+def event_key(event: pg.EngineEvent) -> tuple:
+    """A comparable summary of an event (request identity by id)."""
+    rid = None if event.request is None else event.request.id
+    return (
+        rid,
+        event.turn_id,
+        int(event.flags),
+        event.token,
+        event.finish_reason,
+        event.usage,
+        event.error_code,
+    )
+
+
+def expected_greedy(
+    prompt: Sequence[int], n: int, vocab_size: int = VOCAB, eos: int | None = None
+) -> list[int]:
+    return synthetic_greedy(list(prompt), n, vocab_size, eos)
+
+
+def engine_snapshot(engine: pg.Engine) -> dict[str, Any]:
+    """Everything committed about an engine's requests, cache and retained events, as comparable values."""
+    requests = {}
+    for rid, s in engine._states.items():
+        matcher = None if s.stop_matcher is None else s.stop_matcher.checkpoint().state
+        requests[rid] = (
+            s.status,
+            tuple(s.tokens),
+            tuple(s.generated),
+            s.processed_len,
+            s.turn_id,
+            s.turn_prompt_tokens,
+            s.turn_generated_tokens,
+            s.finish_reason,
+            s.sampler.draws,
+            matcher,
+            tuple(s.held_logprobs),
+            s.num_pending_events,
+        )
+    scheduler = engine._scheduler
+    snap: dict[str, Any] = {
+        "requests": requests,
+        "pending": [event_key(e) for e in engine._pending],
+        "blocks": scheduler.block_counts(),
+        "residents": engine._scheduler.num_resident,
+    }
+    cache = getattr(scheduler, "cache", None)
+    if cache is not None:
+        snap["tables"] = {rid: (tuple(t.blocks), t.committed_slots) for rid, t in cache.tables().items()}
+        snap["free_blocks"] = sorted(cache.pool.free_list())  # FIFO order may differ after a rollback
+        snap["waiting"] = [s.request_id for s in scheduler.waiting]
+        snap["resident_order"] = [s.request_id for s in scheduler.residents]
+    return snap
+
+
+def record_steps(engine: pg.Engine) -> list[tuple[list[int], list[int]]]:
+    """Spy on the model runner: each executed step's (query lengths, past lengths), in row order."""
+    steps: list[tuple[list[int], list[int]]] = []
+    execute = engine._runner.execute
+
+    def spy(inputs):
+        steps.append((inputs.query_lens.tolist(), inputs.past_lens.tolist()))
+        return execute(inputs)
+
+    engine._runner.execute = spy
+    return steps

@@ -1,0 +1,277 @@
+"""One dynamic engine step as a transaction (reference, "One dynamic step in detail", steps 1-11).
+
+    plan -> reserve -> checkpoint -> pack -> execute once -> sample -> stage -> validate
+         -> commit (request/search, then cache + admission) -> publish events in scheduler order
+
+Nothing before the commit boundary changes committed state: the plan is read-only, the reservation holds
+blocks outside every committed table, staging writes only checkpointed sampler/stop-matcher state. So a
+known failure there is undone by restoring the checkpoints and discarding the reservation. From the commit
+on, containment is fail-stop. :meth:`DynamicStep._fail` is the one place that turns a failure into an outcome
+(:func:`pagedgen.engine.outcomes.classify_failure`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pagedgen.cache import Reservation
+from pagedgen.engine.events import EngineErrorCode, EngineEvent, FinishReason, TokenLogprobs
+from pagedgen.engine.faults import FaultInjector
+from pagedgen.engine.outcomes import ENGINE_EVENT_OF, Phase, StepOutcome, classify_failure
+from pagedgen.engine.request import RequestState
+from pagedgen.engine.scheduler import DynamicScheduler, StepPlan, cache_candidates
+from pagedgen.engine.turn_output import (
+    StagedResult,
+    commit_staged,
+    finish_turn_now,
+    sample_row,
+    stage_sampled,
+)
+from pagedgen.executor.inputs import SequenceChunk, StepInputs, pack_step
+from pagedgen.executor.runner import ModelRunner
+from pagedgen.sampling import SampledToken, Sampler
+
+
+@dataclass(slots=True)
+class StepResult:
+    """A step's typed outcome, the events it publishes (scheduler order) and, on failure, the error.
+
+    ``affected`` lists the requests of a fatally failed step (their turns must be failed by the engine).
+    """
+
+    outcome: StepOutcome
+    events: list[EngineEvent] = field(default_factory=list)
+    error: BaseException | None = None
+    affected: list[RequestState] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Checkpoint:
+    """The transactional part of one sampled request: its random stream and its stop-string matcher."""
+
+    state: RequestState
+    sampler: Any
+    matcher: Any
+    held_logprobs: list[TokenLogprobs | None]
+
+
+@dataclass(slots=True)
+class _Transaction:
+    phase: Phase = Phase.PLAN
+    plan: StepPlan | None = None
+    reservation: Reservation | None = None
+    checkpoints: list[_Checkpoint] = field(default_factory=list)
+    early_events: list[EngineEvent] = field(default_factory=list)  # unserviceable turns, published first
+
+
+class DynamicStep:
+    """Runs one transaction over the scheduler's requests, the paged cache and the model runner."""
+
+    def __init__(
+        self,
+        scheduler: DynamicScheduler,
+        runner: ModelRunner,
+        faults: FaultInjector,
+        eos_token_ids: tuple[int, ...],
+    ):
+        self.scheduler = scheduler
+        self.cache = scheduler.cache
+        self.runner = runner
+        self.faults = faults
+        self.eos_token_ids = eos_token_ids
+        self.block_size = scheduler.cache.block_size
+        self.sampler = Sampler()
+
+    def run(self) -> StepResult:
+        """Plan and execute at most one transaction. Never raises except for a planning MemoryError."""
+        txn = _Transaction()
+        try:
+            plan = self._plan(txn)
+            if not plan.rows:
+                return self._without_execution(plan)
+            reservation = self._reserve(txn, plan)
+            self._checkpoint(txn, plan)
+            inputs = self._pack(txn, plan, reservation)
+            logits = self._execute(txn, inputs)
+            sampled = self._sample(txn, plan, logits)
+            staged = self._stage(txn, plan, sampled)
+            advance = self._validate(txn, plan, staged, reservation)
+            self._commit(txn, plan, staged, reservation, advance)
+            return StepResult(StepOutcome.COMMITTED, self._publish(txn, staged))
+        except BaseException as error:
+            return self._fail(txn, error)
+
+    # -- phases ---------------------------------------------------------------------------------------
+
+    def _enter(self, txn: _Transaction, phase: Phase) -> None:
+        txn.phase = phase
+        self.faults.check(phase)
+
+    def _plan(self, txn: _Transaction) -> StepPlan:
+        self._enter(txn, Phase.PLAN)
+        txn.plan = self.scheduler.plan()
+        return txn.plan
+
+    def _without_execution(self, plan: StepPlan) -> StepResult:
+        """Nothing fits: fail the unserviceable turns, else report capacity backpressure, else no work."""
+        if plan.unserviceable:
+            return StepResult(StepOutcome.UNSERVICEABLE_REQUEST, self._fail_unserviceable(plan))
+        if plan.deferred:
+            flags, code = ENGINE_EVENT_OF[StepOutcome.CAPACITY_DEFERRED]
+            return StepResult(StepOutcome.CAPACITY_DEFERRED, [EngineEvent.engine_level(flags, code)])
+        return StepResult(StepOutcome.NO_WORK)
+
+    def _reserve(self, txn: _Transaction, plan: StepPlan) -> Reservation:
+        self._enter(txn, Phase.RESERVE)
+        txn.reservation = self.cache.reserve(cache_candidates(plan.rows))
+        return txn.reservation
+
+    def _checkpoint(self, txn: _Transaction, plan: StepPlan) -> None:
+        """Snapshot the sampler and stop matcher of every row that samples (the only pre-commit mutations)."""
+        self._enter(txn, Phase.CHECKPOINT)
+        for row in plan.rows:
+            if row.samples:
+                state = row.state
+                matcher = None if state.stop_matcher is None else state.stop_matcher.checkpoint()
+                txn.checkpoints.append(
+                    _Checkpoint(state, state.sampler.checkpoint(), matcher, list(state.held_logprobs))
+                )
+
+    def _pack(self, txn: _Transaction, plan: StepPlan, reservation: Reservation) -> StepInputs:
+        """Validate the planned counts and pack the rows into one padding-free model input."""
+        self._enter(txn, Phase.PACK)
+        chunks = []
+        for row in plan.rows:
+            remaining = row.seq_len - row.past_len
+            if not 0 < row.num_tokens <= remaining or row.past_len != reservation.committed_slots(
+                row.request_id
+            ):
+                raise ValueError(
+                    f"request {row.request_id}: planned {row.num_tokens} tokens at past {row.past_len}, but "
+                    f"{remaining} remain and the cache holds {reservation.committed_slots(row.request_id)}"
+                )
+            tokens = row.state.tokens[row.past_len : row.past_len + row.num_tokens]
+            chunks.append(SequenceChunk(tokens, row.past_len, reservation.block_table(row.request_id)))
+        inputs = pack_step(chunks, self.block_size, device=self.runner.device)
+        sampling = [i for i, row in enumerate(plan.rows) if row.samples]
+        if len(sampling) != len(plan.rows):  # partial prefills need no logits
+            inputs.logits_rows = inputs.logits_rows[torch.tensor(sampling, dtype=torch.long)]
+        return inputs
+
+    def _execute(self, txn: _Transaction, inputs: StepInputs) -> torch.Tensor:
+        self._enter(txn, Phase.EXECUTE)
+        return self.runner.execute(inputs)  # [num_sampling_rows, vocab]
+
+    def _sample(self, txn: _Transaction, plan: StepPlan, logits: torch.Tensor) -> list[SampledToken]:
+        """The sampling seam: one batched call over every row that finished its input this step."""
+        self._enter(txn, Phase.SAMPLE)
+        rows = [sample_row(row.state, self.eos_token_ids) for row in plan.rows if row.samples]
+        return self.sampler.sample(logits, rows) if rows else []
+
+    def _stage(self, txn: _Transaction, plan: StepPlan, sampled: list[SampledToken]) -> list[StagedResult]:
+        self._enter(txn, Phase.STAGE)
+        tokens = iter(sampled)
+        staged = []
+        for row in plan.rows:
+            if row.samples:
+                staged.append(stage_sampled(row.state, next(tokens), row.seq_len))
+            else:
+                staged.append(StagedResult(row.state, target_processed=row.target_slots))
+        return staged
+
+    def _validate(
+        self, txn: _Transaction, plan: StepPlan, staged: list[StagedResult], reservation: Reservation
+    ) -> dict[int, int]:
+        """Prove the commit cannot fail for a checkable reason; returns each row's committed-slot target."""
+        self._enter(txn, Phase.VALIDATE)
+        for row, result in zip(plan.rows, staged, strict=True):
+            state = row.state
+            if (
+                not state.status.executable
+                or len(state.tokens) != row.seq_len
+                or state.processed_len != row.past_len
+            ):
+                raise ValueError(f"request {state.request_id} changed during the step")
+            if result.target_processed != row.target_slots:
+                raise ValueError(f"request {state.request_id}: staged length disagrees with the plan")
+        advance = {row.request_id: row.target_slots for row in plan.rows}
+        reservation.validate_commit(advance)
+        return advance
+
+    def _commit(
+        self,
+        txn: _Transaction,
+        plan: StepPlan,
+        staged: list[StagedResult],
+        reservation: Reservation,
+        advance: dict[int, int],
+    ) -> None:
+        """Cross the commit boundary: request/search state, then cache ownership and admission."""
+        self._enter(txn, Phase.COMMIT_REQUEST)
+        txn.early_events = self._fail_unserviceable(plan)
+        for result in staged:
+            commit_staged(result)
+        txn.checkpoints.clear()
+        self._enter(txn, Phase.COMMIT_CACHE)
+        reservation.commit(advance)
+        for row in plan.rows:
+            if row.is_new:
+                self.scheduler.admit(row.state)
+
+    def _publish(self, txn: _Transaction, staged: list[StagedResult]) -> list[EngineEvent]:
+        self._enter(txn, Phase.PUBLISH)
+        events = txn.early_events
+        for result in staged:
+            events.extend(result.events)
+        return events
+
+    def _fail_unserviceable(self, plan: StepPlan) -> list[EngineEvent]:
+        events = []
+        for state in plan.unserviceable:
+            self.scheduler.withdraw(state)
+            events += finish_turn_now(state, FinishReason.FAILED, EngineErrorCode.REQUEST_UNSERVICEABLE)
+        return events
+
+    # -- failure: the one place ----------------------------------------------------------------------
+
+    def _fail(self, txn: _Transaction, error: BaseException) -> StepResult:
+        """Classify ``error`` by phase; roll back a recoverable step, otherwise report it as fatal."""
+        outcome = classify_failure(txn.phase, error)
+        if not isinstance(error, Exception) or (txn.phase is Phase.PLAN and isinstance(error, MemoryError)):
+            # An interrupt, or a planning allocation failure: undo what is undoable and let it propagate.
+            if not txn.phase.fail_stop:
+                self._rollback(txn)
+            raise error
+        if outcome.rolled_back:
+            try:
+                self._rollback(txn)
+            except Exception as rollback_error:
+                return self._fatal(txn, StepOutcome.FATAL_EXECUTION_FAILURE, rollback_error)
+            flags, code = ENGINE_EVENT_OF[outcome]
+            return StepResult(outcome, [EngineEvent.engine_level(flags, code)], error)
+        return self._fatal(txn, outcome, error)
+
+    def _rollback(self, txn: _Transaction) -> None:
+        """Restore every checkpoint and release the reservation: committed state is as before the step."""
+        self._enter(txn, Phase.ROLLBACK)
+        for cp in reversed(txn.checkpoints):
+            cp.state.sampler.restore(cp.sampler)
+            if cp.matcher is not None:
+                cp.state.stop_matcher.restore(cp.matcher)
+            cp.state.held_logprobs = cp.held_logprobs
+        txn.checkpoints.clear()
+        if txn.reservation is not None:
+            txn.reservation.discard()
+
+    def _fatal(self, txn: _Transaction, outcome: StepOutcome, error: BaseException) -> StepResult:
+        """Fail-stop: nothing is rolled back; an unpublished reservation just returns its blocks."""
+        reservation = txn.reservation
+        if reservation is not None and reservation is self.cache.live_reservation:
+            with contextlib.suppress(Exception):  # unhealthy either way; on failure the blocks stay reserved
+                reservation.discard()
+        affected = [] if txn.plan is None else [row.state for row in txn.plan.rows]
+        return StepResult(outcome, [], error, affected)

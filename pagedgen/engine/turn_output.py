@@ -1,0 +1,175 @@
+"""From one sampled token to a staged request result and its events (shared by the dynamic and static paths).
+
+Staging decides, without touching committed request fields, whether the token is appended, whether the
+turn ends and why, and which events the caller will see. End conditions, in order: a generated EOS (never
+appended, never emitted, unless ``ignore_eos``), a stop string (the token is appended; the stop text is never
+emitted), the turn's ``max_generated_tokens``, the request's ``max_session_tokens``. Tokens the stop-string
+matcher holds back are released (and emitted) once they cannot be part of a stop string, or when the turn
+ends for another reason. Staging mutates only the stop matcher and ``held_logprobs``, both checkpointed by
+the transaction; :func:`commit_staged` publishes the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedgen.engine.events import (
+    EngineErrorCode,
+    EngineEvent,
+    EngineEventFlags,
+    FinishReason,
+    TokenLogprobs,
+    Usage,
+)
+from pagedgen.engine.request import RequestState, RequestStatus
+from pagedgen.sampling import SampledToken, SampleRow
+
+
+@dataclass(slots=True)
+class StagedResult:
+    """What committing one scheduled row will publish."""
+
+    state: RequestState
+    target_processed: int  # processed length after commit (the cache's committed slots)
+    token: int | None = None  # appended to the sequence (None: partial prefill, or EOS)
+    finish: FinishReason = FinishReason.NONE
+    events: list[EngineEvent] = field(default_factory=list)
+
+
+def sample_row(state: RequestState, eos_token_ids: tuple[int, ...]) -> SampleRow:
+    """The sampler's view of ``state`` (the sampling seam: what the batched sampler may read)."""
+    return SampleRow(
+        sampler=state.sampler,
+        tokens=state.tokens,
+        num_prompt_tokens=state.first_prompt_len,
+        generated=state.generated,
+        turn_generated=state.turn_generated_tokens,
+        eos_token_ids=eos_token_ids,
+        num_logprobs=state.turn.num_logprobs,
+    )
+
+
+def stage_sampled(state: RequestState, sampled: SampledToken, seq_len: int) -> StagedResult:
+    """Stage the token sampled after the request's last input token (sequence length ``seq_len``)."""
+    staged = StagedResult(state, target_processed=seq_len)
+    logprobs = None
+    if state.turn.num_logprobs and sampled.logprob is not None:
+        logprobs = TokenLogprobs(sampled.logprob, tuple(sampled.top_logprobs))
+    if sampled.token in state.eos_token_ids:
+        staged.finish = FinishReason.EOS
+        released = _flush(state)
+        matched = None
+    else:
+        staged.token = sampled.token
+        released, matched = _feed(state, sampled.token, logprobs)
+        generated = state.turn_generated_tokens + 1
+        if matched is not None:
+            staged.finish = FinishReason.STOP_SEQUENCE
+            state.held_logprobs.clear()
+        elif state.turn.max_generated_tokens and generated >= state.turn.max_generated_tokens:
+            staged.finish = FinishReason.MAX_GENERATED_TOKENS
+        elif seq_len + 1 >= state.max_total_tokens:
+            staged.finish = FinishReason.MAX_SESSION_TOKENS
+        if staged.finish in (FinishReason.MAX_GENERATED_TOKENS, FinishReason.MAX_SESSION_TOKENS):
+            released += _flush(state)
+    generated = state.turn_generated_tokens + (staged.token is not None)
+    staged.events = turn_events(state, released, staged.finish, generated, matched)
+    return staged
+
+
+def _feed(
+    state: RequestState, token: int, logprobs: TokenLogprobs | None
+) -> tuple[list[tuple[int, TokenLogprobs | None]], int | None]:
+    """Pass a generated token through the stop matcher; returns the released (token, logprobs) and a match."""
+    if state.stop_matcher is None:
+        return [(token, logprobs)], None
+    state.held_logprobs.append(logprobs)
+    update = state.stop_matcher.feed(token)
+    released = list(zip(update.release, state.held_logprobs[: len(update.release)], strict=True))
+    del state.held_logprobs[: len(update.release)]
+    return released, update.matched
+
+
+def _flush(state: RequestState) -> list[tuple[int, TokenLogprobs | None]]:
+    """The turn ends for a non-stop reason: release whatever the stop matcher holds, oldest first."""
+    if state.stop_matcher is None:
+        return []
+    tokens = state.stop_matcher.flush()
+    released = list(zip(tokens, state.held_logprobs[: len(tokens)], strict=True))
+    state.held_logprobs.clear()
+    return released
+
+
+def turn_events(
+    state: RequestState,
+    released: list[tuple[int, TokenLogprobs | None]],
+    finish: FinishReason,
+    generated_tokens: int,
+    matched: int | None = None,
+    error_code: EngineErrorCode = EngineErrorCode.NONE,
+) -> list[EngineEvent]:
+    """TOKEN events for ``released`` and, when the turn finishes, TURN_FINISHED merged into the last one.
+
+    Returns no events when the caller's handle is gone (an abandoned request is reclaimed, not reported).
+    """
+    handle = state.handle
+    if handle is None:
+        return []
+    events = [
+        EngineEvent(
+            request=handle,
+            turn_id=state.turn_id,
+            flags=EngineEventFlags.TOKEN,
+            token=token,
+            logprobs=logprobs,
+            request_id=state.request_id,
+        )
+        for token, logprobs in released
+    ]
+    if finish is FinishReason.NONE:
+        return events
+    if not events:
+        events.append(
+            EngineEvent(
+                request=handle,
+                turn_id=state.turn_id,
+                flags=EngineEventFlags.NONE,
+                request_id=state.request_id,
+            )
+        )
+    last = events[-1]
+    last.flags |= EngineEventFlags.TURN_FINISHED
+    if finish is FinishReason.FAILED:
+        last.flags |= EngineEventFlags.FAILED
+    last.finish_reason = finish
+    last.usage = Usage(prompt_tokens=state.turn_prompt_tokens, generated_tokens=generated_tokens)
+    last.matched_stop_string_index = matched
+    last.error_code = error_code
+    return events
+
+
+def commit_staged(staged: StagedResult) -> None:
+    """Publish a staged row into its request: token, counts, processed length, status. Cannot fail."""
+    state = staged.state
+    if staged.token is not None:
+        state.tokens.append(staged.token)
+        state.generated.append(staged.token)
+        state.turn_generated_tokens += 1
+    state.processed_len = staged.target_processed
+    state.finish_reason = staged.finish
+    state.status = RequestStatus.ACTIVE if staged.finish is FinishReason.NONE else RequestStatus.TURN_COMPLETE
+
+
+def finish_turn_now(
+    state: RequestState, reason: FinishReason, error_code: EngineErrorCode = EngineErrorCode.NONE
+) -> list[EngineEvent]:
+    """End the current turn outside a step (cancel, unserviceable, fatal failure); returns its events.
+
+    Held stop-matcher tokens are released first so no generated output is silently lost (except on FAILED,
+    where the turn's output is no longer trusted).
+    """
+    released = [] if reason is FinishReason.FAILED else _flush(state)
+    state.held_logprobs.clear()
+    state.status = RequestStatus.TURN_COMPLETE
+    state.finish_reason = reason
+    return turn_events(state, released, reason, state.turn_generated_tokens, error_code=error_code)
