@@ -1,0 +1,30 @@
+"""Sampling: per-request options and random streams, logits processors, the batched sampler, stop strings,
+logprobs. The engine calls :meth:`Sampler.sample` once per step and checkpoints each request's
+:class:`RequestSampler` (and its turn's :class:`StopStringMatcher`) with the step transaction."""
+
+from pagedgen.sampling.errors import SamplingError, SamplingOptionsError, StopStringError
+from pagedgen.sampling.logprobs import RowLogprobs, compute_logprobs
+from pagedgen.sampling.options import SamplingOptions
+from pagedgen.sampling.sampler import SampledToken, Sampler, SampleRow, inverse_cdf_sample
+from pagedgen.sampling.stop import StopCheckpoint, StopStringMatcher, StopUpdate
+from pagedgen.sampling.streams import RequestSampler, SamplerCheckpoint, fresh_seed, stream_uniforms
+
+__all__ = [
+    "RequestSampler",
+    "RowLogprobs",
+    "SampleRow",
+    "SampledToken",
+    "Sampler",
+    "SamplerCheckpoint",
+    "SamplingError",
+    "SamplingOptions",
+    "SamplingOptionsError",
+    "StopCheckpoint",
+    "StopStringError",
+    "StopStringMatcher",
+    "StopUpdate",
+    "compute_logprobs",
+    "fresh_seed",
+    "inverse_cdf_sample",
+    "stream_uniforms",
+]

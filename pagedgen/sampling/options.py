@@ -1,0 +1,111 @@
+"""Per-request sampling options: one frozen, validated record per request.
+
+The field names and defaults follow ``GeneratorParams.set_search_options`` (transformers / ONNX Runtime
+GenAI) plus the OpenAI knobs vLLM exposes (presence / frequency penalties, logit bias, ignore_eos).
+Validation happens once, here, so the batched sampler never has to check a value on the hot path.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pagedgen.sampling.errors import SamplingOptionsError
+
+SEED_MIN = -(1 << 63)
+SEED_MAX = (1 << 64) - 1  # the range torch.manual_seed accepts; reduced mod 2**64 by the stream
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _fail(name: str, value: object, rule: str) -> SamplingOptionsError:
+    return SamplingOptionsError(f"SamplingOptions.{name} must be {rule}, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingOptions:
+    """How one request turns logits into tokens.
+
+    ``min_length`` counts the whole sequence (prompt + generated, transformers / ORT GenAI semantics),
+    ``min_new_tokens`` the tokens generated in the current turn. Presence / frequency penalties follow OpenAI
+    (generated tokens only); repetition penalty and no-repeat n-gram follow transformers (whole sequence).
+    ``ignore_eos`` does not change the logits (as in vLLM): it tells the engine that an EOS token does not
+    finish the turn. Raises :class:`SamplingOptionsError` naming the first bad field.
+    """
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    top_p: float = 1.0  # 1.0 = disabled
+    min_p: float = 0.0  # 0.0 = disabled
+    seed: int | None = None  # None = a fresh random seed, recorded on the RequestSampler
+    repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+    min_length: int = 0
+    min_new_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("do_sample", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                raise _fail(name, getattr(self, name), "a bool")
+        self._check_real("temperature", lambda v: v >= 0, ">= 0 (0 means greedy)")
+        self._check_int("top_k", 0, "an int >= 0 (0 disables top-k)")
+        self._check_real("top_p", lambda v: 0 < v <= 1, "in (0, 1] (1 disables top-p)")
+        self._check_real("min_p", lambda v: 0 <= v <= 1, "in [0, 1] (0 disables min-p)")
+        if self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
+            raise _fail("seed", self.seed, f"None or an int in [{SEED_MIN}, {SEED_MAX}]")
+        self._check_real("repetition_penalty", lambda v: v > 0, "> 0 (1 disables it)")
+        self._check_int("no_repeat_ngram_size", 0, "an int >= 0 (0 disables it)")
+        self._check_int("min_length", 0, "an int >= 0")
+        self._check_int("min_new_tokens", 0, "an int >= 0")
+        self._check_real("presence_penalty", lambda v: -2 <= v <= 2, "in [-2, 2] (OpenAI range)")
+        self._check_real("frequency_penalty", lambda v: -2 <= v <= 2, "in [-2, 2] (OpenAI range)")
+        self._check_logit_bias()
+
+    def _check_real(self, name: str, ok, rule: str) -> None:
+        value = getattr(self, name)
+        if not (_is_real(value) and ok(value)):
+            raise _fail(name, value, f"a finite number {rule}")
+
+    def _check_int(self, name: str, low: int, rule: str) -> None:
+        value = getattr(self, name)
+        if not (_is_int(value) and value >= low):
+            raise _fail(name, value, rule)
+
+    def _check_logit_bias(self) -> None:
+        bias = self.logit_bias
+        rule = "a tuple of (token_id >= 0, bias in [-100, 100]) pairs with distinct token ids"
+        if not isinstance(bias, tuple):
+            raise _fail("logit_bias", bias, rule)
+        for pair in bias:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and _is_int(pair[0]) and pair[0] >= 0):
+                raise _fail("logit_bias", bias, rule)
+            if not (_is_real(pair[1]) and -100 <= pair[1] <= 100):
+                raise _fail("logit_bias", bias, rule)
+        if len({token for token, _ in bias}) != len(bias):
+            raise _fail("logit_bias", bias, rule)
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the next token is the argmax of the processed logits (no random draw)."""
+        return not self.do_sample or self.temperature == 0 or self.top_k == 1
+
+    @property
+    def uses_history(self) -> bool:
+        """True when repetition penalty or no-repeat n-gram reads the request's token history."""
+        return self.repetition_penalty != 1.0 or self.no_repeat_ngram_size > 0
+
+    @property
+    def uses_generated(self) -> bool:
+        """True when presence or frequency penalties read the generated tokens."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
