@@ -91,13 +91,29 @@ def paged_attention(
     _check_query(query, k_cache, inputs)
     out = torch.empty_like(query)  # [T, Hq, D]
     q_lens = inputs.query_lens.tolist()
-    is_decode = inputs.query_lens == 1  # [B] bool
-    if any(n == 1 for n in q_lens):
-        rows = torch.nonzero(is_decode).squeeze(1)  # [B_dec]
-        _decode_rows(query, k_cache, v_cache, inputs, scale, rows, out)
+    for rows, width in _decode_buckets(q_lens, inputs.kv_lens.tolist(), inputs.block_size):
+        _decode_rows(query, k_cache, v_cache, inputs, scale, rows, width, out)
     if any(n > 1 for n in q_lens):
         _prefill_rows(query, k_cache, v_cache, inputs, scale, q_lens, out)
     return out
+
+
+def _decode_buckets(q_lens: list[int], kv_lens: list[int], block_size: int) -> list[tuple[list[int], int]]:
+    """Group single-token rows by the power-of-two bucket of their block count: ``[(rows, max_width)]``.
+
+    One gather pads every row to the bucket's widest table, so a long request padded no short row more than
+    twice over; a step has at most log2(max blocks) + 1 buckets, usually one.
+    """
+    rows_of: dict[int, list[int]] = {}
+    widest: dict[int, int] = {}
+    for row, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        if q_len != 1:
+            continue
+        width = -(-kv_len // block_size)
+        bucket = (width - 1).bit_length()
+        rows_of.setdefault(bucket, []).append(row)
+        widest[bucket] = max(widest.get(bucket, 0), width)
+    return [(rows, widest[bucket]) for bucket, rows in rows_of.items()]
 
 
 def _decode_rows(
@@ -106,16 +122,16 @@ def _decode_rows(
     v_cache: torch.Tensor,
     inputs: StepInputs,
     scale: float,
-    rows: torch.Tensor,
+    row_ids: list[int],
+    width: int,
     out: torch.Tensor,
 ) -> None:
-    """One masked SDPA for all single-token rows: gather their blocks, mask keys past each row's length."""
+    """One masked SDPA over single-token rows: gather ``width`` blocks each, mask keys past each row's end."""
     block_size = inputs.block_size
     device = k_cache.device
-    rows = rows.to(device)
+    rows = torch.tensor(row_ids, dtype=torch.long, device=device)  # [B_dec]
     kv_lens = inputs.kv_lens.to(device).long()[rows]  # [B_dec]
     token_rows = inputs.cu_seqlens.to(device).long()[rows]  # [B_dec], the row's only token
-    width = -(-int(kv_lens.max()) // block_size)
     tables = inputs.block_tables.to(device).long()[rows, :width]  # [B_dec, width]
     heads, dim = k_cache.shape[2], k_cache.shape[3]
     span = width * block_size
