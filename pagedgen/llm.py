@@ -1,0 +1,494 @@
+"""Offline helpers on top of the engine loop: ``pg.LLM(model).generate(prompts, pg.SamplingParams(...))``.
+
+Like vLLM's ``LLM``, this is the batch API: every prompt becomes one engine Request with one Turn, all are
+submitted at once, and the engine's continuous batching runs them to completion. ``LLM.chat`` applies the
+model's chat template first; :meth:`LLM.start_chat` keeps an interactive conversation as *one* multi-turn
+Request, so a later turn prefills only its new tokens.
+
+The Engine is created by, and must only be used from, the thread that constructs the ``LLM`` (the engine's
+single-owner rule); the server instead owns its engine on a dedicated worker thread.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedgen.errors import EngineError
+
+_MAX_EVENTS = 256
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to generate one completion (vLLM's ``SamplingParams`` names; OpenAI semantics).
+
+    ``temperature=0`` is greedy. ``max_tokens=None`` generates until EOS, a stop string or the context ends.
+    ``top_k=0`` and ``top_p=1`` disable those filters. ``stop`` strings are never part of the returned text.
+    ``logprobs=k`` returns the sampled token's logprob and the top-``k`` alternatives per token.
+    Raises ``ValueError`` naming the first bad field.
+    """
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        self._check(
+            "max_tokens", self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens > 0)
+        )
+        self._check("temperature", _is_real(self.temperature) and self.temperature >= 0)
+        self._check("top_p", _is_real(self.top_p) and 0 < self.top_p <= 1)
+        self._check("top_k", _is_int(self.top_k) and self.top_k >= 0)
+        self._check("min_p", _is_real(self.min_p) and 0 <= self.min_p <= 1)
+        self._check("seed", self.seed is None or _is_int(self.seed))
+        self._check("stop", all(isinstance(s, str) and s for s in self.stop))
+        self._check("presence_penalty", _is_real(self.presence_penalty) and -2 <= self.presence_penalty <= 2)
+        self._check(
+            "frequency_penalty", _is_real(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2
+        )
+        self._check("repetition_penalty", _is_real(self.repetition_penalty) and self.repetition_penalty > 0)
+        self._check("ignore_eos", isinstance(self.ignore_eos, bool))
+        self._check("min_tokens", _is_int(self.min_tokens) and self.min_tokens >= 0)
+        self._check(
+            "logprobs", self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20)
+        )
+        if self.logit_bias is not None:
+            ok = all(_is_int(k) and k >= 0 and _is_real(v) for k, v in self.logit_bias.items())
+            self._check("logit_bias", ok)
+
+    def _check(self, name: str, ok: bool) -> None:
+        if not ok:
+            raise ValueError(f"SamplingParams.{name} is invalid: {getattr(self, name)!r}")
+
+    def search_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``GeneratorParams.set_search_options`` (only knobs that are not default)."""
+        options: dict[str, Any] = {"do_sample": self.temperature > 0}
+        if self.temperature > 0:
+            options.update(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
+        if self.seed is not None:
+            options["seed"] = self.seed
+        for name, neutral in (
+            ("presence_penalty", 0.0),
+            ("frequency_penalty", 0.0),
+            ("repetition_penalty", 1.0),
+        ):
+            if getattr(self, name) != neutral:
+                options[name] = getattr(self, name)
+        if self.logit_bias:
+            options["logit_bias"] = tuple(sorted((int(k), float(v)) for k, v in self.logit_bias.items()))
+        if self.ignore_eos:
+            options["ignore_eos"] = True
+        if self.min_tokens:
+            options["min_new_tokens"] = self.min_tokens
+        return options
+
+    def generator_params(self, model: Any) -> Any:
+        """A fresh ``pg.GeneratorParams`` carrying these options (raises if the sampler refuses one)."""
+        from pagedgen.engine.request import GeneratorParams
+
+        params = GeneratorParams(model)
+        params.set_search_options(**self.search_options())
+        return params
+
+    def turn_options(self, request: Any) -> Any:
+        """A ``pg.TurnOptions`` for one turn of ``request``: token limit, stop strings, logprobs."""
+        from pagedgen.engine.request import TurnOptions
+
+        options = TurnOptions(request)
+        if self.max_tokens is not None:
+            options.set_max_generated_tokens(self.max_tokens)
+        if self.stop:
+            options.set_stop_strings(list(self.stop))
+        if self.logprobs is not None:
+            # The engine reads 0 as "no logprobs"; OpenAI's top_logprobs=0 still wants the sampled token's.
+            options.set_logprobs(max(self.logprobs, 1))
+        return options
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token's logprob and its top ``(token_id, logprob)`` alternatives (copied off the event)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """The result for one prompt. ``finish_reason`` is OpenAI's: "stop" (EOS or a stop string) or "length";
+    "failed" when the engine could not serve the prompt. ``stop_reason`` is the matched stop string, if any.
+    """
+
+    index: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stop_reason: str | None = None
+    cached_prompt_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+
+
+def finish_reason_text(reason: Any) -> str:
+    """The OpenAI ``finish_reason`` of an engine ``FinishReason``: end of text -> stop, a limit -> length."""
+    from pagedgen.engine.events import FinishReason
+
+    if reason in (FinishReason.EOS, FinishReason.STOP_SEQUENCE):
+        return "stop"
+    if reason in (FinishReason.MAX_GENERATED_TOKENS, FinishReason.MAX_SESSION_TOKENS):
+        return "length"
+    return "cancelled" if reason is FinishReason.CANCELLED else "failed"
+
+
+def copy_logprobs(token: int, logprobs: Any, top_n: int) -> TokenLogprob:
+    """A :class:`TokenLogprob` copied off an event's logprobs, keeping the top ``top_n`` alternatives."""
+    return TokenLogprob(token, float(logprobs.logprob), tuple(logprobs.top[:top_n]))
+
+
+def context_length(model: Any) -> int:
+    """The most tokens (prompt + generated) one request of ``model`` may hold."""
+    return int(model.max_context)
+
+
+def check_prompt_fits(num_prompt_tokens: int, max_tokens: int | None, context: int) -> str | None:
+    """None when the prompt plus ``max_tokens`` fits the context; else the OpenAI-style reason."""
+    if num_prompt_tokens == 0:
+        return "the prompt is empty: at least one input token is required"
+    wanted = num_prompt_tokens + (max_tokens if max_tokens is not None else 1)
+    if wanted <= context:
+        return None
+    return (
+        f"This model's maximum context length is {context} tokens. However, you requested {wanted} tokens "
+        f"({num_prompt_tokens} in the prompt, {wanted - num_prompt_tokens} in the completion). "
+        "Please reduce the length of the prompt or completion."
+    )
+
+
+def tokenizer_for(model: Any) -> Any:
+    """The tokenizer of ``model``: ``pg.Tokenizer(model)`` for a real model, the model's own otherwise."""
+    from pagedgen.models.model import Model
+
+    if isinstance(model, Model):
+        from pagedgen.models.tokenizer import Tokenizer
+
+        return Tokenizer(model)
+    return model.tokenizer
+
+
+@dataclass(slots=True)
+class _Slot:
+    """The in-flight state of one prompt of a ``generate`` call."""
+
+    index: int
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    request: Any
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+class LLM:
+    """Offline batch generation over one engine (owner: the constructing thread).
+
+    ``model`` is a ``pg.Model``, a model name or path for ``pg.Model``, or any object with the same surface
+    (e.g. ``SyntheticModel``). ``engine_config`` defaults to ``pg.EngineConfig()``.
+    """
+
+    def __init__(self, model: Any, engine_config: Any = None, *, tokenizer: Any = None):
+        from pagedgen.engine.config import EngineConfig
+        from pagedgen.engine.engine import Engine
+
+        if isinstance(model, str):
+            from pagedgen.models.model import Model
+
+            model = Model(model)
+        self.model = model
+        self.tokenizer = tokenizer if tokenizer is not None else tokenizer_for(model)
+        self.engine = Engine(model, engine_config if engine_config is not None else EngineConfig())
+        self._buffer = self.engine.create_event_buffer(_MAX_EVENTS)
+
+    @property
+    def context_length(self) -> int:
+        return context_length(self.model)
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[CompletionOutput]:
+        """Complete every prompt (text or token ids); results in prompt order.
+
+        Raises ``ValueError`` before anything is submitted when a prompt does not fit the context, and
+        re-raises an engine failure after closing every request of this call.
+        """
+        texts, ids = self._normalize(prompts)
+        return self._run(texts, ids, self._per_prompt(sampling_params, len(ids)), use_tqdm)
+
+    def chat(
+        self,
+        conversations: Sequence[Mapping[str, str]] | Sequence[Sequence[Mapping[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[CompletionOutput]:
+        """Generate the assistant reply of each conversation (a list of ``{"role", "content"}`` messages)."""
+        if conversations and isinstance(conversations[0], Mapping):
+            conversations = [conversations]  # type: ignore[list-item]
+        texts = [self.render_chat(list(c)) for c in conversations]  # type: ignore[arg-type]
+        ids = [self.tokenizer.encode(t) for t in texts]
+        return self._run(texts, ids, self._per_prompt(sampling_params, len(ids)), use_tqdm)
+
+    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """The prompt text of a conversation, ending with the assistant generation prompt."""
+        return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+
+    def start_chat(self, sampling_params: SamplingParams | None = None) -> ChatSession:
+        """An interactive conversation kept as one multi-turn engine Request (see :class:`ChatSession`)."""
+        return ChatSession(self, sampling_params or SamplingParams(max_tokens=None))
+
+    # ------------------------------------------------------------ internals
+
+    def _normalize(self, prompts: Any) -> tuple[list[str | None], list[list[int]]]:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        elif prompts and _is_int(prompts[0]):
+            prompts = [list(prompts)]
+        texts: list[str | None] = []
+        ids: list[list[int]] = []
+        for p in prompts:
+            if isinstance(p, str):
+                texts.append(p)
+                ids.append(self.tokenizer.encode(p))
+            else:
+                texts.append(None)
+                ids.append([int(t) for t in p])
+        return texts, ids
+
+    @staticmethod
+    def _per_prompt(params: Any, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+        return params
+
+    def _run(
+        self, texts: list[str | None], ids: list[list[int]], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[CompletionOutput]:
+        for i, (prompt_ids, sp) in enumerate(zip(ids, params, strict=True)):
+            problem = check_prompt_fits(len(prompt_ids), sp.max_tokens, self.context_length)
+            if problem is not None:
+                raise ValueError(f"prompt {i}: {problem}")
+        from tqdm.auto import tqdm
+
+        pending: dict[int, _Slot] = {}
+        results: list[CompletionOutput | None] = [None] * len(ids)
+        try:
+            for i, (text, prompt_ids, sp) in enumerate(zip(texts, ids, params, strict=True)):
+                self._submit(_Slot(i, text, prompt_ids, sp, None), pending)
+            with tqdm(total=len(ids), desc="Generating", unit="prompt", disable=not use_tqdm) as bar:
+                while pending:
+                    if not self.engine.has_pending_requests():
+                        raise EngineError(f"the engine went idle with {len(pending)} unfinished prompts")
+                    for event in self.engine.run(self._buffer):
+                        self._dispatch(event, pending, results, bar)
+        finally:
+            for slot in pending.values():
+                slot.request.close()
+        return [r for r in results if r is not None]
+
+    def _submit(self, slot: _Slot, pending: dict[int, _Slot]) -> None:
+        from pagedgen.engine.request import RequestOptions
+
+        request = self.engine.create_request(slot.params.generator_params(self.model), RequestOptions())
+        slot.request = request
+        pending[id(request)] = slot
+        request.begin_turn(slot.prompt_ids, slot.params.turn_options(request))
+
+    def _dispatch(self, event: Any, pending: dict[int, _Slot], results: list, bar: Any) -> None:
+        from pagedgen.engine.events import EngineEventFlags
+
+        if event.request is None:
+            if event.flags & EngineEventFlags.FAILED:
+                raise EngineError(f"the engine failed: {event.error_code.value}")
+            return  # capacity-blocked or retryable: nothing committed, the next run retries
+        slot = pending[id(event.request)]
+        if event.flags & EngineEventFlags.TOKEN:
+            slot.tokens.append(event.token)
+            if event.logprobs is not None:
+                slot.logprobs.append(copy_logprobs(event.token, event.logprobs, slot.params.logprobs or 0))
+        if event.flags & EngineEventFlags.TURN_FINISHED:
+            results[slot.index] = self._output(slot, event)
+            del pending[id(event.request)]
+            slot.request.close()
+            bar.update(1)
+
+    def _output(self, slot: _Slot, event: Any) -> CompletionOutput:
+        stop_reason = None
+        if event.matched_stop_string_index is not None:
+            stop_reason = slot.params.stop[event.matched_stop_string_index]
+        usage = event.usage
+        return CompletionOutput(
+            index=slot.index,
+            prompt=slot.prompt,
+            prompt_token_ids=slot.prompt_ids,
+            text=self.tokenizer.decode(slot.tokens),  # the engine never emits a stop string's text
+            token_ids=slot.tokens,
+            finish_reason=finish_reason_text(event.finish_reason),
+            stop_reason=stop_reason,
+            cached_prompt_tokens=usage.cached_prompt_tokens if usage is not None else 0,
+            logprobs=slot.logprobs if slot.params.logprobs is not None else None,
+        )
+
+
+@dataclass(slots=True)
+class TurnResult:
+    """What one :meth:`ChatSession.send` produced, available once its iterator is exhausted."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    generated_tokens: int
+
+
+class ChatSession:
+    """One conversation as one multi-turn engine Request: earlier turns stay in the KV cache.
+
+    Each turn's input is only the text the chat template adds after what the Request already holds (the end
+    of the previous assistant message, the new user message and the generation prompt). When the template
+    would rewrite earlier text, the session falls back to a fresh Request with the whole conversation.
+    """
+
+    def __init__(self, llm: LLM, params: SamplingParams, system: str | None = None):
+        self._llm = llm
+        self._params = params
+        self.messages: list[dict[str, str]] = (
+            [] if system is None else [{"role": "system", "content": system}]
+        )
+        self._request: Any = None
+        self._held_text = ""  # the text of every token the Request holds
+        self._held_tokens = 0
+        self.last: TurnResult | None = None
+
+    def send(self, user_text: str) -> Iterator[str]:
+        """Stream the assistant's reply to ``user_text`` as text deltas; afterwards ``self.last`` is set.
+
+        Raises ``ValueError`` (nothing changed) when the conversation no longer fits the context.
+        """
+        from pagedgen.models.tokenizer import IncrementalDetokenizer
+
+        messages = [*self.messages, {"role": "user", "content": user_text}]
+        rendered = self._llm.render_chat(messages)
+        ids = self._turn_input(rendered)
+        if self._held_tokens + len(ids) + 1 > self._llm.context_length:
+            raise ValueError(
+                f"the conversation would hold {self._held_tokens + len(ids)} tokens; the context is "
+                f"{self._llm.context_length}: start a new conversation"
+            )
+        if self._request is None:
+            self._request = self._llm.engine.create_request(
+                self._params.generator_params(self._llm.model), _request_options()
+            )
+        self._request.begin_turn(ids, self._params.turn_options(self._request))
+        detok = IncrementalDetokenizer(self._llm.tokenizer)
+        tokens: list[int] = []
+        event = None
+        try:
+            for event in self._events():
+                if event.token is not None:
+                    tokens.append(event.token)
+                    delta = detok.add(event.token)
+                    if delta:
+                        yield delta
+        except BaseException:  # interrupted mid-turn: the Request's state no longer matches self.messages
+            self.close()
+            raise
+        tail = detok.flush()
+        if tail:
+            yield tail
+        self._finish_turn(messages, rendered, tokens, event)
+
+    def _turn_input(self, rendered: str) -> list[int]:
+        tokenizer = self._llm.tokenizer
+        if self._request is not None and rendered.startswith(self._held_text):
+            return tokenizer.encode(rendered[len(self._held_text) :])
+        self.close()
+        return tokenizer.encode(rendered)
+
+    def _events(self) -> Iterator[Any]:
+        from pagedgen.engine.events import EngineEventFlags
+
+        engine = self._llm.engine
+        while True:
+            for event in engine.run(self._llm._buffer):
+                if event.request is None:
+                    if event.flags & EngineEventFlags.FAILED:
+                        raise EngineError(f"the engine failed: {event.error_code.value}")
+                    continue
+                yield event
+                if event.flags & EngineEventFlags.TURN_FINISHED:
+                    return
+
+    def _finish_turn(
+        self, messages: list[dict[str, str]], rendered: str, tokens: list[int], event: Any
+    ) -> None:
+        reply = self._llm.tokenizer.decode(tokens)
+        self.messages = [*messages, {"role": "assistant", "content": reply}]
+        self._held_text = rendered + reply
+        self._held_tokens += event.usage.prompt_tokens + event.usage.generated_tokens
+        self.last = TurnResult(
+            text=reply,
+            token_ids=tokens,
+            finish_reason=finish_reason_text(event.finish_reason),
+            prompt_tokens=event.usage.prompt_tokens,
+            generated_tokens=event.usage.generated_tokens,
+        )
+
+    def close(self) -> None:
+        """Release the conversation's Request (its KV blocks return to the pool)."""
+        if self._request is not None:
+            self._request.close()
+        self._request = None
+        self._held_text = ""
+        self._held_tokens = 0
+
+
+def _request_options() -> Any:
+    from pagedgen.engine.request import RequestOptions
+
+    return RequestOptions()

@@ -1,0 +1,191 @@
+"""The OpenAI wire format: pydantic models for request bodies and response payloads.
+
+Request models forbid unknown fields and are strict about types, so a typo'd or mistyped parameter is a 400
+that names it instead of a silently ignored knob. Validation that depends only on the body (ranges, ``n > 1``,
+``top_logprobs`` without ``logprobs``) happens here; checks that need the model (context length, model name)
+happen in the route. Each request model converts itself into the engine-facing :class:`SamplingParams`.
+Responses are built as plain dicts by :mod:`pagedgen.server.responses`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pagedgen.llm import SamplingParams
+
+# A generous cap on the number of stop strings and logit-bias entries: each costs the sampler work per step.
+MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 300
+
+NonNegInt = Annotated[int, Field(ge=0)]
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_message(self) -> dict[str, str]:
+        """The ``{"role", "content"}`` dict a chat template expects (``developer`` -> ``system``)."""
+        role = "system" if self.role == "developer" else self.role
+        if self.content is None:
+            content = ""
+        elif isinstance(self.content, str):
+            content = self.content
+        else:
+            content = "".join(part.text for part in self.content)
+        return {"role": role, "content": content}
+
+
+class _SamplingFields(_Strict):
+    """The sampling parameters shared by both routes: OpenAI's, plus vLLM's extensions."""
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: PositiveInt = 1
+    max_tokens: PositiveInt | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = 0
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    seed: Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0)] = 1.0
+    logit_bias: (
+        Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=MAX_LOGIT_BIAS)]
+        | None
+    ) = None
+    ignore_eos: bool = False
+    min_tokens: NonNegInt = 0
+    user: str | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError(f"n={n} is not supported: pagedgen returns exactly one choice per request (n=1)")
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def _non_empty_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if stop == "" or (isinstance(stop, list) and "" in stop):
+            raise ValueError("stop strings must be non-empty")
+        return stop
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or {}:
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids (decimal strings), got {key!r}")
+        return bias
+
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> _SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        bias = None if self.logit_bias is None else {int(k): float(v) for k, v in self.logit_bias.items()}
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=max(self.top_k, 0),
+            min_p=self.min_p,
+            seed=self.seed,
+            stop=self._stop_strings(),
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=bias,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+        )
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        both = self.max_tokens is not None and self.max_completion_tokens is not None
+        if both and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("max_tokens and max_completion_tokens disagree; send one of them")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | list[str]
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    echo: bool = False
+
+    @model_validator(mode="after")
+    def _check_completion(self) -> CompletionRequest:
+        texts = isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str)
+        if texts and len(self.prompt) != 1:
+            raise ValueError(
+                f"prompt holds {len(self.prompt)} strings: pagedgen serves one prompt per request"
+            )
+        if self.echo:
+            raise ValueError("echo=true is not supported")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        # The OpenAI completions API defaults to 16 tokens (chat has no such default).
+        return 16 if self.max_tokens is None else self.max_tokens
+
+    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        return self._sampling_params(max_tokens, self.logprobs)
+
+
+def new_id(prefix: str) -> str:
+    """A fresh OpenAI-style object id (``chatcmpl-…``, ``cmpl-…``)."""
+    return f"{prefix}-{uuid.uuid4().hex}"

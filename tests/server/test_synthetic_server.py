@@ -1,0 +1,121 @@
+"""Server behaviour that needs no real model: exact tokens and engine failure, on the synthetic model.
+
+The synthetic model's greedy continuation is a closed formula (``synthetic_greedy``), so the text of every
+completion is known exactly. A model whose forward raises an unknown error makes the engine unhealthy: from
+then on every route, ``/health`` included, answers 503.
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+import pagedgen as pg
+from pagedgen.models.synthetic import SyntheticModel, SyntheticTokenizer, synthetic_greedy
+from pagedgen.server.app import ServerOptions, build_app
+from tests.server.live import LiveServer
+
+VOCAB = 95
+POISON = 13  # a prompt holding this token makes the failing model's forward raise
+
+
+class StreamingSyntheticTokenizer(SyntheticTokenizer):
+    """The synthetic codec plus the ``decode_raw`` that ``IncrementalDetokenizer`` calls."""
+
+    def decode_raw(self, ids, skip_special_tokens=True):
+        return self.decode(ids, skip_special_tokens)
+
+
+class ModelFailure(Exception):
+    """Not an error type the engine knows: an unknown execution failure, which is fatal."""
+
+
+class FailingModel(SyntheticModel):
+    def forward(self, inputs, kv_cache):
+        if bool((inputs.input_ids == POISON).any()):
+            raise ModelFailure("the accelerator caught fire")
+        return super().forward(inputs, kv_cache)
+
+
+def _serve(model) -> LiveServer:
+    config = pg.EngineConfig(max_batch_size=8, num_blocks=64, debug_invariants=True)
+    app = build_app(
+        model, config, ServerOptions(model_name="synthetic"), tokenizer=StreamingSyntheticTokenizer(VOCAB)
+    )
+    return LiveServer(app).start()
+
+
+@pytest.fixture
+def synthetic_server():
+    server = _serve(SyntheticModel(vocab_size=VOCAB))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def failing_server():
+    server = _serve(FailingModel(vocab_size=VOCAB))
+    yield server
+    server.stop()
+
+
+def _client(server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_completions_return_the_exact_synthetic_tokens(synthetic_server):
+    client = _client(synthetic_server)
+    tokenizer = StreamingSyntheticTokenizer(VOCAB)
+    for prompt in ([5, 6, 7], [40, 2, 9, 11, 3]):
+        expected = tokenizer.decode(synthetic_greedy(prompt, 6, VOCAB))
+        response = client.completions.create(model="synthetic", prompt=prompt, max_tokens=6, temperature=0)
+        assert response.choices[0].text == expected
+        assert response.usage.prompt_tokens == len(prompt)
+        stream = client.completions.create(
+            model="synthetic", prompt=prompt, max_tokens=6, temperature=0, stream=True
+        )
+        assert "".join(chunk.choices[0].text for chunk in stream) == expected
+
+
+def test_model_without_chat_template_refuses_chat(synthetic_server):
+    with pytest.raises(openai.BadRequestError) as info:
+        _client(synthetic_server).chat.completions.create(
+            model="synthetic", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+    assert "chat template" in info.value.message
+
+
+def test_engine_failure_makes_every_route_503(failing_server):
+    client = _client(failing_server)
+    ok = client.completions.create(model="synthetic", prompt=[1, 2, 3], max_tokens=3, temperature=0)
+    assert ok.choices[0].text == StreamingSyntheticTokenizer(VOCAB).decode(
+        synthetic_greedy([1, 2, 3], 3, VOCAB)
+    )
+
+    with pytest.raises(openai.InternalServerError) as info:
+        client.completions.create(model="synthetic", prompt=[1, POISON, 3], max_tokens=3)
+    assert info.value.status_code == 503
+
+    for path in ("/health", "/metrics", "/v1/models"):
+        assert httpx.get(failing_server.url + path).status_code == 503
+    with pytest.raises(openai.InternalServerError) as info:
+        client.completions.create(model="synthetic", prompt=[1, 2, 3], max_tokens=3)
+    assert info.value.status_code == 503
+    assert info.value.body["code"] == "unhealthy"
+    assert info.value.body["type"] == "service_unavailable"
+
+
+def test_engine_failure_mid_stream_ends_the_stream_with_an_error_event(failing_server):
+    """A stream already under way when the engine fails gets an error event, then [DONE]."""
+    with httpx.stream(
+        "POST",
+        failing_server.url + "/v1/completions",
+        json={"model": "synthetic", "prompt": [1, POISON], "max_tokens": 3, "stream": True},
+        timeout=120,
+    ) as response:
+        assert response.status_code == 200  # the turn was accepted before the step that failed
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert '"error"' in lines[-2] and '"unhealthy"' in lines[-2]
+    assert httpx.get(failing_server.url + "/health").status_code == 503
