@@ -15,6 +15,15 @@ from pagedgen.ops.attention import paged_attention, paged_attention_reference, w
 from pagedgen.ops.cpu_memory import retain_freed_cpu_memory
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_intra_op_thread():
+    """These tensors are tiny: waking intra-op threads costs more than the math and thrashes a shared CPU."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @dataclass(slots=True)
 class PagedCase:
     """A packed step over shuffled physical blocks, with each request's full contiguous K/V kept aside."""
