@@ -5,7 +5,7 @@ logprobs. The engine calls :meth:`Sampler.sample` once per step and checkpoints 
 from pagedgen.sampling.errors import SamplingError, SamplingOptionsError, StopStringError
 from pagedgen.sampling.logprobs import RowLogprobs, compute_logprobs
 from pagedgen.sampling.options import SamplingOptions
-from pagedgen.sampling.sampler import SampledToken, Sampler, SampleRow, inverse_cdf_sample
+from pagedgen.sampling.sampler import SampledToken, Sampler, SampleRow, inverse_cdf_sample, process_logits
 from pagedgen.sampling.stop import StopCheckpoint, StopStringMatcher, StopUpdate
 from pagedgen.sampling.streams import RequestSampler, SamplerCheckpoint, fresh_seed, stream_uniforms
 
@@ -26,5 +26,6 @@ __all__ = [
     "compute_logprobs",
     "fresh_seed",
     "inverse_cdf_sample",
+    "process_logits",
     "stream_uniforms",
 ]

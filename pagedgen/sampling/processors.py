@@ -1,14 +1,15 @@
 """Logits processors that read a request's history, vectorised over the rows of a step.
 
-Each function takes a logits block ``[R, V]`` (float32) plus one parameter per row and returns a NEW tensor;
-nothing is mutated. Each equals the transformers processor of the same name applied to that row alone
+Each ``apply_*_`` function updates the rows ``rows`` of a float32 logits block ``[R, V]`` IN PLACE (the
+sampler owns a working copy), touching only the (row, token) pairs that change: a step costs O(history),
+not O(rows x vocab). Each equals the transformers processor of the same name applied to that row alone
 (``RepetitionPenaltyLogitsProcessor``, ``NoRepeatNGramLogitsProcessor``, ``MinLength`` /
-``MinNewTokensLengthLogitsProcessor``): the same float32 operations in the same order, so the results are
+``MinNewTokensLengthLogitsProcessor``): the same float32 operations on the same values, so results are
 bitwise equal, and each row's result depends only on that row (batch invariance). Presence / frequency
-penalties and logit bias follow OpenAI / vLLM.
+penalties and logit bias follow OpenAI / vLLM (``x - frequency * count - presence * (count > 0)``).
 
-Histories travel as padded ``[R, L]`` int64 blocks built by :func:`pad_histories`; ids at or past the vocab
-size are clamped to a spare column (as transformers does) because the model can never produce them.
+Token ids at or past the vocab size are ignored (transformers clamps them to a dropped spare column),
+because the model can never produce them. Negative ids raise :class:`SamplingError` before any change.
 """
 
 from __future__ import annotations
@@ -20,6 +21,30 @@ import torch
 
 from pagedgen.sampling.errors import SamplingError
 
+_NEG_INF = -float("inf")
+
+
+def _flatten(seqs: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """All ids of ``seqs`` in one array and the length of each: ``(flat [N], lengths [R])``."""
+    arrays = [np.asarray(s, dtype=np.int64).reshape(-1) for s in seqs]
+    lengths = np.fromiter((a.shape[0] for a in arrays), dtype=np.int64, count=len(arrays))  # [R]
+    flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)  # [N]
+    if flat.size and flat.min() < 0:
+        raise SamplingError(f"token histories must hold ids >= 0, found {int(flat.min())}")
+    return flat, lengths
+
+
+def distinct_pairs(seqs: Sequence[Sequence[int]], vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The distinct ``(position in seqs, token)`` pairs with token < vocab and how often each occurs.
+
+    Returns ``(positions [P], tokens [P], counts [P])`` as numpy int64 arrays (histories live on the host).
+    """
+    flat, lengths = _flatten(seqs)
+    position = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)  # [N]
+    keep = flat < vocab
+    keys, counts = np.unique(position[keep] * vocab + flat[keep], return_counts=True)  # [P]
+    return keys // vocab, keys % vocab, counts
+
 
 def pad_histories(
     seqs: Sequence[Sequence[int]], pad: int, *, left: bool = False, device: torch.device | str = "cpu"
@@ -27,99 +52,98 @@ def pad_histories(
     """Pack token sequences into one padded block: ``(ids [R, L] int64, lengths [R] int64)``.
 
     ``left=True`` right-aligns every sequence (padding first), which the n-gram ban needs so that every row's
-    most recent tokens share the same columns. Raises :class:`SamplingError` on a negative token id.
+    most recent tokens share the same columns.
     """
-    arrays = [np.asarray(s, dtype=np.int64).reshape(-1) for s in seqs]
-    lengths = np.fromiter((a.shape[0] for a in arrays), dtype=np.int64, count=len(arrays))  # [R]
+    flat, lengths = _flatten(seqs)
     width = max(int(lengths.max(initial=0)), 1)
-    out = np.full((len(arrays), width), pad, dtype=np.int64)  # [R, L]
-    if lengths.sum() > 0:
-        flat = np.concatenate(arrays)  # [sum(lengths)]
-        if flat.min() < 0:
-            raise SamplingError(f"token histories must hold ids >= 0, found {int(flat.min())}")
-        rows = np.repeat(np.arange(len(arrays)), lengths)
-        starts = np.cumsum(lengths) - lengths
-        cols = np.arange(flat.shape[0]) - np.repeat(starts, lengths)
+    out = np.full((len(lengths), width), pad, dtype=np.int64)  # [R, L]
+    if flat.size:
+        rows = np.repeat(np.arange(len(lengths)), lengths)
+        cols = np.arange(flat.shape[0]) - np.repeat(np.cumsum(lengths) - lengths, lengths)
         if left:
             cols += np.repeat(width - lengths, lengths)
         out[rows, cols] = flat
     return torch.from_numpy(out).to(device), torch.from_numpy(lengths).to(device)
 
 
-def apply_repetition_penalty(
-    logits: torch.Tensor, history: torch.Tensor, penalty: Sequence[float]
-) -> torch.Tensor:
-    """Transformers' repetition penalty: each token seen in the row's history once, ``< 0 ? x*p : x/p``.
+def _index(rows: Sequence[int], positions: np.ndarray, tokens: np.ndarray, device: torch.device):
+    row_of = torch.as_tensor(np.asarray(rows, dtype=np.int64)[positions], device=device)  # [P]
+    return row_of, torch.as_tensor(tokens, device=device)
 
-    ``history`` is ``[R, L]`` padded with any id >= V (it lands in the spare column and is dropped).
+
+def _per_pair(values: Sequence[float], positions: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    per_row = torch.tensor(values, dtype=like.dtype, device=like.device)  # [len(rows)]
+    return per_row[torch.as_tensor(positions, device=like.device)]  # [P]
+
+
+def apply_repetition_penalty_(
+    logits: torch.Tensor, rows: Sequence[int], histories: Sequence[Sequence[int]], penalty: Sequence[float]
+) -> None:
+    """Transformers' repetition penalty, in place: each token seen in the row's history, once,
+    becomes ``x * p`` if ``x < 0`` else ``x / p``."""
+    positions, tokens, _ = distinct_pairs(histories, logits.shape[-1])
+    index = _index(rows, positions, tokens, logits.device)
+    p = _per_pair(penalty, positions, logits)  # [P]
+    score = logits[index]  # [P]
+    logits[index] = torch.where(score < 0, score * p, score / p)
+
+
+def apply_presence_frequency_(
+    logits: torch.Tensor,
+    rows: Sequence[int],
+    generated: Sequence[Sequence[int]],
+    presence: Sequence[float],
+    frequency: Sequence[float],
+) -> None:
+    """OpenAI / vLLM penalties over generated tokens, in place: ``x - frequency * count - presence``
+    for every token generated ``count >= 1`` times (the others are unchanged)."""
+    positions, tokens, counts = distinct_pairs(generated, logits.shape[-1])
+    index = _index(rows, positions, tokens, logits.device)
+    count = torch.as_tensor(counts, device=logits.device).to(logits.dtype)  # [P]
+    freq = _per_pair(frequency, positions, logits)
+    pres = _per_pair(presence, positions, logits)
+    logits[index] = logits[index] - freq * count - pres
+
+
+def apply_no_repeat_ngram_(
+    logits: torch.Tensor, rows: Sequence[int], histories: Sequence[Sequence[int]], ngram_size: int
+) -> None:
+    """Transformers' no-repeat n-gram ban for rows sharing one ``ngram_size``, in place: -inf for every
+    token that would complete an n-gram already present in the row's history.
+
+    Histories are right-aligned (left padding with -1) so that each row's current (n-1)-token prefix sits
+    in the last columns; windows that touch padding never match.
     """
-    vocab = logits.shape[-1]
-    p = torch.tensor(penalty, dtype=logits.dtype, device=logits.device)[:, None]  # [R, 1]
-    ids = history.clamp(max=vocab)  # [R, L]
-    padded = torch.nn.functional.pad(logits, (0, 1))  # [R, V + 1]
-    score = padded.gather(1, ids)  # [R, L]
-    score = torch.where(score < 0, score * p, score / p)
-    return padded.scatter(1, ids, score)[:, :vocab]
-
-
-def apply_no_repeat_ngram(
-    logits: torch.Tensor, history: torch.Tensor, lengths: torch.Tensor, ngram_size: int
-) -> torch.Tensor:
-    """Transformers' no-repeat n-gram ban for rows that share one ``ngram_size``.
-
-    Bans (sets to -inf) every token that would complete an n-gram already present in the row's history.
-    ``history`` must be LEFT padded with -1 (:func:`pad_histories` with ``left=True``), so the current
-    (n-1)-token prefix of every row sits in the last columns; windows that touch padding never match.
-    """
-    vocab = logits.shape[-1]
+    history, lengths = pad_histories(histories, -1, left=True, device=logits.device)  # [G, L], [G]
     width = history.shape[1]
     if ngram_size <= 0 or width < ngram_size:
-        return logits
-    prefix = history[:, width + 1 - ngram_size :]  # [R, n-1]
-    windows = history.unfold(1, ngram_size, 1)  # [R, W, n], W = L - n + 1
-    matches = (windows[..., :-1] == prefix[:, None, :]).all(dim=-1)  # [R, W]
+        return
+    prefix = history[:, width + 1 - ngram_size :]  # [G, n-1]
+    windows = history.unfold(1, ngram_size, 1)  # [G, W, n], W = L - n + 1
+    matches = (windows[..., :-1] == prefix[:, None, :]).all(dim=-1)  # [G, W]
     matches &= windows[..., 0] >= 0  # a window is real iff its first token is (left padding)
     matches &= (lengths >= ngram_size)[:, None]
-    banned = torch.zeros((logits.shape[0], vocab + 1), dtype=torch.bool, device=logits.device)
-    target = torch.where(matches, windows[..., -1].clamp(max=vocab), vocab)  # [R, W]
-    banned.scatter_(1, target, True)
-    return logits.masked_fill(banned[:, :vocab], -float("inf"))
+    matches &= windows[..., -1] < logits.shape[-1]
+    group, window = matches.nonzero(as_tuple=True)  # [P], [P]
+    row_of = torch.as_tensor(rows, device=logits.device)[group]
+    logits[row_of, windows[group, window, -1]] = _NEG_INF
 
 
-def apply_presence_frequency(
-    logits: torch.Tensor, generated: torch.Tensor, presence: Sequence[float], frequency: Sequence[float]
-) -> torch.Tensor:
-    """OpenAI / vLLM penalties over generated tokens: ``x - frequency * count - presence * (count > 0)``.
-
-    ``generated`` is ``[R, G]`` padded with any id >= V.
-    """
-    vocab = logits.shape[-1]
-    ids = generated.clamp(max=vocab)  # [R, G]
-    counts = torch.zeros((logits.shape[0], vocab + 1), dtype=logits.dtype, device=logits.device)
-    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))
-    counts = counts[:, :vocab]  # [R, V]
-    freq = torch.tensor(frequency, dtype=logits.dtype, device=logits.device)[:, None]  # [R, 1]
-    pres = torch.tensor(presence, dtype=logits.dtype, device=logits.device)[:, None]  # [R, 1]
-    return logits - freq * counts - pres * (counts > 0).to(logits.dtype)
-
-
-def apply_logit_bias(
+def apply_logit_bias_(
     logits: torch.Tensor, rows: Sequence[int], tokens: Sequence[int], bias: Sequence[float]
-) -> torch.Tensor:
-    """Add ``bias[i]`` to ``logits[rows[i], tokens[i]]`` (the (row, token) pairs must be distinct)."""
+) -> None:
+    """Add ``bias[i]`` to ``logits[rows[i], tokens[i]]`` in place ((row, token) pairs must be distinct)."""
     if not rows:
-        return logits
+        return
     device = logits.device
     index = (torch.tensor(rows, device=device), torch.tensor(tokens, device=device))
-    values = logits[index] + torch.tensor(bias, dtype=logits.dtype, device=device)
-    return logits.index_put(index, values)
+    logits[index] = logits[index] + torch.tensor(bias, dtype=logits.dtype, device=device)
 
 
-def suppress_tokens(logits: torch.Tensor, rows: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
-    """Set ``logits[rows[i], tokens[i]]`` to -inf: EOS under a minimum length (transformers' MinLength and
-    MinNewTokensLength processors, which compare the length with ``<`` and ban every EOS id)."""
+def suppress_tokens_(logits: torch.Tensor, rows: Sequence[int], tokens: Sequence[int]) -> None:
+    """Set ``logits[rows[i], tokens[i]]`` to -inf in place: EOS under a minimum length (transformers'
+    MinLength and MinNewTokensLength processors, which compare the length with ``<`` and ban every EOS)."""
     if not rows:
-        return logits
+        return
     device = logits.device
-    index = (torch.tensor(rows, device=device), torch.tensor(tokens, device=device))
-    return logits.index_put(index, torch.tensor(-float("inf"), dtype=logits.dtype, device=device))
+    logits[torch.tensor(rows, device=device), torch.tensor(tokens, device=device)] = _NEG_INF

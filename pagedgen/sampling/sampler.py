@@ -7,7 +7,7 @@ Pipeline for a step (every stage vectorised over the rows that need it; rows tha
 2. greedy rows: argmax of the processed logits (first index on ties, as ``torch.argmax`` / transformers);
 3. sampled rows: temperature, top-k, top-p, min-p (:mod:`pagedgen.sampling.warpers`), then one uniform from
    the request's counter-based stream (:mod:`pagedgen.sampling.streams`) is mapped through the inverse CDF of
-   the processed distribution, sorted by descending probability;
+   the processed distribution (vocabulary order, :func:`inverse_cdf_sample`);
 4. logprobs for rows that asked (:mod:`pagedgen.sampling.logprobs`);
 5. only then, each sampled row's :class:`RequestSampler` advances by one draw.
 
@@ -26,12 +26,11 @@ import torch
 from pagedgen.sampling.errors import SamplingError
 from pagedgen.sampling.logprobs import compute_logprobs
 from pagedgen.sampling.processors import (
-    apply_logit_bias,
-    apply_no_repeat_ngram,
-    apply_presence_frequency,
-    apply_repetition_penalty,
-    pad_histories,
-    suppress_tokens,
+    apply_logit_bias_,
+    apply_no_repeat_ngram_,
+    apply_presence_frequency_,
+    apply_repetition_penalty_,
+    suppress_tokens_,
 )
 from pagedgen.sampling.streams import RequestSampler, stream_uniforms
 from pagedgen.sampling.warpers import warp
@@ -57,26 +56,59 @@ class SampledToken:
     top_logprobs: tuple[tuple[int, float], ...] = ()  # top-n (token, logprob), descending
 
 
+_CDF_BLOCK = 256  # tokens per block of the two-level inverse CDF (a power of two, for _tree_sum)
+
+
+def _last_positive(mass: torch.Tensor) -> torch.Tensor:
+    """Index of the last positive entry along the last dim (0 if none).  # [..., 1]"""
+    positive = (mass > 0).flip(-1).to(torch.uint8)
+    return mass.shape[-1] - 1 - positive.argmax(dim=-1, keepdim=True)
+
+
+def _tree_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim (a power of two) by a fixed binary tree of elementwise adds.  # [...]
+
+    A reduction kernel may pick its summation order from the tensor's shape (on CUDA, from the number of
+    rows); elementwise adds cannot, so a block's mass is bitwise the same in any batch on any device.
+    """
+    while x.shape[-1] > 1:
+        x = x[..., 0::2] + x[..., 1::2]
+    return x.squeeze(-1)
+
+
 def inverse_cdf_sample(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Draw one token per row of ``logits [S, V]`` from ``uniforms [S]`` (float64 in [0, 1)).  # [S] int64
 
-    Probabilities are sorted by descending value (stable, so ties keep vocab order) and accumulated in
-    float64; the token is the first whose cumulative probability exceeds ``u * total`` (so the float32
-    softmax need not sum to exactly 1). Zero-probability (filtered) tokens are never chosen, even when
-    rounding pushes ``u * total`` onto the last cumulative value.
+    Inverse CDF in vocabulary order, two-level so that no full sort or full-vocab float64 pass is needed
+    (a sort of a 50k vocabulary dominates a CPU step): the float64 running sum of the masses of blocks of
+    ``_CDF_BLOCK`` tokens picks the block where the cumulative probability first exceeds ``u * total``, a
+    float64 cumulative sum inside that one block picks the token. (Block masses are float32 sums, as exact
+    as the float32 softmax they add up.) Every operation is row-wise, so a row's token depends only on its own
+    logits and uniform. Zero-probability (filtered) tokens are never chosen, even when rounding pushes the
+    target onto a block's or the row's upper end.
     """
+    rows, vocab = logits.shape
     probs = torch.softmax(logits.float(), dim=-1)  # [S, V]
-    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # [S, V]
-    cdf = sorted_p.double().cumsum(dim=-1)  # [S, V]
+    num_blocks = -(-vocab // _CDF_BLOCK)
+    if num_blocks * _CDF_BLOCK != vocab:
+        probs = torch.nn.functional.pad(probs, (0, num_blocks * _CDF_BLOCK - vocab))
+    blocks = probs.view(rows, num_blocks, _CDF_BLOCK)  # [S, NB, B]
+    mass = _tree_sum(blocks).double()  # [S, NB]
+    cdf = mass.cumsum(dim=-1)  # [S, NB]
     target = uniforms.to(cdf)[:, None] * cdf[:, -1:]  # [S, 1]
-    pos = torch.searchsorted(cdf, target, right=True)  # [S, 1]
-    last_positive = (sorted_p > 0).sum(dim=-1, keepdim=True) - 1  # [S, 1]
-    return order.gather(1, torch.minimum(pos, last_positive)).squeeze(1)
+    block = torch.searchsorted(cdf, target, right=True)  # [S, 1]
+    block = torch.minimum(block, _last_positive(mass))
+    before = torch.nn.functional.pad(cdf, (1, 0)).gather(1, block)  # [S, 1], mass of the earlier blocks
+    inner = blocks.gather(1, block[:, :, None].expand(rows, 1, _CDF_BLOCK)).squeeze(1)  # [S, B]
+    inner_cdf = inner.double().cumsum(dim=-1)  # [S, B]
+    offset = torch.searchsorted(inner_cdf, target - before, right=True)  # [S, 1]
+    offset = torch.minimum(offset, _last_positive(inner))
+    return (block * _CDF_BLOCK + offset).squeeze(1)
 
 
 def _bad_rows(logits: torch.Tensor) -> torch.Tensor:
-    """Rows that cannot be sampled: a NaN or +inf, or no finite logit at all.  # [R] bool"""
-    return logits.isnan().any(dim=-1) | (logits == float("inf")).any(dim=-1) | ~logits.isfinite().any(dim=-1)
+    """Rows that cannot be sampled: a NaN, a +inf, or no finite logit (the row max propagates NaN).  # [R]"""
+    return ~torch.isfinite(logits.amax(dim=-1))
 
 
 def process_logits(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
@@ -102,24 +134,21 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Ten
     if not (eos_rows or rep or ngram_sizes or pen or bias):
         return x
     if x is logits:
-        x = x.clone()  # the caller may still need its logits
-    x = suppress_tokens(x, eos_rows, eos_ids)
+        x = x.clone()  # the caller may still need its logits; the processors below work in place
+    suppress_tokens_(x, eos_rows, eos_ids)
     if rep:
-        hist, _ = pad_histories([rows[r].tokens for r in rep], vocab, device=x.device)
-        sub = apply_repetition_penalty(x[rep], hist, [options[r].repetition_penalty for r in rep])
-        x[rep] = sub
+        penalties = [options[r].repetition_penalty for r in rep]
+        apply_repetition_penalty_(x, rep, [rows[r].tokens for r in rep], penalties)
     for n in ngram_sizes:
         group = [r for r, o in enumerate(options) if o.no_repeat_ngram_size == n]
-        hist, lengths = pad_histories([rows[r].tokens for r in group], -1, left=True, device=x.device)
-        x[group] = apply_no_repeat_ngram(x[group], hist, lengths, n)
+        apply_no_repeat_ngram_(x, group, [rows[r].tokens for r in group], n)
     if pen:
-        gen, _ = pad_histories([rows[r].generated for r in pen], vocab, device=x.device)
         pres = [options[r].presence_penalty for r in pen]
         freq = [options[r].frequency_penalty for r in pen]
-        x[pen] = apply_presence_frequency(x[pen], gen, pres, freq)
+        apply_presence_frequency_(x, pen, [rows[r].generated for r in pen], pres, freq)
     if bias:
         rows_b, toks_b, vals_b = (list(col) for col in zip(*bias, strict=True))
-        x = apply_logit_bias(x, rows_b, toks_b, vals_b)
+        apply_logit_bias_(x, rows_b, toks_b, vals_b)
     return x
 
 
@@ -134,37 +163,46 @@ class Sampler:
         changing nothing, on a shape mismatch, a bad row field, or a row with no sampleable token.
         """
         self._validate(logits, rows)
-        options = [row.sampler.options for row in rows]
         x = process_logits(logits, rows)  # [R, V] float32
-        sampled = [r for r, o in enumerate(options) if not o.is_greedy]
-        greedy = [r for r, o in enumerate(options) if o.is_greedy]
+        sampled = [r for r, row in enumerate(rows) if not row.sampler.options.is_greedy]
         if not sampled:
             self._raise_on_bad(_bad_rows(x))
-            tokens = x.argmax(dim=-1)  # [R]
-            return self._finish(x, tokens, rows, [], [])
+            return self._finish(x, x.argmax(dim=-1), rows, [], [])
         s_idx = torch.tensor(sampled, device=x.device)
-        y = warp(
-            x.index_select(0, s_idx),
-            [options[r].temperature for r in sampled],
-            [options[r].top_k for r in sampled],
-            [options[r].top_p for r in sampled],
-            [options[r].min_p for r in sampled],
-        )  # [S, V]
-        bad = torch.zeros(len(rows), dtype=torch.bool, device=x.device)
+        y = self._warp(x if len(sampled) == len(rows) else x.index_select(0, s_idx), rows, sampled)  # [S, V]
+        tokens, bad = self._greedy_tokens(x, rows)  # [R], [R]
         bad[s_idx] = _bad_rows(y)
-        tokens = torch.empty(len(rows), dtype=torch.int64, device=x.device)  # [R]
-        if greedy:
-            g_idx = torch.tensor(greedy, device=x.device)
-            g_x = x.index_select(0, g_idx)
-            bad[g_idx] = _bad_rows(g_x)
-            tokens[g_idx] = g_x.argmax(dim=-1)
         self._raise_on_bad(bad)
         draws = self._draw_counters(rows, sampled)
         u = torch.from_numpy(stream_uniforms([rows[r].sampler.seed for r in sampled], draws))  # [S]
         tokens[s_idx] = inverse_cdf_sample(y, u.to(x.device))
         if any(row.num_logprobs > 0 for row in rows):
-            x = x.index_copy(0, s_idx, y)
+            x = x.index_copy(0, s_idx, y)  # logprobs of sampled rows come from the warped distribution
         return self._finish(x, tokens, rows, sampled, draws)
+
+    @staticmethod
+    def _warp(x: torch.Tensor, rows: Sequence[SampleRow], sampled: list[int]) -> torch.Tensor:
+        options = [rows[r].sampler.options for r in sampled]
+        return warp(
+            x,
+            [o.temperature for o in options],
+            [o.top_k for o in options],
+            [o.top_p for o in options],
+            [o.min_p for o in options],
+        )
+
+    @staticmethod
+    def _greedy_tokens(x: torch.Tensor, rows: Sequence[SampleRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Argmax tokens for the greedy rows (others left for the draw) and which greedy rows are bad."""
+        tokens = torch.zeros(len(rows), dtype=torch.int64, device=x.device)  # [R]
+        bad = torch.zeros(len(rows), dtype=torch.bool, device=x.device)  # [R]
+        greedy = [r for r, row in enumerate(rows) if row.sampler.options.is_greedy]
+        if greedy:
+            g_idx = torch.tensor(greedy, device=x.device)
+            g_x = x.index_select(0, g_idx)  # [G, V]
+            bad[g_idx] = _bad_rows(g_x)
+            tokens[g_idx] = g_x.argmax(dim=-1)
+        return tokens, bad
 
     def _finish(
         self,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pagedgen.sampling import RequestSampler, SampledToken, Sampler, SampleRow, SamplingError, SamplingOptions
-from pagedgen.sampling.sampler import process_logits
+from pagedgen.sampling.sampler import inverse_cdf_sample, process_logits
 
 VOCAB = 97
 EOS = 3
@@ -281,3 +281,23 @@ def test_sampled_frequencies_match_the_warped_distribution() -> None:
         assert (counts[target == 0] == 0).all(), (config, counts)  # filtered tokens never appear
         assert _p_value(counts, target) > 1e-3, (config, counts, target * SAMPLES)
         assert _p_value(counts, plain) < 1e-6, config  # power: the unwarped distribution is rejected
+
+
+def test_inverse_cdf_matches_a_flat_float64_reference() -> None:
+    """The two-level (block) inverse CDF equals a plain cumulative-sum search over the whole vocabulary."""
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(6, 1000, generator=g) * 3  # [6, 1000]: four blocks, the last one partial
+    logits[1, :600] = -float("inf")  # whole zero-probability blocks before the mass
+    logits[2, 300:] = -float("inf")  # and after it
+    logits[3, ::2] = -float("inf")
+    u = torch.rand(6, 400, generator=g, dtype=torch.float64)
+    u[:, 0], u[:, 1] = 0.0, 1.0 - 2.0**-53  # the extreme uniforms
+    probs = torch.softmax(logits, dim=-1).double()
+    cdf = probs.cumsum(dim=-1)
+    for j in range(u.shape[1]):
+        got = inverse_cdf_sample(logits, u[:, j])
+        want = torch.searchsorted(cdf, (u[:, j] * cdf[:, -1])[:, None], right=True).squeeze(1)
+        last_positive = torch.tensor([int((p > 0).nonzero().max()) for p in probs])
+        assert torch.equal(got, torch.minimum(want, last_positive)), j
+        assert bool((probs.gather(1, got[:, None]) > 0).all())
+    assert inverse_cdf_sample(logits[1:3], u[1:3, 1]).tolist() == [999, 299]

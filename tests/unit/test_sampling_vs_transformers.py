@@ -21,7 +21,7 @@ from transformers.generation.logits_process import (
 )
 
 from pagedgen.sampling import RequestSampler, SampleRow, SamplingOptions
-from pagedgen.sampling.processors import apply_no_repeat_ngram, apply_repetition_penalty, pad_histories
+from pagedgen.sampling.processors import apply_no_repeat_ngram_, apply_repetition_penalty_
 from pagedgen.sampling.sampler import process_logits
 from pagedgen.sampling.warpers import apply_min_p, apply_temperature, apply_top_k, apply_top_p, warp
 
@@ -62,8 +62,8 @@ def _per_row(processors: list, histories: list[list[int]], logits: torch.Tensor)
 def test_repetition_penalty(seed: int) -> None:
     logits, hist = _logits(seed), _histories(seed)
     penalties = [0.5, 0.8, 1.0, 1.1, 1.3, 2.0] * 2
-    ids, _ = pad_histories(hist, VOCAB)
-    ours = apply_repetition_penalty(logits, ids, penalties)
+    ours = logits.clone()
+    apply_repetition_penalty_(ours, range(ROWS), hist, penalties)
     theirs = _per_row([RepetitionPenaltyLogitsProcessor(p) for p in penalties], hist, logits)
     assert torch.equal(ours, theirs)
     assert not torch.equal(ours, logits)
@@ -73,8 +73,8 @@ def test_repetition_penalty(seed: int) -> None:
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_no_repeat_ngram(seed: int, n: int) -> None:
     logits, hist = _logits(seed), _histories(seed)
-    ids, lengths = pad_histories(hist, -1, left=True)
-    ours = apply_no_repeat_ngram(logits, ids, lengths, n)
+    ours = logits.clone()
+    apply_no_repeat_ngram_(ours, range(ROWS), hist, n)
     theirs = _per_row([NoRepeatNGramLogitsProcessor(n)] * ROWS, hist, logits)
     assert torch.equal(ours, theirs)
     assert not torch.equal(ours, logits)
