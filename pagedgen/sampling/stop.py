@@ -114,7 +114,7 @@ class StopStringMatcher:
         n = 0
         while n < len(held) and held[n][1] is not None and held[n][1] <= hold_from:
             n += 1
-        tail = buf[len(buf) - self._keep :] if self._keep else ""
+        tail = buf[max(len(buf) - self._keep, 0) :]
         self._state = _State(window, read, held[n:], tail, end)
         return StopUpdate([t for t, _ in held[:n]])
 

@@ -49,6 +49,12 @@ def test_token_straddling_the_match_start_is_dropped() -> None:
     assert _run(["\n\n"], _ids("a", "x\n", "\n")) == ([_ids("a"), [], []], 0, [])
 
 
+def test_long_stop_string_held_across_short_text() -> None:
+    """The kept tail must cover the whole text while it is shorter than the longest stop string."""
+    assert _run(["abbaa"], _ids("cab", "b")) == ([[], []], None, _ids("cab", "b"))
+    assert _run(["abbaa"], _ids("cab", "ba", "a")) == ([[], [], []], 0, [])
+
+
 def test_held_prefix_is_released_once_disambiguated_or_flushed() -> None:
     releases, matched, flushed = _run(["abc"], _ids("a", "b", "a", "c"))
     # "a" held, "ab" held, "aba": only the last "a" may still start "abc", "abac": nothing can
@@ -89,8 +95,8 @@ def _oracle(stops: list[str], tokens: list[int]) -> tuple[list[int], int | None,
 
 
 @given(
-    stops=st.lists(st.text(alphabet="abc\n", min_size=1, max_size=4), min_size=1, max_size=3),
-    tokens=st.lists(st.integers(0, len(PIECES) - 1), max_size=14),
+    stops=st.lists(st.text(alphabet="abc\n", min_size=1, max_size=6), min_size=1, max_size=3),
+    tokens=st.lists(st.integers(0, len(PIECES) - 1), max_size=16),
 )
 def test_matches_a_brute_force_oracle(stops: list[str], tokens: list[int]) -> None:
     releases, matched, flushed = _run(stops, tokens)
@@ -191,3 +197,29 @@ def test_feed_after_finish_is_refused() -> None:
     flushed.flush()
     with pytest.raises(StopStringError):
         flushed.feed(0)
+
+
+def _oracle_bytes(stops: list[str], tokens: list[int]) -> tuple[int | None, list[int]]:
+    """Brute force over byte tokens: text is the full decode whenever it does not end inside a character."""
+    ends: list[int | None] = []
+    for k in range(len(tokens)):
+        ends.append(None)
+        text = _decode_bytes(tokens[: k + 1])
+        if text.endswith("\ufffd"):
+            continue
+        ends = [len(text) if e is None else e for e in ends]
+        hits = [(text.find(s), i) for i, s in enumerate(stops) if s in text]
+        if hits:
+            pos, index = min(hits)
+            return index, [t for t, e in zip(tokens, ends, strict=False) if e is not None and e <= pos]
+    return None, list(tokens)
+
+
+@given(
+    stops=st.lists(st.sampled_from(["é", "x!", "é!", "\ufffd", "😀", "!x", "xé"]), min_size=1, max_size=2),
+    tokens=st.lists(st.integers(0, len(BYTES) - 1), max_size=12),
+)
+def test_byte_tokens_match_a_brute_force_oracle(stops: list[str], tokens: list[int]) -> None:
+    releases, matched, flushed = _run(stops, tokens, _decode_bytes)
+    released = [t for r in releases for t in r] + flushed
+    assert (matched, released) == _oracle_bytes(stops, tokens)
