@@ -8,6 +8,7 @@ Validation happens once, here, so the batched sampler never has to check a value
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedgen.sampling.errors import SamplingOptionsError
@@ -72,7 +73,7 @@ class SamplingOptions:
         self._check_real("frequency_penalty", lambda v: -2 <= v <= 2, "in [-2, 2] (OpenAI range)")
         self._check_logit_bias()
 
-    def _check_real(self, name: str, ok, rule: str) -> None:
+    def _check_real(self, name: str, ok: Callable[[float], bool], rule: str) -> None:
         value = getattr(self, name)
         if not (_is_real(value) and ok(value)):
             raise _fail(name, value, f"a finite number {rule}")
