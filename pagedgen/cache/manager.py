@@ -146,7 +146,7 @@ class PagedCacheManager:
         limits = self._limits(self.max_batch_size)
         if len(selected) > self.max_batch_size:
             raise CacheError(f"{len(selected)} rows exceed max_batch_size {self.max_batch_size}")
-        num_new = sum(c.is_new for c in selected)
+        num_new = sum(1 for c in selected if c.is_new)
         if len(self._tables) + num_new > self.max_batch_size:
             raise CacheError(
                 f"{len(self._tables)} residents + {num_new} admissions exceed "

@@ -160,5 +160,6 @@ def plan_resources(
         else:
             selected.append(candidate)
             free -= growth
-            residents_after += candidate.is_new
+            if candidate.is_new:
+                residents_after += 1
     return ResourcePlan(tuple(selected), tuple(deferred), limits.free_blocks - free)

@@ -71,7 +71,7 @@ class CacheMachine(RuleBasedStateMachine):
             else:
                 selected.append(c)
                 free -= max(0, width - owned)
-                residents += c.is_new
+                residents += 1 if c.is_new else 0
         return selected, deferred
 
     def _plan_and_reserve(
