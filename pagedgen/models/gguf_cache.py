@@ -82,7 +82,7 @@ def _build_entry(path: Path, entry: Path) -> None:
     file = open_gguf(path)
     config = gguf_config(file)
     plans = plan_weights(file)  # refuses unknown tensors and unsupported quant types before any work
-    tokenizer_json, tokenizer_config = gguf_tokenizer_files(file)
+    tokenizer_files = gguf_tokenizer_files(file)  # None: weights only, Tokenizer(model) will refuse
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name[:12]}-", dir=entry.parent))
@@ -93,8 +93,12 @@ def _build_entry(path: Path, entry: Path) -> None:
     try:
         hf_config = {**config.to_hf_dict(), "pagedgen_source": {"gguf": str(path), "sha256": entry.name}}
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2), encoding="utf-8")
-        (tmp / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
-        (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2), encoding="utf-8")
+        if tokenizer_files is not None:
+            tokenizer_json, tokenizer_config = tokenizer_files
+            (tmp / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+            (tmp / "tokenizer_config.json").write_text(
+                json.dumps(tokenizer_config, indent=2), encoding="utf-8"
+            )
         specs = [TensorSpec(p.name, _KEPT_TYPES.get(p.ggml_type, "F32"), p.shape) for p in plans]
         tensors = ((p.name, _as_tensor(file, p, config)) for p in plans)
         write_safetensors(tmp / "model.safetensors", specs, tensors, {"format": "pt", "sha256": entry.name})

@@ -32,8 +32,11 @@ def _converter() -> tuple[dict[str, Any], Any]:
     return GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
 
-def gguf_tokenizer_files(file: GGUFFile) -> tuple[str, dict[str, Any]]:
-    """``(tokenizer.json text, tokenizer_config dict)`` for the file; raises :class:`TokenizerError`."""
+def gguf_tokenizer_files(file: GGUFFile) -> tuple[str, dict[str, Any]] | None:
+    """``(tokenizer.json text, tokenizer_config dict)``, or None for a file without a vocabulary.
+
+    Raises :class:`TokenizerError` if the file has a vocabulary the converter cannot build.
+    """
     from tokenizers import processors
 
     mapping, convert = _converter()
@@ -48,7 +51,7 @@ def gguf_tokenizer_files(file: GGUFFile) -> tuple[str, dict[str, Any]]:
             tokenizer_dict[name] = file.metadata[full]
     tokens = tokenizer_dict.get("tokens")
     if not tokens:
-        raise TokenizerError(f"{file.path}: GGUF file has no tokenizer.ggml.tokens vocabulary")
+        return None
     try:
         backend, _ = convert(file.architecture, tokenizer_dict)
     except Exception as exc:  # the converter raises ValueError/KeyError/... for files it cannot read

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from pagedgen.errors import ModelLoadError
+from pagedgen.errors import ModelLoadError, TokenizerError
 from pagedgen.models.base import KVSpec
 from pagedgen.models.checkpoint import Checkpoint, CheckpointKind, resolve_checkpoint
 from pagedgen.models.config import ModelConfig
@@ -119,8 +119,15 @@ class Model:
 
     @cached_property
     def eos_token_ids(self) -> tuple[int, ...]:
-        """Ids that end a turn: the config's EOS plus the chat template's end-of-turn token."""
-        return tuple(i for i in self.tokenizer.eos_token_ids if 0 <= i < self.vocab_size)
+        """Ids that end a turn: the config's EOS plus the chat template's end-of-turn token.
+
+        A checkpoint without tokenizer files still has the config's EOS ids.
+        """
+        try:
+            ids = self.tokenizer.eos_token_ids
+        except TokenizerError:
+            ids = self.config.eos_token_ids
+        return tuple(i for i in ids if 0 <= i < self.vocab_size)
 
     def __repr__(self) -> str:
         return f"Model({self.name!r}, {self.config.architecture}, dtype={self.dtype}, device={self.device})"

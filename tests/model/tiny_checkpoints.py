@@ -1,0 +1,205 @@
+"""Builders of tiny checkpoints for model and loader tests: random HF models and GGUF files written from them.
+
+The GGUF writer here is deliberately independent of pagedgen's reader: its name table and Q/K permutation
+are copied from llama.cpp's ``convert_hf_to_gguf.py`` (``LlamaModel.permute``), so a test that writes with
+this module and reads with pagedgen checks pagedgen against llama.cpp, not against itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+TINY = dict(
+    vocab_size=260,  # 256 byte-level tokens + one merge + 3 specials, so the GGUF tokenizer is complete
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+)
+
+# HF name part -> llama.cpp tensor name part (llama.cpp gguf-py tensor_mapping.py).
+_GGUF_BLOCK = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+_GGUF_GLOBAL["lm_head.weight"] = "output.weight"
+
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
+    """``LlamaModel.permute`` from llama.cpp's convert_hf_to_gguf.py, verbatim."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
+
+
+def tiny_config(kind: str, **overrides: Any):
+    """A transformers config of a family: ``llama``, ``llama3``, ``mistral``, ``qwen2``, ``qwen3``."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    args = {**TINY, **overrides}
+    if kind == "llama":
+        return LlamaConfig(**args)
+    if kind == "llama3":
+        rope = dict(
+            rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0
+        )
+        rope["original_max_position_embeddings"] = 64
+        return LlamaConfig(rope_parameters=rope, **args)
+    if kind == "mistral":
+        return MistralConfig(sliding_window=None, **args)
+    if kind == "qwen2":
+        return Qwen2Config(**args)
+    if kind == "qwen3":
+        return Qwen3Config(**{**args, "head_dim": 32})  # head_dim != hidden / heads, as in real Qwen3
+    raise ValueError(kind)
+
+
+def tiny_hf_model(kind: str, seed: int = 0, **overrides: Any):
+    """A random float32 transformers model; norms and biases randomised too, so a comparison sees them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(kind, **overrides), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.2)
+    return model
+
+
+def hf_state(model) -> dict[str, np.ndarray]:
+    """The model's tensors as float32 numpy arrays, HF names (tied head omitted, as checkpoints do)."""
+    state = {name: t.detach().float().numpy().copy() for name, t in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in _GGUF_GLOBAL:
+        return _GGUF_GLOBAL[hf_name]
+    parts = hf_name.split(".")  # model.layers.N.<module path>.<weight|bias>
+    layer, module, kind = parts[2], ".".join(parts[3:-1]), parts[-1]
+    return f"blk.{layer}.{_GGUF_BLOCK[module]}.{kind}"
+
+
+def byte_level_vocab() -> tuple[list[str], list[int]]:
+    """256 byte-level tokens (GPT-2 alphabet), the merge ``h e``, then the specials.
+
+    Token types: 1 = normal, 3 = control.
+    """
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tokens = [*bytes_to_unicode().values(), "he", *SPECIALS]
+    return tokens, [1] * 257 + [3] * len(SPECIALS)
+
+
+def write_gguf(
+    path: Path,
+    arch: str,
+    tensors: Mapping[str, np.ndarray],
+    config: Mapping[str, Any],
+    qtype: Any = None,
+    tokenizer: bool = True,
+) -> None:
+    """Write a GGUF file like llama.cpp's converter: metadata, byte-level tokenizer, named tensors.
+
+    ``tensors`` use HF names; q/k rows are permuted for the ``llama`` arch. 2-D weights are stored as
+    ``qtype`` (default F32); 1-D tensors stay F32, as llama.cpp keeps norms and biases.
+    """
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType.F32 if qtype is None else qtype
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    writer.add_vocab_size(config["vocab_size"])
+    if tokenizer:
+        tokens, types = byte_level_vocab()
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_token_merges(["h e"])
+        writer.add_bos_token_id(tokens.index("<|im_start|>"))
+        writer.add_eos_token_id(tokens.index("<|im_end|>"))
+        writer.add_add_bos_token(False)
+        writer.add_chat_template(CHAT_TEMPLATE)
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    for name, array in tensors.items():
+        data = np.ascontiguousarray(array, dtype=np.float32)
+        if arch == "llama" and ".q_proj." in name:
+            data = llama_cpp_permute(data, heads, heads)
+        elif arch == "llama" and ".k_proj." in name:
+            data = llama_cpp_permute(data, heads, kv_heads)
+        add_tensor(writer, gguf_name(name), data, qtype if data.ndim == 2 else gguf.GGMLQuantizationType.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def add_tensor(writer, name: str, data: np.ndarray, qtype) -> None:
+    """Quantise ``data`` to ``qtype`` with gguf's own quantiser and add it to ``writer``."""
+    import gguf
+
+    quantized = gguf.quants.quantize(data, qtype)
+    raw = None if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) else qtype
+    writer.add_tensor(name, quantized, raw_dtype=raw)
+
+
+def hf_config_dict(model) -> dict[str, Any]:
+    """The numbers :func:`write_gguf` needs, from a transformers model's config."""
+    c = model.config
+    rope = getattr(c, "rope_parameters", None) or {}
+    return dict(
+        max_position_embeddings=c.max_position_embeddings,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_theta=rope.get("rope_theta", 10000.0),
+        vocab_size=c.vocab_size,
+    )
