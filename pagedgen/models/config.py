@@ -260,8 +260,12 @@ def _rope_from_hf(raw: Mapping[str, Any], source: str) -> RopeConfig:
         raise ModelLoadError(
             f"{source}: rope scaling type {rope_type!r} is not supported (supported: {ROPE_TYPES})"
         )
-    original = merged.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192))
     try:
+        if rope_type in ("default", "freq_factors"):  # unused scaling fields keep their defaults
+            return RopeConfig(theta=theta, rope_type=rope_type)
+        if rope_type == "linear":
+            return RopeConfig(theta=theta, rope_type=rope_type, factor=float(merged.get("factor", 1.0)))
+        original = merged.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192))
         return RopeConfig(
             theta=theta,
             rope_type=rope_type,

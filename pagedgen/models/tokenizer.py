@@ -30,6 +30,7 @@ _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 # Tokens chat templates close a turn with; one the template uses also ends generation.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
 _REPLACEMENT = "\ufffd"
+_MAX_CHAR_TOKENS = 4  # a UTF-8 character is at most 4 bytes, so at most 4 byte-tokens
 # transformers' clean_up_tokenization, applied only when the tokenizer config asks for it.
 _CLEANUPS = (
     (" .", "."),
@@ -143,14 +144,22 @@ class IncrementalDetokenizer:
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> str:
-        if self._read == len(self._ids):
-            return ""
+        """Emit the text of the ids up to the last complete character (all of them when ``final``).
+
+        The held-back tail is at most one UTF-8 character, i.e. at most ``_MAX_CHAR_TOKENS`` ids.
+        """
         decode = self._tokenizer.decode_raw
+        lowest = max(self._read, len(self._ids) - _MAX_CHAR_TOKENS)
+        for end in range(len(self._ids), lowest, -1):
+            text = decode(self._ids[self._prefix : end], self._skip)
+            if final or not text.endswith(_REPLACEMENT):
+                break
+        else:
+            return ""  # nothing new, or only an incomplete character
         emitted = decode(self._ids[self._prefix : self._read], self._skip)
-        text = decode(self._ids[self._prefix :], self._skip)
-        if len(text) <= len(emitted) or (text.endswith(_REPLACEMENT) and not final):
-            return ""
-        self._prefix, self._read = self._read, len(self._ids)
+        if len(text) <= len(emitted):
+            return ""  # e.g. a skipped special token: nothing visible yet
+        self._prefix, self._read = self._read, end
         return text[len(emitted) :]
 
 

@@ -203,3 +203,57 @@ def hf_config_dict(model) -> dict[str, Any]:
         rope_theta=rope.get("rope_theta", 10000.0),
         vocab_size=c.vocab_size,
     )
+
+
+# A tiny Llama config.json written by hand (no transformers import), for loader and error tests.
+TINY_RAW: dict[str, Any] = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    **{k: v for k, v in TINY.items() if k != "initializer_range"},
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+}
+
+
+def random_state(raw: Mapping[str, Any], seed: int = 0, qkv_bias: bool = False, qk_norm: bool = False):
+    """Random float32 weights with HF names and shapes for the config dict ``raw``."""
+    rng = np.random.default_rng(seed)
+    hidden, inner, vocab = raw["hidden_size"], raw["intermediate_size"], raw["vocab_size"]
+    heads, kv_heads, head_dim = raw["num_attention_heads"], raw["num_key_value_heads"], raw["head_dim"]
+
+    def w(*shape: int, scale: float = 0.1) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    state = {"model.embed_tokens.weight": w(vocab, hidden, scale=1.0), "model.norm.weight": 1 + w(hidden)}
+    if not raw.get("tie_word_embeddings", False):
+        state["lm_head.weight"] = w(vocab, hidden)
+    for i in range(raw["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        state[p + "input_layernorm.weight"] = 1 + w(hidden)
+        state[p + "post_attention_layernorm.weight"] = 1 + w(hidden)
+        for name, rows in (("q", heads * head_dim), ("k", kv_heads * head_dim), ("v", kv_heads * head_dim)):
+            state[p + f"self_attn.{name}_proj.weight"] = w(rows, hidden)
+            if qkv_bias:
+                state[p + f"self_attn.{name}_proj.bias"] = w(rows)
+        state[p + "self_attn.o_proj.weight"] = w(hidden, heads * head_dim)
+        if qk_norm:
+            state[p + "self_attn.q_norm.weight"] = 1 + w(head_dim)
+            state[p + "self_attn.k_norm.weight"] = 1 + w(head_dim)
+        state[p + "mlp.gate_proj.weight"] = w(inner, hidden)
+        state[p + "mlp.up_proj.weight"] = w(inner, hidden)
+        state[p + "mlp.down_proj.weight"] = w(hidden, inner)
+    return state
+
+
+def write_hf_dir(path: Path, raw: Mapping[str, Any], state: Mapping[str, np.ndarray]) -> Path:
+    """An HF checkpoint dir: ``config.json`` + one ``model.safetensors``."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(dict(raw)))
+    save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, str(path / "model.safetensors"))
+    return path

@@ -1,0 +1,149 @@
+"""The GGUF weight cache: sha256-keyed HF-style entries, warm loads never reopen the GGUF, atomic builds."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import pagedgen.models.gguf_cache as gguf_cache
+from pagedgen.errors import ModelLoadError
+from pagedgen.executor.inputs import SequenceChunk, pack_step
+from pagedgen.models.base import PagedKVCache
+from pagedgen.models.gguf_cache import cache_root, gguf_cache_entry
+from pagedgen.models.model import Model
+from pagedgen.models.safetensors_stream import TensorSpec, write_safetensors
+from tests.model.tiny_checkpoints import TINY_RAW, random_state, write_gguf, write_hf_dir
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    root = tmp_path / "cache"
+    monkeypatch.setenv("PAGEDGEN_CACHE_DIR", str(root))
+    return root
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, "llama", random_state(TINY_RAW, seed=3), TINY_RAW, tokenizer=False)
+    return path
+
+
+def _logits(model: Model, ids: list[int]) -> torch.Tensor:
+    cache = PagedKVCache(model.kv_spec, num_blocks=8, block_size=16)
+    inputs = pack_step([SequenceChunk(ids, 0, [5, 2, 7], all_logits=True)], block_size=16)
+    return model.runtime.forward(inputs, cache)
+
+
+def test_cache_root_precedence(monkeypatch, tmp_path):
+    monkeypatch.delenv("PAGEDGEN_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_root() == tmp_path / "home" / ".cache" / "pagedgen"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == tmp_path / "xdg" / "pagedgen"
+    monkeypatch.setenv("PAGEDGEN_CACHE_DIR", str(tmp_path / "explicit"))
+    assert cache_root() == tmp_path / "explicit"
+
+
+def test_first_load_builds_a_sha256_keyed_entry_and_later_loads_never_reopen_the_gguf(
+    cache_dir, tiny_gguf, monkeypatch
+):
+    cold = Model(str(tiny_gguf), device="cpu")
+    digest = hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
+    entry = cache_dir / f"gguf-v{gguf_cache.CACHE_FORMAT}" / digest
+    assert cold.checkpoint_dir == entry
+    assert sorted(p.name for p in entry.iterdir()) == ["config.json", "model.safetensors"]  # no vocab in file
+    assert [p.name for p in entry.parent.iterdir()] == [digest]  # no temporary directory left behind
+
+    def no_reopen(path):
+        raise AssertionError(f"warm load reopened {path}")
+
+    monkeypatch.setattr(gguf_cache, "open_gguf", no_reopen)
+    warm = Model(str(tiny_gguf), device="cpu")
+    ids = list(range(0, 260, 7))
+    assert torch.equal(_logits(warm, ids), _logits(cold, ids))
+
+
+def test_entry_matches_the_same_weights_loaded_from_an_hf_dir(cache_dir, tiny_gguf, tmp_path):
+    """F32 GGUF (permuted Q/K, llama.cpp names) and the HF dir of the same weights give identical logits."""
+    hf_dir = write_hf_dir(tmp_path / "hf", TINY_RAW, random_state(TINY_RAW, seed=3))
+    ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]
+    assert torch.equal(_logits(Model(str(tiny_gguf), device="cpu"), ids), _logits(Model(str(hf_dir)), ids))
+
+
+def test_editing_the_file_makes_a_new_entry(cache_dir, tiny_gguf):
+    first = gguf_cache_entry(tiny_gguf)
+    state = random_state(TINY_RAW, seed=4)
+    write_gguf(tiny_gguf, "llama", state, TINY_RAW, tokenizer=False)
+    second = gguf_cache_entry(tiny_gguf)
+    assert first != second and first.is_dir() and second.is_dir()
+    stored = load_file(second / "model.safetensors")
+    np.testing.assert_array_equal(
+        stored["model.layers.1.mlp.up_proj.weight"].numpy(), state["model.layers.1.mlp.up_proj.weight"]
+    )
+
+
+def test_a_damaged_entry_is_rebuilt(cache_dir, tiny_gguf):
+    entry = gguf_cache_entry(tiny_gguf)
+    weights = entry / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    model = Model(str(tiny_gguf), device="cpu")
+    assert model.checkpoint_dir == entry and weights.stat().st_size > 1000
+
+
+def test_half_precision_tensors_are_kept_lossless(cache_dir, tmp_path):
+    path = tmp_path / "f16.gguf"
+    write_gguf(
+        path,
+        "llama",
+        random_state(TINY_RAW, seed=5),
+        TINY_RAW,
+        qtype=gguf.GGMLQuantizationType.F16,
+        tokenizer=False,
+    )
+    entry = gguf_cache_entry(path)
+    with safe_open(entry / "model.safetensors", "pt") as f:
+        assert f.get_slice("model.layers.0.mlp.up_proj.weight").get_dtype() == "F16"
+        assert f.get_slice("model.norm.weight").get_dtype() == "F32"  # 1-D tensors were written F32
+    config = json.loads((entry / "config.json").read_text())
+    assert config["pagedgen_source"] == {"gguf": str(path), "sha256": entry.name}
+
+
+def test_refused_file_writes_nothing(cache_dir, tmp_path):
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(b"GGUF" + b"\x00" * 20)
+    with pytest.raises(ModelLoadError, match="truncated or corrupt"):
+        gguf_cache_entry(path)
+    assert not cache_dir.exists() or not any(cache_dir.rglob("*"))
+
+
+def test_streamed_safetensors_round_trip(tmp_path):
+    tensors = {
+        "a": torch.randn(3, 5),
+        "b": torch.randn(7).to(torch.float16),
+        "c": torch.randn(2, 2, 2).to(torch.bfloat16),
+    }
+    specs = [TensorSpec("a", "F32", (3, 5)), TensorSpec("b", "F16", (7,)), TensorSpec("c", "BF16", (2, 2, 2))]
+    write_safetensors(tmp_path / "x.safetensors", specs, iter(tensors.items()), {"k": "v"})
+    back = load_file(tmp_path / "x.safetensors")
+    assert all(torch.equal(back[name], tensor) for name, tensor in tensors.items())
+    with safe_open(tmp_path / "x.safetensors", "pt") as f:
+        assert f.metadata() == {"k": "v"}
+
+
+def test_streamed_safetensors_refuses_mismatches(tmp_path):
+    spec = [TensorSpec("a", "F32", (2,))]
+    with pytest.raises(ValueError, match="does not match spec"):
+        write_safetensors(tmp_path / "x.safetensors", spec, iter([("a", torch.zeros(3))]))
+    with pytest.raises(ValueError):
+        write_safetensors(tmp_path / "y.safetensors", spec, iter([]))
+    with pytest.raises(ValueError, match="dtype"):
+        TensorSpec("a", "I64", (2,))

@@ -1,0 +1,170 @@
+"""Tokenizer and IncrementalDetokenizer on tiny hand-built tokenizers (no model, no transformers)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tokenizers import Tokenizer as Backend
+from tokenizers import decoders, models, pre_tokenizers
+
+from pagedgen.errors import TokenizerError
+from pagedgen.models.tokenizer import IncrementalDetokenizer, Tokenizer
+
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _save(directory, backend, config=None, model_config=None):
+    directory.mkdir(parents=True, exist_ok=True)
+    backend.save(str(directory / "tokenizer.json"))
+    if config is not None:
+        (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    if model_config is not None:
+        (directory / "config.json").write_text(json.dumps(model_config))
+    return directory
+
+
+def _byte_level(directory, config=None, model_config=None) -> Tokenizer:
+    """Every byte is one token (no merges), so a 4-byte emoji spans 4 tokens."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = Backend(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    default = {"chat_template": TEMPLATE, "eos_token": "<|im_end|>", "bos_token": {"content": "<|im_start|>"}}
+    return Tokenizer(_save(directory, backend, default if config is None else config, model_config))
+
+
+def _metaspace(directory) -> Tokenizer:
+    """Sentencepiece-style: words carry a leading ``▁`` that decodes to a space except at the start."""
+    vocab = {"<unk>": 0, "▁Hello": 1, "▁world": 2, "!": 3}
+    backend = Backend(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    return Tokenizer(_save(directory, backend))
+
+
+@pytest.fixture
+def byte_tok(tmp_path):
+    return _byte_level(tmp_path / "byte")
+
+
+def test_round_trip_and_special_tokens(byte_tok):
+    text = "Grüße, 世界! 😀 <|im_end|>"
+    ids = byte_tok.encode(text)
+    assert byte_tok.decode(ids, skip_special_tokens=False) == text
+    assert byte_tok.decode(ids) == text.replace("<|im_end|>", "")
+    assert len(byte_tok.encode("😀")) == 4
+    assert ids[-1] == byte_tok.token_to_id("<|im_end|>") == 257
+    assert (byte_tok.vocab_size, byte_tok.bos_token_id, byte_tok.eos_token_ids) == (258, 256, (257,))
+
+
+def test_detokenizer_holds_back_a_split_character(byte_tok):
+    ids = byte_tok.encode("a😀b")
+    detok = IncrementalDetokenizer(byte_tok)
+    assert [detok.add(i) for i in ids] == ["a", "", "", "", "😀", "b"]
+    assert detok.flush() == ""
+
+
+def test_detokenizer_flush_emits_an_incomplete_tail_like_a_full_decode(byte_tok):
+    ids = byte_tok.encode("ok 你")[:-1]  # the last CJK character cut after 2 of its 3 bytes
+    detok = IncrementalDetokenizer(byte_tok)
+    streamed = detok.add(ids)
+    assert streamed == "ok "
+    assert streamed + detok.flush() == byte_tok.decode(ids)
+    assert detok.flush() == ""
+
+
+def test_detokenizer_never_emits_context(byte_tok):
+    detok = IncrementalDetokenizer(byte_tok, context_ids=byte_tok.encode("Hello "))
+    assert "".join(detok.add(i) for i in byte_tok.encode("wörld 🎉")) + detok.flush() == "wörld 🎉"
+
+
+def test_detokenizer_keeps_sentencepiece_spaces(tmp_path):
+    tok = _metaspace(tmp_path / "sp")
+    assert (
+        tok.decode([1]) == "Hello" and tok.decode([2]) == "world" and tok.decode([1, 2, 3]) == "Hello world!"
+    )
+    detok = IncrementalDetokenizer(tok)
+    assert [detok.add(1), detok.add(2), detok.add(3)] == ["Hello", " world", "!"]
+    assert IncrementalDetokenizer(tok, context_ids=[1]).add(2) == " world"
+
+
+def test_chat_template(byte_tok):
+    messages = [{"role": "user", "content": "hi"}]
+    assert byte_tok.apply_chat_template(messages) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        byte_tok.apply_chat_template(messages, add_generation_prompt=False)
+        == "<|im_start|>user\nhi<|im_end|>\n"
+    )
+    ids = byte_tok.apply_chat_template(messages, tokenize=True)
+    assert ids[0] == 256 and byte_tok.decode(ids, skip_special_tokens=False) == byte_tok.apply_chat_template(
+        messages
+    )
+
+
+def test_template_sources_and_variables(tmp_path):
+    named = [
+        {"name": "tool_use", "template": "T"},
+        {"name": "default", "template": "{{ bos_token }}D{{ x }}"},
+    ]
+    tok = _byte_level(tmp_path / "named", config={"chat_template": named, "bos_token": "<|im_start|>"})
+    assert tok.apply_chat_template([], x=7) == "<|im_start|>D7"
+    (tmp_path / "named" / "chat_template.jinja").write_text("J{{ messages | length }}")
+    assert Tokenizer(str(tmp_path / "named")).apply_chat_template([{"role": "user", "content": ""}]) == "J1"
+
+
+@pytest.mark.parametrize(
+    ("template", "match"),
+    [
+        ("{{ raise_exception('no system role') }}", "no system role"),
+        ("{% set _ = messages.append(1) %}", "failed to render"),  # the sandbox forbids mutation
+        ("{{ messages.__class__.__init__.__globals__ }}", "failed to render"),
+        ("{% for %}", "does not compile"),
+    ],
+)
+def test_template_errors_and_sandbox(tmp_path, template, match):
+    tok = _byte_level(tmp_path / "t", config={"chat_template": template})
+    with pytest.raises(TokenizerError, match=match):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_no_template(tmp_path):
+    tok = _byte_level(tmp_path / "none", config={})
+    with pytest.raises(TokenizerError, match="has no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
+    with pytest.raises(TokenizerError, match="chat message 0 must be a mapping"):
+        _byte_level(tmp_path / "t2").apply_chat_template(["hi"])
+
+
+def test_eos_ids_join_config_tokenizer_and_end_of_turn(tmp_path):
+    config = {"chat_template": TEMPLATE, "eos_token": "<|im_start|>"}  # odd, but it must be honoured
+    tok = _byte_level(tmp_path / "eos", config=config, model_config={"eos_token_id": [5, 6]})
+    assert tok.eos_token_ids == (5, 6, 256, 257)
+
+
+def test_cleanup_applies_to_full_decode_only(tmp_path):
+    tok = _byte_level(tmp_path / "clean", config={"clean_up_tokenization_spaces": True})
+    ids = tok.encode("Hi , there .")
+    assert tok.decode(ids) == "Hi, there."
+    assert tok.decode_raw(ids) == "Hi , there ."
+
+
+def test_errors(tmp_path, byte_tok):
+    with pytest.raises(TokenizerError, match="token id 258 is outside the vocabulary"):
+        byte_tok.decode([1, 258])
+    with pytest.raises(TokenizerError, match="encode expects a str"):
+        byte_tok.encode(["a"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TokenizerError, match=r"empty/tokenizer\.json: tokenizer file not found"):
+        Tokenizer(str(tmp_path / "empty"))
+    (tmp_path / "empty" / "tokenizer.json").write_text("{}")
+    with pytest.raises(TokenizerError, match=r"tokenizer\.json: invalid tokenizer file"):
+        Tokenizer(str(tmp_path / "empty"))
+    with pytest.raises(TokenizerError, match="model path not found"):
+        Tokenizer(str(tmp_path / "nowhere"))
+    with pytest.raises(TokenizerError, match="expects a pagedgen.Model or a checkpoint path"):
+        Tokenizer(object())
