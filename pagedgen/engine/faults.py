@@ -57,4 +57,8 @@ class FaultInjector:
         armed.remaining -= 1
         if armed.remaining == 0:
             del self._armed[phase]
-        raise armed.error
+        error, armed = armed.error, None
+        try:
+            raise error
+        finally:  # no frame-local reference: error -> traceback -> this frame -> error would be a cycle
+            del error

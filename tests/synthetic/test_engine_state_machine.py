@@ -1,0 +1,239 @@
+"""A hypothesis state machine over the public engine API on the synthetic model.
+
+Random sequences of create / begin_turn / run (capacities 0, 1, 2, 16) / cancel / close / drop / injected
+retryable faults, against a small cache (deferrals, chunked and mixed steps happen often). After every
+operation the engine's cache and request invariants hold; every emitted token is exactly the synthetic
+model's greedy continuation of the request's logical sequence; every turn ends with exactly one terminal
+event whose reason matches the limits; refused calls change nothing; at the end every block is free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hypothesis import event as note
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, rule
+
+import pagedgen as pg
+from pagedgen.executor.runner import RetryableExecutionError
+from pagedgen.models.synthetic import SyntheticModel, synthetic_greedy
+from tests.helpers import engine_snapshot
+
+VOCAB = 31
+EOS = 5
+F = pg.EngineEventFlags
+R = pg.FinishReason
+
+
+@dataclass
+class Expected:
+    """What the test knows about one request, derived only from its own calls and the events it saw."""
+
+    handle: pg.Request | None
+    session: int
+    seq: list[int] = field(default_factory=list)  # committed logical sequence at the start of the turn
+    turn_id: int = 0
+    max_new: int = 0
+    emitted: list[int] = field(default_factory=list)
+    greedy: list[int] = field(default_factory=list)  # the turn's exact greedy continuation
+    open: bool = False  # a turn began and its terminal event was not received yet
+    closed: bool = False
+    dropped: bool = False
+
+
+class EngineMachine(RuleBasedStateMachine):
+    requests = Bundle("requests")
+
+    @initialize()
+    def start(self):
+        self.model = SyntheticModel(vocab_size=VOCAB, eos_token_id=EOS)
+        self.engine = pg.Engine(
+            self.model,
+            pg.EngineConfig(
+                max_batch_size=2,
+                max_scheduled_tokens=8,
+                chunk_size=5,
+                block_size=4,
+                num_blocks=12,  # a 40-token session needs 10: deferrals are common, never unserviceable
+                debug_invariants=True,
+            ),
+        )
+        self.expected: dict[int, Expected] = {}
+        self.next_key = 0
+
+    # -- operations -----------------------------------------------------------------------------------
+
+    @rule(target=requests, session=st.integers(4, 40))
+    def create(self, session):
+        options = pg.RequestOptions()
+        options.set_max_session_tokens(session)
+        handle = self.engine.create_request(pg.GeneratorParams(self.model), options)
+        self.expected[handle.id] = Expected(handle, session)
+        return handle.id
+
+    @rule(
+        rid=requests,
+        tokens=st.lists(st.integers(0, VOCAB - 1), max_size=12),
+        max_new=st.integers(0, 6),
+    )
+    def begin_turn(self, rid, tokens, max_new):
+        exp = self.expected[rid]
+        if exp.handle is None:
+            return
+        options = pg.TurnOptions(exp.handle)
+        options.set_max_generated_tokens(max_new)
+        legal = not exp.closed and not exp.open and tokens and len(exp.seq) + len(tokens) < exp.session
+        if not legal:
+            self.assert_refused(lambda: exp.handle.begin_turn(tokens, options))
+            return
+        assert exp.handle.begin_turn(tokens, options) == exp.turn_id + 1
+        exp.turn_id += 1
+        exp.seq += tokens
+        exp.max_new = max_new
+        exp.emitted = []
+        cap = max_new or exp.session - len(exp.seq)
+        exp.greedy = synthetic_greedy(exp.seq, min(cap, exp.session - len(exp.seq)), VOCAB, EOS)
+        exp.open = True
+
+    @rule(capacity=st.sampled_from([0, 1, 2, 16]), calls=st.integers(1, 12))
+    def run(self, capacity, calls=1):
+        for _ in range(calls):
+            events = list(self.engine.run(max_events=capacity))
+            assert len(events) <= capacity
+            for event in events:
+                self.observe(event)
+            del events  # drop our references to the events (and to any dropped request they name)
+            assert self.engine.check_invariants() == []
+
+    @rule(
+        target=requests,
+        session=st.integers(4, 40),
+        tokens=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12),
+        max_new=st.integers(0, 6),
+    )
+    def create_and_begin(self, session, tokens, max_new):
+        rid = self.create(session)
+        self.begin_turn(rid, tokens, max_new)
+        return rid
+
+    @rule(rid=requests, offset=st.integers(-1, 1))
+    def cancel(self, rid, offset):
+        exp = self.expected[rid]
+        if exp.handle is None:
+            return
+        if exp.closed or exp.turn_id == 0:
+            self.assert_refused(lambda: exp.handle.cancel_turn(exp.turn_id + offset))
+            return
+        executable = exp.handle.status.executable
+        assert exp.handle.cancel_turn(exp.turn_id + offset) is (offset == 0 and executable)
+
+    @rule(rid=requests)
+    def close(self, rid):
+        exp = self.expected[rid]
+        if exp.handle is None:
+            return
+        exp.handle.close()
+        exp.closed = True
+        exp.open = False
+        assert exp.handle.status is pg.RequestStatus.CLOSED and rid not in self.engine._states
+
+    @rule(rid=requests)
+    def drop(self, rid):
+        exp = self.expected[rid]
+        exp.handle = None  # our last reference (retained events may still hold it until drained)
+        exp.dropped = True
+
+    @rule(phase=st.sampled_from(["checkpoint", "pack", "execute", "sample", "stage", "validate"]))
+    def retryable_fault(self, phase):
+        self.engine.has_pending_requests()  # reclaim first, so the snapshot is what the step starts from
+        if self.engine.stats().pending_events:
+            return  # run() would drain instead of executing
+        before = engine_snapshot(self.engine)
+        error = RetryableExecutionError("transient") if phase == "execute" else None
+        self.engine._faults.arm(phase, error)
+        events = list(self.engine.run(max_events=16))
+        self.engine._faults.disarm()
+        if events and events[0].flags & F.RETRYABLE:
+            assert [(e.request, e.error_code) for e in events] == [
+                (None, pg.EngineErrorCode.RETRYABLE_EXECUTION)
+            ]
+            assert engine_snapshot(self.engine) == before
+            note("rolled back")
+        else:  # no executable step this time (no work, or capacity deferred): the phase was never reached
+            for event in events:
+                self.observe(event)
+
+    # -- checks ---------------------------------------------------------------------------------------
+
+    def observe(self, event: pg.EngineEvent) -> None:
+        if event.request is None:
+            note("capacity deferred")
+            assert (
+                event.flags == F.CAPACITY_BLOCKED and event.error_code is pg.EngineErrorCode.CAPACITY_DEFERRED
+            )
+            return
+        exp = self.expected[event.request.id]
+        assert event.turn_id == exp.turn_id and not (event.flags & F.FAILED)
+        if event.flags & F.TOKEN:
+            exp.emitted.append(event.token)
+            assert exp.emitted == exp.greedy[: len(exp.emitted)]
+        if event.flags & F.TURN_FINISHED:
+            assert exp.open
+            self.check_finish(exp, event)
+            exp.open = False
+            exp.seq += exp.emitted
+            if not exp.dropped:
+                assert list(exp.handle.tokens) == exp.seq
+
+    def check_finish(self, exp: Expected, event: pg.EngineEvent) -> None:
+        n = len(exp.emitted)
+        reason = event.finish_reason
+        note(f"finish {reason.name}")
+        assert event.usage.generated_tokens == n
+        if reason is R.MAX_GENERATED_TOKENS:
+            assert n == exp.max_new
+        elif reason is R.MAX_SESSION_TOKENS:
+            assert len(exp.seq) + n == exp.session
+        elif reason is R.EOS:
+            assert n == len(exp.greedy) and synthetic_greedy(exp.seq + exp.emitted, 1, VOCAB, EOS) == []
+        else:
+            assert reason is R.CANCELLED
+
+    def assert_refused(self, call) -> None:
+        before = engine_snapshot(self.engine)
+        try:
+            call()
+        except pg.EngineError:
+            pass
+        else:
+            raise AssertionError("call should have been refused")
+        assert engine_snapshot(self.engine) == before
+
+    @invariant()
+    def consistent(self):
+        assert self.engine.check_invariants() == []
+        for rid, exp in self.expected.items():
+            if not exp.closed and not exp.dropped:
+                assert rid in self.engine._states
+
+    def teardown(self):
+        for exp in self.expected.values():
+            if exp.handle is not None:
+                exp.handle.close()
+                exp.closed, exp.open = True, False
+        for _ in range(100):  # events retained for dropped requests still arrive, then they are reclaimed
+            if not self.engine.has_pending_requests():
+                break
+            self.run(16, 1)
+        assert not self.engine.has_pending_requests()  # also reclaims the last dropped handles
+        assert not self.engine._states
+        stats = self.engine.stats()
+        assert stats.free_blocks == stats.total_blocks and stats.resident_requests == 0
+        assert self.engine.check_invariants() == []
+        self.engine.close()
+
+
+EngineMachine.TestCase.settings = settings(max_examples=500, stateful_step_count=30, deadline=None)
+test_engine_state_machine = EngineMachine.TestCase
