@@ -168,6 +168,13 @@ def finish_reason_text(reason: Any) -> str:
     return "cancelled" if reason is FinishReason.CANCELLED else "failed"
 
 
+def is_engine_failure(error_code: Any) -> bool:
+    """True for the error codes that mean the engine itself failed (it is unhealthy from then on)."""
+    from pagedgen.engine.events import EngineErrorCode
+
+    return error_code in (EngineErrorCode.ENGINE_CONTRACT_FAILURE, EngineErrorCode.ENGINE_EXECUTION_FAILURE)
+
+
 def copy_logprobs(token: int, logprobs: Any, top_n: int) -> TokenLogprob:
     """A :class:`TokenLogprob` copied off an event's logprobs, keeping the top ``top_n`` alternatives."""
     return TokenLogprob(token, float(logprobs.logprob), tuple(logprobs.top[:top_n]))
@@ -342,9 +349,9 @@ class LLM:
     def _dispatch(self, event: Any, pending: dict[int, _Slot], results: list, bar: Any) -> None:
         from pagedgen.engine.events import EngineEventFlags
 
+        if is_engine_failure(event.error_code):
+            raise EngineError(f"the engine failed: {event.error_code.value}")
         if event.request is None:
-            if event.flags & EngineEventFlags.FAILED:
-                raise EngineError(f"the engine failed: {event.error_code.value}")
             return  # capacity-blocked or retryable: nothing committed, the next run retries
         slot = pending[id(event.request)]
         if event.flags & EngineEventFlags.TOKEN:
@@ -456,9 +463,9 @@ class ChatSession:
         engine = self._llm.engine
         while True:
             for event in engine.run(self._llm._buffer):
+                if is_engine_failure(event.error_code):
+                    raise EngineError(f"the engine failed: {event.error_code.value}")
                 if event.request is None:
-                    if event.flags & EngineEventFlags.FAILED:
-                        raise EngineError(f"the engine failed: {event.error_code.value}")
                     continue
                 yield event
                 if event.flags & EngineEventFlags.TURN_FINISHED:

@@ -20,7 +20,13 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedgen.engine.events import EngineErrorCode
-from pagedgen.llm import check_prompt_fits, context_length, finish_reason_text, tokenizer_for
+from pagedgen.llm import (
+    check_prompt_fits,
+    context_length,
+    finish_reason_text,
+    is_engine_failure,
+    tokenizer_for,
+)
 from pagedgen.models.tokenizer import IncrementalDetokenizer
 from pagedgen.server.guard import DEFAULT_MAX_BODY_BYTES, ApiError, GuardMiddleware, error_body, error_json
 from pagedgen.server.metrics import ServerMetrics
@@ -29,7 +35,6 @@ from pagedgen.server.responses import ChatResponses, CompletionResponses
 from pagedgen.server.sse import DONE, EventStreamResponse, sse_event
 from pagedgen.server.worker import AsyncEngineClient, EngineWorker, JobError, JobHandle, JobUpdate
 
-_ENGINE_FAILURES = (EngineErrorCode.ENGINE_CONTRACT_FAILURE, EngineErrorCode.ENGINE_EXECUTION_FAILURE)
 _JOB_STATUS = {JobError.INVALID: 400, JobError.UNAVAILABLE: 503, JobError.INTERNAL: 500}
 
 
@@ -245,7 +250,7 @@ def _raise_for(update: JobUpdate) -> None:
             raise ApiError(
                 400, "the request can never fit the engine's KV cache", code="request_unserviceable"
             )
-        if finish.error_code in _ENGINE_FAILURES:
+        if is_engine_failure(finish.error_code):
             raise ApiError(503, f"the engine failed ({finish.error_code.value})", code="unhealthy")
         raise ApiError(500, f"generation failed ({finish.error_code.value})")
 

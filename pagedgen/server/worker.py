@@ -15,6 +15,7 @@ answers 503.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import itertools
 import logging
@@ -27,11 +28,9 @@ from typing import Any
 
 from pagedgen.engine.events import EngineErrorCode, EngineEventFlags, FinishReason
 from pagedgen.errors import PagedGenError
-from pagedgen.llm import SamplingParams, TokenLogprob, copy_logprobs
+from pagedgen.llm import SamplingParams, TokenLogprob, copy_logprobs, is_engine_failure
 
 log = logging.getLogger("pagedgen.server")
-
-_FATAL_CODES = (EngineErrorCode.ENGINE_CONTRACT_FAILURE, EngineErrorCode.ENGINE_EXECUTION_FAILURE)
 
 
 class JobError(enum.Enum):
@@ -312,9 +311,9 @@ class EngineWorker:
         updates: dict[int, JobUpdate] = {}
         fatal = None
         for event in events:
+            if is_engine_failure(event.error_code):
+                fatal = f"engine failure ({event.error_code.value})"
             if event.request is None:
-                if event.flags & EngineEventFlags.FAILED:
-                    fatal = f"engine failure ({event.error_code.value})"
                 continue
             job = self._by_request.get(id(event.request))
             if job is None:
@@ -323,8 +322,6 @@ class EngineWorker:
             if update is None:
                 update = updates[job.job_id] = JobUpdate()
             _copy_event(event, update)
-            if event.error_code in _FATAL_CODES:
-                fatal = f"engine failure ({event.error_code.value})"
         for job_id, update in updates.items():
             self._deliver_update(self._jobs[job_id], update, now)
         if fatal is not None:
@@ -354,6 +351,10 @@ class EngineWorker:
             self._error = f"the engine is unhealthy: {exc}"
         for job in list(self._jobs.values()):
             _deliver(job.sink, JobUpdate(error=JobError.UNAVAILABLE, message=self._error))
+            with contextlib.suppress(
+                Exception
+            ):  # close is allowed on an unhealthy engine; nothing to protect
+                job.request.close()
         self._jobs.clear()
         self._by_request.clear()
 
