@@ -8,9 +8,10 @@ the stream generator's cleanup.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive
 
 from pagedgen.engine.events import EngineErrorCode
 from pagedgen.llm import (
@@ -35,6 +37,7 @@ from pagedgen.server.responses import ChatResponses, CompletionResponses
 from pagedgen.server.sse import DONE, EventStreamResponse, sse_event
 from pagedgen.server.worker import AsyncEngineClient, EngineWorker, JobError, JobHandle, JobUpdate
 
+_CLIENT_GONE = object()
 _JOB_STATUS = {JobError.INVALID: 400, JobError.UNAVAILABLE: 503, JobError.INTERNAL: 500}
 
 
@@ -88,8 +91,6 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        import asyncio
-
         await asyncio.to_thread(worker.start)
         try:
             yield
@@ -97,6 +98,8 @@ def create_app(
             await asyncio.to_thread(worker.shutdown)
 
     app = FastAPI(title="pagedgen", lifespan=lifespan)
+    app.state.worker = worker
+    app.state.metrics = metrics
     server = _Server(AsyncEngineClient(worker), tokenizer, metrics, options, context, vocab_size)
     app.add_middleware(
         GuardMiddleware,
@@ -161,7 +164,7 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Any:
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         arrived = time.monotonic()
         _check_model(body.model, name)
         if not hasattr(server.tokenizer, "apply_chat_template"):
@@ -176,10 +179,10 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
         builder = ChatResponses(
             name, server.tokenizer, body.to_sampling_params(None).logprobs, body.include_usage
         )
-        return await _serve(server, body, ids, builder, arrived, "messages")
+        return await _serve(server, body, ids, builder, arrived, "messages", request.receive)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Any:
+    async def completions(body: CompletionRequest, request: Request) -> Any:
         arrived = time.monotonic()
         _check_model(body.model, name)
         prompt = body.prompt
@@ -193,7 +196,7 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
                 message = f"prompt token id {max(ids)} is outside the vocabulary (size {server.vocab_size})"
                 raise ApiError(400, message, param="prompt")
         builder = CompletionResponses(name, server.tokenizer, body.logprobs, body.include_usage)
-        return await _serve(server, body, ids, builder, arrived, "prompt")
+        return await _serve(server, body, ids, builder, arrived, "prompt", request.receive)
 
 
 def _check_model(requested: str, served: str) -> None:
@@ -202,7 +205,13 @@ def _check_model(requested: str, served: str) -> None:
 
 
 async def _serve(
-    server: _Server, body: Any, ids: list[int], builder: Any, arrived: float, prompt_param: str
+    server: _Server,
+    body: Any,
+    ids: list[int],
+    builder: Any,
+    arrived: float,
+    prompt_param: str,
+    receive: Receive,
 ) -> Any:
     """Validate the prompt length, submit the job, then stream or collect its output."""
     max_tokens = body.requested_max_tokens
@@ -220,11 +229,37 @@ async def _serve(
         raise
     text = IncrementalDetokenizer(server.tokenizer)
     if body.stream:
-        return EventStreamResponse(_stream(handle, text, builder))
+        return EventStreamResponse(_stream(handle, text, builder, server.metrics))
     try:
-        return await _collect(handle, text, builder)
+        result = await _unless_disconnected(_collect(handle, text, builder), receive)
+        if result is _CLIENT_GONE:
+            handle.cancel()
+            server.metrics.on_disconnect()
+            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+        return result
     finally:
-        handle.cancel()  # no-op unless the handler was interrupted
+        handle.cancel()  # no-op unless the client left or the handler was interrupted
+
+
+async def _unless_disconnected(work: Coroutine[Any, Any, Any], receive: Receive) -> Any:
+    """The result of ``work``, or ``_CLIENT_GONE`` if the client disconnects first.
+
+    Starlette only notices disconnects of streaming responses; without this watch, a client that gives up
+    on a long non-streaming completion would keep its turn generating (and its blocks held) to the end.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(receive))
+    try:
+        done, _pending = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return task.result() if task in done else _CLIENT_GONE
+    finally:
+        task.cancel()
+        watcher.cancel()
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _collect(handle: JobHandle, text: IncrementalDetokenizer, builder: Any) -> dict[str, Any]:
@@ -255,7 +290,9 @@ def _raise_for(update: JobUpdate) -> None:
         raise ApiError(500, f"generation failed ({finish.error_code.value})")
 
 
-async def _stream(handle: JobHandle, text: IncrementalDetokenizer, builder: Any) -> AsyncIterator[bytes]:
+async def _stream(
+    handle: JobHandle, text: IncrementalDetokenizer, builder: Any, metrics: ServerMetrics
+) -> AsyncIterator[bytes]:
     """SSE chunks of one job; cancels the job if the stream ends early (client disconnect)."""
     try:
         first = builder.first_chunk()
@@ -281,7 +318,10 @@ async def _stream(handle: JobHandle, text: IncrementalDetokenizer, builder: Any)
             break
         yield DONE
     finally:
-        handle.cancel()
+        left_early = not handle.done
+        handle.cancel()  # queued before the disconnect is counted: a later /metrics sync sees it applied
+        if left_early:
+            metrics.on_disconnect()
 
 
 def error_json_body(exc: ApiError) -> dict[str, Any]:

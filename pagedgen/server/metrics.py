@@ -58,6 +58,12 @@ class ServerMetrics:
         self.cancelled = Counter(
             "pagedgen:request_cancelled", "Requests cancelled (client disconnect).", labels, registry=reg
         ).labels(model_name)
+        self.disconnects = Counter(
+            "pagedgen:client_disconnects",
+            "Clients that left before their response ended.",
+            labels,
+            registry=reg,
+        ).labels(model_name)
         self.ttft = Histogram(
             "pagedgen:time_to_first_token_seconds",
             "Arrival to first token.",
@@ -106,6 +112,11 @@ class ServerMetrics:
 
     def on_cancelled(self) -> None:
         self.cancelled.inc()
+
+    # event-loop hook (called by the routes)
+
+    def on_disconnect(self) -> None:
+        self.disconnects.inc()
 
     # scrape
 

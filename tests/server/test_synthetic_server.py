@@ -7,6 +7,11 @@ then on every route, ``/health`` included, answers 503.
 
 from __future__ import annotations
 
+import json
+import socket
+import threading
+import time
+
 import httpx
 import openai
 import pytest
@@ -14,6 +19,7 @@ import pytest
 import pagedgen as pg
 from pagedgen.models.synthetic import SyntheticModel, SyntheticTokenizer, synthetic_greedy
 from pagedgen.server.app import ServerOptions, build_app
+from tests.server.conftest import metric
 from tests.server.live import LiveServer
 
 VOCAB = 95
@@ -38,6 +44,20 @@ class FailingModel(SyntheticModel):
         return super().forward(inputs, kv_cache)
 
 
+class GatedModel(SyntheticModel):
+    """Every forward waits at ``gate``; ``entered`` is set when the first one starts (the test drives it)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def forward(self, inputs, kv_cache):
+        self.entered.set()
+        self.gate.wait()
+        return super().forward(inputs, kv_cache)
+
+
 def _serve(model) -> LiveServer:
     config = pg.EngineConfig(max_batch_size=8, num_blocks=64, debug_invariants=True)
     app = build_app(
@@ -57,6 +77,15 @@ def synthetic_server():
 def failing_server():
     server = _serve(FailingModel(vocab_size=VOCAB))
     yield server
+    server.stop()
+
+
+@pytest.fixture
+def gated():
+    model = GatedModel(vocab_size=VOCAB)
+    server = _serve(model)
+    yield server, model
+    model.gate.set()
     server.stop()
 
 
@@ -119,3 +148,35 @@ def test_engine_failure_mid_stream_ends_the_stream_with_an_error_event(failing_s
     assert lines[-1] == "data: [DONE]"
     assert '"error"' in lines[-2] and '"unhealthy"' in lines[-2]
     assert httpx.get(failing_server.url + "/health").status_code == 503
+
+
+def _wait_for_disconnect(server: LiveServer) -> None:
+    """The event loop notices a closed socket on its own schedule; read the counter until it has."""
+    counter = server.server.config.app.state.metrics.disconnects
+    deadline = time.monotonic() + 120
+    while counter._value.get() < 1:
+        assert time.monotonic() < deadline, "the server never noticed the disconnect"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-streaming", "streaming"])
+def test_client_that_leaves_has_its_turn_cancelled_and_blocks_freed(gated, stream):
+    """The model is held inside the first forward while the client hangs up; the cancel must win."""
+    server, model = gated
+    body = json.dumps(
+        {"model": "synthetic", "prompt": [1, 2, 3], "max_tokens": 50, "stream": stream}
+    ).encode()
+    head = "POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+    request = (head + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(request)
+        assert model.entered.wait(timeout=120)
+    _wait_for_disconnect(server)  # the cancel command is queued before the counter moves
+    model.gate.set()
+    metrics = httpx.get(server.url + "/metrics").text  # syncs with the worker: the cancel is applied
+    assert metric(metrics, "pagedgen:request_cancelled_total", model_name="synthetic") == 1
+    assert metric(metrics, "pagedgen:generation_tokens_total", model_name="synthetic") <= 1
+    assert metric(metrics, "pagedgen:kv_cache_blocks_free", model_name="synthetic") == 64
+    assert metric(metrics, "pagedgen:num_requests_running", model_name="synthetic") == 0
+    ok = _client(server).completions.create(model="synthetic", prompt=[4, 5], max_tokens=3, temperature=0)
+    assert ok.choices[0].text == StreamingSyntheticTokenizer(VOCAB).decode(synthetic_greedy([4, 5], 3, VOCAB))
