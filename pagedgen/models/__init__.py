@@ -1,0 +1,7 @@
+"""Model families, weight loading (HF safetensors dirs, GGUF files), tokenizer and chat template.
+
+``model.Model`` is the entry point; ``checkpoint`` resolves what the user named to an HF-style directory
+(``gguf_cache`` turns a GGUF file into one, via ``gguf_reader`` and ``gguf_tokenizer``); ``hf_loader`` reads
+config and weights, ``weights`` assigns them to a family runtime (``llama``); ``tokenizer`` and
+``chat_template`` handle text. ``base`` is the contract every runtime meets; ``synthetic`` the test model.
+"""

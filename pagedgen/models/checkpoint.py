@@ -12,7 +12,7 @@ from enum import Enum
 from pathlib import Path
 
 from pagedgen.errors import ModelLoadError
-from pagedgen.models.gguf_cache import gguf_cache_entry
+from pagedgen.models.gguf_cache import ensure_gguf_entry, gguf_cache_dir
 
 DEFAULT_NAME = "default"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -33,6 +33,7 @@ class Checkpoint:
     source: Path  # what the user pointed at (the GGUF file or the directory)
     directory: Path
     kind: CheckpointKind
+    built: bool = False  # the GGUF cache entry was written by this resolution (not read from an earlier one)
 
 
 def default_gguf_path() -> Path:
@@ -61,17 +62,20 @@ def resolve_checkpoint(name_or_path: str | Path, rebuild_cache: bool = False) ->
     ``.gguf`` file.
     """
     if str(name_or_path) == DEFAULT_NAME:
-        source = default_gguf_path()
-        directory = gguf_cache_entry(source, rebuild=rebuild_cache)
-        return Checkpoint(DEFAULT_MODEL_NAME, source, directory, CheckpointKind.GGUF)
+        return _gguf_checkpoint(DEFAULT_MODEL_NAME, default_gguf_path(), rebuild_cache)
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return Checkpoint(path.resolve().name, path, path, CheckpointKind.HF_DIR)
     if path.is_file() and path.suffix.lower() == ".gguf":
-        directory = gguf_cache_entry(path, rebuild=rebuild_cache)
-        return Checkpoint(path.stem, path, directory, CheckpointKind.GGUF)
+        return _gguf_checkpoint(path.stem, path, rebuild_cache)
     if path.exists():
         raise ModelLoadError(f"{path}: not a checkpoint directory or a .gguf file")
     raise ModelLoadError(
         f"{path}: model path not found (expected 'default', a checkpoint dir or a .gguf file)"
     )
+
+
+def _gguf_checkpoint(name: str, source: Path, rebuild: bool) -> Checkpoint:
+    entry = gguf_cache_dir(source)
+    built = ensure_gguf_entry(source, entry, rebuild)
+    return Checkpoint(name, source, entry, CheckpointKind.GGUF, built)

@@ -60,20 +60,31 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def gguf_cache_entry(path: Path, root: Path | None = None, rebuild: bool = False) -> Path:
-    """The cache directory holding ``path`` as an HF checkpoint, built on first use (or when ``rebuild``).
-
-    Raises :class:`ModelLoadError` if the file is missing, unreadable or unsupported (nothing is written
-    then), or if the cache directory cannot be written.
-    """
+def gguf_cache_dir(path: Path, root: Path | None = None) -> Path:
+    """Where the entry for ``path`` lives (it may not exist yet); hashes the file."""
     if not path.is_file():
         raise ModelLoadError(f"{path}: GGUF file not found")
-    entry = (root or cache_root()) / f"gguf-v{CACHE_FORMAT}" / file_sha256(path)
+    return (root or cache_root()) / f"gguf-v{CACHE_FORMAT}" / file_sha256(path)
+
+
+def ensure_gguf_entry(path: Path, entry: Path, rebuild: bool = False) -> bool:
+    """Build ``entry`` from ``path`` unless it exists (or ``rebuild``); returns whether it was built.
+
+    Raises :class:`ModelLoadError` if the file is unreadable or unsupported (nothing is written then), or
+    if the cache directory cannot be written.
+    """
     if entry.is_dir() and not rebuild:
-        return entry
-    if rebuild and entry.is_dir():
+        return False
+    if entry.is_dir():
         shutil.rmtree(entry, ignore_errors=True)
     _build_entry(path, entry)
+    return True
+
+
+def gguf_cache_entry(path: Path, root: Path | None = None, rebuild: bool = False) -> Path:
+    """The cache directory holding ``path`` as an HF checkpoint, built on first use (or when ``rebuild``)."""
+    entry = gguf_cache_dir(path, root)
+    ensure_gguf_entry(path, entry, rebuild)
     return entry
 
 

@@ -81,9 +81,9 @@ class Model:
         try:
             self.config, self.runtime = self._load(checkpoint)
         except ModelLoadError:
-            if checkpoint.kind is not CheckpointKind.GGUF:
+            if checkpoint.kind is not CheckpointKind.GGUF or checkpoint.built:
                 raise
-            # A damaged cache entry (disk full, manual edits) is rebuilt once from the GGUF file.
+            # An earlier cache entry that fails to load (damaged on disk) is rebuilt once from the GGUF file.
             checkpoint = resolve_checkpoint(name_or_path, rebuild_cache=True)
             self.config, self.runtime = self._load(checkpoint)
         self.checkpoint = checkpoint

@@ -147,3 +147,16 @@ def test_streamed_safetensors_refuses_mismatches(tmp_path):
         write_safetensors(tmp_path / "y.safetensors", spec, iter([]))
     with pytest.raises(ValueError, match="dtype"):
         TensorSpec("a", "I64", (2,))
+
+
+def test_a_freshly_built_entry_that_fails_to_load_is_not_rebuilt(cache_dir, tmp_path, monkeypatch):
+    path = tmp_path / "mismatch.gguf"
+    write_gguf(path, "llama", random_state({**TINY_RAW, "vocab_size": 250}), TINY_RAW, tokenizer=False)
+    builds = []
+    real_build = gguf_cache._build_entry
+    monkeypatch.setattr(
+        gguf_cache, "_build_entry", lambda src, entry: (builds.append(entry), real_build(src, entry))
+    )
+    with pytest.raises(ModelLoadError, match="vocab mismatch: the token embedding has 250 rows"):
+        Model(str(path))
+    assert len(builds) == 1  # the file itself is wrong: rebuilding the entry would not help
