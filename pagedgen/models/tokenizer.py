@@ -125,10 +125,10 @@ class IncrementalDetokenizer:
     generated token gets the spacing it has in the full text. Mutates only itself.
     """
 
-    def __init__(
-        self, tokenizer: Tokenizer, skip_special_tokens: bool = True, context_ids: Sequence[int] = ()
-    ):
-        self._tokenizer = tokenizer
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True, context_ids: Sequence[int] = ()):
+        # Any tokenizer with ``decode(ids, skip_special_tokens)`` works (the synthetic model's too); ours
+        # exposes ``decode_raw`` so already streamed text is never rewritten by the space clean-up.
+        self._decode = getattr(tokenizer, "decode_raw", tokenizer.decode)
         self._skip = skip_special_tokens
         self._ids: list[int] = [int(i) for i in context_ids]
         self._prefix = 0  # start of the decode window
@@ -148,7 +148,7 @@ class IncrementalDetokenizer:
 
         The held-back tail is at most one UTF-8 character, i.e. at most ``_MAX_CHAR_TOKENS`` ids.
         """
-        decode = self._tokenizer.decode_raw
+        decode = self._decode
         lowest = max(self._read, len(self._ids) - _MAX_CHAR_TOKENS)
         for end in range(len(self._ids), lowest, -1):
             text = decode(self._ids[self._prefix : end], self._skip)

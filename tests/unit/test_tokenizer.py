@@ -168,3 +168,12 @@ def test_errors(tmp_path, byte_tok):
         Tokenizer(str(tmp_path / "nowhere"))
     with pytest.raises(TokenizerError, match="expects a pagedgen.Model or a checkpoint path"):
         Tokenizer(object())
+
+
+def test_detokenizer_accepts_any_tokenizer_with_decode():
+    from pagedgen.models.synthetic import SyntheticTokenizer
+
+    synthetic = SyntheticTokenizer(vocab_size=97, eos_token_id=96)
+    detok = IncrementalDetokenizer(synthetic)
+    assert [detok.add(t) for t in synthetic.encode("Hi!")] == ["H", "i", "!"]
+    assert detok.add(96) == "" and detok.flush() == ""
