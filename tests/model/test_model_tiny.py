@@ -18,6 +18,7 @@ from tests.model.tiny_checkpoints import (
     hf_config_dict,
     hf_state,
     llama_cpp_permute,
+    llama_cpp_rope_factors,
     tiny_hf_model,
     write_gguf,
 )
@@ -86,3 +87,18 @@ def test_tiny_gguf_matches_transformers(arch, kind, tmp_path, monkeypatch):
     assert (prompt_logits(model, ids) - _reference(hf, ids)).abs().max().item() <= TOL
     assert model.tokenizer.decode(model.tokenizer.encode("héllo wörld")) == "héllo wörld"
     assert model.eos_token_ids == (model.tokenizer.token_to_id("<|im_end|>"),)
+
+
+def test_tiny_llama3_gguf_with_rope_freqs_matches_transformers(tmp_path, monkeypatch):
+    """llama.cpp stores llama3 rope scaling as a ``rope_freqs`` tensor of divisors, not as metadata."""
+    monkeypatch.setenv("PAGEDGEN_CACHE_DIR", str(tmp_path / "cache"))
+    hf = tiny_hf_model("llama3", seed=9)
+    config = hf_config_dict(hf)
+    factors = llama_cpp_rope_factors(hf.config.rope_parameters, config["head_dim"])
+    assert len(set(factors.tolist())) > 2  # all three regimes: kept, divided by 8, smoothed
+    path = tmp_path / "llama3.gguf"
+    write_gguf(path, "llama", hf_state(hf), config, rope_freqs=factors)
+    model = Model(str(path), device="cpu")
+    assert model.config.rope.rope_type == "freq_factors"
+    ids = _prompt(model.vocab_size, length=100, seed=11)
+    assert (prompt_logits(model, ids) - _reference(hf, ids)).abs().max().item() <= TOL

@@ -60,6 +60,28 @@ def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -
     )
 
 
+def llama_cpp_rope_factors(rope: Mapping[str, Any], head_dim: int) -> np.ndarray:
+    """The ``rope_freqs`` tensor llama.cpp's converter writes for llama3 rope scaling (its formula)."""
+    import math
+
+    base = rope.get("rope_theta", 10000.0)
+    freqs = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context_len = rope["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            factors.append(1)
+        elif wavelen > low_freq_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
 def tiny_config(kind: str, **overrides: Any):
     """A transformers config of a family: ``llama``, ``llama3``, ``mistral``, ``qwen2``, ``qwen3``."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
@@ -132,6 +154,7 @@ def write_gguf(
     config: Mapping[str, Any],
     qtype: Any = None,
     tokenizer: bool = True,
+    rope_freqs: np.ndarray | None = None,
 ) -> None:
     """Write a GGUF file like llama.cpp's converter: metadata, byte-level tokenizer, named tensors.
 
@@ -165,6 +188,8 @@ def write_gguf(
         writer.add_add_bos_token(False)
         writer.add_chat_template(CHAT_TEMPLATE)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", np.ascontiguousarray(rope_freqs, dtype=np.float32))
     for name, array in tensors.items():
         data = np.ascontiguousarray(array, dtype=np.float32)
         if arch == "llama" and ".q_proj." in name:
