@@ -160,3 +160,14 @@ def test_a_freshly_built_entry_that_fails_to_load_is_not_rebuilt(cache_dir, tmp_
     with pytest.raises(ModelLoadError, match="vocab mismatch: the token embedding has 250 rows"):
         Model(str(path))
     assert len(builds) == 1  # the file itself is wrong: rebuilding the entry would not help
+
+
+def test_losing_the_publish_race_keeps_the_winners_entry(tmp_path):
+    entry = tmp_path / "entry"
+    entry.mkdir()
+    (entry / "config.json").write_text("winner")
+    tmp = tmp_path / ".tmp-loser"
+    tmp.mkdir()
+    (tmp / "config.json").write_text("loser")
+    gguf_cache._publish(tmp, entry)  # another process renamed its copy first: no error, theirs stays
+    assert (entry / "config.json").read_text() == "winner"
