@@ -11,6 +11,7 @@ single-owner rule); the server instead owns its engine on a dedicated worker thr
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -199,6 +200,16 @@ def check_prompt_fits(num_prompt_tokens: int, max_tokens: int | None, context: i
     )
 
 
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a raw-text prompt, with the special tokens (BOS) the tokenizer puts at a sequence start.
+
+    Chat prompts are encoded without them instead: the chat template writes its own.
+    """
+    if "add_special_tokens" in inspect.signature(tokenizer.encode).parameters:
+        return tokenizer.encode(text, add_special_tokens=True)
+    return tokenizer.encode(text)
+
+
 def tokenizer_for(model: Any) -> Any:
     """The tokenizer of ``model``: ``pg.Tokenizer(model)`` for a real model, the model's own otherwise."""
     from pagedgen.models.model import Model
@@ -296,7 +307,7 @@ class LLM:
         for p in prompts:
             if isinstance(p, str):
                 texts.append(p)
-                ids.append(self.tokenizer.encode(p))
+                ids.append(encode_prompt(self.tokenizer, p))
             else:
                 texts.append(None)
                 ids.append([int(t) for t in p])

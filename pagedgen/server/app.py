@@ -2,8 +2,8 @@
 
 Handlers run on the asyncio event loop and never call the engine: they tokenize, validate, submit a copied job
 to the :class:`EngineWorker` (the engine's owner thread) and consume the job's updates from an asyncio queue.
-A streaming client that disconnects has its job cancelled (turn cancelled, request closed, blocks freed) by
-the stream generator's cleanup.
+A client that disconnects before its response ends has its job cancelled (turn cancelled, request closed,
+blocks freed): by the stream generator's cleanup, or for a non-streaming request by a disconnect watch.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from pagedgen.engine.events import EngineErrorCode
 from pagedgen.llm import (
     check_prompt_fits,
     context_length,
+    encode_prompt,
     finish_reason_text,
     is_engine_failure,
     tokenizer_for,
@@ -176,26 +177,22 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
             )
         except ValueError as exc:
             raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
-        builder = ChatResponses(
-            name, server.tokenizer, body.to_sampling_params(None).logprobs, body.include_usage
-        )
+        builder = ChatResponses(name, server.tokenizer, body.requested_logprobs, body.include_usage)
         return await _serve(server, body, ids, builder, arrived, "messages", request.receive)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         arrived = time.monotonic()
         _check_model(body.model, name)
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            prompt = prompt[0]
+        prompt = body.prompt  # a string or token ids (a one-string list was unwrapped by validation)
         if isinstance(prompt, str):
-            ids = server.tokenizer.encode(prompt)
+            ids = encode_prompt(server.tokenizer, prompt)
         else:
             ids = list(prompt)
             if max(ids) >= server.vocab_size:
                 message = f"prompt token id {max(ids)} is outside the vocabulary (size {server.vocab_size})"
                 raise ApiError(400, message, param="prompt")
-        builder = CompletionResponses(name, server.tokenizer, body.logprobs, body.include_usage)
+        builder = CompletionResponses(name, server.tokenizer, body.requested_logprobs, body.include_usage)
         return await _serve(server, body, ids, builder, arrived, "prompt", request.receive)
 
 
@@ -214,6 +211,8 @@ async def _serve(
     receive: Receive,
 ) -> Any:
     """Validate the prompt length, submit the job, then stream or collect its output."""
+    if not ids:
+        raise ApiError(400, "the prompt is empty: at least one input token is required", param=prompt_param)
     max_tokens = body.requested_max_tokens
     problem = check_prompt_fits(len(ids), max_tokens, server.context)
     if problem is not None:

@@ -153,29 +153,47 @@ class ChatCompletionRequest(_SamplingFields):
         return self
 
     @property
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(max_tokens, self.requested_logprobs)
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | list[str]
+    prompt: (
+        str
+        | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+        | Annotated[list[str], Field(min_length=1)]
+    )
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
 
-    @model_validator(mode="after")
-    def _check_completion(self) -> CompletionRequest:
-        texts = isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str)
-        if texts and len(self.prompt) != 1:
-            raise ValueError(
-                f"prompt holds {len(self.prompt)} strings: pagedgen serves one prompt per request"
-            )
-        if self.echo:
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt: str | list[int] | list[str]) -> str | list[int]:
+        if isinstance(prompt, list) and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise ValueError(
+                    f"prompt holds {len(prompt)} strings: pagedgen serves one prompt per request"
+                )
+            return prompt[0]
+        return prompt
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool) -> bool:
+        if echo:
             raise ValueError("echo=true is not supported")
-        return self
+        return echo
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -183,7 +201,7 @@ class CompletionRequest(_SamplingFields):
         return 16 if self.max_tokens is None else self.max_tokens
 
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        return self._sampling_params(max_tokens, self.logprobs)
+        return self._sampling_params(max_tokens, self.requested_logprobs)
 
 
 def new_id(prefix: str) -> str:

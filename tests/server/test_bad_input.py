@@ -46,6 +46,10 @@ def test_malformed_json_is_400(live_server, content):
         ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "max_tokens": "8"}, "max_tokens"),
         ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "temperature": "hot"}, "temperature"),
         ("/v1/completions", {"model": MODEL_NAME, "prompt": 5}, "prompt"),
+        ("/v1/completions", {"model": MODEL_NAME, "prompt": []}, "prompt"),
+        ("/v1/completions", {"model": MODEL_NAME, "prompt": [-1]}, "prompt"),
+        ("/v1/completions", {"model": MODEL_NAME, "prompt": ["a", "b"]}, "prompt"),
+        ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "echo": True}, "echo"),
         ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "stream": "yes"}, "stream"),
         ("/v1/chat/completions", {"model": MODEL_NAME, "messages": "hi"}, "messages"),
         (
@@ -100,6 +104,11 @@ def test_prompt_longer_than_the_context_is_400_with_the_numbers(live_server, cli
         json={"model": MODEL_NAME, "messages": [{"role": "user", "content": long_text}]},
     )
     assert _error(response, 400)["code"] == "context_length_exceeded"
+
+
+def test_empty_prompt_is_400(client):
+    with pytest.raises(openai.BadRequestError, match="empty"):
+        client.completions.create(model=MODEL_NAME, prompt="", max_tokens=4)
 
 
 def test_out_of_vocabulary_token_id_is_400(client, default_model):
