@@ -177,7 +177,7 @@ class Engine:
 
     def _set_draft_tokens(self, request: Request, draft_tokens: Sequence[int]) -> None:
         self._checked_state(request)
-        if len(draft_tokens):
+        if len(list(draft_tokens)):
             raise DraftsUnsupportedError(
                 "caller-supplied draft tokens are not supported yet (max_draft_tokens_per_proposal() is 0); "
                 "only an empty list is accepted"
@@ -258,6 +258,8 @@ class Engine:
                 handle._finalizer.detach()
             self._release(state)
         self._abandoned.clear()
+        self._pending.clear()
+        self._runner.release()
         self._closed = True
 
     # -- internals ------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import dataclasses
 import enum
 import operator
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -75,6 +75,8 @@ class GeneratorParams:
             raise InvalidArgumentError(
                 f"max_length {max_length} exceeds the model's context length {self.model.max_context}"
             )
+        if isinstance(options.get("logit_bias"), Mapping):  # {token: bias} is the OpenAI shape
+            options["logit_bias"] = tuple(sorted(options["logit_bias"].items()))
         try:
             sampling = dataclasses.replace(self.sampling, **options)
         except (TypeError, ValueError) as exc:

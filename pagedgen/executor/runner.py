@@ -35,7 +35,9 @@ class ModelRunner:
         self.runtime = model.runtime
         self.device = torch.device(model.device)
         self.vocab_size = int(model.vocab_size)
-        self.kv_cache = PagedKVCache(model.kv_spec, num_blocks, block_size, device=self.device)
+        self.kv_cache: PagedKVCache | None = PagedKVCache(
+            model.kv_spec, num_blocks, block_size, device=self.device
+        )
 
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Run the model once; returns float logits ``[len(inputs.logits_rows), vocab]``.
@@ -52,3 +54,7 @@ class ModelRunner:
         if tuple(logits.shape) != expected:
             raise RuntimeError(f"model returned logits of shape {tuple(logits.shape)}, expected {expected}")
         return logits
+
+    def release(self) -> None:
+        """Drop the KV storage (engine teardown); ``execute`` must not be called afterwards."""
+        self.kv_cache = None
