@@ -26,13 +26,6 @@ VOCAB = 95
 POISON = 13  # a prompt holding this token makes the failing model's forward raise
 
 
-class StreamingSyntheticTokenizer(SyntheticTokenizer):
-    """The synthetic codec plus the ``decode_raw`` that ``IncrementalDetokenizer`` calls."""
-
-    def decode_raw(self, ids, skip_special_tokens=True):
-        return self.decode(ids, skip_special_tokens)
-
-
 class ModelFailure(Exception):
     """Not an error type the engine knows: an unknown execution failure, which is fatal."""
 
@@ -60,9 +53,7 @@ class GatedModel(SyntheticModel):
 
 def _serve(model) -> LiveServer:
     config = pg.EngineConfig(max_batch_size=8, num_blocks=64, debug_invariants=True)
-    app = build_app(
-        model, config, ServerOptions(model_name="synthetic"), tokenizer=StreamingSyntheticTokenizer(VOCAB)
-    )
+    app = build_app(model, config, ServerOptions(model_name="synthetic"), tokenizer=SyntheticTokenizer(VOCAB))
     return LiveServer(app).start()
 
 
@@ -95,7 +86,7 @@ def _client(server: LiveServer) -> openai.OpenAI:
 
 def test_completions_return_the_exact_synthetic_tokens(synthetic_server):
     client = _client(synthetic_server)
-    tokenizer = StreamingSyntheticTokenizer(VOCAB)
+    tokenizer = SyntheticTokenizer(VOCAB)
     for prompt in ([5, 6, 7], [40, 2, 9, 11, 3]):
         expected = tokenizer.decode(synthetic_greedy(prompt, 6, VOCAB))
         response = client.completions.create(model="synthetic", prompt=prompt, max_tokens=6, temperature=0)
@@ -118,9 +109,7 @@ def test_model_without_chat_template_refuses_chat(synthetic_server):
 def test_engine_failure_makes_every_route_503(failing_server):
     client = _client(failing_server)
     ok = client.completions.create(model="synthetic", prompt=[1, 2, 3], max_tokens=3, temperature=0)
-    assert ok.choices[0].text == StreamingSyntheticTokenizer(VOCAB).decode(
-        synthetic_greedy([1, 2, 3], 3, VOCAB)
-    )
+    assert ok.choices[0].text == SyntheticTokenizer(VOCAB).decode(synthetic_greedy([1, 2, 3], 3, VOCAB))
 
     with pytest.raises(openai.InternalServerError) as info:
         client.completions.create(model="synthetic", prompt=[1, POISON, 3], max_tokens=3)
@@ -179,4 +168,4 @@ def test_client_that_leaves_has_its_turn_cancelled_and_blocks_freed(gated, strea
     assert metric(metrics, "pagedgen:kv_cache_blocks_free", model_name="synthetic") == 64
     assert metric(metrics, "pagedgen:num_requests_running", model_name="synthetic") == 0
     ok = _client(server).completions.create(model="synthetic", prompt=[4, 5], max_tokens=3, temperature=0)
-    assert ok.choices[0].text == StreamingSyntheticTokenizer(VOCAB).decode(synthetic_greedy([4, 5], 3, VOCAB))
+    assert ok.choices[0].text == SyntheticTokenizer(VOCAB).decode(synthetic_greedy([4, 5], 3, VOCAB))
