@@ -106,10 +106,15 @@ class SyntheticTokenizer:
         self.vocab_size = vocab_size
         self.eos_token_ids = () if eos_token_id is None else (eos_token_id,)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """One token per character; there are no special tokens to add."""
         return [(ord(ch) - 32) % 95 % self.vocab_size for ch in text]
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return "".join(
             chr(32 + t % 95) for t in token_ids if not (skip_special_tokens and t in self.eos_token_ids)
         )
+
+    def decode_raw(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Same as ``decode``: this codec has no clean-up step that streaming must bypass."""
+        return self.decode(token_ids, skip_special_tokens)
