@@ -94,7 +94,8 @@ def pack_step(
     cu = np.zeros(len(chunks) + 1, dtype=np.int64)
     np.cumsum(q_lens, out=cu[1:])
     total = int(cu[-1])
-    input_ids = np.fromiter((t for c in chunks for t in c.tokens), dtype=np.int64, count=total)
+    # One C-level copy per request (never a Python step per token, which long prefills would pay).
+    input_ids = np.concatenate([np.asarray(c.tokens, dtype=np.int64) for c in chunks])
     # Position of each token: its request's past length plus its offset inside the request's chunk.
     row_of_token = np.repeat(np.arange(len(chunks)), q_lens)
     positions = past[row_of_token] + (np.arange(total) - cu[:-1][row_of_token])

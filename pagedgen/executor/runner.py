@@ -13,6 +13,7 @@ import torch
 from pagedgen.errors import PagedGenError
 from pagedgen.executor.inputs import StepInputs
 from pagedgen.models.base import PagedKVCache
+from pagedgen.ops.cpu_memory import retain_freed_cpu_memory
 
 
 class RetryableExecutionError(PagedGenError, RuntimeError):
@@ -35,6 +36,9 @@ class ModelRunner:
         self.runtime = model.runtime
         self.device = torch.device(model.device)
         self.vocab_size = int(model.vocab_size)
+        if self.device.type == "cpu":
+            # Step temporaries (gathered K/V, activations) are reused instead of re-faulted every step.
+            retain_freed_cpu_memory()
         self.kv_cache: PagedKVCache | None = PagedKVCache(
             model.kv_spec, num_blocks, block_size, device=self.device
         )
