@@ -1,15 +1,23 @@
 """The one matmul entry point of every model's linear layers.
 
-Kept behind a single function so the GEMM backend can be chosen per shape (see docs/performance.md)
-without touching model code.
+Kept behind a single function so the GEMM backend is chosen per shape (:mod:`pagedgen.ops.gemm`,
+docs/performance.md) without touching model code: CPU fp32 calls go to the backend the active
+:class:`~pagedgen.ops.gemm.GemmTable` names for ``(rows, in, out)``; everything else (CUDA, half precision,
+autograd, 3-D inputs) goes to ``F.linear``.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from pagedgen.ops.gemm import GemmBackend, choose_backend, openblas_eligible, openblas_gemm, torch_gemm
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for ``x [rows, in]`` and ``weight [out, in]``."""
-    return F.linear(x, weight, bias)
+    """``x @ weight.T + bias`` for ``x [rows, in]`` and ``weight [out, in]``; returns ``[rows, out]``."""
+    if (
+        openblas_eligible(x, weight, bias)
+        and choose_backend(x.shape[0], weight.shape[1], weight.shape[0]) is GemmBackend.OPENBLAS
+    ):
+        return openblas_gemm(x, weight, bias)
+    return torch_gemm(x, weight, bias)
