@@ -1,0 +1,342 @@
+"""``pagedgen bench {throughput,serve,gemm}``: argument parsing and the wiring between the bench modules.
+
+``pagedgen/cli.py`` hands ``pagedgen bench ...`` here as ``main(argv)``. Every subcommand prints a readable
+report and, with ``--json``, writes the machine-readable one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+DEFAULT_BASELINES = "hf-static"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedgen bench", description="Benchmarks: offline, online, GEMM.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _throughput_parser(sub.add_parser("throughput", help="offline throughput vs transformers (and others)"))
+    _serve_parser(sub.add_parser("serve", help="online latency against a running 'pagedgen serve'"))
+    _gemm_parser(sub.add_parser("gemm", help="GEMM backend timings per shape and the table they imply"))
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"request rate must be > 0 or inf, got {text}")
+    return value
+
+
+def _add_workload_args(p: argparse.ArgumentParser, default: str) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument(
+        "--workload", nargs="+", default=None, help=f"named workloads: W1 W2 B1 (default {default})"
+    )
+    g.add_argument("--num-prompts", type=_positive_int, help="requests of a custom workload (default 64)")
+    g.add_argument("--input-len", help="custom workload prompt length: N or LOW:HIGH")
+    g.add_argument("--output-len", help="custom workload output length: N or LOW:HIGH")
+    g.add_argument("--seed", type=int, default=0, help="seed of the custom workload")
+
+
+def _throughput_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help="'default', a checkpoint dir, a .gguf, or 'synthetic'")
+    _add_workload_args(p, "W1")
+    p.add_argument(
+        "--baselines",
+        default=DEFAULT_BASELINES,
+        help="comma list of hf-static, hf-cb, vllm, ort-genai, run in this order after pagedgen ('' none)",
+    )
+    e = p.add_argument_group("pagedgen engine")
+    e.add_argument("--max-batch-size", type=_positive_int, default=32, help="batch size of every system")
+    e.add_argument("--max-scheduled-tokens", type=_positive_int, default=2048)
+    e.add_argument("--block-size", type=_positive_int, default=16)
+    e.add_argument("--num-blocks", type=_positive_int)
+    e.add_argument("--chunk-size", type=_positive_int)
+    m = p.add_argument_group("machine")
+    m.add_argument("--threads", type=_positive_int, help="threads of torch and OpenBLAS (default: all CPUs)")
+    m.add_argument(
+        "--gemm",
+        choices=["auto", "torch", "openblas"],
+        default="auto",
+        help="linear-layer backend: the measured table (auto) or one backend for every shape",
+    )
+    m.add_argument("--no-roofline", action="store_true", help="skip the GEMM peak measurement")
+    o = p.add_argument_group("output")
+    o.add_argument("--profile", action="store_true", help="split pagedgen's step time into phases")
+    o.add_argument("--json", type=Path, help="write every record (and the machine) to this JSON file")
+    o.add_argument("--markdown", type=Path, help="write the markdown table to this file")
+    o.add_argument("--plot", type=Path, help="bar chart PNG (default: next to --json)")
+
+
+def _serve_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's base URL")
+    p.add_argument("--served-model", help="model id to send (default: the first of GET /v1/models)")
+    p.add_argument("--api-key", default=os.environ.get("PAGEDGEN_API_KEY"), help="bearer token, if required")
+    p.add_argument(
+        "--tokenizer", default="default", help="model whose tokenizer builds the prompts ('synthetic' too)"
+    )
+    _add_workload_args(p, "W2")
+    p.add_argument(
+        "--request-rate", type=_rate, nargs="+", default=[math.inf], help="requests/s (several: one run each)"
+    )
+    p.add_argument("--max-concurrency", type=_positive_int, help="most requests in flight")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
+    p.add_argument("--json", type=Path, help="write the summaries to this JSON file")
+    p.add_argument("--plot", type=Path, help="latency-vs-rate PNG (default: next to --json, 2+ rates)")
+
+
+def _gemm_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help="model whose linear shapes to time")
+    p.add_argument("--rows", default="1,4,8,16,32,64,128,256", help="comma list of row counts")
+    p.add_argument("--trials", type=_positive_int, default=5)
+    p.add_argument("--threads", type=_positive_int, help="threads of torch and OpenBLAS (default: all CPUs)")
+    p.add_argument("--json", type=Path)
+
+
+def workloads_from_args(args: argparse.Namespace, default: str) -> list[Any]:
+    """Named workloads plus, if any length flag is given, a ``custom`` one. Raises ValueError on bad input."""
+    from pagedgen.bench.workloads import LengthRange, WorkloadSpec, workload_by_name
+
+    custom = args.input_len is not None or args.output_len is not None or args.num_prompts is not None
+    names = args.workload if args.workload is not None else ([] if custom else [default])
+    specs = [workload_by_name(n) for n in names]
+    if custom:
+        specs.append(
+            WorkloadSpec(
+                "custom",
+                args.num_prompts or 64,
+                LengthRange.parse(args.input_len or "100"),
+                LengthRange.parse(args.output_len or "128"),
+                seed=args.seed,
+            )
+        )
+    return specs
+
+
+def machine_info(peak_flops: float | None) -> dict[str, Any]:
+    """What a reader needs to interpret the numbers: CPU, threads, versions, GEMM table, load."""
+    import numpy as np
+    import torch
+
+    from pagedgen.ops.gemm import active_table
+    from pagedgen.ops.gemm_threads import current_thread_settings
+
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    threads = current_thread_settings()
+    return {
+        "cpu": cpu,
+        "cpus": threads.cpus,
+        "torch_threads": threads.torch_threads,
+        "blas_threads": threads.blas_threads,
+        "blas_core": threads.blas_core,
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+        "gemm_table": active_table().describe(),
+        "gemm_peak_gflops": None if peak_flops is None else peak_flops / 1e9,
+        "load_average": list(os.getloadavg()),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def _setup_machine(threads: int | None, gemm: str) -> None:
+    from pagedgen.ops import gemm as gemm_mod
+    from pagedgen.ops.gemm_threads import configure_cpu_threads
+
+    configure_cpu_threads(threads)
+    tables = {
+        "auto": gemm_mod.DEFAULT_TABLE,
+        "torch": gemm_mod.TORCH_ONLY,
+        "openblas": gemm_mod.OPENBLAS_ONLY,
+    }
+    gemm_mod.set_gemm_table(tables[gemm])
+
+
+def _load_model(name: str) -> tuple[Any, Any, Path | None]:
+    """(model, tokenizer, checkpoint dir for the baselines); ``synthetic`` is the weightless test model."""
+    if name == "synthetic":
+        from pagedgen.models.synthetic import SyntheticModel
+
+        model = SyntheticModel()
+        return model, model.tokenizer, None
+    from pagedgen.models.model import Model
+    from pagedgen.models.tokenizer import Tokenizer
+
+    model = Model(name)
+    return model, Tokenizer(model), model.checkpoint_dir
+
+
+def cmd_throughput(args: argparse.Namespace) -> int:
+    from pagedgen.bench.baselines import baseline_runners
+    from pagedgen.bench.profile import format_profile
+    from pagedgen.bench.report import json_document, markdown_table, plot_throughput, write_json
+    from pagedgen.bench.roofline import measure_gemm_flops
+    from pagedgen.bench.throughput import PagedgenOptions, ThroughputResult, bench_workload
+
+    specs = workloads_from_args(args, "W1")
+    names = [n.strip() for n in args.baselines.split(",") if n.strip()]
+    _setup_machine(args.threads, args.gemm)
+    peak = None if args.no_roofline else measure_gemm_flops()
+    result = ThroughputResult(machine=machine_info(peak))
+    _print_machine(result.machine)
+    model, tokenizer, checkpoint = _load_model(args.model)
+    runners = baseline_runners(names, checkpoint)
+    options = PagedgenOptions(
+        max_batch_size=args.max_batch_size,
+        max_scheduled_tokens=args.max_scheduled_tokens,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        chunk_size=args.chunk_size,
+    )
+    for spec in specs:
+        bench_workload(
+            spec, model, tokenizer, options, runners, peak_flops=peak, profile=args.profile, result=result
+        )
+    result.machine["load_average_end"] = list(os.getloadavg())
+    table = markdown_table(result.records)
+    print("\n" + table)
+    for name, summary in result.profiles.items():
+        print("\n" + format_profile(f"profile {name}", summary))
+    command = "pagedgen bench " + " ".join(sys.argv[2:] if args.argv is None else args.argv)
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(table + "\n")
+    if args.json:
+        profiles = {k: v.to_dict() for k, v in result.profiles.items()}
+        write_json(
+            args.json,
+            json_document(result.records, command=command, machine=result.machine, profiles=profiles),
+        )
+    plot = args.plot or (args.json.with_suffix(".png") if args.json else None)
+    if plot is not None and plot_throughput(result.records, plot):
+        print(f"\nchart: {plot}")
+    return 0
+
+
+def _print_machine(machine: dict[str, Any]) -> None:
+    peak = machine["gemm_peak_gflops"]
+    print(
+        f"{machine['cpu']}: {machine['cpus']} CPUs, torch {machine['torch_threads']} threads, OpenBLAS "
+        f"{machine['blas_threads']} threads ({machine['blas_core']}); GEMM table: {machine['gemm_table']}; "
+        f"fp32 GEMM peak {'—' if peak is None else f'{peak:.1f} GFLOP/s'}; load {machine['load_average']}",
+        flush=True,
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pagedgen.bench.report import write_json
+    from pagedgen.bench.serve import format_summary, plot_latency_vs_rate, run_rate, served_model_name
+    from pagedgen.bench.workloads import build_workload
+    from pagedgen.models.synthetic import SyntheticModel
+    from pagedgen.models.tokenizer import Tokenizer
+
+    specs = workloads_from_args(args, "W2")
+    tokenizer = SyntheticModel().tokenizer if args.tokenizer == "synthetic" else Tokenizer(args.tokenizer)
+    model = args.served_model or asyncio.run(served_model_name(args.base_url, args.api_key))
+    summaries = []
+    for spec in specs:
+        requests = build_workload(spec, tokenizer)
+        for rate in args.request_rate:
+            summary = asyncio.run(
+                run_rate(
+                    args.base_url,
+                    model,
+                    requests,
+                    rate,
+                    args.max_concurrency,
+                    api_key=args.api_key,
+                    seed=args.seed,
+                    timeout_s=args.timeout,
+                )
+            )
+            summaries.append((spec.name, summary))
+            print(f"[{spec.name}] " + format_summary(summary), flush=True)
+    if args.json:
+        records = [{"workload": name, **s.to_dict()} for name, s in summaries]
+        write_json(args.json, {"base_url": args.base_url, "model": model, "summaries": records})
+    plot = args.plot or (args.json.with_suffix(".png") if args.json else None)
+    if plot is not None and plot_latency_vs_rate([s for _, s in summaries], plot):
+        print(f"\nchart: {plot}")
+    return 0 if all(s.failed == 0 for _, s in summaries) else 1
+
+
+def cmd_gemm(args: argparse.Namespace) -> int:
+    from pagedgen.bench.report import write_json
+    from pagedgen.ops.gemm import GemmBackend
+    from pagedgen.ops.gemm_calibrate import check_equivalence, derive_table, model_linear_shapes, time_shape
+    from pagedgen.ops.gemm_threads import configure_cpu_threads, torch_pool
+
+    settings = configure_cpu_threads(args.threads)
+    from pagedgen.models.checkpoint import resolve_checkpoint
+    from pagedgen.models.hf_loader import read_hf_config
+
+    config = read_hf_config(resolve_checkpoint(args.model).directory)
+    rows = [int(r) for r in args.rows.split(",") if r.strip()]
+    print(f"threads: torch {settings.torch_threads}, OpenBLAS {settings.blas_threads} ({settings.blas_core})")
+    print("| in -> out | rows | torch GFLOP/s | OpenBLAS GFLOP/s | OpenBLAS / torch |")
+    print("|---|---|---|---|---|")
+    timings = []
+    for in_f, out_f in model_linear_shapes(config):
+        for r in rows:
+            t = time_shape(r, in_f, out_f, trials=args.trials)
+            timings.append(t)
+            print(
+                f"| {in_f} -> {out_f} | {r} | {t.gflops(GemmBackend.TORCH):.1f} "
+                f"| {t.gflops(GemmBackend.OPENBLAS):.1f} | {t.ratio(GemmBackend.OPENBLAS):.2f}x |",
+                flush=True,
+            )
+    torch_pool.restore()
+    table = derive_table(timings)
+    worst = max(check_equivalence(r, i, o) for i, o in model_linear_shapes(config) for r in (1, 64))
+    print(f"\nderived table: {table.describe()}\nmax relative difference between backends: {worst:.2e}")
+    if args.json:
+        write_json(
+            args.json,
+            {
+                "threads": {"torch": settings.torch_threads, "blas": settings.blas_threads},
+                "derived_table": table.describe(),
+                "max_relative_difference": worst,
+                "timings": [
+                    {"rows": t.rows, "in": t.in_features, "out": t.out_features}
+                    | {f"{b.value}_gflops": t.gflops(b) for b in t.seconds}
+                    for t in timings
+                ],
+            },
+        )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``pagedgen bench``; returns the exit status (2 for a usage error)."""
+    parser = build_parser()
+    args = parser.parse_args(None if argv is None else list(argv))
+    args.argv = None if argv is None else list(argv)
+    handlers = {"throughput": cmd_throughput, "serve": cmd_serve, "gemm": cmd_gemm}
+    try:
+        return handlers[args.command](args)
+    except ValueError as exc:
+        print(f"pagedgen bench {args.command}: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,234 @@
+"""``pagedgen bench throughput``: run a workload offline on pagedgen and each baseline, one record per system.
+
+All requests are submitted at once (like ``vllm bench throughput``); each system generates exactly the
+workload's greedy tokens per request (EOS ignored). pagedgen runs first and its outputs are the reference
+the baselines' match rates are computed against. Each system gets a short untimed warm-up (first-call
+allocations, thread-pool start) before its timed run, and both thread pools are restored to their full size
+before every system so a baseline never inherits pagedgen's parked torch pool.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from pagedgen.bench.memory import PeakRss
+from pagedgen.bench.profile import ProfileSummary, StepProfiler
+from pagedgen.bench.records import BenchRecord, RunStatus, SystemRun, SystemSkipped, make_record
+from pagedgen.bench.roofline import flop_model_of
+from pagedgen.bench.workloads import BenchRequest, WorkloadSpec, build_workload
+from pagedgen.errors import EngineError
+from pagedgen.ops.gemm_threads import torch_pool
+
+WARMUP_REQUESTS = 2
+WARMUP_TOKENS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class PagedgenOptions:
+    """Engine settings of the pagedgen run (``max_batch_size`` may be overridden per workload)."""
+
+    max_batch_size: int = 32
+    max_scheduled_tokens: int = 2048
+    block_size: int = 16
+    num_blocks: int | None = None
+    chunk_size: int | None = None
+
+    def engine_config(self, max_batch_size: int | None = None) -> Any:
+        from pagedgen.engine.config import EngineConfig
+
+        return EngineConfig(
+            max_batch_size=max_batch_size or self.max_batch_size,
+            max_scheduled_tokens=self.max_scheduled_tokens,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            chunk_size=self.chunk_size,
+        )
+
+
+@dataclass(slots=True)
+class PagedgenRun:
+    """pagedgen's run plus, when profiled, the step-phase breakdown."""
+
+    run: SystemRun
+    profiler: StepProfiler | None = None
+
+
+def run_pagedgen(
+    model: Any, requests: Sequence[BenchRequest], config: Any, *, profile: bool = False
+) -> PagedgenRun:
+    """Generate every request's tokens on one fresh Engine; returns outputs in request order.
+
+    Raises :class:`EngineError` if the engine fails or a turn ends before its requested length.
+    """
+    from pagedgen.engine.engine import Engine
+
+    engine = Engine(model, config)
+    try:
+        profiler = StepProfiler() if profile else None
+        if profiler is not None:
+            profiler.attach(engine)
+        buffer = engine.create_event_buffer(4 * config.max_batch_size + 16)
+        start = time.perf_counter()
+        outputs, peak_blocks = _drive(engine, buffer, model, requests, profiler)
+        wall = time.perf_counter() - start
+        stats = engine.stats()
+        run = SystemRun(
+            outputs,
+            wall,
+            kv_blocks_used=peak_blocks,
+            kv_blocks_total=stats.total_blocks,
+            details={"steps": stats.steps, "rollbacks": stats.rollbacks},
+        )
+        return PagedgenRun(run, profiler)
+    finally:
+        engine.close()
+
+
+def _drive(
+    engine: Any, buffer: Any, model: Any, requests: Sequence[BenchRequest], profiler: StepProfiler | None
+) -> tuple[list[list[int]], int]:
+    """Submit all requests, run the engine loop to completion; returns outputs and peak blocks in use."""
+    from pagedgen.engine.events import EngineEventFlags, FinishReason
+    from pagedgen.engine.request import GeneratorParams, RequestOptions, TurnOptions
+
+    params = GeneratorParams(model)
+    params.set_search_options(do_sample=False, ignore_eos=True)
+    index_of: dict[int, int] = {}
+    handles = []
+    for i, r in enumerate(requests):
+        handle = engine.create_request(params, RequestOptions())
+        options = TurnOptions(handle)
+        options.set_max_generated_tokens(r.output_len)
+        handle.begin_turn(list(r.prompt_ids), options)
+        index_of[id(handle)] = i
+        handles.append(handle)
+    outputs: list[list[int]] = [[] for _ in requests]
+    peak_blocks = 0
+    while engine.has_pending_requests():
+        events = profiler.run(engine, buffer) if profiler is not None else engine.run(buffer)
+        for event in events:
+            if event.request is None:
+                if event.flags & EngineEventFlags.FAILED:
+                    raise EngineError(f"the engine failed: {event.error_code.value}")
+                continue
+            i = index_of[id(event.request)]
+            if event.token is not None:
+                outputs[i].append(event.token)
+            if event.flags & EngineEventFlags.TURN_FINISHED:
+                if event.finish_reason is not FinishReason.MAX_GENERATED_TOKENS:
+                    raise EngineError(f"request {i} finished with {event.finish_reason.value}")
+                event.request.close()
+        stats = engine.stats()
+        peak_blocks = max(peak_blocks, stats.total_blocks - stats.free_blocks)
+    return outputs, peak_blocks
+
+
+# A system runner: (workload requests, max batch size) -> SystemRun, or raises SystemSkipped.
+SystemRunner = Callable[[Sequence[BenchRequest], int], SystemRun]
+
+
+@dataclass(slots=True)
+class ThroughputResult:
+    """Everything one ``bench throughput`` invocation measured."""
+
+    records: list[BenchRecord] = field(default_factory=list)
+    profiles: dict[str, ProfileSummary] = field(default_factory=dict)  # "W1" / "W1@32" -> summary
+    machine: dict[str, Any] = field(default_factory=dict)
+
+
+def warmup_requests(requests: Sequence[BenchRequest]) -> list[BenchRequest]:
+    """A tiny slice of the workload: a system's first-call costs stay out of its timed run."""
+    return [replace(r, output_len=min(r.output_len, WARMUP_TOKENS)) for r in requests[:WARMUP_REQUESTS]]
+
+
+def bench_workload(
+    spec: WorkloadSpec,
+    model: Any,
+    tokenizer: Any,
+    options: PagedgenOptions,
+    baselines: dict[str, SystemRunner],
+    *,
+    peak_flops: float | None,
+    profile: bool = False,
+    result: ThroughputResult,
+    log: Callable[[str], None] = print,
+) -> None:
+    """Run ``spec`` on pagedgen then on every baseline (in the given order); appends records to ``result``."""
+    requests = build_workload(spec, tokenizer)
+    batch = spec.max_batch_size or options.max_batch_size
+    flops = flop_model_of(model)
+    model_flops = None if flops is None else flops.workload_flops(requests)
+    log(f"[{spec.name}] {spec.describe()}; max batch {batch}")
+    config = options.engine_config(batch)
+    torch_pool.restore()
+    run_pagedgen(model, warmup_requests(requests), config)
+    with PeakRss() as rss:
+        paged = run_pagedgen(model, requests, config, profile=profile)
+    reference = paged.run.outputs
+    record = make_record(
+        spec.name,
+        "pagedgen",
+        requests,
+        paged.run,
+        model_flops=model_flops,
+        peak_flops=peak_flops,
+        peak_rss_bytes=rss.peak_bytes,
+    )
+    record.details["max_batch_size"] = batch
+    result.records.append(record)
+    log(_one_line(record))
+    if paged.profiler is not None:
+        result.profiles[spec.name] = paged.profiler.summary()
+        result.profiles[f"{spec.name}@{batch}"] = paged.profiler.summary(resident=[batch])
+    for name, runner in baselines.items():
+        record = _run_baseline(spec, name, runner, requests, batch, reference, model_flops, peak_flops)
+        result.records.append(record)
+        log(_one_line(record))
+
+
+def _run_baseline(
+    spec: WorkloadSpec,
+    name: str,
+    runner: SystemRunner,
+    requests: list[BenchRequest],
+    batch: int,
+    reference: list[list[int]],
+    model_flops: float | None,
+    peak_flops: float | None,
+) -> BenchRecord:
+    """One baseline's record: OK, SKIPPED with its reason, or FAILED with the error (never raises)."""
+    torch_pool.restore()
+    try:
+        runner(warmup_requests(requests), batch)
+        with PeakRss() as rss:
+            run = runner(requests, batch)
+    except SystemSkipped as skip:
+        return make_record(spec.name, name, requests, None, status=RunStatus.SKIPPED, reason=str(skip))
+    except Exception as exc:  # a baseline's failure is a result to report, not a reason to stop the bench
+        reason = f"{type(exc).__name__}: {exc}"
+        return make_record(spec.name, name, requests, None, status=RunStatus.FAILED, reason=reason)
+    record = make_record(
+        spec.name,
+        name,
+        requests,
+        run,
+        model_flops=model_flops,
+        peak_flops=peak_flops,
+        peak_rss_bytes=rss.peak_bytes,
+        reference=reference,
+    )
+    record.details["max_batch_size"] = batch
+    return record
+
+
+def _one_line(record: BenchRecord) -> str:
+    if record.status is not RunStatus.OK:
+        return f"  {record.system:<10} {record.status.value}: {record.reason}"
+    match = "" if record.match_rate is None else f", match {record.match_rate:.1%}"
+    return (
+        f"  {record.system:<10} {record.output_tokens_per_s:8.1f} out tok/s, "
+        f"{record.total_tokens_per_s:8.1f} total tok/s, {record.wall_s:7.2f} s{match}"
+    )

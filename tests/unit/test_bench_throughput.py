@@ -1,0 +1,199 @@
+"""bench throughput plumbing on the synthetic model: exact outputs, records per system, skips, match rates,
+the step profile and the command line's JSON / markdown / PNG output. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedgen.bench.baselines import NO_CHECKPOINT, baseline_runners, batches, importable, left_pad
+from pagedgen.bench.cli import main
+from pagedgen.bench.profile import PHASE_GROUPS, PhaseClock, StepProfiler, phase_durations
+from pagedgen.bench.records import RunStatus, SystemRun, SystemSkipped
+from pagedgen.bench.report import REQUIRED_KEYS
+from pagedgen.bench.throughput import PagedgenOptions, ThroughputResult, bench_workload, run_pagedgen
+from pagedgen.bench.workloads import LengthRange, WorkloadSpec, build_workload
+from pagedgen.engine.outcomes import Phase
+from pagedgen.models.synthetic import SyntheticModel, synthetic_greedy
+
+MODEL = SyntheticModel()
+SPEC = WorkloadSpec("tiny", 6, LengthRange(3, 20), LengthRange(2, 9), seed=5)
+OPTIONS = PagedgenOptions(max_batch_size=4, num_blocks=64)
+
+
+def _expected(requests):
+    return [synthetic_greedy(r.prompt_ids, r.output_len, MODEL.vocab_size) for r in requests]
+
+
+def test_pagedgen_run_generates_each_requests_exact_greedy_tokens():
+    requests = build_workload(SPEC, MODEL.tokenizer)
+    paged = run_pagedgen(MODEL, requests, OPTIONS.engine_config())
+    assert paged.run.outputs == _expected(requests)
+    assert paged.run.kv_blocks_total == 64
+    assert 0 < paged.run.kv_blocks_used <= 64
+    assert paged.run.details["steps"] > 0 and paged.run.details["rollbacks"] == 0
+    assert paged.profiler is None
+
+
+def _greedy_runner(requests, batch):
+    return SystemRun(_expected(requests), wall_s=1.0)
+
+
+def _one_token_off(requests, batch):
+    outputs = _expected(requests)
+    outputs[0][1] = (outputs[0][1] + 1) % MODEL.vocab_size  # diverges at token 1 of request 0
+    return SystemRun(outputs, wall_s=1.0)
+
+
+def _skipping(requests, batch):
+    raise SystemSkipped("not on this machine")
+
+
+def _crashing(requests, batch):
+    raise RuntimeError("kaboom")
+
+
+def test_bench_workload_records_every_system_with_its_status_and_match_rate():
+    requests = build_workload(SPEC, MODEL.tokenizer)
+    baselines = {"same": _greedy_runner, "off": _one_token_off, "skip": _skipping, "crash": _crashing}
+    result = ThroughputResult()
+    bench_workload(
+        SPEC,
+        MODEL,
+        MODEL.tokenizer,
+        OPTIONS,
+        baselines,
+        peak_flops=None,
+        profile=True,
+        result=result,
+        log=str,
+    )
+    by_system = {r.system: r for r in result.records}
+    assert list(by_system) == ["pagedgen", "same", "off", "skip", "crash"]
+    total_out = sum(r.output_len for r in requests)
+    paged = by_system["pagedgen"]
+    assert paged.status is RunStatus.OK and paged.output_tokens == total_out and paged.match_rate is None
+    assert paged.roofline_fraction is None  # the synthetic model has no FLOP model
+    assert paged.details["max_batch_size"] == 4
+    assert by_system["same"].match_rate == 1.0 and by_system["same"].exact_match_requests == len(requests)
+    off = by_system["off"]
+    assert off.matched_tokens == total_out - (requests[0].output_len - 1)
+    assert off.exact_match_requests == len(requests) - 1
+    assert (by_system["skip"].status, by_system["skip"].reason) == (RunStatus.SKIPPED, "not on this machine")
+    assert (by_system["crash"].status, by_system["crash"].reason) == (
+        RunStatus.FAILED,
+        "RuntimeError: kaboom",
+    )
+    assert set(result.profiles) == {"tiny", "tiny@4"}
+    summary = result.profiles["tiny"]
+    assert summary.steps == paged.details["steps"]
+    assert set(summary.group_s) == set(PHASE_GROUPS)
+    assert sum(summary.group_s.values()) + summary.other_s == pytest.approx(summary.total_s)
+
+
+def test_workload_batch_size_overrides_the_command_default():
+    spec = WorkloadSpec("one", 2, LengthRange(4, 4), LengthRange(3, 3), max_batch_size=1)
+    result = ThroughputResult()
+    bench_workload(spec, MODEL, MODEL.tokenizer, OPTIONS, {}, peak_flops=None, result=result, log=str)
+    assert result.records[0].details["max_batch_size"] == 1
+
+
+def test_baselines_without_a_checkpoint_are_skipped_with_reasons():
+    runners = baseline_runners(["hf-static", "hf-cb", "vllm", "ort-genai"], None)
+    requests = build_workload(SPEC, MODEL.tokenizer)
+    reasons = {}
+    for name, runner in runners.items():
+        with pytest.raises(SystemSkipped) as skip:
+            runner(requests, 4)
+        reasons[name] = str(skip.value)
+    assert reasons["hf-static"] == NO_CHECKPOINT and reasons["hf-cb"] == NO_CHECKPOINT
+    for name, module in (("vllm", "vllm"), ("ort-genai", "onnxruntime_genai")):
+        if importable(module):
+            assert reasons[name] == NO_CHECKPOINT
+        else:
+            assert reasons[name].startswith(f"{module} is not importable in this environment")
+    with pytest.raises(ValueError, match=r"unknown baseline\(s\) \['tgi'\]"):
+        baseline_runners(["hf-static", "tgi"], None)
+
+
+def test_static_batching_helpers():
+    assert left_pad([(1, 2, 3), (4,)], 0) == ([[1, 2, 3], [0, 0, 4]], [[1, 1, 1], [0, 0, 1]])
+    assert [list(b) for b in batches([1, 2, 3, 4, 5], 2)] == [[1, 2], [3, 4], [5]]
+    with pytest.raises(ValueError, match="batch size must be positive"):
+        batches([1], 0)
+
+
+def test_phase_durations_and_clock_forwarding():
+    marks = [(Phase.PLAN, 1.0), (Phase.PACK, 1.5), (Phase.EXECUTE, 2.0), (Phase.PLAN, 4.0)]
+    assert phase_durations(marks, 5.0) == {Phase.PLAN: 1.5, Phase.PACK: 0.5, Phase.EXECUTE: 2.0}
+
+    class Inner:
+        hits = 0
+
+        def check(self, phase):
+            self.hits += 1
+
+    clock = PhaseClock(Inner())
+    clock.check(Phase.PLAN)
+    assert clock.hits == 1 and [p for p, _ in clock.marks] == [Phase.PLAN]
+
+
+def test_profiler_refuses_an_engine_without_a_phase_seam():
+    with pytest.raises(RuntimeError, match="no phase seam"):
+        StepProfiler().attach(object())
+    with pytest.raises(RuntimeError, match="before attach"):
+        StepProfiler().run(object(), None)
+
+
+def test_cli_writes_json_markdown_and_chart(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    status = main(
+        [
+            "throughput",
+            "--model",
+            "synthetic",
+            "--num-prompts",
+            "5",
+            "--input-len",
+            "4:12",
+            "--output-len",
+            "3:6",
+            "--max-batch-size",
+            "2",
+            "--num-blocks",
+            "64",
+            "--baselines",
+            "hf-static,vllm",
+            "--no-roofline",
+            "--profile",
+            "--json",
+            str(out),
+            "--markdown",
+            str(tmp_path / "table.md"),
+        ]
+    )
+    assert status == 0
+    document = json.loads(out.read_text())
+    assert document["command"].startswith("pagedgen bench throughput --model synthetic")
+    assert document["machine"]["cpus"] >= 1 and document["machine"]["gemm_peak_gflops"] is None
+    assert [(r["workload"], r["system"], r["status"]) for r in document["records"]] == [
+        ("custom", "pagedgen", "ok"),
+        ("custom", "hf-static", "skipped"),
+        ("custom", "vllm", "skipped"),
+    ]
+    assert all(all(key in r for key in REQUIRED_KEYS) for r in document["records"])
+    custom = build_workload(WorkloadSpec("custom", 5, LengthRange(4, 12), LengthRange(3, 6)), MODEL.tokenizer)
+    assert document["records"][0]["output_tokens"] == sum(r.output_len for r in custom)
+    assert set(document["profiles"]) == {"custom", "custom@2"}
+    assert (tmp_path / "bench.png").stat().st_size > 0
+    assert (tmp_path / "table.md").read_text().startswith("| workload | system |")
+    printed = capsys.readouterr().out
+    assert "| custom | pagedgen |" in printed and "profile custom:" in printed
+
+
+def test_cli_usage_errors_return_2(capsys):
+    assert main(["throughput", "--model", "synthetic", "--workload", "W9", "--no-roofline"]) == 2
+    assert "unknown workload 'W9'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["throughput", "--max-batch-size", "0"])
