@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from pagedgen.executor.inputs import StepInputs
@@ -35,6 +36,21 @@ class KVSpec:
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * element
 
 
+def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero-filled tensor; on CPU its pages are zeroed lazily, when first touched.
+
+    ``torch.zeros`` writes every byte up front: for a multi-GB KV pool that cost ~15 s of page faults at
+    start-up here. numpy's ``zeros`` uses ``calloc``, which guarantees zeros but maps large buffers straight
+    from the kernel's zero pages, so memory is only paid for as blocks are used. Zeros (not garbage) matter:
+    attention multiplies masked-out positions by a zero weight, and ``0 * NaN`` would poison the row.
+    """
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    if dtype == torch.bfloat16:  # numpy has no bfloat16: same-width zeros, reinterpreted
+        return torch.from_numpy(np.zeros(shape, dtype=np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.zeros(shape, dtype=torch.empty((), dtype=dtype).numpy().dtype))
+
+
 class PagedKVCache:
     """The long-lived physical K/V tensors: per layer ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 
@@ -48,8 +64,8 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        self.keys = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
-        self.values = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+        self.keys = [zeroed_tensor(shape, spec.dtype, device) for _ in range(spec.num_layers)]
+        self.values = [zeroed_tensor(shape, spec.dtype, device) for _ in range(spec.num_layers)]
 
 
 @runtime_checkable

@@ -1,0 +1,33 @@
+"""The physical KV storage: geometry, byte accounting and zero-initialised (lazily paged) tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedgen.models.base import KVSpec, PagedKVCache, zeroed_tensor
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_zeroed_tensor_is_writable_zeros_of_the_asked_dtype(dtype):
+    t = zeroed_tensor((64, 16, 3, 8), dtype, "cpu")
+    assert t.dtype == dtype and t.shape == (64, 16, 3, 8) and t.is_contiguous()
+    assert torch.count_nonzero(t) == 0
+    t[3, 2] = 1.5
+    assert float(t.sum()) == pytest.approx(1.5 * 3 * 8)
+
+
+def test_cache_has_one_key_and_value_tensor_per_layer():
+    spec = KVSpec(num_layers=3, num_kv_heads=2, head_dim=4)
+    cache = PagedKVCache(spec, num_blocks=5, block_size=7)
+    assert len(cache.keys) == len(cache.values) == 3
+    assert all(t.shape == (5, 7, 2, 4) and torch.count_nonzero(t) == 0 for t in cache.keys + cache.values)
+    assert cache.keys[0].data_ptr() != cache.values[0].data_ptr()
+    assert spec.bytes_per_block(7) == 2 * 3 * 7 * 2 * 4 * 4
+
+
+def test_cache_refuses_empty_geometry():
+    with pytest.raises(ValueError, match="num_blocks"):
+        PagedKVCache(KVSpec(1, 1, 1), num_blocks=0, block_size=4)
+    with pytest.raises(ValueError, match="head_dim"):
+        KVSpec(num_layers=1, num_kv_heads=1, head_dim=0)
