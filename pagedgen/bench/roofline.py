@@ -65,7 +65,7 @@ def flop_model_of(model: Any) -> FlopModel | None:
     return FlopModel.from_config(config)
 
 
-def measure_gemm_flops(size: int = 1024, repeats: int = 10) -> float:
+def measure_gemm_flops(size: int = 1024, repeats: int = 20) -> float:
     """FLOP/s of torch's fp32 ``[size, size] @ [size, size]`` on the current thread count (best of repeats).
 
     Best-of rather than median: on a shared machine the fastest repeat is the one least disturbed by others,
