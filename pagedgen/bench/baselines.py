@@ -28,6 +28,7 @@ from pagedgen.bench.records import SystemRun, SystemSkipped
 from pagedgen.bench.workloads import BenchRequest
 
 ORT_GENAI_MAX_BATCH = 32
+CB_STOP_TIMEOUT_S = 600.0
 NO_CHECKPOINT = "the model has no checkpoint directory (e.g. the synthetic model): nothing for it to load"
 BASELINE_NAMES = ("hf-static", "hf-cb", "vllm", "ort-genai")
 
@@ -127,10 +128,13 @@ class TransformersBaselines:
         manager.start()
         try:
             outputs = _collect_cb(manager, requests)
+            wall = time.perf_counter() - start
         finally:
-            manager.stop(block=True, timeout=30)
+            # Wait for the generation thread to exit: on a join timeout transformers drops the batch
+            # processor while the thread still runs, which breaks the next manager of this model.
+            manager.stop(block=True, timeout=CB_STOP_TIMEOUT_S)
             manager.destroy()
-        return SystemRun(outputs, time.perf_counter() - start, kv_blocks_total=num_blocks)
+        return SystemRun(outputs, wall, kv_blocks_total=num_blocks)
 
 
 def _collect_cb(manager: Any, requests: Sequence[BenchRequest]) -> list[list[int]]:
@@ -144,8 +148,10 @@ def _collect_cb(manager: Any, requests: Sequence[BenchRequest]) -> list[list[int
     outputs: list[list[int] | None] = [None] * len(requests)
     remaining = len(requests)
     while remaining:
-        result = manager.get_result(timeout=60)
+        result = manager.get_result(timeout=1.0)
         if result is None:
+            if manager.is_running():
+                continue  # a long step (a big prefill on a busy machine) is still running
             raise RuntimeError(
                 f"transformers continuous batching stopped with {remaining} requests unfinished"
             )
