@@ -14,6 +14,7 @@ from pagedgen.errors import PagedGenError
 from pagedgen.executor.inputs import StepInputs
 from pagedgen.models.base import PagedKVCache
 from pagedgen.ops.cpu_memory import retain_freed_cpu_memory
+from pagedgen.ops.gemm import gemm_step
 
 
 class RetryableExecutionError(PagedGenError, RuntimeError):
@@ -50,7 +51,9 @@ class ModelRunner:
         when the model returns logits of the wrong shape; other model errors propagate unchanged.
         """
         try:
-            with torch.inference_mode():
+            # One GEMM backend for the whole step (chosen by its token count): no thread-pool hand-over
+            # mid-step, e.g. between a prefill's layers and its few-row LM head (docs/performance.md).
+            with torch.inference_mode(), gemm_step(inputs.num_tokens):
                 logits = self.runtime.forward(inputs, self.kv_cache)  # [R, vocab]
         except (torch.OutOfMemoryError, MemoryError) as exc:
             raise ExecutionCapacityError(f"model execution ran out of memory: {exc}") from exc
