@@ -108,15 +108,19 @@ class TransformersBaselines:
         return SystemRun(outputs, wall, details={"batches": -(-len(requests) // max_batch_size)})
 
     def run_continuous(self, requests: Sequence[BenchRequest], max_batch_size: int) -> SystemRun:
-        from transformers import ContinuousBatchingConfig, GenerationConfig
+        import transformers
+        from transformers import GenerationConfig
 
+        config_class = getattr(transformers, "ContinuousBatchingConfig", None)
+        if config_class is None:
+            raise SystemSkipped(f"transformers {transformers.__version__} has no continuous batching API")
         model = self.model()
         longest = max(len(r.prompt_ids) + r.output_len for r in requests)
         page = 256
         num_blocks = max_batch_size * -(-longest // page) + 2
         manager = model.init_continuous_batching(
             generation_config=GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=longest),
-            continuous_batching_config=ContinuousBatchingConfig(
+            continuous_batching_config=config_class(
                 page_size=page,
                 num_blocks=num_blocks,
                 max_batch_tokens=2048,
