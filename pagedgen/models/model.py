@@ -94,6 +94,7 @@ class Model:
         weights = read_hf_weights(checkpoint.directory, self.device)
         runtime = RUNTIMES[config.architecture](config, self.dtype, self.device)
         load_weights(runtime, weights, str(checkpoint.source), self.device)
+        runtime.fuse_projections()
         return config, runtime.eval()
 
     @property

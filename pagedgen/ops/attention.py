@@ -8,17 +8,22 @@ at absolute position ``p`` sees keys ``0..p`` (causal). Grouped-query attention:
 head ``h // (Hq // Hkv)``.
 
 :func:`paged_attention_reference` is the obviously-correct oracle (one request, one query token at a time in
-float32); :func:`paged_attention` is what models call. The fast path batches every single-token (decode) row
-into one masked SDPA over their gathered blocks, and runs one causal SDPA per multi-token (prefill / draft)
-row, so the Python loop is over requests, never over tokens.
+float32); :func:`paged_attention` is what models call, with the step's :class:`AttentionPlan` built once by
+:func:`plan_attention`. Single-token (decode) rows go to the native kernel (:mod:`pagedgen.ops.native`),
+which reads the blocks in place, or, without it, to one masked SDPA per bucket over gathered blocks;
+multi-token (prefill / draft) rows get one causal SDPA each, so the Python loop is over requests, never
+over tokens.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from pagedgen.executor.inputs import StepInputs
+from pagedgen.ops.native import DecodeKernel, decode_kernel
 
 
 def write_kv(
@@ -76,34 +81,117 @@ def paged_attention_reference(
     return out
 
 
+@dataclass(slots=True)
+class DecodeBucket:
+    """Single-token rows gathered together by the pure-torch path (padded to ``width`` blocks)."""
+
+    token_rows: torch.Tensor  # [n] int64, the rows' tokens in the flat step
+    flat_tables: torch.Tensor  # [n * width] int64, each row's first ``width`` blocks
+    mask: torch.Tensor  # [n, 1, 1, width * block_size] bool, keys before each row's end
+    width: int
+
+
+@dataclass(slots=True)
+class PrefillRow:
+    """One multi-token row (prefill chunk or draft): its tokens, blocks and causal mask."""
+
+    start: int  # first token in the flat step
+    end: int  # one past its last token
+    kv_len: int  # past + query tokens attended by the last query
+    blocks: torch.Tensor  # [ceil(kv_len / block_size)] int64
+    mask: torch.Tensor | None  # [q_len, kv_len] bool; None when the row starts at position 0 (plain causal)
+
+
+@dataclass(slots=True)
+class AttentionPlan:
+    """A step's attention metadata, derived once from :class:`StepInputs` and shared by every layer.
+
+    Why: the lists, index tensors and masks below cost tens of microseconds each to build; a 30-layer model
+    built them 30 times per step before. ``kernel`` is the native decode kernel when it can read this cache.
+    """
+
+    block_size: int
+    decode_token_rows: torch.Tensor  # [Bd] int64, tokens of the single-token rows
+    decode_tables: torch.Tensor  # [Bd, W] int32, contiguous
+    decode_kv_lens: torch.Tensor  # [Bd] int32
+    decode_buckets: list[DecodeBucket]  # the pure-torch decode path (empty when ``kernel`` is set)
+    prefill: list[PrefillRow]
+    kernel: DecodeKernel | None
+
+
+def plan_attention(inputs: StepInputs, k_cache: torch.Tensor, use_native: bool = True) -> AttentionPlan:
+    """Build the step's :class:`AttentionPlan` for caches like ``k_cache`` (any layer's; they share a layout).
+
+    ``use_native=False`` forces the pure-torch decode path (tests and benchmarks compare the two).
+    """
+    device = k_cache.device
+    q_lens = inputs.query_lens.tolist()
+    kv_lens = inputs.kv_lens.tolist()
+    decode_rows = [i for i, n in enumerate(q_lens) if n == 1]
+    rows = torch.tensor(decode_rows, dtype=torch.long)  # [Bd]
+    kernel = decode_kernel() if use_native and decode_rows else None
+    if kernel is not None and not kernel.supports(k_cache, k_cache, k_cache):
+        kernel = None
+    return AttentionPlan(
+        block_size=inputs.block_size,
+        decode_token_rows=inputs.cu_seqlens[:-1].long()[rows].to(device),
+        decode_tables=inputs.block_tables[rows].to(device=device, dtype=torch.int32).contiguous(),
+        decode_kv_lens=inputs.kv_lens[rows].to(device=device, dtype=torch.int32).contiguous(),
+        decode_buckets=[] if kernel is not None else _decode_buckets(inputs, q_lens, kv_lens, device),
+        prefill=_prefill_rows(inputs, q_lens, device),
+        kernel=kernel,
+    )
+
+
 def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     inputs: StepInputs,
     scale: float,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of every request of the step over its paged history (new K/V already written).
 
     ``query [T, Hq, D]``; returns ``[T, Hq, D]`` in ``query.dtype``. Reads only; raises ``ValueError`` on
-    inconsistent shapes.
+    inconsistent shapes. ``plan`` is the step's :func:`plan_attention` (built here when omitted).
     """
     _check_query(query, k_cache, inputs)
+    plan = plan_attention(inputs, k_cache) if plan is None else plan
     out = torch.empty_like(query)  # [T, Hq, D]
-    q_lens = inputs.query_lens.tolist()
-    for rows, width in _decode_buckets(q_lens, inputs.kv_lens.tolist(), inputs.block_size):
-        _decode_rows(query, k_cache, v_cache, inputs, scale, rows, width, out)
-    if any(n > 1 for n in q_lens):
-        _prefill_rows(query, k_cache, v_cache, inputs, scale, q_lens, out)
+    kernel = plan.kernel
+    if kernel is not None and kernel.supports(query, k_cache, v_cache):
+        query = query.contiguous()
+        kernel(
+            query,
+            k_cache,
+            v_cache,
+            plan.decode_tables,
+            plan.decode_kv_lens,
+            plan.decode_token_rows,
+            scale,
+            out,
+        )
+    else:
+        buckets = plan.decode_buckets or _decode_buckets(
+            inputs, inputs.query_lens.tolist(), inputs.kv_lens.tolist(), k_cache.device
+        )
+        for bucket in buckets:
+            _decode_bucket(query, k_cache, v_cache, bucket, scale, out)
+    for row in plan.prefill:
+        _prefill_row(query, k_cache, v_cache, row, scale, out)
     return out
 
 
-def _decode_buckets(q_lens: list[int], kv_lens: list[int], block_size: int) -> list[tuple[list[int], int]]:
-    """Group single-token rows by the power-of-two bucket of their block count: ``[(rows, max_width)]``.
+def _decode_buckets(
+    inputs: StepInputs, q_lens: list[int], kv_lens: list[int], device: torch.device
+) -> list[DecodeBucket]:
+    """Group single-token rows by the power-of-two bucket of their block count.
 
     One gather pads every row to the bucket's widest table, so a long request padded no short row more than
     twice over; a step has at most log2(max blocks) + 1 buckets, usually one.
     """
+    block_size = inputs.block_size
     rows_of: dict[int, list[int]] = {}
     widest: dict[int, int] = {}
     for row, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True)):
@@ -113,91 +201,95 @@ def _decode_buckets(q_lens: list[int], kv_lens: list[int], block_size: int) -> l
         bucket = (width - 1).bit_length()
         rows_of.setdefault(bucket, []).append(row)
         widest[bucket] = max(widest.get(bucket, 0), width)
-    return [(rows, widest[bucket]) for bucket, rows in rows_of.items()]
+    buckets = []
+    for key, row_ids in rows_of.items():
+        width = widest[key]
+        rows = torch.tensor(row_ids, dtype=torch.long)  # [n]
+        lens = inputs.kv_lens.long()[rows].to(device)  # [n]
+        mask = torch.arange(width * block_size, device=device) < lens.unsqueeze(1)  # [n, span]
+        buckets.append(
+            DecodeBucket(
+                token_rows=inputs.cu_seqlens[:-1].long()[rows].to(device),
+                flat_tables=inputs.block_tables.long()[rows, :width].reshape(-1).to(device),
+                mask=mask[:, None, None, :],
+                width=width,
+            )
+        )
+    return buckets
 
 
-def _decode_rows(
+def _decode_bucket(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    inputs: StepInputs,
+    bucket: DecodeBucket,
     scale: float,
-    row_ids: list[int],
-    width: int,
     out: torch.Tensor,
 ) -> None:
     """One masked SDPA over single-token rows: gather ``width`` blocks each, mask keys past each row's end."""
-    block_size = inputs.block_size
-    device = k_cache.device
-    rows = torch.tensor(row_ids, dtype=torch.long, device=device)  # [B_dec]
-    kv_lens = inputs.kv_lens.to(device).long()[rows]  # [B_dec]
-    token_rows = inputs.cu_seqlens.to(device).long()[rows]  # [B_dec], the row's only token
-    tables = inputs.block_tables.to(device).long()[rows, :width]  # [B_dec, width]
+    n = bucket.token_rows.shape[0]
     heads, dim = k_cache.shape[2], k_cache.shape[3]
-    span = width * block_size
-    flat_tables = tables.reshape(-1)  # [B_dec * width]; index_select is far cheaper than advanced indexing
-    keys = k_cache.index_select(0, flat_tables).view(rows.shape[0], span, heads, dim).transpose(1, 2)
-    values = v_cache.index_select(0, flat_tables).view(rows.shape[0], span, heads, dim).transpose(1, 2)
-    # keys, values: [B_dec, Hkv, span, D] (strided views; SDPA reads them without a copy)
-    mask = torch.arange(span, device=device) < kv_lens.unsqueeze(1)  # [B_dec, span]
-    q = query[token_rows].unsqueeze(2)  # [B_dec, Hq, 1, D]
+    span = bucket.width * k_cache.shape[1]
+    # index_select is far cheaper than advanced indexing; [n, Hkv, span, D] strided views, no extra copy
+    keys = k_cache.index_select(0, bucket.flat_tables).view(n, span, heads, dim).transpose(1, 2)
+    values = v_cache.index_select(0, bucket.flat_tables).view(n, span, heads, dim).transpose(1, 2)
+    q = query[bucket.token_rows].unsqueeze(2)  # [n, Hq, 1, D]
     attn = F.scaled_dot_product_attention(
-        q,
-        keys.to(q.dtype),
-        values.to(q.dtype),
-        attn_mask=mask[:, None, None, :],
-        scale=scale,
-        enable_gqa=True,
-    )  # [B_dec, Hq, 1, D]
-    out[token_rows] = attn.squeeze(2)
+        q, keys.to(q.dtype), values.to(q.dtype), attn_mask=bucket.mask, scale=scale, enable_gqa=True
+    )  # [n, Hq, 1, D]
+    out[bucket.token_rows] = attn.squeeze(2)
 
 
-def _prefill_rows(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    inputs: StepInputs,
-    scale: float,
-    q_lens: list[int],
-    out: torch.Tensor,
-) -> None:
-    """One causal SDPA per multi-token row over its past + new keys (a loop over requests, not tokens)."""
+def _prefill_rows(inputs: StepInputs, q_lens: list[int], device: torch.device) -> list[PrefillRow]:
+    if all(n == 1 for n in q_lens):
+        return []
     block_size = inputs.block_size
-    device = k_cache.device
-    heads, dim = k_cache.shape[2], k_cache.shape[3]
     cu = inputs.cu_seqlens.tolist()
     past = inputs.past_lens.tolist()
-    tables = inputs.block_tables.to(device).long()  # [B, W]
+    tables = inputs.block_tables.long()  # [B, W]
+    rows = []
     for i, q_len in enumerate(q_lens):
         if q_len == 1:
             continue
         kv_len = past[i] + q_len
-        width = -(-kv_len // block_size)
-        blocks = tables[i, :width]  # [width]
-        keys = (
-            k_cache.index_select(0, blocks).view(-1, heads, dim)[:kv_len].transpose(0, 1)
-        )  # [Hkv, kv_len, D]
-        values = (
-            v_cache.index_select(0, blocks).view(-1, heads, dim)[:kv_len].transpose(0, 1)
-        )  # [Hkv, kv_len, D]
-        q = query[cu[i] : cu[i + 1]].transpose(0, 1)  # [Hq, q_len, D]
-        if past[i] == 0:
-            mask, causal = None, True
-        else:
+        mask = None
+        if past[i] > 0:
             # Query j (absolute position past + j) sees keys 0..past + j.
             key_pos = torch.arange(kv_len, device=device)
             query_pos = torch.arange(past[i], kv_len, device=device)
-            mask, causal = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1), False  # [q_len, kv_len]
-        attn = F.scaled_dot_product_attention(
-            q,
-            keys.to(q.dtype),
-            values.to(q.dtype),
-            attn_mask=mask,
-            is_causal=causal,
-            scale=scale,
-            enable_gqa=True,
-        )  # [Hq, q_len, D]
-        out[cu[i] : cu[i + 1]] = attn.transpose(0, 1)
+            mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # [q_len, kv_len]
+        blocks = tables[i, : -(-kv_len // block_size)].to(device)
+        rows.append(PrefillRow(start=cu[i], end=cu[i + 1], kv_len=kv_len, blocks=blocks, mask=mask))
+    return rows
+
+
+def _prefill_row(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    row: PrefillRow,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """One causal SDPA over a multi-token row's past + new keys (a loop over requests, not tokens).
+
+    The tensors are 4-D ``[1, H, L, D]``: with 3-D inputs torch's CPU SDPA falls back to its unfused math
+    path, 3-4x slower at 512 tokens (docs/performance.md).
+    """
+    heads, dim = k_cache.shape[2], k_cache.shape[3]
+    keys = k_cache.index_select(0, row.blocks).view(-1, heads, dim)[: row.kv_len]  # [kv_len, Hkv, D]
+    values = v_cache.index_select(0, row.blocks).view(-1, heads, dim)[: row.kv_len]  # [kv_len, Hkv, D]
+    q = query[row.start : row.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
+    attn = F.scaled_dot_product_attention(
+        q,
+        keys.transpose(0, 1).unsqueeze(0).to(q.dtype),
+        values.transpose(0, 1).unsqueeze(0).to(q.dtype),
+        attn_mask=row.mask,
+        is_causal=row.mask is None,
+        scale=scale,
+        enable_gqa=True,
+    )  # [1, Hq, q_len, D]
+    out[row.start : row.end] = attn[0].transpose(0, 1)
 
 
 def _check_kv_shapes(

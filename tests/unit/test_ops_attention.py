@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import resource
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedgen.executor.inputs import SequenceChunk, StepInputs, pack_step
-from pagedgen.ops.attention import paged_attention, paged_attention_reference, write_kv
+from pagedgen.ops import native
+from pagedgen.ops.attention import paged_attention, paged_attention_reference, plan_attention, write_kv
 from pagedgen.ops.cpu_memory import retain_freed_cpu_memory
 
 
@@ -102,23 +106,77 @@ seq_strategy = st.tuples(
 )
 
 
-@settings(max_examples=200)
+@pytest.mark.parametrize("use_native", [True, False], ids=["native", "torch"])
+@settings(max_examples=150)
 @given(
     seqs=st.lists(seq_strategy, min_size=1, max_size=8),
     block_size=st.integers(min_value=1, max_value=32),
     num_kv_heads=st.integers(min_value=1, max_value=3),
     group=st.sampled_from([1, 2, 4]),
-    head_dim=st.sampled_from([1, 4, 8]),
+    head_dim=st.sampled_from([1, 4, 8, 64, 128]),  # 64 and 128 take the kernel's unrolled branches
     seed=st.integers(min_value=0, max_value=2**31 - 1),
 )
-def test_fast_path_matches_reference(seqs, block_size, num_kv_heads, group, head_dim, seed):
+def test_fast_path_matches_reference(use_native, seqs, block_size, num_kv_heads, group, head_dim, seed):
     case = build_case(seqs, block_size, num_kv_heads, group, head_dim, seed)
     scale = head_dim**-0.5
-    fast = paged_attention(case.query, case.k_cache, case.v_cache, case.inputs, scale)
+    plan = plan_attention(case.inputs, case.k_cache, use_native=use_native)
+    decodes = plan.decode_token_rows.numel() > 0
+    assert (plan.kernel is not None) == (use_native and decodes and native.native_status().available)
+    fast = paged_attention(case.query, case.k_cache, case.v_cache, case.inputs, scale, plan)
     ref = paged_attention_reference(case.query, case.k_cache, case.v_cache, case.inputs, scale)
     assert fast.shape == ref.shape == case.query.shape
     assert fast.dtype == case.query.dtype
     assert (fast - ref).abs().max().item() <= 1e-5
+
+
+def test_native_decode_kernel_is_built_here_and_shares_torchs_openmp_runtime():
+    """With a C compiler the kernel must be in use, bound to the one OpenMP runtime torch loaded."""
+    if shutil.which("cc") is None and shutil.which("gcc") is None and not os.environ.get("CC"):
+        pytest.skip("no C compiler on this machine: the pure-torch path is used")
+    status = native.native_status()
+    assert status.available, status.detail
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    runtimes = {line.split()[-1] for line in maps if "libgomp" in line.rsplit("/", 1)[-1]}
+    assert len(runtimes) == 1, runtimes
+
+
+def test_native_decode_kernel_gives_the_same_bits_on_one_and_two_threads():
+    case = build_case([(300, 1), (17, 1), (64, 1), (5, 1)], 16, num_kv_heads=3, group=3, head_dim=64, seed=4)
+    plan = plan_attention(case.inputs, case.k_cache)
+    if plan.kernel is None:
+        pytest.skip(native.native_status().detail)
+    outs = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        outs.append(paged_attention(case.query, case.k_cache, case.v_cache, case.inputs, 0.125, plan))
+    torch.set_num_threads(1)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_native_kernels_can_be_switched_off_and_a_failed_build_says_why(monkeypatch, tmp_path):
+    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    kernel, status = native._build_and_load()
+    assert kernel is None and status == native.NativeStatus(False, f"disabled by {native.DISABLE_ENV}")
+    monkeypatch.delenv(native.DISABLE_ENV)
+    monkeypatch.setenv("PAGEDGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    kernel, status = native._build_and_load()
+    assert kernel is None and not status.available
+    assert status.detail.startswith("building paged_decode.c failed")
+    assert not list(tmp_path.rglob("*.so*"))  # no half-written library left behind
+
+
+def test_a_step_plan_is_reusable_across_layers():
+    """One plan serves every layer: the same result as planning inside each call, for both decode paths."""
+    case = build_case(
+        [(0, 7), (13, 1), (5, 1), (9, 6)], block_size=4, num_kv_heads=2, group=3, head_dim=8, seed=2
+    )
+    unplanned = paged_attention(case.query, case.k_cache, case.v_cache, case.inputs, 0.25)
+    for use_native in (True, False):
+        plan = plan_attention(case.inputs, case.k_cache, use_native=use_native)
+        for _ in range(2):
+            planned = paged_attention(case.query, case.k_cache, case.v_cache, case.inputs, 0.25, plan)
+            assert (planned - unplanned).abs().max().item() <= 1e-6
 
 
 @settings(max_examples=60)
@@ -208,10 +266,11 @@ def test_retained_cpu_memory_stops_page_faults_in_the_decode_gather():
     if not retain_freed_cpu_memory():
         pytest.skip("not glibc: allocator thresholds cannot be tuned")
     case = build_case([(600, 1)] * 16, block_size=16, num_kv_heads=3, group=3, head_dim=64, seed=0)
+    plan = plan_attention(case.inputs, case.k_cache, use_native=False)  # the path that gathers
     faults = []
     for _ in range(6):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        paged_attention(case.query, case.k_cache, case.v_cache, case.inputs, 0.125)
+        paged_attention(case.query, case.k_cache, case.v_cache, case.inputs, 0.125, plan)
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     # The heap grows to its high-water mark once (and may grow again while earlier tests' fragments settle);
     # untuned, every single call faults the whole gather in again.

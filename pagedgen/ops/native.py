@@ -1,0 +1,203 @@
+"""Native CPU kernels: compiled from C on first use, loaded with ctypes, shared by every layer.
+
+Why C: the pure-torch decode path must gather each request's scattered KV blocks into a dense copy in every
+layer and then runs SDPA on it; on 2 cores that gather plus SDPA was the largest cost after the GEMMs
+(docs/performance.md). A kernel that reads the blocks in place does the same arithmetic 2-4x faster. No
+library of the field ships a CPU paged-attention kernel for Python (vLLM's are built into vLLM), so this one
+is ours: one C file, ``kernels/paged_decode.c``, built with the system C compiler (``$CC``, else ``cc``)
+into the pagedgen cache directory, keyed by source, flags, compiler and CPU, so a machine builds it once.
+
+Threads: the library is linked with ``-fopenmp`` against ``libgomp.so.1``; torch's wheel has already loaded
+a ``libgomp.so.1``, so the dynamic loader binds the kernel to torch's OpenMP runtime and thread pool (one
+pool, no spinning competitor). If a second OpenMP runtime shows up anyway, the kernel is not used.
+
+Without a compiler, with ``PAGEDGEN_NATIVE_KERNELS=0``, or when the build fails, :func:`decode_kernel`
+returns ``None`` and attention uses the pure-torch path; :func:`native_status` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DISABLE_ENV = "PAGEDGEN_NATIVE_KERNELS"
+SOURCE = Path(__file__).with_name("kernels") / "paged_decode.c"
+CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
+_POINTER = ctypes.c_void_p
+_I64 = ctypes.c_int64
+
+
+@dataclass(frozen=True, slots=True)
+class NativeStatus:
+    """Whether the native kernels are in use, and the reason when they are not."""
+
+    available: bool
+    detail: str  # the library path, or why the kernels are off
+
+
+class DecodeKernel:
+    """``paged_decode_attention_f32`` of the compiled library, with its argument checks."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self._fn = library.paged_decode_attention_f32
+        self._fn.argtypes = [_POINTER, _POINTER, _POINTER, _POINTER, _I64, _POINTER, _POINTER, _I64]
+        self._fn.argtypes += [_I64, _I64, _I64, _I64, ctypes.c_float, _POINTER, ctypes.c_int]
+        self._fn.restype = ctypes.c_int
+
+    @staticmethod
+    def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        """fp32 CPU tensors in the contiguous layouts the kernel indexes."""
+        return all(
+            t.dtype is torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+            for t in (query, k_cache, v_cache)
+        )
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        tables: torch.Tensor,
+        kv_lens: torch.Tensor,
+        token_rows: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """Write ``out[token_rows]`` ``[B, Hq, D]`` from ``query[token_rows]`` over each row's paged keys.
+
+        ``tables [B, W]`` int32 and ``kv_lens [B]`` int32 (contiguous), ``token_rows [B]`` int64; ``out``
+        is ``query``-shaped and contiguous. Raises ``ValueError`` on a layout the kernel cannot index and
+        ``MemoryError`` if a thread could not allocate its score buffer.
+        """
+        if not (self.supports(query, k_cache, v_cache) and out.is_contiguous() and out.shape == query.shape):
+            raise ValueError("the native decode kernel needs contiguous fp32 CPU query, out and caches")
+        if (
+            tables.dtype is not torch.int32
+            or kv_lens.dtype is not torch.int32
+            or token_rows.dtype is not torch.int64
+        ):
+            raise ValueError("the native decode kernel needs int32 tables/kv_lens and int64 token_rows")
+        if not (tables.is_contiguous() and kv_lens.is_contiguous() and token_rows.is_contiguous()):
+            raise ValueError("the native decode kernel needs contiguous tables, kv_lens and token_rows")
+        _, block_size, kv_heads, head_dim = k_cache.shape
+        failed = self._fn(
+            query.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            tables.data_ptr(),
+            tables.shape[1],
+            kv_lens.data_ptr(),
+            token_rows.data_ptr(),
+            token_rows.shape[0],
+            query.shape[1],
+            kv_heads,
+            head_dim,
+            block_size,
+            scale,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise MemoryError("the native decode kernel could not allocate its score buffer")
+
+
+_lock = threading.Lock()
+_loaded: list[tuple[DecodeKernel | None, NativeStatus]] = []
+
+
+def decode_kernel() -> DecodeKernel | None:
+    """The compiled decode kernel, built on first call; ``None`` when native kernels are unavailable."""
+    return _load()[0]
+
+
+def native_status() -> NativeStatus:
+    return _load()[1]
+
+
+def _load() -> tuple[DecodeKernel | None, NativeStatus]:
+    with _lock:
+        if not _loaded:
+            _loaded.append(_build_and_load())
+        return _loaded[0]
+
+
+def _build_and_load() -> tuple[DecodeKernel | None, NativeStatus]:
+    if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None, NativeStatus(False, f"disabled by {DISABLE_ENV}")
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return _off("no C compiler found (set CC)")
+    try:
+        path = _build(compiler)
+        runtimes_before = _openmp_runtimes()
+        library = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as exc:
+        return _off(f"building {SOURCE.name} failed: {exc}")
+    runtimes = _openmp_runtimes()
+    if len(runtimes) > max(1, len(runtimes_before)):
+        return _off(f"the kernel loaded a second OpenMP runtime beside torch's: {sorted(runtimes)}")
+    return DecodeKernel(library), NativeStatus(True, str(path))
+
+
+def _off(reason: str) -> tuple[None, NativeStatus]:
+    log.warning("pagedgen native kernels are off, using the pure-torch attention path: %s", reason)
+    return None, NativeStatus(False, reason)
+
+
+def _build(compiler: str) -> Path:
+    """Compile the library into the cache unless an entry for this source/flags/compiler/CPU exists."""
+    from pagedgen.models.gguf_cache import cache_root  # here, not at import: models imports this module
+
+    source = SOURCE.read_bytes()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60, check=True)
+    key = hashlib.sha256(b"\0".join([source, " ".join(CFLAGS).encode(), version.stdout.encode(), _cpu_id()]))
+    directory = cache_root() / "kernels"
+    path = directory / f"paged_decode-{key.hexdigest()[:16]}.so"
+    if path.exists():
+        return path
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        result = subprocess.run(
+            [compiler, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300
+        )
+        if result.returncode != 0:
+            raise subprocess.SubprocessError(result.stderr.strip() or f"exit status {result.returncode}")
+        os.replace(tmp, path)  # atomic: a concurrent builder never loads a half-written file
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return path
+
+
+def _cpu_id() -> bytes:
+    """What ``-march=native`` depends on: the CPU model and its feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor().encode()
+    wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
+    return "\n".join([platform.machine(), *wanted]).encode()
+
+
+def _openmp_runtimes() -> set[str]:
+    """Distinct OpenMP runtime files mapped into this process (Linux; empty elsewhere)."""
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return set()
+    names = ("libgomp", "libiomp", "libomp")
+    return {line.split()[-1] for line in maps if any(n in line.rsplit("/", 1)[-1] for n in names)}
