@@ -72,9 +72,10 @@ def _throughput_parser(p: argparse.ArgumentParser) -> None:
     m.add_argument("--threads", type=_positive_int, help="threads of torch and OpenBLAS (default: all CPUs)")
     m.add_argument(
         "--gemm",
-        choices=["auto", "torch", "openblas"],
+        choices=["auto", "torch", "openblas", "openblas-small"],
         default="auto",
-        help="linear-layer backend: the measured table (auto) or one backend for every shape",
+        help="linear-layer backend: the measured table (auto: native kernel up to 16 rows, torch above), one "
+        "backend for every shape, or openblas-small (OpenBLAS up to 16 rows, torch above)",
     )
     m.add_argument("--no-roofline", action="store_true", help="skip the GEMM peak measurement")
     o = p.add_argument_group("output")
@@ -171,6 +172,7 @@ def _setup_machine(threads: int | None, gemm: str) -> None:
         "auto": gemm_mod.DEFAULT_TABLE,
         "torch": gemm_mod.TORCH_ONLY,
         "openblas": gemm_mod.OPENBLAS_ONLY,
+        "openblas-small": gemm_mod.OPENBLAS_SMALL,
     }
     gemm_mod.set_gemm_table(tables[gemm])
 
@@ -285,8 +287,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_gemm(args: argparse.Namespace) -> int:
     from pagedgen.bench.report import write_json
-    from pagedgen.ops.gemm import GemmBackend
-    from pagedgen.ops.gemm_calibrate import check_equivalence, derive_table, model_linear_shapes, time_shape
+    from pagedgen.ops.gemm_calibrate import (
+        available_backends,
+        check_equivalence,
+        derive_table,
+        model_linear_shapes,
+        time_shape,
+    )
     from pagedgen.ops.gemm_threads import configure_cpu_threads, torch_pool
 
     settings = configure_cpu_threads(args.threads)
@@ -296,18 +303,17 @@ def cmd_gemm(args: argparse.Namespace) -> int:
     config = read_hf_config(resolve_checkpoint(args.model).directory)
     rows = [int(r) for r in args.rows.split(",") if r.strip()]
     print(f"threads: torch {settings.torch_threads}, OpenBLAS {settings.blas_threads} ({settings.blas_core})")
-    print("| in -> out | rows | torch GFLOP/s | OpenBLAS GFLOP/s | OpenBLAS / torch |")
-    print("|---|---|---|---|---|")
+    backends = list(available_backends())
+    names = [b.value for b in backends]
+    print("| in -> out | rows | " + " | ".join(f"{n} GFLOP/s" for n in names) + " | fastest |")
+    print("|---|---|" + "---|" * (len(names) + 1))
     timings = []
     for in_f, out_f in model_linear_shapes(config):
         for r in rows:
             t = time_shape(r, in_f, out_f, trials=args.trials)
             timings.append(t)
-            print(
-                f"| {in_f} -> {out_f} | {r} | {t.gflops(GemmBackend.TORCH):.1f} "
-                f"| {t.gflops(GemmBackend.OPENBLAS):.1f} | {t.ratio(GemmBackend.OPENBLAS):.2f}x |",
-                flush=True,
-            )
+            rates = " | ".join(f"{t.gflops(b):.1f}" for b in backends)
+            print(f"| {in_f} -> {out_f} | {r} | {rates} | {t.fastest.value} |", flush=True)
     torch_pool.restore()
     table = derive_table(timings)
     worst = max(check_equivalence(r, i, o) for i, o in model_linear_shapes(config) for r in (1, 64))

@@ -24,11 +24,13 @@ import torch
 import torch.nn.functional as F
 
 from pagedgen.ops.gemm_threads import torch_pool
+from pagedgen.ops.native import gemm_kernel
 
 
 class GemmBackend(enum.Enum):
     TORCH = "torch"  # F.linear: MKL sgemm / oneDNN, torch's OpenMP pool
     OPENBLAS = "openblas"  # numpy.matmul on zero-copy views: numpy's bundled OpenBLAS, its own thread pool
+    NATIVE = "native"  # pagedgen's small-batch C kernel (ops/native.py) on torch's OpenMP pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,13 +106,16 @@ def _check_ascending(name: str, buckets: tuple[RowBucket, ...]) -> None:
         raise ValueError(f"{name} must be strictly ascending by max_rows, got {limits}")
 
 
-# Measured on the 2-core AMD EPYC dev machine (docs/performance.md, "GEMM backend per shape" and "whole
-# forward"): with DRAM-resident weights OpenBLAS on 2 threads streams decode-sized GEMMs up to 1.9x faster
-# than MKL (which does not thread them), and a whole decode step of 1-16 rows ran 1.2-1.6x faster; from 32
-# rows on torch's pool (GEMMs plus attention on both cores) ties or wins, and prefill stays on torch.
-OPENBLAS_MAX_ROWS = 16
-DEFAULT_TABLE = GemmTable(
-    buckets=(RowBucket(OPENBLAS_MAX_ROWS, GemmBackend.OPENBLAS),), default=GemmBackend.TORCH
+# Measured on the 2-core AMD EPYC dev machine (docs/performance.md): with DRAM-resident weights OpenBLAS on
+# 2 threads streams decode-sized GEMMs up to 1.9x faster than MKL (which does not thread them), and a whole
+# decode step of 1-16 rows ran 1.2-1.6x faster than on torch. pagedgen's own small-batch kernel then beat
+# OpenBLAS on whole decode forwards by 1.05x (1 and 16 rows) to 1.6x (2-4 rows), on torch's pool, so the
+# other ops of the step keep both cores. From 32 rows torch ties or wins; prefill stays on torch. Without a
+# C compiler NATIVE falls back to OPENBLAS (see choose_backend).
+SMALL_MAX_ROWS = 16
+DEFAULT_TABLE = GemmTable(buckets=(RowBucket(SMALL_MAX_ROWS, GemmBackend.NATIVE),), default=GemmBackend.TORCH)
+OPENBLAS_SMALL = GemmTable(
+    buckets=(RowBucket(SMALL_MAX_ROWS, GemmBackend.OPENBLAS),), default=GemmBackend.TORCH
 )
 TORCH_ONLY = GemmTable(default=GemmBackend.TORCH)
 OPENBLAS_ONLY = GemmTable(default=GemmBackend.OPENBLAS)
@@ -134,7 +139,10 @@ def choose_backend(rows: int, in_features: int, out_features: int) -> GemmBacken
     key = (rows if step_rows is None else step_rows, in_features, out_features)
     backend = _choices.get(key)
     if backend is None:
-        backend = _choices[key] = _active[0].select(*key)
+        backend = _active[0].select(*key)
+        if backend is GemmBackend.NATIVE and gemm_kernel() is None:
+            backend = GemmBackend.OPENBLAS  # no compiler here: the next-best backend at these sizes
+        _choices[key] = backend
     return backend
 
 
@@ -178,6 +186,15 @@ def torch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     """``F.linear`` with torch's pool at its full thread count (restored if OpenBLAS had parked it)."""
     torch_pool.restore()
     return F.linear(x, weight, bias)
+
+
+def native_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The native small-batch kernel on torch's pool at its full thread count (:mod:`pagedgen.ops.native`)."""
+    torch_pool.restore()
+    kernel = gemm_kernel()
+    if kernel is None:
+        return openblas_gemm(x, weight, bias)
+    return kernel(x, weight, bias)
 
 
 def openblas_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

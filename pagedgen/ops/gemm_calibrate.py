@@ -22,14 +22,20 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedgen.ops.gemm import GemmBackend, GemmTable, RowBucket, openblas_gemm, torch_gemm
+from pagedgen.ops.gemm import GemmBackend, GemmTable, RowBucket, native_gemm, openblas_gemm, torch_gemm
+from pagedgen.ops.native import gemm_kernel
 
 DRAM_BYTES = 192 << 20  # enough distinct weights per shape to stream from memory, not cache
 
-_GEMMS: dict[GemmBackend, Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]] = {
-    GemmBackend.TORCH: torch_gemm,
-    GemmBackend.OPENBLAS: openblas_gemm,
-}
+Gemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+def available_backends() -> dict[GemmBackend, Gemm]:
+    """The backends this machine can run (NATIVE needs the compiled kernels)."""
+    gemms: dict[GemmBackend, Gemm] = {GemmBackend.TORCH: torch_gemm, GemmBackend.OPENBLAS: openblas_gemm}
+    if gemm_kernel() is not None:
+        gemms[GemmBackend.NATIVE] = native_gemm
+    return gemms
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,8 +73,7 @@ def model_linear_shapes(config: object) -> list[tuple[int, int]]:
     return list(dict.fromkeys(shapes))
 
 
-def _block(backend: GemmBackend, x: torch.Tensor, weights: Sequence[torch.Tensor]) -> float:
-    gemm = _GEMMS[backend]
+def _block(gemm: Gemm, x: torch.Tensor, weights: Sequence[torch.Tensor]) -> float:
     start = time.perf_counter()
     for w in weights:
         gemm(x, w, None)
@@ -83,25 +88,25 @@ def time_shape(
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(out_features, in_features, generator=gen) for _ in range(count)]
     x = torch.randn(rows, in_features, generator=gen)
-    best = dict.fromkeys(_GEMMS, float("inf"))
+    gemms = available_backends()
+    best = dict.fromkeys(gemms, float("inf"))
     with torch.inference_mode():
         for _ in range(trials):
-            for backend in _GEMMS:
-                _block(backend, x, weights[:2])  # switch pools outside the timed block
-                best[backend] = min(best[backend], _block(backend, x, weights))
+            for backend, gemm in gemms.items():
+                _block(gemm, x, weights[:2])  # switch pools outside the timed block
+                best[backend] = min(best[backend], _block(gemm, x, weights))
     return ShapeTiming(rows, in_features, out_features, best)
 
 
 def check_equivalence(rows: int, in_features: int, out_features: int) -> float:
-    """Max relative difference between the backends' outputs for one random problem."""
+    """Max relative difference between torch's output and every other backend's, for one random problem."""
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(rows, in_features, generator=gen)
     w = torch.randn(out_features, in_features, generator=gen)
     with torch.inference_mode():
-        a = torch_gemm(x, w, None)
-        b = openblas_gemm(x, w, None)
-    scale = float(np.abs(a.numpy()).max()) or 1.0
-    return float((a - b).abs().max()) / scale
+        outs = [gemm(x, w, None) for gemm in available_backends().values()]
+    scale = float(np.abs(outs[0].numpy()).max()) or 1.0
+    return max(float((outs[0] - other).abs().max()) / scale for other in outs[1:])
 
 
 def derive_table(timings: Sequence[ShapeTiming]) -> GemmTable:
@@ -109,11 +114,11 @@ def derive_table(timings: Sequence[ShapeTiming]) -> GemmTable:
     rows = sorted({t.rows for t in timings})
     winner: dict[int, GemmBackend] = {}
     for r in rows:
-        total = dict.fromkeys(_GEMMS, 0.0)
+        total: dict[GemmBackend, float] = {}
         for t in timings:
             if t.rows == r:
                 for backend, seconds in t.seconds.items():
-                    total[backend] += seconds
+                    total[backend] = total.get(backend, 0.0) + seconds
         winner[r] = min(total, key=total.__getitem__)
     buckets: list[RowBucket] = []
     for r in rows:

@@ -10,14 +10,22 @@ from __future__ import annotations
 
 import torch
 
-from pagedgen.ops.gemm import GemmBackend, choose_backend, openblas_eligible, openblas_gemm, torch_gemm
+from pagedgen.ops.gemm import (
+    GemmBackend,
+    choose_backend,
+    native_gemm,
+    openblas_eligible,
+    openblas_gemm,
+    torch_gemm,
+)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x [rows, in]`` and ``weight [out, in]``; returns ``[rows, out]``."""
-    if (
-        openblas_eligible(x, weight, bias)
-        and choose_backend(x.shape[0], weight.shape[1], weight.shape[0]) is GemmBackend.OPENBLAS
-    ):
-        return openblas_gemm(x, weight, bias)
+    if openblas_eligible(x, weight, bias):
+        backend = choose_backend(x.shape[0], weight.shape[1], weight.shape[0])
+        if backend is GemmBackend.NATIVE:
+            return native_gemm(x, weight, bias)
+        if backend is GemmBackend.OPENBLAS:
+            return openblas_gemm(x, weight, bias)
     return torch_gemm(x, weight, bias)

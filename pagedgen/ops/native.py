@@ -1,18 +1,24 @@
 """Native CPU kernels: compiled from C on first use, loaded with ctypes, shared by every layer.
 
-Why C: the pure-torch decode path must gather each request's scattered KV blocks into a dense copy in every
-layer and then runs SDPA on it; on 2 cores that gather plus SDPA was the largest cost after the GEMMs
-(docs/performance.md). A kernel that reads the blocks in place does the same arithmetic 2-4x faster. No
-library of the field ships a CPU paged-attention kernel for Python (vLLM's are built into vLLM), so this one
-is ours: one C file, ``kernels/paged_decode.c``, built with the system C compiler (``$CC``, else ``cc``)
-into the pagedgen cache directory, keyed by source, flags, compiler and CPU, so a machine builds it once.
+Why C, for two kernels (docs/performance.md has the measurements):
+
+* ``kernels/paged_decode.c``: the pure-torch decode path must gather each request's scattered KV blocks
+  into a dense copy in every layer and then runs SDPA on it; a kernel that reads the blocks in place does
+  the same arithmetic 2-3x faster.
+* ``kernels/small_gemm.c``: at 1-16 rows a linear layer streams its weights; MKL does not thread that and
+  OpenBLAS threads it in a second pool, which cannot share the two cores with torch's.
+
+No library of the field ships these for Python on CPU (vLLM's kernels are built into vLLM), so they are
+ours: built with the system C compiler (``$CC``, else ``cc``) into one library in the pagedgen cache
+directory, keyed by sources, flags, compiler and CPU, so a machine builds it once (under a second).
 
 Threads: the library is linked with ``-fopenmp`` against ``libgomp.so.1``; torch's wheel has already loaded
 a ``libgomp.so.1``, so the dynamic loader binds the kernel to torch's OpenMP runtime and thread pool (one
 pool, no spinning competitor). If a second OpenMP runtime shows up anyway, the kernel is not used.
 
-Without a compiler, with ``PAGEDGEN_NATIVE_KERNELS=0``, or when the build fails, :func:`decode_kernel`
-returns ``None`` and attention uses the pure-torch path; :func:`native_status` says why.
+Without a compiler, with ``PAGEDGEN_NATIVE_KERNELS=0``, or when the build fails, :func:`decode_kernel` and
+:func:`gemm_kernel` return ``None``; attention then uses the pure-torch path, linear layers OpenBLAS or
+torch, and :func:`native_status` says why.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import torch
 log = logging.getLogger(__name__)
 
 DISABLE_ENV = "PAGEDGEN_NATIVE_KERNELS"
-SOURCE = Path(__file__).with_name("kernels") / "paged_decode.c"
+SOURCES = tuple(Path(__file__).with_name("kernels") / name for name in ("paged_decode.c", "small_gemm.c"))
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
 _POINTER = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -114,29 +120,72 @@ class DecodeKernel:
             raise MemoryError("the native decode kernel could not allocate its score buffer")
 
 
+class GemmKernel:
+    """``small_gemm_f32`` of the compiled library: ``x @ weight.T + bias`` for decode-sized ``x``."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self._fn = library.small_gemm_f32
+        self._fn.argtypes = [_POINTER, _I64, _POINTER, _I64, _I64, _POINTER, _POINTER, ctypes.c_int]
+        self._fn.restype = None
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``[rows, out]`` for fp32 CPU ``x [rows, in]``, contiguous ``weight [out, in]`` and ``bias [out]``.
+
+        The caller (:func:`pagedgen.ops.linear.linear`) has checked dtypes, devices and the weight layout.
+        """
+        x = x.contiguous()
+        rows, k = x.shape
+        out = torch.empty(rows, weight.shape[0], dtype=torch.float32)  # [rows, out]
+        bias_ptr = None if bias is None else bias.contiguous().data_ptr()
+        self._fn(
+            x.data_ptr(),
+            rows,
+            weight.data_ptr(),
+            k,
+            weight.shape[0],
+            bias_ptr,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Library:
+    decode: DecodeKernel | None
+    gemm: GemmKernel | None
+    status: NativeStatus
+
+
 _lock = threading.Lock()
-_loaded: list[tuple[DecodeKernel | None, NativeStatus]] = []
+_loaded: list[_Library] = []
 
 
 def decode_kernel() -> DecodeKernel | None:
-    """The compiled decode kernel, built on first call; ``None`` when native kernels are unavailable."""
-    return _load()[0]
+    """The compiled paged decode kernel, built on first call; ``None`` when native kernels are unavailable."""
+    return _load().decode
+
+
+def gemm_kernel() -> GemmKernel | None:
+    """The compiled small-batch GEMM, built on first call; ``None`` when native kernels are unavailable."""
+    return _load().gemm
 
 
 def native_status() -> NativeStatus:
-    return _load()[1]
+    return _load().status
 
 
-def _load() -> tuple[DecodeKernel | None, NativeStatus]:
+def _load() -> _Library:
     with _lock:
         if not _loaded:
             _loaded.append(_build_and_load())
         return _loaded[0]
 
 
-def _build_and_load() -> tuple[DecodeKernel | None, NativeStatus]:
+def _build_and_load() -> _Library:
+    """Build (or find) and load the library; never raises: a failure turns the native kernels off."""
     if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        return None, NativeStatus(False, f"disabled by {DISABLE_ENV}")
+        return _Library(None, None, NativeStatus(False, f"disabled by {DISABLE_ENV}"))
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return _off("no C compiler found (set CC)")
@@ -145,27 +194,29 @@ def _build_and_load() -> tuple[DecodeKernel | None, NativeStatus]:
         runtimes_before = _openmp_runtimes()
         library = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as exc:
-        return _off(f"building {SOURCE.name} failed: {exc}")
+        return _off(f"building the native kernels failed: {exc}")
     runtimes = _openmp_runtimes()
     if len(runtimes) > max(1, len(runtimes_before)):
         return _off(f"the kernel loaded a second OpenMP runtime beside torch's: {sorted(runtimes)}")
-    return DecodeKernel(library), NativeStatus(True, str(path))
+    return _Library(DecodeKernel(library), GemmKernel(library), NativeStatus(True, str(path)))
 
 
-def _off(reason: str) -> tuple[None, NativeStatus]:
-    log.warning("pagedgen native kernels are off, using the pure-torch attention path: %s", reason)
-    return None, NativeStatus(False, reason)
+def _off(reason: str) -> _Library:
+    log.warning("pagedgen native kernels are off (pure-torch attention, OpenBLAS/torch GEMMs): %s", reason)
+    return _Library(None, None, NativeStatus(False, reason))
 
 
 def _build(compiler: str) -> Path:
     """Compile the library into the cache unless an entry for this source/flags/compiler/CPU exists."""
     from pagedgen.models.gguf_cache import cache_root  # here, not at import: models imports this module
 
-    source = SOURCE.read_bytes()
+    sources = [source.read_bytes() for source in SOURCES]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60, check=True)
-    key = hashlib.sha256(b"\0".join([source, " ".join(CFLAGS).encode(), version.stdout.encode(), _cpu_id()]))
+    key = hashlib.sha256(
+        b"\0".join([*sources, " ".join(CFLAGS).encode(), version.stdout.encode(), _cpu_id()])
+    )
     directory = cache_root() / "kernels"
-    path = directory / f"paged_decode-{key.hexdigest()[:16]}.so"
+    path = directory / f"pagedgen-kernels-{key.hexdigest()[:16]}.so"
     if path.exists():
         return path
     directory.mkdir(parents=True, exist_ok=True)
@@ -173,7 +224,7 @@ def _build(compiler: str) -> Path:
     os.close(fd)
     try:
         result = subprocess.run(
-            [compiler, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300
+            [compiler, *CFLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True, timeout=300
         )
         if result.returncode != 0:
             raise subprocess.SubprocessError(result.stderr.strip() or f"exit status {result.returncode}")

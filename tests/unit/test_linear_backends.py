@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from pagedgen.ops import gemm
 from pagedgen.ops.gemm import (
     DEFAULT_TABLE,
-    OPENBLAS_MAX_ROWS,
     OPENBLAS_ONLY,
+    OPENBLAS_SMALL,
+    SMALL_MAX_ROWS,
     TORCH_ONLY,
     GemmBackend,
     GemmTable,
@@ -34,8 +35,10 @@ from pagedgen.ops.gemm_threads import (
     torch_pool,
 )
 from pagedgen.ops.linear import linear
+from pagedgen.ops.native import gemm_kernel, native_status
 
-BLAS, TORCH = GemmBackend.OPENBLAS, GemmBackend.TORCH
+BLAS, TORCH, NATIVE = GemmBackend.OPENBLAS, GemmBackend.TORCH, GemmBackend.NATIVE
+NATIVE_ONLY = GemmTable(default=NATIVE)
 
 
 def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -43,10 +46,12 @@ def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize(
-    "table", [TORCH_ONLY, OPENBLAS_ONLY, DEFAULT_TABLE], ids=["torch", "openblas", "default"]
+    "table",
+    [TORCH_ONLY, OPENBLAS_ONLY, NATIVE_ONLY, DEFAULT_TABLE, OPENBLAS_SMALL],
+    ids=["torch", "openblas", "native", "default", "openblas-small"],
 )
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 64])
-@pytest.mark.parametrize("shape", [(576, 192), (96, 320)])
+@pytest.mark.parametrize("shape", [(576, 192), (96, 320), (64, 7)])  # 7 outputs: the kernel's remainder path
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_matches_f_linear(table, rows, shape, with_bias):
     gen = torch.Generator().manual_seed(rows)
@@ -90,10 +95,52 @@ def test_ineligible_calls_take_f_linear_exactly(x, w):
 
 
 def test_default_table_boundary():
-    assert DEFAULT_TABLE.select(1, 576, 576) is BLAS
-    assert DEFAULT_TABLE.select(OPENBLAS_MAX_ROWS, 576, 49152) is BLAS
-    assert DEFAULT_TABLE.select(OPENBLAS_MAX_ROWS + 1, 576, 576) is TORCH
+    assert DEFAULT_TABLE.select(1, 576, 576) is NATIVE
+    assert DEFAULT_TABLE.select(SMALL_MAX_ROWS, 576, 49152) is NATIVE
+    assert DEFAULT_TABLE.select(SMALL_MAX_ROWS + 1, 576, 576) is TORCH
     assert DEFAULT_TABLE.select(4096, 576, 576) is TORCH
+    assert OPENBLAS_SMALL.select(SMALL_MAX_ROWS, 576, 576) is BLAS
+
+
+def _native_or_skip():
+    if gemm_kernel() is None:
+        pytest.skip(native_status().detail)
+
+
+def test_native_gemm_is_chosen_here_and_falls_back_to_openblas_without_the_kernel(monkeypatch):
+    _native_or_skip()
+    with use_gemm_table(DEFAULT_TABLE):
+        assert choose_backend(4, 576, 576) is NATIVE
+    monkeypatch.setattr(gemm, "gemm_kernel", lambda: None)
+    with use_gemm_table(DEFAULT_TABLE):  # a fresh memo: the fallback is decided per shape once
+        assert choose_backend(4, 576, 576) is BLAS
+        x, w = torch.randn(4, 576), torch.randn(576, 576)
+        assert _rel_diff(linear(x, w), F.linear(x, w)) <= 1e-5
+
+
+def test_native_gemm_rows_are_batch_and_thread_invariant():
+    """A row's output has the same bits alone, inside any batch, and on one or two threads."""
+    _native_or_skip()
+    gen = torch.Generator().manual_seed(5)
+    x, w, b = torch.randn(16, 576, generator=gen), torch.randn(198, 576, generator=gen), torch.randn(198)
+    with use_gemm_table(NATIVE_ONLY):
+        batch = linear(x, w, b)
+        alone = torch.cat([linear(x[i : i + 1], w, b) for i in range(16)])
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            one_thread = linear(x, w, b)
+        finally:
+            torch.set_num_threads(threads)
+    assert torch.equal(batch, alone) and torch.equal(batch, one_thread)
+
+
+def test_native_gemm_reads_strided_rows():
+    _native_or_skip()
+    x = torch.randn(8, 2 * 64)[:, :64]  # row stride 128: copied to a contiguous block first
+    w = torch.randn(32, 64)
+    with use_gemm_table(NATIVE_ONLY):
+        assert _rel_diff(linear(x, w), F.linear(x, w)) <= 1e-5
 
 
 def test_table_buckets_and_overrides():
@@ -156,7 +203,7 @@ def test_set_table_returns_previous_and_scope_restores_on_error():
 
 
 def test_gemm_step_uses_the_step_token_count_and_nests():
-    with use_gemm_table(DEFAULT_TABLE):
+    with use_gemm_table(OPENBLAS_SMALL):
         assert choose_backend(1, 576, 49152) is BLAS
         with gemm_step(300):
             assert choose_backend(1, 576, 49152) is TORCH  # the LM head of a prefill step stays on torch

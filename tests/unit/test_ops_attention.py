@@ -155,14 +155,15 @@ def test_native_decode_kernel_gives_the_same_bits_on_one_and_two_threads():
 
 def test_native_kernels_can_be_switched_off_and_a_failed_build_says_why(monkeypatch, tmp_path):
     monkeypatch.setenv(native.DISABLE_ENV, "0")
-    kernel, status = native._build_and_load()
-    assert kernel is None and status == native.NativeStatus(False, f"disabled by {native.DISABLE_ENV}")
+    library = native._build_and_load()
+    assert library.decode is None and library.gemm is None
+    assert library.status == native.NativeStatus(False, f"disabled by {native.DISABLE_ENV}")
     monkeypatch.delenv(native.DISABLE_ENV)
     monkeypatch.setenv("PAGEDGEN_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    kernel, status = native._build_and_load()
-    assert kernel is None and not status.available
-    assert status.detail.startswith("building paged_decode.c failed")
+    library = native._build_and_load()
+    assert library.decode is None and library.gemm is None and not library.status.available
+    assert library.status.detail.startswith("building the native kernels failed")
     assert not list(tmp_path.rglob("*.so*"))  # no half-written library left behind
 
 

@@ -8,7 +8,7 @@ import torch
 from pagedgen.executor.inputs import SequenceChunk, pack_step
 from pagedgen.executor.runner import ExecutionCapacityError, ModelRunner
 from pagedgen.models.synthetic import SyntheticModel
-from pagedgen.ops.gemm import DEFAULT_TABLE, GemmBackend, choose_backend, use_gemm_table
+from pagedgen.ops.gemm import OPENBLAS_SMALL, GemmBackend, choose_backend, use_gemm_table
 
 
 class RecordingModel(SyntheticModel):
@@ -30,11 +30,11 @@ def _step(num_tokens: int):
 def test_every_linear_call_of_a_step_uses_the_steps_backend():
     model = RecordingModel()
     runner = ModelRunner(model, num_blocks=8, block_size=16)
-    with use_gemm_table(DEFAULT_TABLE):
+    with use_gemm_table(OPENBLAS_SMALL):  # the table whose backends own different thread pools
         runner.execute(_step(3))  # a decode-sized step: OpenBLAS, the 1-row head included
         runner.execute(_step(100))  # a prefill: its 1-row head stays on torch with the rest of the step
+        assert choose_backend(1, 576, 49152) is GemmBackend.OPENBLAS  # the scope ended with the step
     assert model.seen == [GemmBackend.OPENBLAS, GemmBackend.TORCH]
-    assert choose_backend(1, 576, 49152) is GemmBackend.OPENBLAS  # the scope ended with the step
 
 
 class OutOfMemoryModel(SyntheticModel):
