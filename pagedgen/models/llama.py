@@ -23,6 +23,7 @@ from pagedgen.executor.inputs import StepInputs
 from pagedgen.models.base import KVSpec, PagedKVCache
 from pagedgen.models.config import ModelConfig, RopeConfig
 from pagedgen.ops.attention import AttentionPlan, paged_attention, plan_attention, write_kv
+from pagedgen.ops.layer_ops import add_rms_norm, apply_rotary_, rms_norm, silu_and_mul
 from pagedgen.ops.linear import linear
 
 
@@ -41,6 +42,27 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+
+def _fuse_linears(parts: list[Linear]) -> Linear:
+    """A Linear whose weight (and bias) stacks ``parts``' by output; the parts become views of it.
+
+    The state-dict names and the memory stay as they were: each part's parameter now points into the fused
+    tensor, so no weight is held twice.
+    """
+    weight = torch.cat([p.weight for p in parts])  # [sum(out), in]
+    fused = Linear(weight.shape[1], weight.shape[0], False, weight.dtype)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if parts[0].bias is not None:
+        fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+    start = 0
+    for part in parts:
+        end = start + part.weight.shape[0]
+        part.weight = nn.Parameter(fused.weight[start:end], requires_grad=False)
+        if part.bias is not None:
+            part.bias = nn.Parameter(fused.bias[start:end], requires_grad=False)
+        start = end
+    return fused
 
 
 class Embedding(nn.Module):
@@ -63,10 +85,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, residual: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(residual + delta, norm(residual + delta))``; may add into ``residual`` in place."""
+        return add_rms_norm(residual, delta, self.weight, self.eps)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -103,13 +126,6 @@ class RotaryEmbedding(nn.Module):
         freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
         return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, H, D]`` by the "rotate half" convention of HF checkpoints."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
 class Attention(nn.Module):
@@ -176,7 +192,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary_(q, cos, sin), apply_rotary_(k, cos, sin)  # in place (fresh GEMM output)
         write_kv(k, v, k_cache, v_cache, inputs.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, inputs, self.scale, plan)  # [T, Hq, D]
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
@@ -191,9 +207,16 @@ class MLP(nn.Module):
         self.gate_proj = Linear(hidden, inner, bias, dtype)
         self.up_proj = Linear(hidden, inner, bias, dtype)
         self.down_proj = Linear(inner, hidden, bias, dtype)
+        self.gate_up: Linear | None = None  # set by fuse_gate_up() once the weights are loaded
+
+    def fuse_gate_up(self) -> None:
+        """One ``[2 inner, hidden]`` weight for gate and up (they become views of it): one GEMM, one pass."""
+        self.gate_up = _fuse_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_and_mul(self.gate_up(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -209,14 +232,26 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        delta: torch.Tensor | None,
         rope: tuple[torch.Tensor, torch.Tensor],
         inputs: StepInputs,
         plan: AttentionPlan,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, inputs, plan, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` is the residual stream still missing ``delta`` (the previous layer's MLP output, ``None``
+        before the first layer); returns the stream and this layer's MLP output, likewise unadded.
+
+        Why the deferred add: each residual add is fused into the norm that follows it (one pass).
+        """
+        if delta is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = self.input_layernorm.add_forward(x, delta)
+        x, h = self.post_attention_layernorm.add_forward(
+            x, self.self_attn(h, rope, inputs, plan, k_cache, v_cache)
+        )
+        return x, self.mlp(h)
 
 
 class LlamaModel(nn.Module):
@@ -251,9 +286,10 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def fuse_projections(self) -> None:
-        """Fuse each layer's q/k/v weights (after loading; the state-dict names stay valid)."""
+        """Fuse each layer's q/k/v and gate/up weights (after loading; the state-dict names stay valid)."""
         for layer in self.model.layers:
             layer.self_attn.fuse_qkv()
+            layer.mlp.fuse_gate_up()
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -268,7 +304,9 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(inputs.input_ids)  # [T, hidden]
         rope = self.model.rotary_emb(inputs.positions, x.dtype)  # 2 x [T, head_dim]
         plan = plan_attention(inputs, kv_cache.keys[0])  # once per step, shared by every layer
+        delta = None
         for layer, k_cache, v_cache in zip(self.model.layers, kv_cache.keys, kv_cache.values, strict=True):
-            x = layer(x, rope, inputs, plan, k_cache, v_cache)
-        x = self.model.norm(x[inputs.logits_rows])  # [R, hidden]
+            x, delta = layer(x, delta, rope, inputs, plan, k_cache, v_cache)
+        rows = inputs.logits_rows
+        x = self.model.norm(x[rows] + delta[rows])  # [R, hidden]
         return linear(x, self.head_weight).float()  # [R, vocab]

@@ -160,8 +160,8 @@ def paged_attention(
     plan = plan_attention(inputs, k_cache) if plan is None else plan
     out = torch.empty_like(query)  # [T, Hq, D]
     kernel = plan.kernel
-    if kernel is not None and kernel.supports(query, k_cache, v_cache):
-        query = query.contiguous()
+    if kernel is not None and kernel.supports(query.contiguous(), k_cache, v_cache):
+        query = query.contiguous()  # q may be a view into the fused q/k/v product
         kernel(
             query,
             k_cache,

@@ -40,8 +40,10 @@ import torch
 log = logging.getLogger(__name__)
 
 DISABLE_ENV = "PAGEDGEN_NATIVE_KERNELS"
-SOURCES = tuple(Path(__file__).with_name("kernels") / name for name in ("paged_decode.c", "small_gemm.c"))
-CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
+KERNELS = Path(__file__).with_name("kernels")
+SOURCES = tuple(KERNELS / name for name in ("paged_decode.c", "small_gemm.c", "layer_ops.c"))
+HEADERS = (KERNELS / "vec_math.h",)
+CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
 _POINTER = ctypes.c_void_p
 _I64 = ctypes.c_int64
 
@@ -150,10 +152,76 @@ class GemmKernel:
         return out
 
 
+class LayerOpsKernels:
+    """The per-layer elementwise kernels of ``layer_ops.c``; callers (:mod:`pagedgen.ops.layer_ops`) check
+    that tensors are fp32, on the CPU and laid out as each function's docstring says."""
+
+    def __init__(self, library: ctypes.CDLL):
+        f32 = ctypes.c_float
+        threads = ctypes.c_int
+        self._rms = library.rms_norm_f32
+        self._rms.argtypes = [_POINTER, _I64, _I64, _POINTER, f32, _POINTER, threads]
+        self._add_rms = library.add_rms_norm_f32
+        self._add_rms.argtypes = [_POINTER, _POINTER, _I64, _I64, _POINTER, f32, _POINTER, threads]
+        self._rotary = library.rotary_f32
+        self._rotary.argtypes = [_POINTER, _I64, _I64, _I64, _I64, _POINTER, _POINTER, threads]
+        self._silu_mul = library.silu_mul_f32
+        self._silu_mul.argtypes = [_POINTER, _I64, _I64, _POINTER, threads]
+        for fn in (self._rms, self._add_rms, self._rotary, self._silu_mul):
+            fn.restype = None
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Contiguous ``x [rows, dim]`` -> a new ``[rows, dim]``."""
+        out = torch.empty_like(x)
+        rows, dim = x.shape
+        self._rms(x.data_ptr(), rows, dim, weight.data_ptr(), eps, out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def add_rms_norm(
+        self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """Adds contiguous ``delta`` into contiguous ``residual [rows, dim]`` in place; returns the norm."""
+        out = torch.empty_like(residual)
+        rows, dim = residual.shape
+        self._add_rms(
+            residual.data_ptr(),
+            delta.data_ptr(),
+            rows,
+            dim,
+            weight.data_ptr(),
+            eps,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return out
+
+    def rotary_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotates ``x [T, H, D]`` (rows at any stride, heads and dims contiguous) in place."""
+        rows, heads, dim = x.shape
+        self._rotary(
+            x.data_ptr(),
+            rows,
+            heads,
+            dim,
+            x.stride(0),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            torch.get_num_threads(),
+        )
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """Contiguous ``[rows, 2 * inner]`` -> ``silu(gate) * up`` ``[rows, inner]``."""
+        rows, inner = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(rows, inner, dtype=gate_up.dtype)
+        self._silu_mul(gate_up.data_ptr(), rows, inner, out.data_ptr(), torch.get_num_threads())
+        return out
+
+
 @dataclass(frozen=True, slots=True)
 class _Library:
     decode: DecodeKernel | None
     gemm: GemmKernel | None
+    layer_ops: LayerOpsKernels | None
     status: NativeStatus
 
 
@@ -171,6 +239,11 @@ def gemm_kernel() -> GemmKernel | None:
     return _load().gemm
 
 
+def layer_ops_kernels() -> LayerOpsKernels | None:
+    """The compiled per-layer elementwise kernels; ``None`` when native kernels are unavailable."""
+    return _load().layer_ops
+
+
 def native_status() -> NativeStatus:
     return _load().status
 
@@ -185,7 +258,7 @@ def _load() -> _Library:
 def _build_and_load() -> _Library:
     """Build (or find) and load the library; never raises: a failure turns the native kernels off."""
     if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        return _Library(None, None, NativeStatus(False, f"disabled by {DISABLE_ENV}"))
+        return _Library(None, None, None, NativeStatus(False, f"disabled by {DISABLE_ENV}"))
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return _off("no C compiler found (set CC)")
@@ -198,19 +271,20 @@ def _build_and_load() -> _Library:
     runtimes = _openmp_runtimes()
     if len(runtimes) > max(1, len(runtimes_before)):
         return _off(f"the kernel loaded a second OpenMP runtime beside torch's: {sorted(runtimes)}")
-    return _Library(DecodeKernel(library), GemmKernel(library), NativeStatus(True, str(path)))
+    kernels = (DecodeKernel(library), GemmKernel(library), LayerOpsKernels(library))
+    return _Library(*kernels, NativeStatus(True, str(path)))
 
 
 def _off(reason: str) -> _Library:
     log.warning("pagedgen native kernels are off (pure-torch attention, OpenBLAS/torch GEMMs): %s", reason)
-    return _Library(None, None, NativeStatus(False, reason))
+    return _Library(None, None, None, NativeStatus(False, reason))
 
 
 def _build(compiler: str) -> Path:
     """Compile the library into the cache unless an entry for this source/flags/compiler/CPU exists."""
     from pagedgen.models.gguf_cache import cache_root  # here, not at import: models imports this module
 
-    sources = [source.read_bytes() for source in SOURCES]
+    sources = [source.read_bytes() for source in (*SOURCES, *HEADERS)]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60, check=True)
     key = hashlib.sha256(
         b"\0".join([*sources, " ".join(CFLAGS).encode(), version.stdout.encode(), _cpu_id()])

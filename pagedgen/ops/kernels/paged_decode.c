@@ -18,6 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec_math.h"
+
 static inline __attribute__((always_inline)) void decode_row(
     const float *q, const float *k_cache, const float *v_cache, const int32_t *table, int64_t len,
     int64_t q_heads, int64_t kv_heads, const int64_t head_dim, int64_t block_size, float scale,
@@ -47,8 +49,9 @@ static inline __attribute__((always_inline)) void decode_row(
         float top = -FLT_MAX;
         for (int64_t p = 0; p < len; ++p) top = sh[p] > top ? sh[p] : top;
         float total = 0.f;
+#pragma omp simd reduction(+ : total)
         for (int64_t p = 0; p < len; ++p) {
-            sh[p] = expf(sh[p] - top);
+            sh[p] = vec_expf(sh[p] - top);
             total += sh[p];
         }
         const float inv = 1.f / total;
