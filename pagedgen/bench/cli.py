@@ -74,7 +74,7 @@ def _throughput_parser(p: argparse.ArgumentParser) -> None:
         "--gemm",
         choices=["auto", "torch", "openblas", "openblas-small"],
         default="auto",
-        help="linear-layer backend: the measured table (auto: native kernel up to 16 rows, torch above), one "
+        help="linear-layer backend: the measured table (auto: native kernel up to 64 rows, torch above), one "
         "backend for every shape, or openblas-small (OpenBLAS up to 16 rows, torch above)",
     )
     m.add_argument("--no-roofline", action="store_true", help="skip the GEMM peak measurement")

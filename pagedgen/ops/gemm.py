@@ -108,14 +108,17 @@ def _check_ascending(name: str, buckets: tuple[RowBucket, ...]) -> None:
 
 # Measured on the 2-core AMD EPYC dev machine (docs/performance.md): with DRAM-resident weights OpenBLAS on
 # 2 threads streams decode-sized GEMMs up to 1.9x faster than MKL (which does not thread them), and a whole
-# decode step of 1-16 rows ran 1.2-1.6x faster than on torch. pagedgen's own small-batch kernel then beat
-# OpenBLAS on whole decode forwards by 1.05x (1 and 16 rows) to 1.6x (2-4 rows), on torch's pool, so the
-# other ops of the step keep both cores. From 32 rows torch ties or wins; prefill stays on torch. Without a
-# C compiler NATIVE falls back to OPENBLAS (see choose_backend).
-SMALL_MAX_ROWS = 16
-DEFAULT_TABLE = GemmTable(buckets=(RowBucket(SMALL_MAX_ROWS, GemmBackend.NATIVE),), default=GemmBackend.TORCH)
+# decode step of 1-16 rows ran 1.2-1.6x faster than on torch. pagedgen's own kernel (a 3 x 4 AVX2 register
+# tile on torch's pool) then beat both on whole decode forwards: 1.0x OpenBLAS at 1 row, 1.4-2x at 2-8,
+# 1.2-1.3x torch at 32-48 rows, 1.1x at 64, while torch won from 128 rows (prefill). Without a C compiler
+# NATIVE falls back to OPENBLAS (see choose_backend), whose own crossover with torch was 16 rows.
+NATIVE_MAX_ROWS = 64
+OPENBLAS_MAX_ROWS = 16
+DEFAULT_TABLE = GemmTable(
+    buckets=(RowBucket(NATIVE_MAX_ROWS, GemmBackend.NATIVE),), default=GemmBackend.TORCH
+)
 OPENBLAS_SMALL = GemmTable(
-    buckets=(RowBucket(SMALL_MAX_ROWS, GemmBackend.OPENBLAS),), default=GemmBackend.TORCH
+    buckets=(RowBucket(OPENBLAS_MAX_ROWS, GemmBackend.OPENBLAS),), default=GemmBackend.TORCH
 )
 TORCH_ONLY = GemmTable(default=GemmBackend.TORCH)
 OPENBLAS_ONLY = GemmTable(default=GemmBackend.OPENBLAS)
@@ -141,7 +144,8 @@ def choose_backend(rows: int, in_features: int, out_features: int) -> GemmBacken
     if backend is None:
         backend = _active[0].select(*key)
         if backend is GemmBackend.NATIVE and gemm_kernel() is None:
-            backend = GemmBackend.OPENBLAS  # no compiler here: the next-best backend at these sizes
+            # No compiler here: the previous best choice for the shape (OpenBLAS up to its crossover).
+            backend = OPENBLAS_SMALL.select(*key)
         _choices[key] = backend
     return backend
 

@@ -13,9 +13,10 @@ import torch.nn.functional as F
 from pagedgen.ops import gemm
 from pagedgen.ops.gemm import (
     DEFAULT_TABLE,
+    NATIVE_MAX_ROWS,
+    OPENBLAS_MAX_ROWS,
     OPENBLAS_ONLY,
     OPENBLAS_SMALL,
-    SMALL_MAX_ROWS,
     TORCH_ONLY,
     GemmBackend,
     GemmTable,
@@ -51,7 +52,8 @@ def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     ids=["torch", "openblas", "native", "default", "openblas-small"],
 )
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 64])
-@pytest.mark.parametrize("shape", [(576, 192), (96, 320), (64, 7)])  # 7 outputs: the kernel's remainder path
+# (64, 7): the tiled kernel's leftover outputs; (100, 9): an input size the tile cannot take (portable loop)
+@pytest.mark.parametrize("shape", [(576, 192), (96, 320), (64, 7), (100, 9)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_matches_f_linear(table, rows, shape, with_bias):
     gen = torch.Generator().manual_seed(rows)
@@ -96,10 +98,11 @@ def test_ineligible_calls_take_f_linear_exactly(x, w):
 
 def test_default_table_boundary():
     assert DEFAULT_TABLE.select(1, 576, 576) is NATIVE
-    assert DEFAULT_TABLE.select(SMALL_MAX_ROWS, 576, 49152) is NATIVE
-    assert DEFAULT_TABLE.select(SMALL_MAX_ROWS + 1, 576, 576) is TORCH
+    assert DEFAULT_TABLE.select(NATIVE_MAX_ROWS, 576, 49152) is NATIVE
+    assert DEFAULT_TABLE.select(NATIVE_MAX_ROWS + 1, 576, 576) is TORCH
     assert DEFAULT_TABLE.select(4096, 576, 576) is TORCH
-    assert OPENBLAS_SMALL.select(SMALL_MAX_ROWS, 576, 576) is BLAS
+    assert OPENBLAS_SMALL.select(OPENBLAS_MAX_ROWS, 576, 576) is BLAS
+    assert OPENBLAS_SMALL.select(OPENBLAS_MAX_ROWS + 1, 576, 576) is TORCH
 
 
 def _native_or_skip():
@@ -114,6 +117,7 @@ def test_native_gemm_is_chosen_here_and_falls_back_to_openblas_without_the_kerne
     monkeypatch.setattr(gemm, "gemm_kernel", lambda: None)
     with use_gemm_table(DEFAULT_TABLE):  # a fresh memo: the fallback is decided per shape once
         assert choose_backend(4, 576, 576) is BLAS
+        assert choose_backend(OPENBLAS_MAX_ROWS + 1, 576, 576) is TORCH
         x, w = torch.randn(4, 576), torch.randn(576, 576)
         assert _rel_diff(linear(x, w), F.linear(x, w)) <= 1e-5
 
@@ -126,6 +130,8 @@ def test_native_gemm_rows_are_batch_and_thread_invariant():
     with use_gemm_table(NATIVE_ONLY):
         batch = linear(x, w, b)
         alone = torch.cat([linear(x[i : i + 1], w, b) for i in range(16)])
+        pairs = torch.cat([linear(x[i : i + 2], w, b) for i in range(0, 16, 2)])  # 2-row tiles
+        assert torch.equal(batch, pairs)
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
