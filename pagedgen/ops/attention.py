@@ -37,15 +37,37 @@ def write_kv(
 
     Mutates ``k_cache`` and ``v_cache`` ``[num_blocks, block_size, Hkv, D]`` in place (cast to the cache
     dtype). ``slot_mapping [T]`` holds ``block * block_size + offset``. Raises ``ValueError`` on a shape
-    mismatch, before anything is written.
+    mismatch and ``IndexError`` for a slot outside the cache, both before anything is written.
     """
     _check_kv_shapes(key, value, k_cache, v_cache)
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(f"slot_mapping must be [T={key.shape[0]}], got shape {tuple(slot_mapping.shape)}")
     heads, dim = k_cache.shape[2], k_cache.shape[3]
     slots = slot_mapping.to(device=k_cache.device, dtype=torch.long)
+    kernel = decode_kernel()
+    if kernel is not None and _native_writable(key, value, k_cache, v_cache, slots):
+        kernel.write_kv(key, value, k_cache, v_cache, slots)  # one call instead of two index_copy_
+        return
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= num_slots):
+        # index_copy_ would raise only after writing the rows before the bad one
+        raise IndexError(f"write_kv: a slot of {slots.tolist()} is outside the cache's {num_slots} slots")
     k_cache.view(-1, heads, dim).index_copy_(0, slots, key.to(k_cache.dtype))
     v_cache.view(-1, heads, dim).index_copy_(0, slots, value.to(v_cache.dtype))
+
+
+def _native_writable(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> bool:
+    """fp32 CPU tensors whose rows the kernel can copy as runs: packed heads/dims, contiguous caches."""
+    tensors = (key, value, k_cache, v_cache)
+    return (
+        all(t.dtype is torch.float32 and t.device.type == "cpu" for t in tensors)
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (key, value))
+        and slots.is_contiguous()
+    )
 
 
 def paged_attention_reference(

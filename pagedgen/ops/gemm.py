@@ -124,7 +124,7 @@ TORCH_ONLY = GemmTable(default=GemmBackend.TORCH)
 OPENBLAS_ONLY = GemmTable(default=GemmBackend.OPENBLAS)
 
 _active: list[GemmTable] = [DEFAULT_TABLE]
-_choices: dict[tuple[int, int, int], GemmBackend] = {}  # (rows, in, out) -> backend of the active table
+_choices: dict[tuple[int, int | None, int, int], GemmBackend] = {}  # (rows, step rows, in, out) -> backend
 _step_rows: list[int | None] = [None]  # the enclosing gemm_step's token count, if any
 
 
@@ -135,18 +135,33 @@ def active_table() -> GemmTable:
 def choose_backend(rows: int, in_features: int, out_features: int) -> GemmBackend:
     """The active table's backend for one call, memoised (one dict lookup per linear call).
 
-    Inside :func:`gemm_step` the step's token count replaces ``rows``, so every linear layer of a step,
-    the LM head over its few sampled rows included, runs on the same backend (see :func:`gemm_step`).
+    Inside :func:`gemm_step`, when the call's own backend and the step's would run on different thread
+    pools (one of them OpenBLAS), the step's wins, so no pool hand-over happens mid-step (see
+    :func:`gemm_step`). Torch and the native kernel share torch's pool, so a prefill step's LM head over
+    its few sampled rows still gets the native kernel.
     """
-    step_rows = _step_rows[0]
-    key = (rows if step_rows is None else step_rows, in_features, out_features)
+    key = (rows, _step_rows[0], in_features, out_features)
     backend = _choices.get(key)
     if backend is None:
-        backend = _active[0].select(*key)
-        if backend is GemmBackend.NATIVE and gemm_kernel() is None:
-            # No compiler here: the previous best choice for the shape (OpenBLAS up to its crossover).
-            backend = OPENBLAS_SMALL.select(*key)
-        _choices[key] = backend
+        backend = _choices[key] = _decide(rows, _step_rows[0], in_features, out_features)
+    return backend
+
+
+def _decide(rows: int, step_rows: int | None, in_features: int, out_features: int) -> GemmBackend:
+    call = _select(rows, in_features, out_features)
+    if step_rows is None:
+        return call
+    step = _select(step_rows, in_features, out_features)
+    if call is not step and GemmBackend.OPENBLAS in (call, step):
+        return step
+    return call
+
+
+def _select(rows: int, in_features: int, out_features: int) -> GemmBackend:
+    backend = _active[0].select(rows, in_features, out_features)
+    if backend is GemmBackend.NATIVE and gemm_kernel() is None:
+        # No compiler here: the previous best choice for the shape (OpenBLAS up to its crossover).
+        backend = OPENBLAS_SMALL.select(rows, in_features, out_features)
     return backend
 
 

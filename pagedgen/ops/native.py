@@ -64,6 +64,50 @@ class DecodeKernel:
         self._fn.argtypes = [_POINTER, _POINTER, _POINTER, _POINTER, _I64, _POINTER, _POINTER, _I64]
         self._fn.argtypes += [_I64, _I64, _I64, _I64, ctypes.c_float, _POINTER, ctypes.c_int]
         self._fn.restype = ctypes.c_int
+        self._write = library.write_kv_f32
+        self._write.argtypes = [
+            _POINTER,
+            _I64,
+            _POINTER,
+            _I64,
+            _I64,
+            _I64,
+            _POINTER,
+            _I64,
+            _POINTER,
+            _POINTER,
+        ]
+        self._write.restype = ctypes.c_int
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        """Copy ``key``/``value [T, Hkv, D]`` rows into the caches' flat ``slots`` (int64, contiguous).
+
+        The caller has checked shapes, dtypes and layouts (rows may be strided, heads and dims packed).
+        Raises ``IndexError``, writing nothing, when a slot lies outside the cache.
+        """
+        rows, heads, dim = key.shape
+        num_slots = k_cache.shape[0] * k_cache.shape[1]
+        failed = self._write(
+            key.data_ptr(),
+            key.stride(0),
+            value.data_ptr(),
+            value.stride(0),
+            rows,
+            heads * dim,
+            slots.data_ptr(),
+            num_slots,
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+        )
+        if failed:
+            raise IndexError(f"write_kv: a slot of {slots.tolist()} is outside the cache's {num_slots} slots")
 
     @staticmethod
     def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

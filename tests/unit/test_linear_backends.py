@@ -222,6 +222,13 @@ def test_gemm_step_uses_the_step_token_count_and_nests():
             pass
 
 
+def test_a_prefill_steps_few_row_head_takes_the_native_kernel_on_the_shared_pool():
+    _native_or_skip()
+    with use_gemm_table(DEFAULT_TABLE), gemm_step(300):
+        assert choose_backend(300, 576, 576) is TORCH
+        assert choose_backend(4, 576, 49152) is NATIVE  # same OpenMP pool as torch: no hand-over
+
+
 def test_openblas_parks_the_torch_pool_and_torch_restores_it():
     settings = current_thread_settings()
     configure_cpu_threads(2)

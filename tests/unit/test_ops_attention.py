@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedgen.executor.inputs import SequenceChunk, StepInputs, pack_step
-from pagedgen.ops import native
+from pagedgen.ops import attention, native
 from pagedgen.ops.attention import paged_attention, paged_attention_reference, plan_attention, write_kv
 from pagedgen.ops.cpu_memory import retain_freed_cpu_memory
 
@@ -226,10 +226,21 @@ def test_a_token_sees_no_future_keys():
     assert not torch.equal(before[-1], after[-1])
 
 
-def test_write_kv_writes_exactly_the_mapped_slots():
+@pytest.fixture(params=["native", "torch"])
+def write_path(request, monkeypatch):
+    """write_kv through the native copy kernel, and through index_copy_."""
+    if request.param == "native" and native.decode_kernel() is None:
+        pytest.skip(native.native_status().detail)
+    if request.param == "torch":
+        monkeypatch.setattr(attention, "decode_kernel", lambda: None)
+    return request.param
+
+
+def test_write_kv_writes_exactly_the_mapped_slots(write_path):
     k_cache = torch.zeros(3, 2, 1, 2)
     v_cache = torch.zeros(3, 2, 1, 2)
-    key = torch.tensor([[[1.0, 2.0]], [[3.0, 4.0]], [[5.0, 6.0]]])  # [3, 1, 2]
+    fused = torch.tensor([[1.0, 2.0, 9.0], [3.0, 4.0, 9.0], [5.0, 6.0, 9.0]])  # rows at stride 3, as in q/k/v
+    key = fused[:, :2].view(3, 1, 2)  # [3, 1, 2]
     slots = torch.tensor([5, 0, 2])  # block 2 offset 1, block 0 offset 0, block 1 offset 0
     write_kv(key, -key, k_cache, v_cache, slots)
     expected = torch.zeros(3, 2, 1, 2)
@@ -238,6 +249,13 @@ def test_write_kv_writes_exactly_the_mapped_slots():
     expected[1, 0, 0] = torch.tensor([5.0, 6.0])
     assert torch.equal(k_cache, expected)
     assert torch.equal(v_cache, -expected)
+
+
+def test_write_kv_refuses_a_slot_outside_the_cache_without_writing(write_path):
+    k_cache, v_cache = torch.zeros(2, 2, 1, 2), torch.zeros(2, 2, 1, 2)
+    with pytest.raises(IndexError):
+        write_kv(torch.ones(2, 1, 2), torch.ones(2, 1, 2), k_cache, v_cache, torch.tensor([1, 4]))
+    assert not k_cache.any() and not v_cache.any()
 
 
 def test_write_kv_refuses_mismatched_shapes_without_writing():

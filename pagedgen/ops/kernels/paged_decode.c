@@ -114,3 +114,17 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
     }
     return failed;
 }
+
+/* k_cache/v_cache slot s (a [row_len] run, row_len = Hkv * D) = key/value row t for every t with s =
+ * slots[t]; key/value rows are key_stride/value_stride floats apart. Returns 1, writing nothing, if a slot
+ * is outside [0, num_slots). */
+int write_kv_f32(const float *key, int64_t key_stride, const float *value, int64_t value_stride, int64_t rows,
+                 int64_t row_len, const int64_t *slots, int64_t num_slots, float *k_cache, float *v_cache) {
+    for (int64_t t = 0; t < rows; ++t)
+        if (slots[t] < 0 || slots[t] >= num_slots) return 1;
+    for (int64_t t = 0; t < rows; ++t) {
+        memcpy(k_cache + slots[t] * row_len, key + t * key_stride, sizeof(float) * (size_t)row_len);
+        memcpy(v_cache + slots[t] * row_len, value + t * value_stride, sizeof(float) * (size_t)row_len);
+    }
+    return 0;
+}
