@@ -147,24 +147,10 @@ class Attention(nn.Module):
     def fuse_qkv(self) -> None:
         """Concatenate the q/k/v weights into one ``[q + 2 kv, hidden]`` matrix; q/k/v become views of it.
 
-        Why: one GEMM per layer instead of three, and the small k/v matrices stop being too small for the
-        GEMM library to thread (docs/performance.md: 1.09x on a batch-1 forward). No extra memory.
+        Why: one GEMM per layer instead of three, each big enough to split across threads
+        (docs/performance.md: 1.09x on a batch-1 forward). No extra memory.
         """
-        parts = (self.q_proj, self.k_proj, self.v_proj)
-        fused = Linear(
-            parts[0].weight.shape[1], sum(p.weight.shape[0] for p in parts), False, self.o_proj.weight.dtype
-        )
-        fused.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
-        if self.q_proj.bias is not None:
-            fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
-        start = 0
-        for part in parts:
-            end = start + part.weight.shape[0]
-            part.weight = nn.Parameter(fused.weight[start:end], requires_grad=False)
-            if part.bias is not None:
-                part.bias = nn.Parameter(fused.bias[start:end], requires_grad=False)
-            start = end
-        self.qkv = fused
+        self.qkv = _fuse_linears([self.q_proj, self.k_proj, self.v_proj])
 
     def _project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q ``[T, Hq, D]``, k and v ``[T, Hkv, D]`` (strided views of one fused product when fused)."""

@@ -1,12 +1,13 @@
 """Native CPU kernels: compiled from C on first use, loaded with ctypes, shared by every layer.
 
-Why C, for two kernels (docs/performance.md has the measurements):
+Why C (docs/performance.md has the measurements):
 
 * ``kernels/paged_decode.c``: the pure-torch decode path must gather each request's scattered KV blocks
   into a dense copy in every layer and then runs SDPA on it; a kernel that reads the blocks in place does
-  the same arithmetic 2-3x faster.
-* ``kernels/small_gemm.c``: at 1-16 rows a linear layer streams its weights; MKL does not thread that and
-  OpenBLAS threads it in a second pool, which cannot share the two cores with torch's.
+  the same arithmetic 2-3x faster. The KV write lives there too.
+* ``kernels/small_gemm.c``: at 1-64 rows a linear layer streams its weights; MKL does not thread that well
+  and OpenBLAS threads it in a second pool, which cannot share the two cores with torch's.
+* ``kernels/layer_ops.c``: RMSNorm, rotary, SwiGLU; as torch ops they are 5-10 dispatches each.
 
 No library of the field ships these for Python on CPU (vLLM's kernels are built into vLLM), so they are
 ours: built with the system C compiler (``$CC``, else ``cc``) into one library in the pagedgen cache
@@ -16,9 +17,9 @@ Threads: the library is linked with ``-fopenmp`` against ``libgomp.so.1``; torch
 a ``libgomp.so.1``, so the dynamic loader binds the kernel to torch's OpenMP runtime and thread pool (one
 pool, no spinning competitor). If a second OpenMP runtime shows up anyway, the kernel is not used.
 
-Without a compiler, with ``PAGEDGEN_NATIVE_KERNELS=0``, or when the build fails, :func:`decode_kernel` and
-:func:`gemm_kernel` return ``None``; attention then uses the pure-torch path, linear layers OpenBLAS or
-torch, and :func:`native_status` says why.
+Without a compiler, with ``PAGEDGEN_NATIVE_KERNELS=0``, or when the build fails, :func:`decode_kernel`,
+:func:`gemm_kernel` and :func:`layer_ops_kernels` return ``None``; attention and the layer ops then use
+their pure-torch paths, linear layers OpenBLAS or torch, and :func:`native_status` says why.
 """
 
 from __future__ import annotations
@@ -65,18 +66,8 @@ class DecodeKernel:
         self._fn.argtypes += [_I64, _I64, _I64, _I64, ctypes.c_float, _POINTER, ctypes.c_int]
         self._fn.restype = ctypes.c_int
         self._write = library.write_kv_f32
-        self._write.argtypes = [
-            _POINTER,
-            _I64,
-            _POINTER,
-            _I64,
-            _I64,
-            _I64,
-            _POINTER,
-            _I64,
-            _POINTER,
-            _POINTER,
-        ]
+        self._write.argtypes = [_POINTER, _I64, _POINTER, _I64, _I64, _I64, _POINTER, _I64]
+        self._write.argtypes += [_POINTER, _POINTER]
         self._write.restype = ctypes.c_int
 
     def write_kv(

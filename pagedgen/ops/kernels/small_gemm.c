@@ -96,7 +96,9 @@ static inline void tile_1x1(const float *x, int64_t k, const float *w, const flo
     y[m * n_out + n] = with_bias(hsum8(a), bias, n);
 }
 
-#define N_BLOCK 64 /* weight rows per task: streamed from memory once, then reused from L2 by every x row */
+/* Weight rows per task: streamed from memory once, then reused from cache by every x row. 32 splits the
+ * model's shapes evenly between two threads (6% faster than 64 at 32 rows). */
+#define N_BLOCK 32
 
 static void tiled_gemm(const float *x, int64_t m_rows, const float *w, int64_t k, int64_t n_out,
                        const float *bias, float *y, int num_threads) {
