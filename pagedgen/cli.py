@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--served-model-name", help="model id clients send and /v1/models lists (default: --model)"
     )
-    serve.add_argument("--max-body-bytes", type=_positive_int, default=4 << 20, help="request body limit")
+    serve.add_argument("--max-body-bytes", type=positive_int, default=4 << 20, help="request body limit")
     serve.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: a positive integer (also used by ``pagedgen bench``)."""
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
@@ -88,25 +89,23 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument(
-        "--max-batch-size", type=_positive_int, default=16, help="rows per step and resident requests"
+        "--max-batch-size", type=positive_int, default=16, help="rows per step and resident requests"
     )
     group.add_argument(
-        "--max-scheduled-tokens", type=_positive_int, default=2048, help="query tokens per step"
+        "--max-scheduled-tokens", type=positive_int, default=2048, help="query tokens per step"
     )
-    group.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV-cache block")
-    group.add_argument("--num-blocks", type=_positive_int, help="KV-cache blocks (default: from memory)")
-    group.add_argument("--kv-cache-memory-bytes", type=_positive_int, help="KV-cache budget in bytes")
+    group.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV-cache block")
+    group.add_argument("--num-blocks", type=positive_int, help="KV-cache blocks (default: from memory)")
+    group.add_argument("--kv-cache-memory-bytes", type=positive_int, help="KV-cache budget in bytes")
     group.add_argument(
-        "--chunk-size", type=_positive_int, help="largest prefill chunk of one request per step"
+        "--chunk-size", type=positive_int, help="largest prefill chunk of one request per step"
     )
     group.add_argument("--static-batching", action="store_true", help="use the static batching path")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser, default_max_tokens: int) -> None:
     group = parser.add_argument_group("sampling (greedy unless --temperature > 0)")
-    group.add_argument(
-        "--max-tokens", type=_positive_int, default=default_max_tokens, help="tokens per reply"
-    )
+    group.add_argument("--max-tokens", type=positive_int, default=default_max_tokens, help="tokens per reply")
     group.add_argument("--temperature", type=float, default=0.0)
     group.add_argument("--top-p", type=float, default=1.0)
     group.add_argument("--top-k", type=int, default=0)

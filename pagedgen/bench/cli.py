@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pagedgen.cli import positive_int
+
 DEFAULT_BASELINES = "hf-static"
 
 
@@ -27,13 +29,6 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_parser(sub.add_parser("serve", help="online latency against a running 'pagedgen serve'"))
     _gemm_parser(sub.add_parser("gemm", help="GEMM backend timings per shape and the table they imply"))
     return parser
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
 
 
 def _rate(text: str) -> float:
@@ -48,7 +43,7 @@ def _add_workload_args(p: argparse.ArgumentParser, default: str) -> None:
     g.add_argument(
         "--workload", nargs="+", default=None, help=f"named workloads: W1 W2 B1 (default {default})"
     )
-    g.add_argument("--num-prompts", type=_positive_int, help="requests of a custom workload (default 64)")
+    g.add_argument("--num-prompts", type=positive_int, help="requests of a custom workload (default 64)")
     g.add_argument("--input-len", help="custom workload prompt length: N or LOW:HIGH")
     g.add_argument("--output-len", help="custom workload output length: N or LOW:HIGH")
     g.add_argument("--seed", type=int, default=0, help="seed of the custom workload")
@@ -63,13 +58,13 @@ def _throughput_parser(p: argparse.ArgumentParser) -> None:
         help="comma list of hf-static, hf-cb, vllm, ort-genai, run in this order after pagedgen ('' none)",
     )
     e = p.add_argument_group("pagedgen engine")
-    e.add_argument("--max-batch-size", type=_positive_int, default=32, help="batch size of every system")
-    e.add_argument("--max-scheduled-tokens", type=_positive_int, default=2048)
-    e.add_argument("--block-size", type=_positive_int, default=16)
-    e.add_argument("--num-blocks", type=_positive_int)
-    e.add_argument("--chunk-size", type=_positive_int)
+    e.add_argument("--max-batch-size", type=positive_int, default=32, help="batch size of every system")
+    e.add_argument("--max-scheduled-tokens", type=positive_int, default=2048)
+    e.add_argument("--block-size", type=positive_int, default=16)
+    e.add_argument("--num-blocks", type=positive_int)
+    e.add_argument("--chunk-size", type=positive_int)
     m = p.add_argument_group("machine")
-    m.add_argument("--threads", type=_positive_int, help="threads of torch and OpenBLAS (default: all CPUs)")
+    m.add_argument("--threads", type=positive_int, help="threads of torch and OpenBLAS (default: all CPUs)")
     m.add_argument(
         "--gemm",
         choices=["auto", "torch", "openblas", "openblas-small"],
@@ -96,7 +91,7 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--request-rate", type=_rate, nargs="+", default=[math.inf], help="requests/s (several: one run each)"
     )
-    p.add_argument("--max-concurrency", type=_positive_int, help="most requests in flight")
+    p.add_argument("--max-concurrency", type=positive_int, help="most requests in flight")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     p.add_argument("--json", type=Path, help="write the summaries to this JSON file")
     p.add_argument("--plot", type=Path, help="latency-vs-rate PNG (default: next to --json, 2+ rates)")
@@ -105,8 +100,8 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
 def _gemm_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="model whose linear shapes to time")
     p.add_argument("--rows", default="1,4,8,16,32,64,128,256", help="comma list of row counts")
-    p.add_argument("--trials", type=_positive_int, default=5)
-    p.add_argument("--threads", type=_positive_int, help="threads of torch and OpenBLAS (default: all CPUs)")
+    p.add_argument("--trials", type=positive_int, default=5)
+    p.add_argument("--threads", type=positive_int, help="threads of torch and OpenBLAS (default: all CPUs)")
     p.add_argument("--json", type=Path)
 
 

@@ -51,8 +51,8 @@ class ModelRunner:
         when the model returns logits of the wrong shape; other model errors propagate unchanged.
         """
         try:
-            # One GEMM backend for the whole step (chosen by its token count): no thread-pool hand-over
-            # mid-step, e.g. between a prefill's layers and its few-row LM head (docs/performance.md).
+            # The step's token count steers every linear call: no thread-pool hand-over mid-step, e.g.
+            # between a prefill's layers and its few-row LM head (pagedgen.ops.gemm.gemm_step).
             with torch.inference_mode(), gemm_step(inputs.num_tokens):
                 logits = self.runtime.forward(inputs, self.kv_cache)  # [R, vocab]
         except (torch.OutOfMemoryError, MemoryError) as exc:

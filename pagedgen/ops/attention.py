@@ -136,7 +136,7 @@ class AttentionPlan:
     decode_token_rows: torch.Tensor  # [Bd] int64, tokens of the single-token rows
     decode_tables: torch.Tensor  # [Bd, W] int32, contiguous
     decode_kv_lens: torch.Tensor  # [Bd] int32
-    decode_buckets: list[DecodeBucket]  # the pure-torch decode path (empty when ``kernel`` is set)
+    decode_buckets: list[DecodeBucket] | None  # the pure-torch decode path (None when ``kernel`` is set)
     prefill: list[PrefillRow]
     kernel: DecodeKernel | None
 
@@ -159,7 +159,7 @@ def plan_attention(inputs: StepInputs, k_cache: torch.Tensor, use_native: bool =
         decode_token_rows=inputs.cu_seqlens[:-1].long()[rows].to(device),
         decode_tables=inputs.block_tables[rows].to(device=device, dtype=torch.int32).contiguous(),
         decode_kv_lens=inputs.kv_lens[rows].to(device=device, dtype=torch.int32).contiguous(),
-        decode_buckets=[] if kernel is not None else _decode_buckets(inputs, q_lens, kv_lens, device),
+        decode_buckets=None if kernel is not None else _decode_buckets(inputs, q_lens, kv_lens, device),
         prefill=_prefill_rows(inputs, q_lens, device),
         kernel=kernel,
     )
@@ -182,8 +182,9 @@ def paged_attention(
     plan = plan_attention(inputs, k_cache) if plan is None else plan
     out = torch.empty_like(query)  # [T, Hq, D]
     kernel = plan.kernel
-    if kernel is not None and kernel.supports(query.contiguous(), k_cache, v_cache):
+    if kernel is not None:
         query = query.contiguous()  # q may be a view into the fused q/k/v product
+    if kernel is not None and kernel.supports(query, k_cache, v_cache):
         kernel(
             query,
             k_cache,
@@ -195,9 +196,11 @@ def paged_attention(
             out,
         )
     else:
-        buckets = plan.decode_buckets or _decode_buckets(
-            inputs, inputs.query_lens.tolist(), inputs.kv_lens.tolist(), k_cache.device
-        )
+        buckets = plan.decode_buckets
+        if buckets is None:  # planned for the kernel, but these tensors need the torch path
+            buckets = _decode_buckets(
+                inputs, inputs.query_lens.tolist(), inputs.kv_lens.tolist(), k_cache.device
+            )
         for bucket in buckets:
             _decode_bucket(query, k_cache, v_cache, bucket, scale, out)
     for row in plan.prefill:

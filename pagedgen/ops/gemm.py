@@ -167,11 +167,12 @@ def _select(rows: int, in_features: int, out_features: int) -> GemmBackend:
 
 @contextlib.contextmanager
 def gemm_step(num_tokens: int) -> Iterator[None]:
-    """Choose the backend of every linear call inside the block by the step's ``num_tokens``.
+    """Tell :func:`choose_backend` the step's ``num_tokens`` for every linear call inside the block.
 
     Why: switching between the torch and OpenBLAS pools costs a spin-wait hand-over (:mod:`gemm_threads`); a
     prefill step whose layers ran on torch and whose LM head (1 row) then switched to OpenBLAS measured 5-8%
-    slower. One backend per step avoids every mid-step switch. Nested scopes restore the outer count.
+    slower. So a call whose own backend and the step's sit on different pools takes the step's; torch and
+    the native kernel share one pool and keep their own choice. Nested scopes restore the outer count.
     """
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= 0:
         raise ValueError(f"gemm_step num_tokens must be a positive int, got {num_tokens!r}")

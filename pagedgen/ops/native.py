@@ -173,7 +173,8 @@ class GemmKernel:
         x = x.contiguous()
         rows, k = x.shape
         out = torch.empty(rows, weight.shape[0], dtype=torch.float32)  # [rows, out]
-        bias_ptr = None if bias is None else bias.contiguous().data_ptr()
+        bias = None if bias is None else bias.contiguous()  # held: its memory must outlive the call
+        bias_ptr = None if bias is None else bias.data_ptr()
         self._fn(
             x.data_ptr(),
             rows,
