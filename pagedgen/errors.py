@@ -24,7 +24,13 @@ class TokenizerError(PagedGenError, ValueError):
 
 
 class EngineError(PagedGenError, RuntimeError):
-    """Misuse of the Engine/Request API; raised before any state is changed."""
+    """Misuse of the Engine/Request API; raised before any state is changed.
+
+    ``code`` is the :class:`pagedgen.EngineErrorCode` of the refusal (``INVALID_ARGUMENT`` for bad input);
+    None only on this base class.
+    """
+
+    code = None
 
 
 class CacheError(PagedGenError, RuntimeError):

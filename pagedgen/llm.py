@@ -18,8 +18,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedgen.errors import EngineError
+from pagedgen.sampling.errors import SamplingOptionsError
+from pagedgen.sampling.options import SamplingOptions, check_num_logprobs, check_stop_strings
 
 _MAX_EVENTS = 256
+
+
+# SamplingOptions' field names that SamplingParams calls differently.
+_PARAM_NAME = {"min_new_tokens": "min_tokens", "do_sample": "temperature"}
 
 
 def _is_int(value: object) -> bool:
@@ -58,34 +64,52 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        elif not isinstance(self.stop, tuple):
+        elif isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
-        self._check(
-            "max_tokens", self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens > 0)
-        )
-        self._check("temperature", _is_real(self.temperature) and self.temperature >= 0)
-        self._check("top_p", _is_real(self.top_p) and 0 < self.top_p <= 1)
-        self._check("top_k", _is_int(self.top_k) and self.top_k >= 0)
-        self._check("min_p", _is_real(self.min_p) and 0 <= self.min_p <= 1)
-        self._check("seed", self.seed is None or _is_int(self.seed))
-        self._check("stop", all(isinstance(s, str) and s for s in self.stop))
-        self._check("presence_penalty", _is_real(self.presence_penalty) and -2 <= self.presence_penalty <= 2)
-        self._check(
-            "frequency_penalty", _is_real(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2
-        )
-        self._check("repetition_penalty", _is_real(self.repetition_penalty) and self.repetition_penalty > 0)
-        self._check("ignore_eos", isinstance(self.ignore_eos, bool))
-        self._check("min_tokens", _is_int(self.min_tokens) and self.min_tokens >= 0)
-        self._check(
-            "logprobs", self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20)
-        )
-        if self.logit_bias is not None:
-            ok = all(_is_int(k) and k >= 0 and _is_real(v) for k, v in self.logit_bias.items())
-            self._check("logit_bias", ok)
+        owner = "SamplingParams"
+        if not (self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens > 0)):
+            raise SamplingOptionsError(
+                f"SamplingParams.max_tokens must be None or an int >= 1, got {self.max_tokens!r}",
+                "max_tokens",
+            )
+        check_stop_strings(self.stop, owner, "stop")
+        if self.logprobs is not None:
+            check_num_logprobs(self.logprobs, owner)
+        if self.logit_bias is not None and not isinstance(self.logit_bias, Mapping):
+            raise SamplingOptionsError(
+                f"SamplingParams.logit_bias must be a mapping {{token_id: bias}}, got {self.logit_bias!r}",
+                "logit_bias",
+            )
+        try:
+            self.sampling_options()
+        except SamplingOptionsError as exc:  # the one rule set, reported under this class's field names
+            name = _PARAM_NAME.get(exc.field or "", exc.field)
+            message = str(exc).replace(f"SamplingOptions.{exc.field}", f"{owner}.{name}", 1)
+            raise SamplingOptionsError(message, name) from None
 
-    def _check(self, name: str, ok: bool) -> None:
-        if not ok:
-            raise ValueError(f"SamplingParams.{name} is invalid: {getattr(self, name)!r}")
+    def sampling_options(self) -> SamplingOptions:
+        """The engine's :class:`SamplingOptions` of these parameters; validates every field."""
+        bias = tuple(self.logit_bias.items()) if self.logit_bias else ()
+        if all(_is_int(token) for token, _ in bias):
+            bias = tuple(sorted(bias))
+        return SamplingOptions(
+            do_sample=_is_real(self.temperature) and self.temperature > 0,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=bias,
+            ignore_eos=self.ignore_eos,
+            min_new_tokens=self.min_tokens,
+        )
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Refuse token ids outside a model's vocabulary (SamplingOptionsError naming ``logit_bias``)."""
+        self.sampling_options().check_vocabulary(vocab_size)
 
     def search_options(self) -> dict[str, Any]:
         """Keyword arguments for ``GeneratorParams.set_search_options`` (only knobs that are not default)."""
@@ -102,7 +126,7 @@ class SamplingParams:
             if getattr(self, name) != neutral:
                 options[name] = getattr(self, name)
         if self.logit_bias:
-            options["logit_bias"] = tuple(sorted((int(k), float(v)) for k, v in self.logit_bias.items()))
+            options["logit_bias"] = self.sampling_options().logit_bias
         if self.ignore_eos:
             options["ignore_eos"] = True
         if self.min_tokens:
@@ -229,7 +253,8 @@ class _Slot:
     prompt: str | None
     prompt_ids: list[int]
     params: SamplingParams
-    request: Any
+    generator_params: Any  # params validated against the model before anything was submitted
+    request: Any = None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
@@ -327,17 +352,19 @@ class LLM:
     def _run(
         self, texts: list[str | None], ids: list[list[int]], params: list[SamplingParams], use_tqdm: bool
     ) -> list[CompletionOutput]:
-        for i, (prompt_ids, sp) in enumerate(zip(ids, params, strict=True)):
+        slots = []  # every prompt is checked (fit, options against the model) before any is submitted
+        for i, (text, prompt_ids, sp) in enumerate(zip(texts, ids, params, strict=True)):
             problem = check_prompt_fits(len(prompt_ids), sp.max_tokens, self.context_length)
             if problem is not None:
                 raise ValueError(f"prompt {i}: {problem}")
+            slots.append(_Slot(i, text, prompt_ids, sp, sp.generator_params(self.model)))
         from tqdm.auto import tqdm
 
         pending: dict[int, _Slot] = {}
         results: list[CompletionOutput | None] = [None] * len(ids)
         try:
-            for i, (text, prompt_ids, sp) in enumerate(zip(texts, ids, params, strict=True)):
-                self._submit(_Slot(i, text, prompt_ids, sp, None), pending)
+            for slot in slots:
+                self._submit(slot, pending)
             with tqdm(total=len(ids), desc="Generating", unit="prompt", disable=not use_tqdm) as bar:
                 while pending:
                     if not self.engine.has_pending_requests():
@@ -352,7 +379,7 @@ class LLM:
     def _submit(self, slot: _Slot, pending: dict[int, _Slot]) -> None:
         from pagedgen.engine.request import RequestOptions
 
-        request = self.engine.create_request(slot.params.generator_params(self.model), RequestOptions())
+        request = self.engine.create_request(slot.generator_params, RequestOptions())
         slot.request = request
         pending[id(request)] = slot
         request.begin_turn(slot.prompt_ids, slot.params.turn_options(request))

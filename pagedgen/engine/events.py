@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pagedgen.engine.codes import EngineErrorCode as EngineErrorCode  # re-exported: the public name
 from pagedgen.engine.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -42,20 +43,6 @@ class FinishReason(enum.Enum):
     MAX_SESSION_TOKENS = "max_session_tokens"
     CANCELLED = "cancelled"
     FAILED = "failed"
-
-
-class EngineErrorCode(enum.Enum):
-    """Why an event carries CAPACITY_BLOCKED, RETRYABLE or FAILED."""
-
-    NONE = "none"
-    CAPACITY_DEFERRED = "capacity_deferred"  # pending work exists but none fits the free capacity now
-    EXECUTION_CAPACITY_EXCEEDED = (
-        "execution_capacity_exceeded"  # the model run ran out of memory; rolled back
-    )
-    RETRYABLE_EXECUTION = "retryable_execution"  # the transaction was rolled back and may be retried
-    REQUEST_UNSERVICEABLE = "request_unserviceable"  # the turn can never fit the configured cache
-    ENGINE_CONTRACT_FAILURE = "engine_contract_failure"  # collaborators disagreed; engine is unhealthy
-    ENGINE_EXECUTION_FAILURE = "engine_execution_failure"  # execution/rollback failed; engine is unhealthy
 
 
 @dataclass(frozen=True, slots=True)

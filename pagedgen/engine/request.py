@@ -15,11 +15,12 @@ unprocessed interval ``[processed_len, len(tokens))`` is the next step's input.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import operator
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,12 +28,15 @@ import numpy as np
 
 from pagedgen.engine.errors import InvalidArgumentError, SessionLimitError
 from pagedgen.engine.events import FinishReason, TokenLogprobs, Usage
-from pagedgen.sampling import RequestSampler, SamplingOptions, StopStringMatcher
+from pagedgen.sampling import RequestSampler, SamplingOptions, SamplingOptionsError, StopStringMatcher
+from pagedgen.sampling.options import (
+    check_max_generated_tokens,
+    check_num_logprobs,
+    check_stop_strings,
+)
 
 if TYPE_CHECKING:
     from pagedgen.engine.engine import Engine
-
-MAX_LOGPROBS = 20
 
 
 class RequestStatus(enum.Enum):
@@ -63,22 +67,37 @@ class GeneratorParams:
         self.sampling = SamplingOptions()
 
     def set_search_options(self, **options: Any) -> None:
-        """Set any of ``max_length`` and the SamplingOptions fields; all-or-nothing, unknown names raise."""
+        """Set any of ``max_length`` and the SamplingOptions fields; all-or-nothing, unknown names raise.
+
+        Every value is checked here, against the model too (token ids inside its vocabulary), so a bad
+        option is refused with an :class:`InvalidArgumentError` naming it (``field``) before any request
+        can carry it into a step.
+        """
         unknown = sorted(set(options) - _SAMPLING_FIELDS - {"max_length"})
         if unknown:
             allowed = ", ".join(sorted(_SAMPLING_FIELDS | {"max_length"}))
-            raise InvalidArgumentError(f"unknown search option(s) {unknown}; known options: {allowed}")
+            raise InvalidArgumentError(
+                f"unknown search option(s) {unknown}; known options: {allowed}", field=unknown[0]
+            )
         max_length = options.pop("max_length", self.max_length)
         if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
-            raise InvalidArgumentError(f"max_length must be an int >= 2, got {max_length!r}")
+            raise InvalidArgumentError(f"max_length must be an int >= 2, got {max_length!r}", "max_length")
         if max_length > self.model.max_context:
             raise InvalidArgumentError(
-                f"max_length {max_length} exceeds the model's context length {self.model.max_context}"
+                f"max_length {max_length} exceeds the model's context length {self.model.max_context}",
+                "max_length",
             )
-        if isinstance(options.get("logit_bias"), Mapping):  # {token: bias} is the OpenAI shape
-            options["logit_bias"] = tuple(sorted(options["logit_bias"].items()))
+        bias = options.get("logit_bias")
+        if isinstance(bias, Mapping):  # {token: bias} is the OpenAI shape
+            try:
+                options["logit_bias"] = tuple(sorted(bias.items()))
+            except TypeError as exc:  # keys of mixed types do not sort
+                raise InvalidArgumentError(f"logit_bias keys must be token ids: {exc}", "logit_bias") from exc
         try:
             sampling = dataclasses.replace(self.sampling, **options)
+            sampling.check_vocabulary(int(self.model.vocab_size))
+        except SamplingOptionsError as exc:
+            raise InvalidArgumentError(str(exc), exc.field) from exc
         except (TypeError, ValueError) as exc:
             raise InvalidArgumentError(f"invalid search option: {exc}") from exc
         self.max_length, self.sampling = max_length, sampling
@@ -121,27 +140,34 @@ class TurnOptions:
 
     def set_max_generated_tokens(self, max_generated_tokens: int) -> None:
         """Limit on the tokens this turn generates; 0 means only the request's session limit applies."""
-        n = max_generated_tokens
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise InvalidArgumentError(f"max_generated_tokens must be an int >= 0, got {n!r}")
-        self._spec = dataclasses.replace(self._spec, max_generated_tokens=n)
+        with _as_invalid_argument():
+            check_max_generated_tokens(max_generated_tokens, "TurnOptions")
+        self._spec = dataclasses.replace(self._spec, max_generated_tokens=max_generated_tokens)
 
     def set_stop_strings(self, stop_strings: Sequence[str]) -> None:
         """End the turn with STOP_SEQUENCE when the generated text contains one of these (not emitted)."""
-        if isinstance(stop_strings, str) or not all(isinstance(s, str) and s for s in stop_strings):
-            raise InvalidArgumentError(f"stop strings must be a list of non-empty str, got {stop_strings!r}")
-        self._spec = dataclasses.replace(self._spec, stop_strings=tuple(stop_strings))
+        with _as_invalid_argument():
+            stops = check_stop_strings(stop_strings, "TurnOptions")
+        self._spec = dataclasses.replace(self._spec, stop_strings=stops)
 
     def set_logprobs(self, num_logprobs: int) -> None:
         """Attach the sampled token's logprob and the top ``num_logprobs`` alternatives to TOKEN events."""
-        n = num_logprobs
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS:
-            raise InvalidArgumentError(f"logprobs must be an int in [0, {MAX_LOGPROBS}], got {n!r}")
-        self._spec = dataclasses.replace(self._spec, num_logprobs=n)
+        with _as_invalid_argument():
+            check_num_logprobs(num_logprobs, "TurnOptions")
+        self._spec = dataclasses.replace(self._spec, num_logprobs=num_logprobs)
 
     @property
     def spec(self) -> TurnSpec:
         return self._spec
+
+
+@contextlib.contextmanager
+def _as_invalid_argument() -> Iterator[None]:
+    """Report a shared sampling rule's refusal as the engine API's InvalidArgumentError (same field)."""
+    try:
+        yield
+    except SamplingOptionsError as exc:
+        raise InvalidArgumentError(str(exc), exc.field) from exc
 
 
 def validate_token_ids(token_ids: Any, vocab_size: int) -> list[int]:

@@ -1,8 +1,15 @@
-"""Per-request sampling options: one frozen, validated record per request.
+"""Per-request sampling options, and the one set of rules every sampling parameter is validated by.
 
 The field names and defaults follow ``GeneratorParams.set_search_options`` (transformers / ONNX Runtime
 GenAI) plus the OpenAI knobs vLLM exposes (presence / frequency penalties, logit bias, ignore_eos).
 Validation happens once, here, so the batched sampler never has to check a value on the hot path.
+
+Why one place: the engine options, ``pg.SamplingParams`` and the server's request bodies all end up here
+(``SamplingParams`` builds a :class:`SamplingOptions`; the server builds a ``SamplingParams``), and the
+per-turn rules (token limit, stop strings, logprobs) are the functions below that ``TurnOptions`` and
+``SamplingParams`` share. What needs the loaded model (token ids inside its vocabulary) is
+:meth:`SamplingOptions.check_vocabulary`. Every refusal is a :class:`SamplingOptionsError` whose ``field``
+names the option.
 """
 
 from __future__ import annotations
@@ -15,6 +22,11 @@ from pagedgen.sampling.errors import SamplingOptionsError
 
 SEED_MIN = -(1 << 63)
 SEED_MAX = (1 << 64) - 1  # the range torch.manual_seed accepts; reduced mod 2**64 by the stream
+# Bounds on the per-request work of the sampler and the stop matcher (OpenAI's limits where it has one).
+MAX_LOGIT_BIAS = 300
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+MAX_LOGPROBS = 20
 
 
 def _is_int(value: object) -> bool:
@@ -25,8 +37,36 @@ def _is_real(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _fail(name: str, value: object, rule: str) -> SamplingOptionsError:
-    return SamplingOptionsError(f"SamplingOptions.{name} must be {rule}, got {value!r}")
+def _fail(name: str, value: object, rule: str, owner: str = "SamplingOptions") -> SamplingOptionsError:
+    shown = repr(value)
+    if len(shown) > 200:
+        shown = shown[:200] + "..."
+    return SamplingOptionsError(f"{owner}.{name} must be {rule}, got {shown}", field=name)
+
+
+def check_max_generated_tokens(value: object, owner: str, name: str = "max_generated_tokens") -> None:
+    """A turn's token limit: an int >= 0 (0 means only the session limit applies)."""
+    if not (_is_int(value) and value >= 0):
+        raise _fail(name, value, "an int >= 0", owner)
+
+
+def check_stop_strings(value: object, owner: str, name: str = "stop_strings") -> tuple[str, ...]:
+    """Stop strings: a list (not a str) of at most MAX_STOP_STRINGS non-empty strings; returns a tuple."""
+    rule = f"a list of at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_STRING_CHARS} chars"
+    if isinstance(value, str | bytes) or not isinstance(value, tuple | list):
+        raise _fail(name, value, rule, owner)
+    stops = tuple(value)
+    if len(stops) > MAX_STOP_STRINGS or not all(
+        isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in stops
+    ):
+        raise _fail(name, value, rule, owner)
+    return stops
+
+
+def check_num_logprobs(value: object, owner: str, name: str = "logprobs") -> None:
+    """Top logprobs per token: an int in [0, MAX_LOGPROBS]."""
+    if not (_is_int(value) and 0 <= value <= MAX_LOGPROBS):
+        raise _fail(name, value, f"an int in [0, {MAX_LOGPROBS}]", owner)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,8 +125,8 @@ class SamplingOptions:
 
     def _check_logit_bias(self) -> None:
         bias = self.logit_bias
-        rule = "a tuple of (token_id >= 0, bias in [-100, 100]) pairs with distinct token ids"
-        if not isinstance(bias, tuple):
+        rule = f"at most {MAX_LOGIT_BIAS} (token_id >= 0, bias in [-100, 100]) pairs with distinct token ids"
+        if not isinstance(bias, tuple) or len(bias) > MAX_LOGIT_BIAS:
             raise _fail("logit_bias", bias, rule)
         for pair in bias:
             if not (isinstance(pair, tuple) and len(pair) == 2 and _is_int(pair[0]) and pair[0] >= 0):
@@ -95,6 +135,16 @@ class SamplingOptions:
                 raise _fail("logit_bias", bias, rule)
         if len({token for token, _ in bias}) != len(bias):
             raise _fail("logit_bias", bias, rule)
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Refuse token ids the loaded model does not have (the rule that needs the model)."""
+        outside = sorted(token for token, _ in self.logit_bias if token >= vocab_size)
+        if outside:
+            raise SamplingOptionsError(
+                f"logit_bias names token id(s) {outside[:5]} outside the model's vocabulary "
+                f"(valid ids are 0..{vocab_size - 1})",
+                field="logit_bias",
+            )
 
     @property
     def is_greedy(self) -> bool:

@@ -31,6 +31,7 @@ from pagedgen.llm import (
     tokenizer_for,
 )
 from pagedgen.models.tokenizer import IncrementalDetokenizer
+from pagedgen.sampling.errors import SamplingOptionsError
 from pagedgen.server.guard import DEFAULT_MAX_BODY_BYTES, ApiError, GuardMiddleware, error_body, error_json
 from pagedgen.server.metrics import ServerMetrics
 from pagedgen.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -214,10 +215,14 @@ async def _serve(
     if not ids:
         raise ApiError(400, "the prompt is empty: at least one input token is required", param=prompt_param)
     max_tokens = body.requested_max_tokens
+    try:  # the engine's one rule set, and the rule that needs the model (token ids in its vocabulary)
+        params = body.to_sampling_params(max_tokens)
+        params.check_vocabulary(server.vocab_size)
+    except SamplingOptionsError as exc:
+        raise ApiError(400, str(exc), param=body.wire_name(exc.field)) from exc
     problem = check_prompt_fits(len(ids), max_tokens, server.context)
     if problem is not None:
         raise ApiError(400, problem, param=prompt_param, code="context_length_exceeded")
-    params = body.to_sampling_params(max_tokens)
     handle = server.client.submit(ids, params, arrived)
     try:
         first = await handle.next()

@@ -1,9 +1,11 @@
 """The OpenAI wire format: pydantic models for request bodies and response payloads.
 
 Request models forbid unknown fields and are strict about types, so a typo'd or mistyped parameter is a 400
-that names it instead of a silently ignored knob. Validation that depends only on the body (ranges, ``n > 1``,
-``top_logprobs`` without ``logprobs``) happens here; checks that need the model (context length, model name)
-happen in the route. Each request model converts itself into the engine-facing :class:`SamplingParams`.
+that names it instead of a silently ignored knob. This layer checks only the wire shape (types, ``n > 1``,
+``top_logprobs`` without ``logprobs``); the value rules of every sampling parameter are the engine's one rule
+set (:mod:`pagedgen.sampling.options`), applied when :meth:`to_sampling_params` builds the engine-facing
+:class:`SamplingParams` (a :class:`SamplingOptionsError` there is a 400 naming :meth:`wire_name` of its
+field). Checks that need the model (vocabulary, context length, model name) happen in the route.
 Responses are built as plain dicts by :mod:`pagedgen.server.responses`.
 """
 
@@ -15,12 +17,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pagedgen.llm import SamplingParams
+from pagedgen.sampling.errors import SamplingOptionsError
 
-# A generous cap on the number of stop strings and logit-bias entries: each costs the sampler work per step.
-MAX_STOP_STRINGS = 16
-MAX_LOGIT_BIAS = 300
-
-NonNegInt = Annotated[int, Field(ge=0)]
 PositiveInt = Annotated[int, Field(ge=1)]
 
 
@@ -62,22 +60,19 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: PositiveInt = 1
-    max_tokens: PositiveInt | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Field(ge=-1)] = 0
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
-    seed: Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)] | None = None
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0.0)] = 1.0
-    logit_bias: (
-        Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=MAX_LOGIT_BIAS)]
-        | None
-    ) = None
+    max_tokens: int | None = None
+    temperature: Annotated[float, Field(le=2.0)] = 1.0  # OpenAI caps it at 2 (the engine does not)
+    top_p: float = 1.0
+    top_k: int = 0  # vLLM's -1 also disables top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
-    min_tokens: NonNegInt = 0
+    min_tokens: int = 0
     user: str | None = None
 
     @field_validator("n")
@@ -86,21 +81,6 @@ class _SamplingFields(_Strict):
         if n != 1:
             raise ValueError(f"n={n} is not supported: pagedgen returns exactly one choice per request (n=1)")
         return n
-
-    @field_validator("stop")
-    @classmethod
-    def _non_empty_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        if stop == "" or (isinstance(stop, list) and "" in stop):
-            raise ValueError("stop strings must be non-empty")
-        return stop
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
-        for key in bias or {}:
-            if not key.isdigit():
-                raise ValueError(f"logit_bias keys must be token ids (decimal strings), got {key!r}")
-        return bias
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> _SamplingFields:
@@ -117,20 +97,34 @@ class _SamplingFields(_Strict):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
+    def wire_name(self, field: str | None) -> str | None:
+        """The body's name of a :class:`SamplingParams` field (they differ only where OpenAI's do)."""
+        return field
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        bad = [key for key in self.logit_bias if not (key.isascii() and key.isdigit())]
+        if bad:
+            raise SamplingOptionsError(
+                f"logit_bias keys must be token ids (decimal strings), got {bad[0][:40]!r}", "logit_bias"
+            )
+        return {int(k): v for k, v in self.logit_bias.items()}
+
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        bias = None if self.logit_bias is None else {int(k): float(v) for k, v in self.logit_bias.items()}
+        """Raises :class:`SamplingOptionsError` naming the first bad field (the engine's one rule set)."""
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
-            top_k=max(self.top_k, 0),
+            top_k=0 if self.top_k == -1 else self.top_k,
             min_p=self.min_p,
             seed=self.seed,
             stop=self._stop_strings(),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
-            logit_bias=bias,
+            logit_bias=self._logit_bias(),
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
@@ -139,9 +133,9 @@ class _SamplingFields(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: PositiveInt | None = None
+    max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: int | None = None
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
@@ -163,6 +157,13 @@ class ChatCompletionRequest(_SamplingFields):
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
         return self._sampling_params(max_tokens, self.requested_logprobs)
 
+    def wire_name(self, field: str | None) -> str | None:
+        if field == "logprobs":
+            return "top_logprobs"
+        if field == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return field
+
 
 class CompletionRequest(_SamplingFields):
     prompt: (
@@ -170,7 +171,7 @@ class CompletionRequest(_SamplingFields):
         | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
         | Annotated[list[str], Field(min_length=1)]
     )
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    logprobs: int | None = None
     echo: bool = False
 
     @field_validator("prompt")
