@@ -10,7 +10,7 @@ into the caller's buffer. Nothing in the engine changes behaviour while profiled
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,9 +37,9 @@ class PhaseClock:
         self.inner = inner
         self.marks: list[tuple[Phase, float]] = []
 
-    def check(self, phase: Phase) -> None:
+    def check(self, phase: Phase, request_ids: Collection[int] = ()) -> None:
         self.marks.append((phase, time.perf_counter()))
-        self.inner.check(phase)
+        self.inner.check(phase, request_ids)
 
     def __getattr__(self, name: str) -> Any:  # arm/disarm/hits stay the engine injector's
         return getattr(self.inner, name)

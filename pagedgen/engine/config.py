@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedgen.engine.errors import InvalidArgumentError
+from pagedgen.engine.isolation import DEFAULT_MAX_STEP_RETRIES
 
 DEFAULT_MAX_SCHEDULED_TOKENS = 2048
 AUTO_KV_MEMORY_FRACTION = 0.25
@@ -37,7 +38,9 @@ class EngineConfig:
     ``max_batch_size`` bounds both the scheduled rows of one step and the number of cache-resident requests;
     ``max_scheduled_tokens`` bounds the query tokens of one model run; ``chunk_size`` optionally bounds one
     request's prefill contribution per step; ``dynamic_batching=False`` selects the static path;
-    ``debug_invariants`` validates cache and request accounting after every step (raises on a violation).
+    ``debug_invariants`` validates cache and request accounting after every step (raises on a violation);
+    ``max_step_retries`` is how often an unattributed rollback is retried as is before the engine narrows the
+    batch to find the request that causes it (:mod:`pagedgen.engine.isolation`).
     """
 
     max_batch_size: int = 16
@@ -48,6 +51,7 @@ class EngineConfig:
     chunk_size: int | None = None
     dynamic_batching: bool = True
     debug_invariants: bool = False
+    max_step_retries: int = DEFAULT_MAX_STEP_RETRIES
 
     def __post_init__(self) -> None:
         _positive_int("max_batch_size", self.max_batch_size)
@@ -56,6 +60,7 @@ class EngineConfig:
         _positive_int("num_blocks", self.num_blocks, optional=True)
         _positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, optional=True)
         _positive_int("chunk_size", self.chunk_size, optional=True)
+        _positive_int("max_step_retries", self.max_step_retries)
         for name in ("dynamic_batching", "debug_invariants"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")

@@ -32,6 +32,7 @@ from pagedgen.engine.errors import (
 )
 from pagedgen.engine.events import EngineEvent, EngineEventBuffer, EngineEventFlags, FinishReason
 from pagedgen.engine.faults import FaultInjector
+from pagedgen.engine.isolation import FailureIsolator
 from pagedgen.engine.outcomes import FATAL_ERROR_CODE, StepOutcome
 from pagedgen.engine.request import (
     GeneratorParams,
@@ -103,7 +104,10 @@ class Engine:
             self._scheduler: Any = DynamicScheduler(
                 cache, config.max_batch_size, config.max_scheduled_tokens, config.chunk_size
             )
-            self._step: Any = DynamicStep(self._scheduler, self._runner, self._faults, self.eos_token_ids)
+            isolator = FailureIsolator(config.max_step_retries)
+            self._step: Any = DynamicStep(
+                self._scheduler, self._runner, self._faults, self.eos_token_ids, isolator
+            )
         else:
             self._scheduler = StaticScheduler(self.num_blocks, config.block_size, config.max_batch_size)
             self._step = StaticStep(self._scheduler, self._runner, self._faults, self.eos_token_ids)

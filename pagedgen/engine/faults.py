@@ -3,14 +3,20 @@
 Every phase of the transaction calls :meth:`FaultInjector.check` on entry (a dict lookup when nothing is
 armed). This is how the tests prove each phase's documented outcome: rollback to identical state, a
 CAPACITY_BLOCKED or RETRYABLE engine event, or fail-stop. Production engines simply never arm anything.
+
+A fault can be tied to one request (``request_id``): it fires only in steps that schedule that request,
+either unattributed (the step cannot tell whose fault it is, like a model failure) or ``attributed``
+(raised as that request's own failure, like a sampler or stop-matcher error on its row). ``times=None``
+recurs forever.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from pagedgen.engine.errors import InvalidArgumentError
-from pagedgen.engine.outcomes import Phase
+from pagedgen.engine.outcomes import Phase, RequestFailure
 
 
 class InjectedFault(RuntimeError):
@@ -20,7 +26,9 @@ class InjectedFault(RuntimeError):
 @dataclass(slots=True)
 class _Armed:
     error: BaseException
-    remaining: int
+    remaining: int | None  # None: forever
+    request_id: int | None = None  # fire only in steps that schedule this request
+    attributed: bool = False  # raise as this request's own failure (RequestFailure)
 
 
 class FaultInjector:
@@ -31,15 +39,26 @@ class FaultInjector:
         self._armed: dict[Phase, _Armed] = {}
         self.hits: dict[Phase, int] = {phase: 0 for phase in Phase}
 
-    def arm(self, phase: Phase | str, error: BaseException | None = None, times: int = 1) -> None:
+    def arm(
+        self,
+        phase: Phase | str,
+        error: BaseException | None = None,
+        times: int | None = 1,
+        *,
+        request_id: int | None = None,
+        attributed: bool = False,
+    ) -> None:
         try:
             phase = Phase(phase)
         except ValueError as exc:
             names = ", ".join(p.value for p in Phase)
             raise InvalidArgumentError(f"unknown fault phase {phase!r}; phases: {names}") from exc
-        if times < 1:
-            raise InvalidArgumentError(f"times must be >= 1, got {times}")
-        self._armed[phase] = _Armed(error or InjectedFault(f"injected fault at phase {phase.value!r}"), times)
+        if times is not None and times < 1:
+            raise InvalidArgumentError(f"times must be None (forever) or >= 1, got {times}")
+        if attributed and request_id is None:
+            raise InvalidArgumentError("an attributed fault needs the request_id it is attributed to")
+        error = error or InjectedFault(f"injected fault at phase {phase.value!r}")
+        self._armed[phase] = _Armed(error, times, request_id, attributed)
 
     def disarm(self) -> None:
         self._armed.clear()
@@ -48,16 +67,23 @@ class FaultInjector:
     def armed(self) -> bool:
         return bool(self._armed)
 
-    def check(self, phase: Phase) -> None:
-        """Raise the armed error of ``phase`` (once per arming count); otherwise do nothing."""
+    def check(self, phase: Phase, request_ids: Collection[int] = ()) -> None:
+        """Raise the armed error of ``phase`` (once per arming count); otherwise do nothing.
+
+        ``request_ids`` are the requests the step schedules; a request-tied fault fires only among them.
+        """
         self.hits[phase] += 1
         armed = self._armed.get(phase)
-        if armed is None:
+        if armed is None or (armed.request_id is not None and armed.request_id not in request_ids):
             return
-        armed.remaining -= 1
-        if armed.remaining == 0:
-            del self._armed[phase]
-        error, armed = armed.error, None
+        if armed.remaining is not None:
+            armed.remaining -= 1
+            if armed.remaining == 0:
+                del self._armed[phase]
+        error = armed.error.with_traceback(None)  # a recurring fault must not grow one traceback forever
+        if armed.attributed:
+            error = RequestFailure(armed.request_id, error)
+        armed = None
         try:
             raise error
         finally:  # no frame-local reference: error -> traceback -> this frame -> error would be a cycle

@@ -4,6 +4,11 @@ Why one table: the reference's step is a transaction whose failure handling depe
 failed and *what* failed. Before the commit boundary a known failure rolls back (RETRYABLE or
 CAPACITY_BLOCKED, engine healthy); an unknown execution failure, a reservation that contradicts the plan, a
 failed rollback, or anything at or after the commit boundary is fatal (fail-stop, engine unhealthy).
+
+Beyond the seed: a failure before the commit boundary that names its request (:class:`RequestFailure`, raised
+for one sampling row or one stop matcher) rolls the step back and fails only that turn (REQUEST_FAILED); the
+rest of the batch runs again in the next step. Unattributed rollbacks that recur are narrowed down by
+:mod:`pagedgen.engine.isolation`.
 """
 
 from __future__ import annotations
@@ -37,6 +42,20 @@ class Phase(enum.Enum):
 
 _FAIL_STOP_PHASES = frozenset({Phase.COMMIT_REQUEST, Phase.COMMIT_CACHE, Phase.PUBLISH, Phase.ROLLBACK})
 _RETRYABLE_PHASES = frozenset({Phase.CHECKPOINT, Phase.PACK, Phase.SAMPLE, Phase.STAGE, Phase.VALIDATE})
+# Where a failure can name its request: per-row work after the model ran, before the commit boundary.
+_ATTRIBUTABLE_PHASES = frozenset({Phase.SAMPLE, Phase.STAGE})
+
+
+class RequestFailure(Exception):
+    """A step failure that belongs to one request's row (its sampler, processors, stop matcher).
+
+    Raised before the commit boundary, it rolls the step back and fails only that request's turn.
+    """
+
+    def __init__(self, request_id: int, cause: BaseException):
+        super().__init__(f"request {request_id} failed: {type(cause).__name__}: {cause}")
+        self.request_id = request_id
+        self.cause = cause
 
 
 class StepOutcome(enum.Enum):
@@ -47,6 +66,7 @@ class StepOutcome(enum.Enum):
     UNSERVICEABLE_REQUEST = "unserviceable_request"  # some turns can never fit; they finished FAILED
     COMMITTED = "committed"
     RETRYABLE_BATCH_ABORT = "retryable_batch_abort"  # rolled back; may be retried
+    REQUEST_FAILED = "request_failed"  # rolled back; one turn failed alone, the rest retries
     EXECUTION_CAPACITY_EXCEEDED = "execution_capacity_exceeded"  # rolled back; engine healthy
     EXECUTION_CONTRACT_FAILURE = "execution_contract_failure"  # collaborators disagree: fatal
     FATAL_EXECUTION_FAILURE = "fatal_execution_failure"  # execution or rollback failed: fatal
@@ -57,7 +77,11 @@ class StepOutcome(enum.Enum):
 
     @property
     def rolled_back(self) -> bool:
-        return self in (StepOutcome.RETRYABLE_BATCH_ABORT, StepOutcome.EXECUTION_CAPACITY_EXCEEDED)
+        return self in (
+            StepOutcome.RETRYABLE_BATCH_ABORT,
+            StepOutcome.REQUEST_FAILED,
+            StepOutcome.EXECUTION_CAPACITY_EXCEEDED,
+        )
 
 
 def classify_failure(phase: Phase, error: BaseException) -> StepOutcome:
@@ -66,6 +90,8 @@ def classify_failure(phase: Phase, error: BaseException) -> StepOutcome:
         return StepOutcome.FATAL_EXECUTION_FAILURE
     if phase in (Phase.PLAN, Phase.RESERVE):
         return StepOutcome.EXECUTION_CONTRACT_FAILURE
+    if isinstance(error, RequestFailure) and phase in _ATTRIBUTABLE_PHASES:
+        return StepOutcome.REQUEST_FAILED
     if phase is Phase.EXECUTE:
         if isinstance(error, RetryableExecutionError):
             return StepOutcome.RETRYABLE_BATCH_ABORT

@@ -149,9 +149,14 @@ class DynamicScheduler:
 
     # -- planning --------------------------------------------------------------------------------------
 
-    def plan(self) -> StepPlan:
-        """Select this step's rows and token counts. Mutates nothing (the cache plan is read-only)."""
+    def plan(self, allowed: frozenset[int] | None = None) -> StepPlan:
+        """Select this step's rows and token counts. Mutates nothing (the cache plan is read-only).
+
+        ``allowed`` restricts the candidates to those request ids (failure isolation); None allows all.
+        """
         candidates = self._candidates()
+        if allowed is not None:
+            candidates = [row for row in candidates if row.request_id in allowed]
         if not candidates:
             return StepPlan()
         resources = self.cache.plan_step_resources(

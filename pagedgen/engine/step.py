@@ -8,6 +8,10 @@ blocks outside every committed table, staging writes only checkpointed sampler/s
 known failure there is undone by restoring the checkpoints and discarding the reservation. From the commit
 on, containment is fail-stop. :meth:`DynamicStep._fail` is the one place that turns a failure into an outcome
 (:func:`pagedgen.engine.outcomes.classify_failure`).
+
+Failure isolation (beyond the seed's whole-step retry): a failure that names its request
+(:class:`~pagedgen.engine.outcomes.RequestFailure`: one sampling row, one stop matcher) rolls back and fails
+only that turn; unattributed rollbacks that recur narrow the next plans (:mod:`pagedgen.engine.isolation`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import torch
 from pagedgen.cache import Reservation
 from pagedgen.engine.events import EngineErrorCode, EngineEvent, FinishReason, TokenLogprobs
 from pagedgen.engine.faults import FaultInjector
-from pagedgen.engine.outcomes import ENGINE_EVENT_OF, Phase, StepOutcome, classify_failure
+from pagedgen.engine.isolation import FailureIsolator
+from pagedgen.engine.outcomes import ENGINE_EVENT_OF, Phase, RequestFailure, StepOutcome, classify_failure
 from pagedgen.engine.request import RequestState
 from pagedgen.engine.scheduler import DynamicScheduler, StepPlan, cache_candidates
 from pagedgen.engine.turn_output import (
@@ -33,7 +38,7 @@ from pagedgen.engine.turn_output import (
 )
 from pagedgen.executor.inputs import SequenceChunk, StepInputs, pack_step
 from pagedgen.executor.runner import ModelRunner
-from pagedgen.sampling import SampledToken, Sampler
+from pagedgen.sampling import RowSamplingError, SampledToken, Sampler
 
 
 @dataclass(slots=True)
@@ -63,6 +68,7 @@ class _Checkpoint:
 class _Transaction:
     phase: Phase = Phase.PLAN
     plan: StepPlan | None = None
+    request_ids: tuple[int, ...] = ()  # the planned rows' requests, plan order
     reservation: Reservation | None = None
     checkpoints: list[_Checkpoint] = field(default_factory=list)
     early_events: list[EngineEvent] = field(default_factory=list)  # unserviceable turns, published first
@@ -77,6 +83,7 @@ class DynamicStep:
         runner: ModelRunner,
         faults: FaultInjector,
         eos_token_ids: tuple[int, ...],
+        isolator: FailureIsolator | None = None,
     ):
         self.scheduler = scheduler
         self.cache = scheduler.cache
@@ -85,6 +92,7 @@ class DynamicStep:
         self.eos_token_ids = eos_token_ids
         self.block_size = scheduler.cache.block_size
         self.sampler = Sampler()
+        self.isolator = FailureIsolator() if isolator is None else isolator
 
     def run(self) -> StepResult:
         """Plan and execute at most one transaction. Never raises except for a planning MemoryError."""
@@ -101,6 +109,7 @@ class DynamicStep:
             staged = self._stage(txn, plan, sampled)
             advance = self._validate(txn, plan, staged, reservation)
             self._commit(txn, plan, staged, reservation, advance)
+            self.isolator.on_progress()
             return StepResult(StepOutcome.COMMITTED, self._publish(txn, staged))
         except BaseException as error:
             return self._fail(txn, error)
@@ -109,12 +118,18 @@ class DynamicStep:
 
     def _enter(self, txn: _Transaction, phase: Phase) -> None:
         txn.phase = phase
-        self.faults.check(phase)
+        self.faults.check(phase, txn.request_ids)
 
     def _plan(self, txn: _Transaction) -> StepPlan:
+        """The scheduler's plan, restricted to the isolator's suspects while it narrows down a failure."""
         self._enter(txn, Phase.PLAN)
-        txn.plan = self.scheduler.plan()
-        return txn.plan
+        plan = self.scheduler.plan(self.isolator.allowed())
+        while not plan.rows and self.isolator.active:  # the suspects are gone: try the next scope
+            self.isolator.on_progress()
+            plan = self.scheduler.plan(self.isolator.allowed())
+        txn.plan = plan
+        txn.request_ids = tuple(row.request_id for row in plan.rows)
+        return plan
 
     def _without_execution(self, plan: StepPlan) -> StepResult:
         """Nothing fits: fail the unserviceable turns, else report capacity backpressure, else no work."""
@@ -169,18 +184,27 @@ class DynamicStep:
     def _sample(self, txn: _Transaction, plan: StepPlan, logits: torch.Tensor) -> list[SampledToken]:
         """The sampling seam: one batched call over every row that finished its input this step."""
         self._enter(txn, Phase.SAMPLE)
-        rows = [sample_row(row.state, self.eos_token_ids) for row in plan.rows if row.samples]
-        return self.sampler.sample(logits, rows) if rows else []
+        sampling = plan.sampling_rows
+        rows = [sample_row(row.state, self.eos_token_ids) for row in sampling]
+        try:
+            return self.sampler.sample(logits, rows) if rows else []
+        except RowSamplingError as error:  # the sampler names the row it cannot sample: only its turn fails
+            raise RequestFailure(sampling[error.row].request_id, error) from error
 
     def _stage(self, txn: _Transaction, plan: StepPlan, sampled: list[SampledToken]) -> list[StagedResult]:
+        """Stage each row; a row's own failure (its stop matcher, say) is attributed to its request."""
         self._enter(txn, Phase.STAGE)
         tokens = iter(sampled)
         staged = []
         for row in plan.rows:
-            if row.samples:
-                staged.append(stage_sampled(row.state, next(tokens), row.seq_len))
-            else:
+            if not row.samples:
                 staged.append(StagedResult(row.state, target_processed=row.target_slots))
+                continue
+            token = next(tokens)
+            try:
+                staged.append(stage_sampled(row.state, token, row.seq_len))
+            except Exception as error:
+                raise RequestFailure(row.request_id, error) from error
         return staged
 
     def _validate(
@@ -251,9 +275,29 @@ class DynamicStep:
                 self._rollback(txn)
             except Exception as rollback_error:
                 return self._fatal(txn, StepOutcome.FATAL_EXECUTION_FAILURE, rollback_error)
-            flags, code = ENGINE_EVENT_OF[outcome]
-            return StepResult(outcome, [EngineEvent.engine_level(flags, code)], error)
+            return StepResult(outcome, self._isolate(txn, outcome, error), error)
         return self._fatal(txn, outcome, error)
+
+    def _isolate(self, txn: _Transaction, outcome: StepOutcome, error: BaseException) -> list[EngineEvent]:
+        """After a rollback: fail the named request's turn, or let the isolator retry or narrow the batch."""
+        if outcome is StepOutcome.REQUEST_FAILED:
+            assert isinstance(error, RequestFailure)
+            return self._fail_request(txn, error.request_id)
+        flags, code = ENGINE_EVENT_OF[outcome]
+        events = [EngineEvent.engine_level(flags, code)]
+        culprit = self.isolator.on_rollback(list(txn.request_ids))
+        if culprit is not None:
+            events += self._fail_request(txn, culprit)
+        return events
+
+    def _fail_request(self, txn: _Transaction, request_id: int) -> list[EngineEvent]:
+        """Finish one planned request's turn FAILED (REQUEST_FAILED) after the rollback; blocks stay owned."""
+        assert txn.plan is not None
+        state = next(row.state for row in txn.plan.rows if row.request_id == request_id)
+        if not self.scheduler.is_resident(state):
+            self.scheduler.withdraw(state)
+        self.isolator.forget(request_id)
+        return finish_turn_now(state, FinishReason.FAILED, EngineErrorCode.REQUEST_FAILED)
 
     def _rollback(self, txn: _Transaction) -> None:
         """Restore every checkpoint and release the reservation: committed state is as before the step."""

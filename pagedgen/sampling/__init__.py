@@ -2,7 +2,7 @@
 logprobs. The engine calls :meth:`Sampler.sample` once per step and checkpoints each request's
 :class:`RequestSampler` (and its turn's :class:`StopStringMatcher`) with the step transaction."""
 
-from pagedgen.sampling.errors import SamplingError, SamplingOptionsError, StopStringError
+from pagedgen.sampling.errors import RowSamplingError, SamplingError, SamplingOptionsError, StopStringError
 from pagedgen.sampling.logprobs import RowLogprobs, compute_logprobs
 from pagedgen.sampling.options import SamplingOptions
 from pagedgen.sampling.sampler import SampledToken, Sampler, SampleRow, inverse_cdf_sample, process_logits
@@ -11,6 +11,7 @@ from pagedgen.sampling.streams import RequestSampler, SamplerCheckpoint, fresh_s
 
 __all__ = [
     "RequestSampler",
+    "RowSamplingError",
     "RowLogprobs",
     "SampleRow",
     "SampledToken",

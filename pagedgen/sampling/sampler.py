@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedgen.sampling.errors import SamplingError
+from pagedgen.sampling.errors import RowSamplingError, SamplingError
 from pagedgen.sampling.logprobs import compute_logprobs
 from pagedgen.sampling.processors import (
     apply_logit_bias_,
@@ -238,8 +238,9 @@ class Sampler:
     def _raise_on_bad(bad: torch.Tensor) -> None:
         if bool(bad.any()):
             first = int(bad.nonzero()[0, 0])
-            raise SamplingError(
-                f"logits row {first} has no sampleable token (NaN, +inf, or every token filtered / banned)"
+            raise RowSamplingError(
+                f"logits row {first} has no sampleable token (NaN, +inf, or every token filtered / banned)",
+                first,
             )
 
     @staticmethod
@@ -250,19 +251,22 @@ class Sampler:
             raise SamplingError(f"got {logits.shape[0]} logits rows for {len(rows)} sample rows (need >= 1)")
         vocab = logits.shape[1]
         for r, row in enumerate(rows):
-            if not isinstance(row.sampler, RequestSampler):
-                raise SamplingError(f"row {r}: sampler must be a RequestSampler, got {type(row.sampler)}")
-            if not 0 <= row.num_prompt_tokens <= len(row.tokens):
-                raise SamplingError(
-                    f"row {r}: num_prompt_tokens={row.num_prompt_tokens} not in [0, {len(row.tokens)}]"
-                )
-            if row.turn_generated < 0 or row.num_logprobs < 0:
-                raise SamplingError(
-                    f"row {r}: turn_generated={row.turn_generated} and num_logprobs={row.num_logprobs} "
-                    "must be >= 0"
-                )
-            if any(e < 0 for e in row.eos_token_ids):
-                raise SamplingError(f"row {r}: eos_token_ids={row.eos_token_ids} must be >= 0")
-            bias = row.sampler.options.logit_bias
-            if bias and max(t for t, _ in bias) >= vocab:
-                raise SamplingError(f"row {r}: logit_bias names a token id >= vocab size {vocab}")
+            problem = _row_problem(row, vocab)
+            if problem is not None:
+                raise RowSamplingError(f"row {r}: {problem}", r)
+
+
+def _row_problem(row: SampleRow, vocab: int) -> str | None:
+    """What makes ``row`` unsampleable with a ``vocab``-wide logits row, or None."""
+    if not isinstance(row.sampler, RequestSampler):
+        return f"sampler must be a RequestSampler, got {type(row.sampler)}"
+    if not 0 <= row.num_prompt_tokens <= len(row.tokens):
+        return f"num_prompt_tokens={row.num_prompt_tokens} not in [0, {len(row.tokens)}]"
+    if row.turn_generated < 0 or row.num_logprobs < 0:
+        return f"turn_generated={row.turn_generated} and num_logprobs={row.num_logprobs} must be >= 0"
+    if any(e < 0 for e in row.eos_token_ids):
+        return f"eos_token_ids={row.eos_token_ids} must be >= 0"
+    bias = row.sampler.options.logit_bias
+    if bias and max(t for t, _ in bias) >= vocab:
+        return f"logit_bias names a token id >= vocab size {vocab}"
+    return None

@@ -5,6 +5,10 @@ retryable faults, against a small cache (deferrals, chunked and mixed steps happ
 operation the engine's cache and request invariants hold; every emitted token is exactly the synthetic
 model's greedy continuation of the request's logical sequence; every turn ends with exactly one terminal
 event whose reason matches the limits; refused calls change nothing; at the end every block is free.
+
+Faults are transient (each clears after one step), so a rolled-back step changes nothing, except that
+failure isolation may fail one turn (REQUEST_FAILED) once MAX_RETRIES steps in a row have rolled back without
+a commit between them: the machine counts those from the engine's stats and allows exactly that.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from tests.helpers import engine_snapshot
 
 VOCAB = 31
 EOS = 5
+MAX_RETRIES = 2  # small, so that isolation happens in the random sequences too
 F = pg.EngineEventFlags
 R = pg.FinishReason
 
@@ -58,10 +63,13 @@ class EngineMachine(RuleBasedStateMachine):
                 block_size=4,
                 num_blocks=12,  # a 40-token session needs 10: deferrals are common, never unserviceable
                 debug_invariants=True,
+                max_step_retries=MAX_RETRIES,
             ),
         )
         self.expected: dict[int, Expected] = {}
         self.next_key = 0
+        self.steps = 0  # committed steps seen so far
+        self.rollbacks_at_commit = 0  # the engine's rollback count when the last commit was seen
 
     # -- operations -----------------------------------------------------------------------------------
 
@@ -106,6 +114,12 @@ class EngineMachine(RuleBasedStateMachine):
                 self.observe(event)
             del events  # drop our references to the events (and to any dropped request they name)
             assert self.engine.check_invariants() == []
+            self.note_commits()
+
+    def note_commits(self) -> None:
+        stats = self.engine.stats()
+        if stats.steps != self.steps:
+            self.steps, self.rollbacks_at_commit = stats.steps, stats.rollbacks
 
     @rule(
         target=requests,
@@ -151,19 +165,25 @@ class EngineMachine(RuleBasedStateMachine):
         if self.engine.stats().pending_events:
             return  # run() would drain instead of executing
         before = engine_snapshot(self.engine)
-        error = RetryableExecutionError("transient") if phase == "execute" else None
-        self.engine._faults.arm(phase, error)
+        # No local name for the error: its traceback reaches this frame, whose events may name a dropped
+        # request (a failed turn), and that cycle would keep the handle alive until a garbage collection.
+        self.engine._faults.arm(phase, RetryableExecutionError("transient") if phase == "execute" else None)
         events = list(self.engine.run(max_events=16))
         self.engine._faults.disarm()
         if events and events[0].flags & F.RETRYABLE:
-            assert [(e.request, e.error_code) for e in events] == [
-                (None, pg.EngineErrorCode.RETRYABLE_EXECUTION)
-            ]
-            assert engine_snapshot(self.engine) == before
-            note("rolled back")
+            assert (events[0].request, events[0].error_code) == (None, pg.EngineErrorCode.RETRYABLE_EXECUTION)
+            if len(events) == 1:
+                assert engine_snapshot(self.engine) == before
+                note("rolled back")
+            else:  # isolation found its culprit: only after MAX_RETRIES rollbacks without a commit
+                assert self.engine.stats().rollbacks - self.rollbacks_at_commit >= MAX_RETRIES
+                assert len(events) == 2 and events[1].error_code is pg.EngineErrorCode.REQUEST_FAILED
+                note("isolated")
+                self.observe(events[1])
         else:  # no executable step this time (no work, or capacity deferred): the phase was never reached
             for event in events:
                 self.observe(event)
+        self.note_commits()
 
     # -- checks ---------------------------------------------------------------------------------------
 
@@ -175,7 +195,8 @@ class EngineMachine(RuleBasedStateMachine):
             )
             return
         exp = self.expected[event.request.id]
-        assert event.turn_id == exp.turn_id and not (event.flags & F.FAILED)
+        failed = event.error_code is pg.EngineErrorCode.REQUEST_FAILED
+        assert event.turn_id == exp.turn_id and bool(event.flags & F.FAILED) is failed
         if event.flags & F.TOKEN:
             exp.emitted.append(event.token)
             assert exp.emitted == exp.greedy[: len(exp.emitted)]
@@ -198,6 +219,8 @@ class EngineMachine(RuleBasedStateMachine):
             assert len(exp.seq) + n == exp.session
         elif reason is R.EOS:
             assert n == len(exp.greedy) and synthetic_greedy(exp.seq + exp.emitted, 1, VOCAB, EOS) == []
+        elif reason is R.FAILED:
+            assert event.error_code is pg.EngineErrorCode.REQUEST_FAILED
         else:
             assert reason is R.CANCELLED
 

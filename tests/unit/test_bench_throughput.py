@@ -130,13 +130,15 @@ def test_phase_durations_and_clock_forwarding():
 
     class Inner:
         hits = 0
+        seen: tuple = ()
 
-        def check(self, phase):
+        def check(self, phase, request_ids=()):
             self.hits += 1
+            self.seen = tuple(request_ids)
 
     clock = PhaseClock(Inner())
-    clock.check(Phase.PLAN)
-    assert clock.hits == 1 and [p for p, _ in clock.marks] == [Phase.PLAN]
+    clock.check(Phase.PLAN, (3, 4))
+    assert clock.hits == 1 and clock.seen == (3, 4) and [p for p, _ in clock.marks] == [Phase.PLAN]
 
 
 def test_profiler_refuses_an_engine_without_a_phase_seam():
