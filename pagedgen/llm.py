@@ -158,6 +158,13 @@ class CompletionOutput:
     logprobs: list[TokenLogprob] | None = None
 
 
+def turn_text(tokenizer: Any, tokens: list[int], finish: Any) -> str:
+    """A finished turn's text: its emitted tokens, then the text before the stop string that no emitted
+    token carries (``finish`` is the TURN_FINISHED event). Exactly the generated text cut at the stop string.
+    """
+    return tokenizer.decode(tokens) + finish.text_before_stop
+
+
 def finish_reason_text(reason: Any) -> str:
     """The OpenAI ``finish_reason`` of an engine ``FinishReason``: end of text -> stop, a limit -> length."""
     from pagedgen.engine.events import FinishReason
@@ -384,7 +391,7 @@ class LLM:
             index=slot.index,
             prompt=slot.prompt,
             prompt_token_ids=slot.prompt_ids,
-            text=self.tokenizer.decode(slot.tokens),  # the engine never emits a stop string's text
+            text=turn_text(self.tokenizer, slot.tokens, event),
             token_ids=slot.tokens,
             finish_reason=finish_reason_text(event.finish_reason),
             stop_reason=stop_reason,
@@ -456,7 +463,7 @@ class ChatSession:
         except BaseException:  # interrupted mid-turn: the Request's state no longer matches self.messages
             self.close()
             raise
-        tail = detok.flush()
+        tail = detok.flush() + event.text_before_stop  # _events ends with the TURN_FINISHED event
         if tail:
             yield tail
         self._finish_turn(messages, rendered, tokens, event)
@@ -485,9 +492,12 @@ class ChatSession:
     def _finish_turn(
         self, messages: list[dict[str, str]], rendered: str, tokens: list[int], event: Any
     ) -> None:
-        reply = self._llm.tokenizer.decode(tokens)
+        reply = turn_text(self._llm.tokenizer, tokens, event)
         self.messages = [*messages, {"role": "assistant", "content": reply}]
-        self._held_text = rendered + reply
+        # A stop string's tokens stay in the Request although the reply ends before it: when the held text
+        # no longer prefixes the next rendering, the next turn re-renders the conversation in a fresh Request.
+        held = self._request.tokens[len(self._request.tokens) - event.usage.generated_tokens :]
+        self._held_text = rendered + self._llm.tokenizer.decode(list(held))
         self._held_tokens += event.usage.prompt_tokens + event.usage.generated_tokens
         self.last = TurnResult(
             text=reply,
