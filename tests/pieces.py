@@ -63,3 +63,17 @@ class PiecesModel(SyntheticModel):
 
     def greedy(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
         return synthetic_greedy(prompt, max_new_tokens, self.vocab_size)
+
+
+def straddling_stop(tokenizer: PiecesTokenizer, tokens: Sequence[int]) -> tuple[str, str]:
+    """A stop string that first occurs starting inside a multi-character token of ``tokens`` (after its
+    first character) and ends in the next token, and the text before it: ``(stop, text cut at stop)``."""
+    texts = [tokenizer.decode([t]) for t in tokens]
+    text = "".join(texts)
+    offset = 0
+    for here, after in zip(texts, texts[1:], strict=False):
+        stop = here[1:] + after[:1]
+        if len(here) > 1 and text.find(stop) == offset + 1:
+            return stop, text[: offset + 1]
+        offset += len(here)
+    raise AssertionError(f"no token of {texts} can hold the start of a stop string")
