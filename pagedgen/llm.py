@@ -144,7 +144,9 @@ class TokenLogprob:
 @dataclass(slots=True)
 class CompletionOutput:
     """The result for one prompt. ``finish_reason`` is OpenAI's: "stop" (EOS or a stop string) or "length";
-    "failed" when the engine could not serve the prompt. ``stop_reason`` is the matched stop string, if any.
+    "failed" when the engine could not serve the prompt. ``stop_reason`` is the matched stop string, if any:
+    ``text`` then ends exactly where it begins, while ``token_ids`` (and ``logprobs``) end before the token in
+    which it begins (see ``EngineEvent.text_before_stop``).
     """
 
     index: int
