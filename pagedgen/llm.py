@@ -168,7 +168,9 @@ class TokenLogprob:
 @dataclass(slots=True)
 class CompletionOutput:
     """The result for one prompt. ``finish_reason`` is OpenAI's: "stop" (EOS or a stop string) or "length";
-    "failed" when the engine could not serve the prompt. ``stop_reason`` is the matched stop string, if any.
+    "failed" when the engine could not serve the prompt. ``stop_reason`` is the matched stop string, if any:
+    ``text`` then ends exactly where it begins, while ``token_ids`` (and ``logprobs``) end before the token in
+    which it begins (see ``EngineEvent.text_before_stop``).
     """
 
     index: int
@@ -180,6 +182,13 @@ class CompletionOutput:
     stop_reason: str | None = None
     cached_prompt_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
+
+
+def turn_text(tokenizer: Any, tokens: list[int], finish: Any) -> str:
+    """A finished turn's text: its emitted tokens, then the text before the stop string that no emitted
+    token carries (``finish`` is the TURN_FINISHED event). Exactly the generated text cut at the stop string.
+    """
+    return tokenizer.decode(tokens) + finish.text_before_stop
 
 
 def finish_reason_text(reason: Any) -> str:
@@ -411,7 +420,7 @@ class LLM:
             index=slot.index,
             prompt=slot.prompt,
             prompt_token_ids=slot.prompt_ids,
-            text=self.tokenizer.decode(slot.tokens),  # the engine never emits a stop string's text
+            text=turn_text(self.tokenizer, slot.tokens, event),
             token_ids=slot.tokens,
             finish_reason=finish_reason_text(event.finish_reason),
             stop_reason=stop_reason,
@@ -483,7 +492,7 @@ class ChatSession:
         except BaseException:  # interrupted mid-turn: the Request's state no longer matches self.messages
             self.close()
             raise
-        tail = detok.flush()
+        tail = detok.flush() + event.text_before_stop  # _events ends with the TURN_FINISHED event
         if tail:
             yield tail
         self._finish_turn(messages, rendered, tokens, event)
@@ -512,9 +521,12 @@ class ChatSession:
     def _finish_turn(
         self, messages: list[dict[str, str]], rendered: str, tokens: list[int], event: Any
     ) -> None:
-        reply = self._llm.tokenizer.decode(tokens)
+        reply = turn_text(self._llm.tokenizer, tokens, event)
         self.messages = [*messages, {"role": "assistant", "content": reply}]
-        self._held_text = rendered + reply
+        # A stop string's tokens stay in the Request although the reply ends before it: when the held text
+        # no longer prefixes the next rendering, the next turn re-renders the conversation in a fresh Request.
+        held = self._request.tokens[len(self._request.tokens) - event.usage.generated_tokens :]
+        self._held_text = rendered + self._llm.tokenizer.decode(list(held))
         self._held_tokens += event.usage.prompt_tokens + event.usage.generated_tokens
         self.last = TurnResult(
             text=reply,

@@ -72,6 +72,11 @@ class EngineEvent:
 
     ``token`` is None unless ``flags & TOKEN``; ``finish_reason`` and ``usage`` are set with TURN_FINISHED;
     ``turn_id`` is the request-local turn id (0 for engine-level events).
+
+    Events stay at token granularity: a token in which a stop string begins is never a TOKEN event, even when
+    part of its text precedes the stop string. That part is ``text_before_stop``, set with TURN_FINISHED when
+    the turn ends on a stop string ("" otherwise): the turn's text is exactly the decode of its TOKEN events
+    followed by ``text_before_stop``.
     """
 
     request: Request | None
@@ -83,6 +88,7 @@ class EngineEvent:
     error_code: EngineErrorCode = EngineErrorCode.NONE
     matched_stop_string_index: int | None = None
     logprobs: TokenLogprobs | None = None
+    text_before_stop: str = ""
     # The engine-internal request id; lets the engine purge a closed request's events without the handle.
     request_id: int | None = field(default=None, repr=False, compare=False)
 

@@ -5,8 +5,9 @@ turn ends and why, and which events the caller will see. End conditions, in orde
 appended, never emitted, unless ``ignore_eos``), a stop string (the token is appended; the stop text is never
 emitted), the turn's ``max_generated_tokens``, the request's ``max_session_tokens``. Tokens the stop-string
 matcher holds back are released (and emitted) once they cannot be part of a stop string, or when the turn
-ends for another reason. Staging mutates only the stop matcher and ``held_logprobs``, both checkpointed by
-the transaction; :func:`commit_staged` publishes the rest.
+ends for another reason; on a match, the text of the unemitted tokens before the stop string travels on the
+terminal event as ``text_before_stop``. Staging mutates only the stop matcher and ``held_logprobs``, both
+checkpointed by the transaction; :func:`commit_staged` publishes the rest.
 """
 
 from __future__ import annotations
@@ -55,13 +56,14 @@ def stage_sampled(state: RequestState, sampled: SampledToken, seq_len: int) -> S
     logprobs = None
     if state.turn.num_logprobs and sampled.logprob is not None:
         logprobs = TokenLogprobs(sampled.logprob, tuple(sampled.top_logprobs))
+    text_before_stop = ""
     if sampled.token in state.eos_token_ids:
         staged.finish = FinishReason.EOS
         released = _flush(state)
         matched = None
     else:
         staged.token = sampled.token
-        released, matched = _feed(state, sampled.token, logprobs)
+        released, matched, text_before_stop = _feed(state, sampled.token, logprobs)
         generated = state.turn_generated_tokens + 1
         if matched is not None:
             staged.finish = FinishReason.STOP_SEQUENCE
@@ -73,21 +75,27 @@ def stage_sampled(state: RequestState, sampled: SampledToken, seq_len: int) -> S
         if staged.finish in (FinishReason.MAX_GENERATED_TOKENS, FinishReason.MAX_SESSION_TOKENS):
             released += _flush(state)
     generated = state.turn_generated_tokens + (staged.token is not None)
-    staged.events = turn_events(state, released, staged.finish, generated, matched)
+    staged.events = turn_events(
+        state, released, staged.finish, generated, matched, text_before_stop=text_before_stop
+    )
     return staged
 
 
 def _feed(
     state: RequestState, token: int, logprobs: TokenLogprobs | None
-) -> tuple[list[tuple[int, TokenLogprobs | None]], int | None]:
-    """Pass a generated token through the stop matcher; returns the released (token, logprobs) and a match."""
+) -> tuple[list[tuple[int, TokenLogprobs | None]], int | None, str]:
+    """Pass a generated token through the stop matcher.
+
+    Returns the released (token, logprobs), the matched stop index and, with a match, the text between the
+    last released token and the stop string.
+    """
     if state.stop_matcher is None:
-        return [(token, logprobs)], None
+        return [(token, logprobs)], None, ""
     state.held_logprobs.append(logprobs)
     update = state.stop_matcher.feed(token)
     released = list(zip(update.release, state.held_logprobs[: len(update.release)], strict=True))
     del state.held_logprobs[: len(update.release)]
-    return released, update.matched
+    return released, update.matched, update.text_before_match
 
 
 def _flush(state: RequestState) -> list[tuple[int, TokenLogprobs | None]]:
@@ -107,6 +115,7 @@ def turn_events(
     generated_tokens: int,
     matched: int | None = None,
     error_code: EngineErrorCode = EngineErrorCode.NONE,
+    text_before_stop: str = "",
 ) -> list[EngineEvent]:
     """TOKEN events for ``released`` and, when the turn finishes, TURN_FINISHED merged into the last one.
 
@@ -144,6 +153,7 @@ def turn_events(
     last.finish_reason = finish
     last.usage = Usage(prompt_tokens=state.turn_prompt_tokens, generated_tokens=generated_tokens)
     last.matched_stop_string_index = matched
+    last.text_before_stop = text_before_stop
     last.error_code = error_code
     return events
 

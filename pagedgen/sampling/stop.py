@@ -2,14 +2,20 @@
 
 The engine feeds every generated token of a turn to one :class:`StopStringMatcher`. The matcher decodes the
 turn incrementally (vLLM's prefix / read offset window, so each feed decodes only a few tokens) and keeps
-just the text it still needs: the last ``max(len(stop)) - 1`` characters and the held tokens. A token is
+just the text it still needs: the text of the held tokens and at least the last ``max(len(stop)) - 1``
+characters (a stop string may begin there). A token is
 
 * released (may become a TOKEN event) once all of its text lies before any possible stop-string start;
 * held while its text could still be the beginning of a stop string, or while its bytes do not decode to
   text yet (a partial UTF-8 sequence decodes to U+FFFD: we wait for the rest of the character);
-* dropped when it ends at or after the start of the matched stop string: the stop string is never emitted.
-  A token that straddles the match start is dropped too (token granularity: its text before the match is
-  lost rather than leaking part of the stop string).
+* dropped when it ends after the start of the matched stop string: the stop string is never emitted.
+
+Tokens are released whole, so a token that straddles the match start is dropped although part of its text
+precedes the stop string. That part is not lost: on a match, :attr:`StopUpdate.text_before_match` is the
+text from the end of the last released token up to the match start (the dropped tokens' text before the
+stop string). ``decode(released tokens) + text_before_match`` is the turn's text cut at the stop string,
+which is what OpenAI and vLLM return. Released tokens always end on a complete character (pending bytes
+are held), so a consumer's incremental detokenizer has nothing held back at that boundary.
 
 On a match the turn is over: :attr:`matched` is the index of the stop string with the earliest start in the
 text (ties go to the lower index). If the turn ends for another reason, :meth:`flush` releases what is held.
@@ -28,10 +34,15 @@ _REPLACEMENT = "\ufffd"
 
 @dataclass(slots=True)
 class StopUpdate:
-    """What one fed token changed: tokens now safe to emit (in order) and the matched stop index, if any."""
+    """What one fed token changed: tokens now safe to emit (in order) and the matched stop index, if any.
+
+    ``text_before_match`` is set with a match only: the text between the end of the last released token and
+    the start of the stop string (possibly empty), which no released token carries.
+    """
 
     release: list[int]
     matched: int | None = None
+    text_before_match: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,8 +50,9 @@ class _State:
     window: tuple[int, ...] = ()  # tokens from the decode prefix offset on
     read: int = 0  # window[:read] were already turned into text
     held: tuple[tuple[int, int | None], ...] = ()  # unreleased (token, text end offset or None while pending)
-    tail: str = ""  # the last max_len - 1 characters of the text
+    tail: str = ""  # the text from min(released_end, text_len - (max_len - 1)) on
     text_len: int = 0  # characters of text decoded so far
+    released_end: int = 0  # text offset where the last released token ends
     finished: bool = False
     matched: int | None = None
 
@@ -98,7 +110,7 @@ class StopStringMatcher:
         window, read, piece = self._decode_step(st.window + (token,), st.read)
         held = st.held + ((token, None),)
         if piece is None:  # the token ends inside a multi-byte character: no new text yet
-            self._state = _State(window, read, held, st.tail, st.text_len)
+            self._state = _State(window, read, held, st.tail, st.text_len, st.released_end)
             return StopUpdate([])
         end = st.text_len + len(piece)
         held = tuple((t, end if e is None else e) for t, e in held)
@@ -107,15 +119,14 @@ class StopStringMatcher:
         match = self._find(buf)
         if match is not None:
             pos, index = match
-            release = [t for t, e in held if e is not None and e <= base + pos]
+            n = _count_ending_by(held, base + pos)
+            released_end = held[n - 1][1] if n else st.released_end
             self._state = _State(finished=True, matched=index)
-            return StopUpdate(release, index)
-        hold_from = end - self._partial_suffix(buf)
-        n = 0
-        while n < len(held) and held[n][1] is not None and held[n][1] <= hold_from:
-            n += 1
-        tail = buf[max(len(buf) - self._keep, 0) :]
-        self._state = _State(window, read, held[n:], tail, end)
+            return StopUpdate([t for t, _ in held[:n]], index, buf[released_end - base : pos])
+        n = _count_ending_by(held, end - self._partial_suffix(buf))
+        released_end = held[n - 1][1] if n else st.released_end
+        keep_from = max(min(released_end, end - self._keep), base)
+        self._state = _State(window, read, held[n:], buf[keep_from - base :], end, released_end)
         return StopUpdate([t for t, _ in held[:n]])
 
     def flush(self) -> list[int]:
@@ -161,3 +172,11 @@ class StopStringMatcher:
                     best = length
                     break
         return best
+
+
+def _count_ending_by(held: tuple[tuple[int, int | None], ...], offset: int) -> int:
+    """How many of the oldest held tokens have all their text before ``offset`` (pending ones never do)."""
+    n = 0
+    while n < len(held) and held[n][1] is not None and held[n][1] <= offset:
+        n += 1
+    return n

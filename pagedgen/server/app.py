@@ -275,7 +275,7 @@ async def _collect(handle: JobHandle, text: IncrementalDetokenizer, builder: Any
         parts.append(text.add(update.tokens))
         logprobs.extend(update.logprobs)
         if update.finish is not None:
-            parts.append(text.flush())
+            parts.append(text.flush() + update.finish.text_before_stop)
             reason = finish_reason_text(update.finish.reason)
             return builder.full("".join(parts), logprobs, reason, update.finish)
 
@@ -315,7 +315,7 @@ async def _stream(
                 if delta or update.logprobs:
                     yield sse_event(builder.chunk(delta, update.logprobs, None))
                 continue
-            delta += text.flush()
+            delta += text.flush() + finish.text_before_stop
             yield sse_event(builder.chunk(delta, update.logprobs, finish_reason_text(finish.reason)))
             if builder.include_usage:
                 yield sse_event(builder.usage_chunk(finish))

@@ -43,7 +43,10 @@ class JobError(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Finish:
-    """A turn's terminal event, copied off the owner thread."""
+    """A turn's terminal event, copied off the owner thread.
+
+    The turn's text is the decode of its tokens followed by ``text_before_stop`` (see ``EngineEvent``).
+    """
 
     reason: FinishReason
     prompt_tokens: int
@@ -51,6 +54,7 @@ class Finish:
     cached_prompt_tokens: int
     matched_stop_string_index: int | None
     error_code: EngineErrorCode
+    text_before_stop: str = ""
 
 
 @dataclass(slots=True)
@@ -422,6 +426,7 @@ def _copy_event(event: Any, update: JobUpdate) -> None:
             cached_prompt_tokens=usage.cached_prompt_tokens if usage else 0,
             matched_stop_string_index=event.matched_stop_string_index,
             error_code=event.error_code,
+            text_before_stop=event.text_before_stop,
         )
 
 

@@ -1,4 +1,5 @@
-"""Stop strings: matched across token boundaries, never emitted, held text released once disambiguated."""
+"""Stop strings: matched across token boundaries, never emitted, held text released once disambiguated;
+the text before the match that no released token carries comes back with the match."""
 
 from __future__ import annotations
 
@@ -34,6 +35,19 @@ def _run(
     return releases, None, matcher.flush()
 
 
+def _cut(stops: list[str], tokens: list[int], decode=_decode) -> tuple[list[int], str, int | None]:
+    """Feed until a match; returns (released tokens, text_before_match, matched index)."""
+    matcher = StopStringMatcher(stops, decode)
+    released: list[int] = []
+    for t in tokens:
+        update = matcher.feed(t)
+        released += update.release
+        if update.matched is not None:
+            return released, update.text_before_match, update.matched
+        assert update.text_before_match == ""
+    return released + matcher.flush(), "", None
+
+
 def test_split_across_tokens_is_matched_and_never_emitted() -> None:
     releases, matched, _ = _run(["\n\n"], _ids("ab", "\n", "\n", "c"))
     assert releases == [_ids("ab"), [], []] and matched == 0
@@ -44,15 +58,37 @@ def test_match_at_the_very_start() -> None:
     assert _run(["ab"], _ids("a", "b")) == ([[], []], 0, [])
 
 
-def test_token_straddling_the_match_start_is_dropped() -> None:
+def test_token_straddling_the_match_start_is_dropped_but_its_text_before_the_match_is_returned() -> None:
     """'x\\n' holds text before the stop string; emitting it would leak the stop string's first character."""
     assert _run(["\n\n"], _ids("a", "x\n", "\n")) == ([_ids("a"), [], []], 0, [])
+    assert _cut(["\n\n"], _ids("a", "x\n", "\n")) == (_ids("a"), "x", 0)
+
+
+def test_text_before_match_at_the_boundaries() -> None:
+    # the match starts exactly where a released token ends: nothing to add
+    assert _cut(["\n"], _ids("ab", "\n")) == (_ids("ab"), "", 0)
+    assert _cut(["ab"], _ids("ab")) == ([], "", 0)
+    # the match lies inside one token, with text before and after it
+    assert _cut(["b"], _ids("c", "abc")) == (_ids("c"), "a", 0)
+    # held across several tokens ("ab" straddles the start of "bcax"): its "a" comes back
+    assert _cut(["bcax"], _ids("a", "ab", "c", "a", "x\n")) == (_ids("a"), "a", 0)
+    # a held token that ends at the match start is released with the match
+    assert _cut(["abca", "cb"], _ids("ab", "c", "b")) == (_ids("ab"), "", 1)
+    # several stop strings: the earliest start decides where the text is cut
+    assert _cut(["ca", "ab"], _ids("x\n", "cab")) == (_ids("x\n"), "", 0)
+    assert _cut(["ca", "bc"], _ids("abc", "ab")) == ([], "a", 1)
 
 
 def test_long_stop_string_held_across_short_text() -> None:
     """The kept tail must cover the whole text while it is shorter than the longest stop string."""
     assert _run(["abbaa"], _ids("cab", "b")) == ([[], []], None, _ids("cab", "b"))
     assert _run(["abbaa"], _ids("cab", "ba", "a")) == ([[], [], []], 0, [])
+
+
+def test_held_token_text_longer_than_the_longest_stop_string_comes_back_whole() -> None:
+    """'cab' is held because its 'b' may start 'bc': the kept text must reach back past max(len(stop)) - 1."""
+    assert _cut(["bc"], _ids("x\n", "cab", "c")) == (_ids("x\n"), "ca", 0)
+    assert _cut(["bc"], _ids("cab", "ab", "c")) == (_ids("cab"), "a", 0)
 
 
 def test_held_prefix_is_released_once_disambiguated_or_flushed() -> None:
@@ -107,6 +143,10 @@ def test_matches_a_brute_force_oracle(stops: list[str], tokens: list[int]) -> No
     assert released == oracle_released
     if matched is not None:
         assert stops[matched] not in _decode(released)  # the stop string is never emitted
+        text = _decode(tokens[: len(releases)])  # the text when the match was found
+        cut = min(text.find(s) for s in stops if s in text)
+        released, before, _ = _cut(stops, tokens)
+        assert _decode(released) + before == text[:cut]
 
 
 # ------------------------------------------------------------------------------------------- multi-byte
@@ -223,3 +263,23 @@ def test_byte_tokens_match_a_brute_force_oracle(stops: list[str], tokens: list[i
     releases, matched, flushed = _run(stops, tokens, _decode_bytes)
     released = [t for r in releases for t in r] + flushed
     assert (matched, released) == _oracle_bytes(stops, tokens)
+    released, before, _ = _cut(stops, tokens, _decode_bytes)
+    if matched is not None:
+        texts = [_decode_bytes(tokens[:k]) for k in range(len(tokens) + 1)]
+        text = next(t for t in texts if any(s in t and not t.endswith("\ufffd") for s in stops))
+        assert _decode_bytes(released) + before == text[: min(text.find(s) for s in stops if s in text)]
+
+
+def test_text_before_match_completes_a_character_split_across_tokens() -> None:
+    """'x' + the first byte of 'é' is pending; the next token completes 'é' and holds the stop string."""
+    pieces = [b"x\xc3", b"\xa9!", b"ab", b"\xc3", b"\xa9", b"!"]
+
+    def decode(tokens: list[int]) -> str:
+        return b"".join(pieces[t] for t in tokens).decode("utf-8", errors="replace")
+
+    assert _cut(["!"], [2, 0, 1], decode) == ([2], "xé", 0)
+    assert _cut(["!"], [3, 1], decode) == ([], "é", 0)
+    assert _cut(["é!"], [2, 3, 1], decode) == ([2], "", 0)
+    # released tokens end on a whole character: a detokenizer of them holds nothing back
+    assert _cut(["!"], [2, 3, 4, 5], decode) == ([2, 3, 4], "", 0)
+    assert _cut(["!"], [2, 0, 4, 5], decode) == ([2, 0, 4], "", 0)
