@@ -20,13 +20,14 @@ import torch
 from pagedgen.cache import blocks_for_tokens
 from pagedgen.engine.events import EngineErrorCode, EngineEvent, FinishReason
 from pagedgen.engine.faults import FaultInjector
-from pagedgen.engine.outcomes import ENGINE_EVENT_OF, Phase, StepOutcome, classify_failure
+from pagedgen.engine.isolation import FailureIsolator
+from pagedgen.engine.outcomes import ENGINE_EVENT_OF, Phase, RequestFailure, StepOutcome, classify_failure
 from pagedgen.engine.request import RequestState, RequestStatus
 from pagedgen.engine.step import StepResult
 from pagedgen.engine.turn_output import commit_staged, finish_turn_now, sample_row, stage_sampled
 from pagedgen.executor.inputs import SequenceChunk, pack_step
 from pagedgen.executor.runner import ModelRunner
-from pagedgen.sampling import Sampler
+from pagedgen.sampling import RowSamplingError, Sampler
 
 
 @dataclass(slots=True)
@@ -128,7 +129,9 @@ class StaticStep:
 
     The model and the sampler mutate nothing a retry would see (cache slots beyond committed lengths are
     rewritten by the retry), so execution and sampling failures are still reported as RETRYABLE /
-    CAPACITY_BLOCKED; a failure while results are being applied is fatal.
+    CAPACITY_BLOCKED; a failure while results are being applied is fatal. Failure isolation is the dynamic
+    path's (docs/engine.md): a row the sampler refuses fails alone, and recurring rollbacks narrow the rows
+    executed until the culprit is found.
     """
 
     def __init__(
@@ -137,28 +140,37 @@ class StaticStep:
         runner: ModelRunner,
         faults: FaultInjector,
         eos_token_ids: tuple[int, ...],
+        isolator: FailureIsolator | None = None,
     ):
         self.scheduler = scheduler
         self.runner = runner
         self.faults = faults
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()
+        self.isolator = FailureIsolator() if isolator is None else isolator
         self._phase = Phase.PLAN
+        self._ids: tuple[int, ...] = ()
 
     def run(self) -> StepResult:
         rows: list[RequestState] = []
         failed: list[EngineEvent] = []  # unserviceable turns: published whatever happens next
         try:
+            self._ids = ()
             self._enter(Phase.PLAN)
             rows, unserviceable = self.scheduler.plan()
             failed = self._fail_unserviceable(unserviceable)
+            rows = self._isolated(rows)
             if not rows:
                 outcome = StepOutcome.UNSERVICEABLE_REQUEST if failed else StepOutcome.NO_WORK
                 return StepResult(outcome, failed)
+            self._ids = tuple(s.request_id for s in rows)
             self._enter(Phase.EXECUTE)
             logits = self._execute(rows)
             self._enter(Phase.SAMPLE)
-            sampled = self.sampler.sample(logits, [sample_row(s, self.eos_token_ids) for s in rows])
+            try:
+                sampled = self.sampler.sample(logits, [sample_row(s, self.eos_token_ids) for s in rows])
+            except RowSamplingError as error:
+                return StepResult(StepOutcome.REQUEST_FAILED, failed + self._fail(rows[error.row]), error)
             self._enter(Phase.COMMIT_REQUEST)
             events = list(failed)
             for state, token in zip(rows, sampled, strict=True):
@@ -166,17 +178,40 @@ class StaticStep:
                 commit_staged(staged)
                 events += staged.events
             self._enter(Phase.PUBLISH)
+            self.isolator.on_progress()
             return StepResult(StepOutcome.COMMITTED, events)
         except Exception as error:
             outcome = classify_failure(self._phase, error)
+            if outcome is StepOutcome.REQUEST_FAILED:
+                assert isinstance(error, RequestFailure)
+                culprit = next(s for s in rows if s.request_id == error.request_id)
+                return StepResult(outcome, failed + self._fail(culprit), error)
             if outcome.rolled_back:
                 flags, code = ENGINE_EVENT_OF[outcome]
-                return StepResult(outcome, [*failed, EngineEvent.engine_level(flags, code)], error)
+                events = [*failed, EngineEvent.engine_level(flags, code)]
+                culprit_id = self.isolator.on_rollback(list(self._ids))
+                if culprit_id is not None:
+                    events += self._fail(next(s for s in rows if s.request_id == culprit_id))
+                return StepResult(outcome, events, error)
             return StepResult(outcome, failed, error, rows)
+
+    def _isolated(self, rows: list[RequestState]) -> list[RequestState]:
+        """The rows the isolator allows (all of them unless it is narrowing down a recurring failure)."""
+        while True:
+            allowed = self.isolator.allowed()
+            kept = rows if allowed is None else [s for s in rows if s.request_id in allowed]
+            if kept or not self.isolator.active:
+                return kept
+            self.isolator.on_progress()
+
+    def _fail(self, state: RequestState) -> list[EngineEvent]:
+        """Finish one row's turn REQUEST_FAILED (failure isolation); its batch row stays allocated."""
+        self.isolator.forget(state.request_id)
+        return finish_turn_now(state, FinishReason.FAILED, EngineErrorCode.REQUEST_FAILED)
 
     def _enter(self, phase: Phase) -> None:
         self._phase = phase
-        self.faults.check(phase)
+        self.faults.check(phase, self._ids)
 
     def _execute(self, rows: list[RequestState]) -> torch.Tensor:
         tables = self.scheduler.batch.tables

@@ -37,7 +37,9 @@ def start(names=tuple(REQUESTS), **config) -> tuple[pg.Engine, dict[str, pg.Requ
     requests = {}
     for name in names:
         prompt, new, search = REQUESTS[name]
-        requests[name] = submit(engine, prompt, new, stop_strings=["@@"], logprobs=2, **search)
+        requests[name] = submit(
+            engine, prompt, new, max_session_tokens=48, stop_strings=["@@"], logprobs=2, **search
+        )
     return engine, requests
 
 
@@ -52,8 +54,12 @@ def reference() -> dict[str, list[int]]:
     return {name: alone(name) for name in REQUESTS}
 
 
-def check_outcome(engine, requests, events, reference, failed: set[str]) -> None:
-    """``failed`` turns ended REQUEST_FAILED; every other request got exactly its alone tokens."""
+def check_outcome(engine, requests, events, reference, failed: set[str], static: bool = False) -> None:
+    """``failed`` turns ended REQUEST_FAILED; every other request got exactly its alone tokens.
+
+    Then every request is closed and every block must be free (the static path frees a batch's blocks when
+    it recycles the batch, so there all rows must merely be closed).
+    """
     tokens, finishes = tokens_of(events), finishes_of(events)
     for name, request in requests.items():
         (finish,) = finishes[request]
@@ -70,7 +76,10 @@ def check_outcome(engine, requests, events, reference, failed: set[str]) -> None
     for request in requests.values():
         request.close()
     stats = engine.stats()
-    assert stats.free_blocks == stats.total_blocks and stats.resident_requests == 0
+    if static:
+        assert not engine.has_pending_requests() and not engine._states
+    else:
+        assert stats.free_blocks == stats.total_blocks and stats.resident_requests == 0
 
 
 def run_some(engine: pg.Engine, steps: int) -> list[pg.EngineEvent]:
@@ -159,7 +168,9 @@ def test_requests_that_arrive_during_isolation_run_afterwards(reference):
     engine._faults.arm("execute", RetryableExecutionError("with b"), times=None, request_id=requests["b"].id)
     events = run_some(engine, 1)
     prompt, new, search = REQUESTS["c"]
-    requests["c"] = submit(engine, prompt, new, stop_strings=["@@"], logprobs=2, **search)
+    requests["c"] = submit(
+        engine, prompt, new, max_session_tokens=48, stop_strings=["@@"], logprobs=2, **search
+    )
     events += drain(engine)
     check_outcome(engine, requests, events, reference, failed={"b"})
 
@@ -183,3 +194,12 @@ def test_attributed_faults_need_a_request():
         engine._faults.arm("sample", attributed=True)
     with pytest.raises(pg.EngineError, match="times"):
         engine._faults.arm("sample", times=0)
+
+
+def test_the_static_path_isolates_too(reference):
+    engine, requests = start(dynamic_batching=False, max_step_retries=2)
+    engine._faults.arm("execute", RetryableExecutionError("with c"), times=None, request_id=requests["c"].id)
+    state = engine._states[requests["a"].id]
+    state.sampler.options = SamplingOptions(logit_bias=((10**8, 1.0),))  # forced past validation
+    events = drain(engine, max_calls=1000)
+    check_outcome(engine, requests, events, reference, failed={"a", "c"}, static=True)
