@@ -5,7 +5,9 @@ Like ``vllm bench serve``: request ``i`` is sent at the ``i``-th arrival of a Po
 streaming ``/v1/completions`` call with the workload's token-id prompt, greedy, EOS ignored and exactly its
 output length. Per request it records the time to the first streamed token (TTFT), the gaps between streamed
 chunks (ITL), the mean time per output token after the first (TPOT) and the end-to-end latency; failures
-are counted, never retried. The statistics are plain functions of those records, testable without a server.
+are counted, never retried. A 429 (the server's admission queue was full) counts as *rejected*, not failed:
+under overload a server is meant to refuse work it cannot admit, and the latency of what it admitted is
+what the statistics describe. The statistics are plain functions of those records, testable without a server.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class RequestResult:
     output_tokens: int = 0
     chunk_times: list[float] = field(default_factory=list)
     e2e_s: float = 0.0
+    rejected: bool = False  # answered 429: refused by admission control, not a failure
 
     @property
     def ttft_s(self) -> float | None:
@@ -94,7 +97,7 @@ class ServeSummary:
     max_concurrency: int | None
     duration_s: float
     completed: int
-    failed: int
+    failed: int  # neither completed nor rejected
     prompt_tokens: int
     output_tokens: int
     requests_per_s: float
@@ -105,6 +108,7 @@ class ServeSummary:
     itl: LatencyStats
     e2e: LatencyStats
     errors: tuple[str, ...] = ()
+    rejected: int = 0  # answered 429 (admission queue full)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -124,7 +128,7 @@ def summarize(
 ) -> ServeSummary:
     """Aggregate per-request records; throughput counts completed requests' tokens over ``duration_s``."""
     done = [r for r in results if r.ok]
-    failed = [r for r in results if not r.ok]
+    failed = [r for r in results if not r.ok and not r.rejected]
     prompt = sum(r.prompt_tokens for r in done)
     output = sum(r.output_tokens for r in done)
     span = duration_s if duration_s > 0 else float("nan")
@@ -144,6 +148,7 @@ def summarize(
         itl=LatencyStats.of([gap for r in done for gap in r.itl_s]),
         e2e=LatencyStats.of([r.e2e_s for r in done]),
         errors=tuple(sorted({r.error or "unknown error" for r in failed})),
+        rejected=sum(r.rejected for r in results),
     )
 
 
@@ -181,6 +186,7 @@ async def send_request(
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")[:200]
                 result.error = f"HTTP {response.status_code}: {text}"
+                result.rejected = response.status_code == 429
                 return result
             async for line in response.aiter_lines():
                 payload = parse_sse_line(line)
@@ -250,7 +256,8 @@ def format_summary(summary: ServeSummary) -> str:
     rate = "inf" if math.isinf(summary.request_rate) else f"{summary.request_rate:g}"
     lines = [
         f"rate {rate} req/s, concurrency {summary.max_concurrency or 'unbounded'}: "
-        f"{summary.completed} ok, {summary.failed} failed in {summary.duration_s:.2f} s; "
+        f"{summary.completed} ok, {summary.rejected} rejected (429), {summary.failed} failed "
+        f"in {summary.duration_s:.2f} s; "
         f"{summary.requests_per_s:.2f} req/s, {summary.output_tokens_per_s:.1f} out tok/s, "
         f"{summary.total_tokens_per_s:.1f} total tok/s",
         "  metric      mean      p50      p90      p99  (ms)",

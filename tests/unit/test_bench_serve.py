@@ -16,6 +16,7 @@ from pagedgen.bench.serve import (
     LatencyStats,
     RequestResult,
     chunk_has_text,
+    format_summary,
     parse_sse_line,
     poisson_arrivals,
     run_rate,
@@ -130,3 +131,12 @@ def test_cli_serve_writes_summaries(synthetic_server, tmp_path):
     ]
     assert [s["output_tokens"] for s in document["summaries"]] == [12, 12]
     assert (tmp_path / "serve.png").stat().st_size > 0
+
+
+def test_429s_count_as_rejected_not_failed():
+    rejected = RequestResult(1, 10, False, "HTTP 429: queue full", rejected=True)
+    results = [_result(0, [0.1], 0.1, 1), rejected, _result(2, [], 0.0, 0, ok=False, error="HTTP 500: x")]
+    s = summarize(results, duration_s=1.0, request_rate=8.0, max_concurrency=None)
+    assert (s.completed, s.rejected, s.failed) == (1, 1, 1)
+    assert s.errors == ("HTTP 500: x",) and s.to_dict()["rejected"] == 1
+    assert "1 rejected (429)" in format_summary(s)
