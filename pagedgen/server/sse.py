@@ -26,8 +26,8 @@ class EventStreamResponse(StreamingResponse):
     a failed ``send`` only abandons the iterator; closing it here makes the generator's cleanup run promptly.
     Neither helps a generator that never started: if the client is already gone when the response is called,
     the stream task is cancelled while it sends the response start, and closing an unstarted generator runs
-    none of its code. ``on_close`` (cancel the engine job, release the admission ticket) therefore runs from ``__call__``
-    itself, in every case.
+    none of its code. ``on_close`` (cancel the engine job, release the admission ticket) therefore runs from
+    ``__call__`` itself, in every case.
     """
 
     media_type = "text/event-stream"
