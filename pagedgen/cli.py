@@ -38,6 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--max-body-bytes", type=positive_int, default=4 << 20, help="request body limit")
     serve.add_argument(
+        "--max-queued-requests",
+        type=_non_negative_int,
+        default=256,  # admission.DEFAULT_MAX_QUEUED_REQUESTS, not imported so that --help stays quick
+        help="requests that may wait beyond a full batch (--max-batch-size running); past that, 429 "
+        "with Retry-After (default 256)",
+    )
+    serve.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     _add_engine_args(serve)
@@ -68,6 +75,13 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text}")
     return value
 
 
@@ -169,6 +183,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model_name=args.served_model_name or args.model,
         api_key=args.api_key or None,
         max_body_bytes=args.max_body_bytes,
+        max_queued_requests=args.max_queued_requests,
     )
     app = build_app(_load_model(args.model), engine_config(args), options)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)

@@ -1,17 +1,25 @@
 """The OpenAI-compatible HTTP server: routes, error mapping and the streaming loop.
 
-Handlers run on the asyncio event loop and never call the engine: they tokenize, validate, submit a copied job
-to the :class:`EngineWorker` (the engine's owner thread) and consume the job's updates from an asyncio queue.
-A client that disconnects before its response ends has its job cancelled (turn cancelled, request closed,
-blocks freed): by the stream generator's cleanup, or for a non-streaming request by a disconnect watch.
+Handlers run on the asyncio event loop and never call the engine: they take an admission ticket (429 once
+``max_batch_size + max_queued_requests`` requests are in flight), tokenize and validate (chat templating,
+tokenization and text decoding run in worker threads: they can take milliseconds every other stream would
+wait for), submit a copied job to the :class:`EngineWorker` (the engine's owner thread) and consume the
+job's updates from an asyncio queue. A client that disconnects before its response ends has its job
+cancelled (turn cancelled, request closed, blocks freed): while its turn is queued and for a non-streaming
+request, by a disconnect watch; while it streams, by the stream response's cleanup, which runs even if the
+stream never started.
+
+``/health`` and ``/metrics`` read the worker's health flag and published snapshot: they never wait for the
+engine thread, and they answer when the engine is unhealthy (``/health`` then with 503).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +31,7 @@ from starlette.types import Receive
 
 from pagedgen.engine.events import EngineErrorCode
 from pagedgen.llm import (
+    TokenLogprob,
     check_prompt_fits,
     context_length,
     encode_prompt,
@@ -32,12 +41,28 @@ from pagedgen.llm import (
 )
 from pagedgen.models.tokenizer import IncrementalDetokenizer
 from pagedgen.sampling.errors import SamplingOptionsError
-from pagedgen.server.guard import DEFAULT_MAX_BODY_BYTES, ApiError, GuardMiddleware, error_body, error_json
+from pagedgen.server.admission import DEFAULT_MAX_QUEUED_REQUESTS, RETRY_AFTER_S, Admission, Ticket
+from pagedgen.server.guard import (
+    DEFAULT_MAX_BODY_BYTES,
+    ApiError,
+    GuardMiddleware,
+    error_body,
+    error_json,
+    internal_error_message,
+    request_id_of,
+)
 from pagedgen.server.metrics import ServerMetrics
 from pagedgen.server.protocol import ChatCompletionRequest, CompletionRequest
 from pagedgen.server.responses import ChatResponses, CompletionResponses
 from pagedgen.server.sse import DONE, EventStreamResponse, sse_event
-from pagedgen.server.worker import AsyncEngineClient, EngineWorker, JobError, JobHandle, JobUpdate
+from pagedgen.server.worker import (
+    UNAVAILABLE_MESSAGE,
+    AsyncEngineClient,
+    EngineWorker,
+    JobError,
+    JobHandle,
+    JobUpdate,
+)
 
 _CLIENT_GONE = object()
 _JOB_STATUS = {JobError.INVALID: 400, JobError.UNAVAILABLE: 503, JobError.INTERNAL: 500}
@@ -45,17 +70,26 @@ _JOB_STATUS = {JobError.INVALID: 400, JobError.UNAVAILABLE: 503, JobError.INTERN
 
 @dataclass(frozen=True, slots=True)
 class ServerOptions:
-    """What ``pagedgen serve`` configures beyond the engine: the served name, the API key, the body limit."""
+    """What ``pagedgen serve`` configures beyond the engine.
+
+    ``max_queued_requests``: how many requests may wait beyond a full batch (``max_batch_size`` running);
+    past that, 429 with ``Retry-After`` (see :mod:`pagedgen.server.admission`).
+    """
 
     model_name: str = "default"
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
 
     def __post_init__(self) -> None:
         if not self.model_name:
             raise ValueError("ServerOptions.model_name must be non-empty")
         if self.max_body_bytes <= 0:
             raise ValueError(f"ServerOptions.max_body_bytes must be positive, got {self.max_body_bytes}")
+        if self.max_queued_requests < 0:
+            raise ValueError(
+                f"ServerOptions.max_queued_requests must be >= 0, got {self.max_queued_requests}"
+            )
 
 
 @dataclass(slots=True)
@@ -68,6 +102,7 @@ class _Server:
     options: ServerOptions
     context: int
     vocab_size: int
+    admission: Admission
 
 
 def build_app(model: Any, engine_config: Any, options: ServerOptions, *, tokenizer: Any = None) -> FastAPI:
@@ -100,27 +135,35 @@ def create_app(
             await asyncio.to_thread(worker.shutdown)
 
     app = FastAPI(title="pagedgen", lifespan=lifespan)
+    admission = Admission(worker.max_batch_size, options.max_queued_requests)
+    metrics.bind(snapshot=lambda: worker.snapshot, admitted=lambda: admission.in_flight)
     app.state.worker = worker
     app.state.metrics = metrics
-    server = _Server(AsyncEngineClient(worker), tokenizer, metrics, options, context, vocab_size)
+    app.state.admission = admission
+    server = _Server(AsyncEngineClient(worker), tokenizer, metrics, options, context, vocab_size, admission)
     app.add_middleware(
         GuardMiddleware,
         healthy=lambda: worker.healthy,
         api_key=options.api_key,
         max_body_bytes=options.max_body_bytes,
+        on_rejected=metrics.on_rejected,
+        on_failed=metrics.on_failed,
     )
-    _add_error_handlers(app)
+    _add_error_handlers(app, metrics)
     _add_routes(app, server)
     return app
 
 
-def _add_error_handlers(app: FastAPI) -> None:
+def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     @app.exception_handler(ApiError)
-    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
-        return error_json(exc.status, exc.message, exc.param, exc.code)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        metrics.on_error_status(exc.status)
+        message = internal_error_message(request_id_of(request.scope)) if exc.status == 500 else exc.message
+        return error_json(exc.status, message, exc.param, exc.code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        metrics.on_rejected("invalid")
         errors = exc.errors()
         parts = []
         for error in errors:
@@ -134,8 +177,9 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_json(400, "; ".join(parts) or "invalid request body", param, "invalid_request")
 
     @app.exception_handler(Exception)
-    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
-        return error_json(500, f"internal error: {type(exc).__name__}: {exc}")
+    async def _unexpected(request: Request, _exc: Exception) -> JSONResponse:
+        """A last resort: the guard answers (and logs) a route's exception; this sees only its own."""
+        return error_json(500, internal_error_message(request_id_of(request.scope)), code="internal_error")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -146,12 +190,13 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
     name = server.options.model_name
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> Any:
+        if server.client.worker.healthy:
+            return {"status": "ok"}
+        return error_json(503, UNAVAILABLE_MESSAGE, code="unhealthy")
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        server.metrics.set_engine(await server.client.sync())
         return Response(server.metrics.render(), media_type=server.metrics.content_type)
 
     @app.get("/v1/models")
@@ -172,14 +217,9 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
         if not hasattr(server.tokenizer, "apply_chat_template"):
             raise ApiError(400, f"model {name!r} has no chat template: use /v1/completions", param="messages")
         messages = [m.as_template_message() for m in body.messages]
-        try:
-            ids = server.tokenizer.encode(
-                server.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            )
-        except ValueError as exc:
-            raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
         builder = ChatResponses(name, server.tokenizer, body.requested_logprobs, body.include_usage)
-        return await _serve(server, body, ids, builder, arrived, "messages", request.receive)
+        prepare = functools.partial(_chat_ids, server.tokenizer, messages)
+        return await _serve(server, body, prepare, builder, arrived, "messages", request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
@@ -187,14 +227,15 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
         _check_model(body.model, name)
         prompt = body.prompt  # a string or token ids (a one-string list was unwrapped by validation)
         if isinstance(prompt, str):
-            ids = encode_prompt(server.tokenizer, prompt)
+            prepare = functools.partial(encode_prompt, server.tokenizer, prompt)
         else:
             ids = list(prompt)
             if max(ids) >= server.vocab_size:
                 message = f"prompt token id {max(ids)} is outside the vocabulary (size {server.vocab_size})"
                 raise ApiError(400, message, param="prompt")
+            prepare = functools.partial(list, ids)
         builder = CompletionResponses(name, server.tokenizer, body.requested_logprobs, body.include_usage)
-        return await _serve(server, body, ids, builder, arrived, "prompt", request.receive)
+        return await _serve(server, body, prepare, builder, arrived, "prompt", request)
 
 
 def _check_model(requested: str, served: str) -> None:
@@ -202,14 +243,56 @@ def _check_model(requested: str, served: str) -> None:
         raise ApiError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
 
 
+def _chat_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """The prompt ids of a chat (runs in a worker thread: templating and tokenizing can be slow)."""
+    try:
+        return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    except ValueError as exc:
+        raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
+
+
+def _admit(admission: Admission) -> Ticket:
+    ticket = admission.admit()
+    if ticket is None:
+        message = (
+            f"the server is at capacity ({admission.capacity} requests admitted: {admission.max_running} "
+            f"running, {admission.max_queued} queued); retry after {RETRY_AFTER_S} s"
+        )
+        raise ApiError(429, message, code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+    return ticket
+
+
 async def _serve(
+    server: _Server,
+    body: Any,
+    prepare: Callable[[], list[int]],
+    builder: Any,
+    arrived: float,
+    prompt_param: str,
+    request: Request,
+) -> Any:
+    """Admit the request, tokenize it off the loop, then run its job; the ticket is released when the
+    response ends (a stream's own cleanup releases it)."""
+    ticket = _admit(server.admission)
+    response: Any = None
+    try:
+        ids = await asyncio.to_thread(prepare)
+        response = await _run_job(server, body, ids, builder, arrived, prompt_param, request, ticket)
+        return response
+    finally:
+        if not isinstance(response, EventStreamResponse):
+            ticket.release()
+
+
+async def _run_job(
     server: _Server,
     body: Any,
     ids: list[int],
     builder: Any,
     arrived: float,
     prompt_param: str,
-    receive: Receive,
+    request: Request,
+    ticket: Ticket,
 ) -> Any:
     """Validate the prompt length, submit the job, then stream or collect its output."""
     if not ids:
@@ -223,9 +306,11 @@ async def _serve(
     problem = check_prompt_fits(len(ids), max_tokens, server.context)
     if problem is not None:
         raise ApiError(400, problem, param=prompt_param, code="context_length_exceeded")
-    handle = server.client.submit(ids, params, arrived)
+    handle = server.client.submit(ids, params, arrived, request_id_of(request.scope) or "")
     try:
-        first = await handle.next()
+        first = await _unless_disconnected(handle.next(), request.receive)  # a queued client may leave
+        if first is _CLIENT_GONE:
+            return _client_gone(handle, server.metrics)
         if first.error is not None:
             raise ApiError(_JOB_STATUS[first.error], first.message, code=first.error.value)
     except BaseException:
@@ -233,16 +318,31 @@ async def _serve(
         raise
     text = IncrementalDetokenizer(server.tokenizer)
     if body.stream:
-        return EventStreamResponse(_stream(handle, text, builder, server.metrics))
+        close = functools.partial(_close_stream, handle, ticket, server.metrics)
+        return EventStreamResponse(_stream(handle, text, builder, server.metrics), on_close=close)
     try:
-        result = await _unless_disconnected(_collect(handle, text, builder), receive)
+        result = await _unless_disconnected(_collect(handle, text, builder), request.receive)
         if result is _CLIENT_GONE:
-            handle.cancel()
-            server.metrics.on_disconnect()
-            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+            return _client_gone(handle, server.metrics)
+        server.metrics.on_success(result["choices"][0]["finish_reason"])
         return result
     finally:
         handle.cancel()  # no-op unless the client left or the handler was interrupted
+
+
+def _client_gone(handle: JobHandle, metrics: ServerMetrics) -> Response:
+    handle.cancel()
+    metrics.on_disconnect()
+    return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+
+
+def _close_stream(handle: JobHandle, ticket: Ticket, metrics: ServerMetrics) -> None:
+    """A stream response's last act, whether or not its generator ran: cancel an unfinished job, free the
+    ticket. (A generator that ran has already cancelled and counted; ``handle.done`` is then set.)"""
+    if not handle.done:
+        handle.cancel()
+        metrics.on_disconnect()
+    ticket.release()
 
 
 async def _unless_disconnected(work: Coroutine[Any, Any, Any], receive: Receive) -> Any:
@@ -272,12 +372,12 @@ async def _collect(handle: JobHandle, text: IncrementalDetokenizer, builder: Any
     while True:
         update = await handle.next()
         _raise_for(update)
-        parts.append(text.add(update.tokens))
+        parts.append(await asyncio.to_thread(text.add, update.tokens))
         logprobs.extend(update.logprobs)
         if update.finish is not None:
-            parts.append(text.flush() + update.finish.text_before_stop)
+            parts.append(await asyncio.to_thread(text.flush) + update.finish.text_before_stop)
             reason = finish_reason_text(update.finish.reason)
-            return builder.full("".join(parts), logprobs, reason, update.finish)
+            return await asyncio.to_thread(builder.full, "".join(parts), logprobs, reason, update.finish)
 
 
 def _raise_for(update: JobUpdate) -> None:
@@ -307,16 +407,19 @@ async def _stream(
             try:
                 _raise_for(update)
             except ApiError as exc:
+                metrics.on_error_status(exc.status)
                 yield sse_event(error_json_body(exc))
                 break
-            delta = text.add(update.tokens)
+            delta = await asyncio.to_thread(text.add, update.tokens)
             finish = update.finish
             if finish is None:
                 if delta or update.logprobs:
-                    yield sse_event(builder.chunk(delta, update.logprobs, None))
+                    yield sse_event(await _chunk(builder, delta, update.logprobs, None))
                 continue
-            delta += text.flush() + finish.text_before_stop
-            yield sse_event(builder.chunk(delta, update.logprobs, finish_reason_text(finish.reason)))
+            delta += await asyncio.to_thread(text.flush) + finish.text_before_stop
+            reason = finish_reason_text(finish.reason)
+            yield sse_event(await _chunk(builder, delta, update.logprobs, reason))
+            metrics.on_success(reason)
             if builder.include_usage:
                 yield sse_event(builder.usage_chunk(finish))
             break
@@ -326,6 +429,13 @@ async def _stream(
         handle.cancel()  # queued before the disconnect is counted: a later /metrics sync sees it applied
         if left_early:
             metrics.on_disconnect()
+
+
+async def _chunk(builder: Any, text: str, logprobs: Sequence[TokenLogprob], reason: str | None) -> Any:
+    """One stream chunk; built in a worker thread when it decodes logprob tokens (up to 21 per token)."""
+    if not logprobs:
+        return builder.chunk(text, logprobs, reason)
+    return await asyncio.to_thread(builder.chunk, text, logprobs, reason)
 
 
 def error_json_body(exc: ApiError) -> dict[str, Any]:

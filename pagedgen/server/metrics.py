@@ -1,22 +1,83 @@
-"""Prometheus metrics of one server: engine gauges, token counters and latency histograms.
+"""Prometheus metrics of one server: engine levels, request outcome counters and latency histograms.
 
 Each server owns its own ``CollectorRegistry`` (two servers in one process, as in the tests, do not collide).
-Counters and histograms are fed from the engine's owner thread as jobs progress (prometheus-client is
-thread-safe); gauges are set from an :class:`EngineSnapshot` right before each scrape, because only the owner
-thread may ask the engine for its stats. Names follow vLLM's (``vllm:`` becomes ``pagedgen:``).
+Counters and histograms are fed as requests progress (prometheus-client is thread-safe): token counts and
+latencies from the engine's owner thread, request outcomes (success, rejected, failed) by the routes once a
+response is decided. The engine's levels and its monotonic step counts are read at scrape time from the
+worker's published :class:`EngineSnapshot`, never from the engine itself, so a scrape does not wait for a
+running step and still answers once the engine is unhealthy (``pagedgen:healthy`` is then 0).
+
+Monotonic values are counters (``*_total``), gauges are levels only. Names follow vLLM's (``vllm:`` becomes
+``pagedgen:``).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from pagedgen.engine.events import FinishReason
-from pagedgen.llm import finish_reason_text
 from pagedgen.server.worker import EngineSnapshot
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0)
+
+REJECT_REASONS = {401: "unauthorized", 413: "too_large", 429: "queue_full"}  # other 4xx: "invalid"
+FAILURE_REASONS = {503: "unhealthy"}  # other 5xx: "internal"
+
+
+_GAUGES = {
+    "num_requests_running": "Requests generating (turn accepted by the engine, not queued).",
+    "num_requests_waiting": "Requests queued in the engine, not yet scheduled.",
+    "num_requests_admitted": "Requests admitted by the server whose response has not ended.",
+    "kv_cache_blocks_total": "KV-cache blocks in the pool.",
+    "kv_cache_blocks_used": "KV-cache blocks owned or reserved.",
+    "kv_cache_blocks_free": "KV-cache blocks free.",
+    "kv_cache_usage_perc": "Fraction of KV-cache blocks in use (0..1).",
+    "healthy": "1 while the engine is healthy, 0 once it failed.",
+}
+_COUNTERS = {
+    "engine_steps": "Engine transactions committed.",
+    "engine_rollbacks": "Engine transactions rolled back.",
+}
+
+
+class _EngineCollector(Collector):
+    """Scrape-time samples from the latest published snapshot and the admission count."""
+
+    def __init__(self, model_name: str) -> None:
+        self._model_name = model_name
+        self.snapshot: Callable[[], EngineSnapshot] = EngineSnapshot
+        self.admitted: Callable[[], int] = lambda: 0
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.snapshot()
+        levels = {
+            "num_requests_running": max(snap.jobs - snap.queued_requests, 0),
+            "num_requests_waiting": snap.queued_requests,
+            "num_requests_admitted": self.admitted(),
+            "kv_cache_blocks_total": snap.total_blocks,
+            "kv_cache_blocks_used": snap.used_blocks,
+            "kv_cache_blocks_free": snap.free_blocks,
+            "kv_cache_usage_perc": snap.used_blocks / snap.total_blocks if snap.total_blocks else 0.0,
+            "healthy": int(snap.healthy),
+        }
+        for name, value in levels.items():
+            yield self._sample(
+                GaugeMetricFamily(f"pagedgen:{name}", _GAUGES[name], labels=["model_name"]), value
+            )
+        counts = {"engine_steps": snap.steps, "engine_rollbacks": snap.rollbacks}
+        for name, value in counts.items():
+            family = CounterMetricFamily(f"pagedgen:{name}", _COUNTERS[name], labels=["model_name"])
+            yield self._sample(family, value)
+
+    def _sample(self, family: GaugeMetricFamily | CounterMetricFamily, value: float) -> Metric:
+        family.add_metric([self._model_name], value)
+        return family
 
 
 class ServerMetrics:
@@ -26,65 +87,48 @@ class ServerMetrics:
 
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
-        labels = ["model_name"]
-        reg = self.registry
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=reg).labels(model_name)
-
-        self.running = gauge("pagedgen:num_requests_running", "Requests generating (admitted, turn active).")
-        self.waiting = gauge(
-            "pagedgen:num_requests_waiting", "Requests queued in the engine, not yet admitted."
-        )
-        self.blocks_total = gauge("pagedgen:kv_cache_blocks_total", "KV-cache blocks in the pool.")
-        self.blocks_used = gauge("pagedgen:kv_cache_blocks_used", "KV-cache blocks owned or reserved.")
-        self.blocks_free = gauge("pagedgen:kv_cache_blocks_free", "KV-cache blocks free.")
-        self.usage = gauge("pagedgen:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).")
-        self.steps = gauge("pagedgen:engine_steps", "Engine transactions run so far.")
-        self.rollbacks = gauge("pagedgen:engine_rollbacks", "Engine transactions rolled back so far.")
-        self.prompt_tokens = Counter(
-            "pagedgen:prompt_tokens", "Prompt tokens of accepted requests.", labels, registry=reg
-        ).labels(model_name)
-        self.generation_tokens = Counter(
-            "pagedgen:generation_tokens", "Generated tokens delivered.", labels, registry=reg
-        ).labels(model_name)
-        self._finished = Counter(
-            "pagedgen:request_success",
-            "Finished requests by finish reason.",
-            [*labels, "finished_reason"],
-            registry=reg,
-        )
         self._model_name = model_name
-        self.cancelled = Counter(
-            "pagedgen:request_cancelled", "Requests cancelled (client disconnect).", labels, registry=reg
-        ).labels(model_name)
-        self.disconnects = Counter(
-            "pagedgen:client_disconnects",
-            "Clients that left before their response ended.",
-            labels,
-            registry=reg,
-        ).labels(model_name)
-        self.ttft = Histogram(
-            "pagedgen:time_to_first_token_seconds",
-            "Arrival to first token.",
-            labels,
-            buckets=TTFT_BUCKETS,
-            registry=reg,
-        ).labels(model_name)
-        self.tpot = Histogram(
-            "pagedgen:time_per_output_token_seconds",
+        self._engine = _EngineCollector(model_name)
+        self.registry.register(self._engine)
+        self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens of accepted requests.")
+        self.generation_tokens = self._counter("generation_tokens", "Generated tokens delivered.")
+        self._success = self._counter_family(
+            "request_success", "Requests answered in full, by finish reason.", "finished_reason"
+        )
+        self._failure = self._counter_family(
+            "request_failure", "Admitted requests that ended in a server-side error, by reason.", "reason"
+        )
+        self._rejected = self._counter_family(
+            "request_rejected", "Requests refused with a 4xx before generating, by reason.", "reason"
+        )
+        self.cancelled = self._counter("request_cancelled", "Requests cancelled (client disconnect).")
+        self.disconnects = self._counter(
+            "client_disconnects", "Clients that left before their response ended."
+        )
+        self.ttft = self._histogram("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
+        self.tpot = self._histogram(
+            "time_per_output_token_seconds",
             "Mean time between output tokens of a finished request.",
-            labels,
-            buckets=TPOT_BUCKETS,
-            registry=reg,
-        ).labels(model_name)
-        self.e2e = Histogram(
-            "pagedgen:e2e_request_latency_seconds",
-            "Arrival to finish.",
-            labels,
-            buckets=E2E_BUCKETS,
-            registry=reg,
-        ).labels(model_name)
+            TPOT_BUCKETS,
+        )
+        self.e2e = self._histogram("e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS)
+
+    def _counter(self, name: str, doc: str) -> Counter:
+        return Counter(f"pagedgen:{name}", doc, ["model_name"], registry=self.registry).labels(
+            self._model_name
+        )
+
+    def _counter_family(self, name: str, doc: str, label: str) -> Counter:
+        return Counter(f"pagedgen:{name}", doc, ["model_name", label], registry=self.registry)
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        metric = Histogram(f"pagedgen:{name}", doc, ["model_name"], buckets=buckets, registry=self.registry)
+        return metric.labels(self._model_name)
+
+    def bind(self, snapshot: Callable[[], EngineSnapshot], admitted: Callable[[], int]) -> None:
+        """Where scrapes read the engine's levels and the admission count (both cheap, never blocking)."""
+        self._engine.snapshot = snapshot
+        self._engine.admitted = admitted
 
     # owner-thread hooks (called by EngineWorker)
 
@@ -105,7 +149,7 @@ class ServerMetrics:
         num_tokens: int,
         now: float,
     ) -> None:
-        self._finished.labels(self._model_name, finish_reason_text(reason)).inc()
+        """Latencies of a finished turn; whether the request succeeded is the route's call (on_success)."""
         self.e2e.observe(now - arrived_at)
         if first_token_at is not None and num_tokens > 1:
             self.tpot.observe((now - first_token_at) / (num_tokens - 1))
@@ -113,22 +157,28 @@ class ServerMetrics:
     def on_cancelled(self) -> None:
         self.cancelled.inc()
 
-    # event-loop hook (called by the routes)
+    # event-loop hooks (called by the guard and the routes)
 
     def on_disconnect(self) -> None:
         self.disconnects.inc()
 
-    # scrape
+    def on_success(self, finished_reason: str) -> None:
+        self._success.labels(self._model_name, finished_reason).inc()
 
-    def set_engine(self, snapshot: EngineSnapshot) -> None:
-        self.running.set(max(snapshot.jobs - snapshot.queued_requests, 0))
-        self.waiting.set(snapshot.queued_requests)
-        self.blocks_total.set(snapshot.total_blocks)
-        self.blocks_used.set(snapshot.used_blocks)
-        self.blocks_free.set(snapshot.free_blocks)
-        self.usage.set(snapshot.used_blocks / snapshot.total_blocks if snapshot.total_blocks else 0.0)
-        self.steps.set(snapshot.steps)
-        self.rollbacks.set(snapshot.rollbacks)
+    def on_rejected(self, reason: str) -> None:
+        self._rejected.labels(self._model_name, reason).inc()
+
+    def on_failed(self, reason: str) -> None:
+        self._failure.labels(self._model_name, reason).inc()
+
+    def on_error_status(self, status: int) -> None:
+        """Count a request answered with an error status: 4xx rejected, 5xx failed."""
+        if status < 500:
+            self.on_rejected(REJECT_REASONS.get(status, "invalid"))
+        else:
+            self.on_failed(FAILURE_REASONS.get(status, "internal"))
+
+    # scrape
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from starlette.responses import StreamingResponse
-from starlette.types import Send
+from starlette.types import Receive, Scope, Send
 
 DONE = b"data: [DONE]\n\n"
 
@@ -19,18 +20,28 @@ def sse_event(payload: dict[str, Any]) -> bytes:
 
 
 class EventStreamResponse(StreamingResponse):
-    """A ``text/event-stream`` response that always closes its generator, however the stream ends.
+    """A ``text/event-stream`` response whose cleanup runs however the stream ends, or never starts.
 
     Starlette cancels the stream task when the client disconnects (the generator's ``finally`` runs then), but
-    a failed ``send`` only abandons the iterator; closing it here makes the generator's cleanup (cancel the
-    engine job) run promptly in both cases.
+    a failed ``send`` only abandons the iterator; closing it here makes the generator's cleanup run promptly.
+    Neither helps a generator that never started: if the client is already gone when the response is called,
+    the stream task is cancelled while it sends the response start, and closing an unstarted generator runs
+    none of its code. ``on_close`` (cancel the engine job, release the admission ticket) therefore runs from
+    ``__call__`` itself, in every case.
     """
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: Any, **kwargs: Any):
+    def __init__(self, content: Any, *, on_close: Callable[[], None] = lambda: None, **kwargs: Any):
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **kwargs.pop("headers", {})}
         super().__init__(content, headers=headers, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
     async def stream_response(self, send: Send) -> None:
         try:

@@ -7,9 +7,15 @@ when the engine has no work), run one engine transaction, copy each affected job
 :class:`JobUpdate` and hand it to that job's sink. :class:`AsyncEngineClient` is the asyncio side: its sinks
 push updates into per-job ``asyncio.Queue`` objects with ``loop.call_soon_threadsafe``.
 
-A run that raises (or an event reporting an engine-level failure) makes the engine unhealthy for good: every
-job in flight receives an ``UNAVAILABLE`` update, later submissions are refused the same way, and the server
-answers 503.
+A run that raises (or an event reporting an engine-level failure, or a command refused with
+``EngineUnhealthyError``) makes the engine unhealthy for good: every job in flight receives an ``UNAVAILABLE``
+update, later submissions are refused the same way, and the server answers 503. An error while applying one
+job's command (its parameters refused, or an unexpected exception) fails that job alone: the engine's calls
+fail without mutation, so the other jobs and the engine are untouched.
+
+The worker publishes an immutable :class:`EngineSnapshot` after applying commands and after every step
+(before it hands the step's updates out, so a client that has its answer sees it counted); ``/metrics`` and
+``/health`` read that snapshot and never wait for the owner thread.
 """
 
 from __future__ import annotations
@@ -26,11 +32,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedgen.engine.errors import EngineClosedError, EngineUnhealthyError
 from pagedgen.engine.events import EngineErrorCode, EngineEventFlags, FinishReason
 from pagedgen.errors import PagedGenError
 from pagedgen.llm import SamplingParams, TokenLogprob, copy_logprobs, is_engine_failure
 
 log = logging.getLogger("pagedgen.server")
+
+SHUTDOWN_MESSAGE = "the server is shutting down"
+UNAVAILABLE_MESSAGE = "the engine is unhealthy; the server cannot serve requests"  # the cause is only logged
 
 
 class JobError(enum.Enum):
@@ -38,7 +48,7 @@ class JobError(enum.Enum):
 
     INVALID = "invalid"  # the engine refused the parameters or the prompt (400)
     UNAVAILABLE = "unhealthy"  # the engine is unhealthy or shutting down (503)
-    INTERNAL = "internal"  # an unexpected error while submitting (500)
+    INTERNAL = "internal"  # an unexpected error while submitting (500; the detail is only logged)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +88,7 @@ class JobUpdate:
 
 @dataclass(frozen=True, slots=True)
 class EngineSnapshot:
-    """A copy of the engine's counters, published by the owner thread after every loop iteration."""
+    """A copy of the engine's counters, published by the owner thread (replaced whole, never mutated)."""
 
     total_blocks: int = 0
     free_blocks: int = 0
@@ -87,6 +97,7 @@ class EngineSnapshot:
     steps: int = 0
     rollbacks: int = 0
     jobs: int = 0
+    healthy: bool = True
 
     @property
     def used_blocks(self) -> int:
@@ -103,6 +114,7 @@ class _Submit:
     params: SamplingParams
     sink: Sink
     arrived_at: float
+    tag: str  # the HTTP request id, for log lines
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,16 +184,24 @@ class EngineWorker:
 
     @property
     def error(self) -> str | None:
+        """Why the engine is unhealthy (for the operator: it may hold an exception's text), or None."""
         return self._error
 
     @property
     def snapshot(self) -> EngineSnapshot:
+        """The latest published counters (a plain read: never waits for the owner thread)."""
         return self._snapshot
 
-    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, sink: Sink, arrived_at: float) -> int:
+    @property
+    def max_batch_size(self) -> int:
+        return int(getattr(self._config, "max_batch_size", 1))
+
+    def submit(
+        self, prompt_ids: Sequence[int], params: SamplingParams, sink: Sink, arrived_at: float, tag: str = ""
+    ) -> int:
         """Queue a one-turn job; its updates go to ``sink`` (called on the owner thread). Returns its id."""
         job_id = next(self._ids)
-        self._commands.put(_Submit(job_id, tuple(prompt_ids), params, sink, arrived_at))
+        self._commands.put(_Submit(job_id, tuple(prompt_ids), params, sink, arrived_at, tag))
         return job_id
 
     def cancel(self, job_id: int) -> None:
@@ -219,14 +239,14 @@ class EngineWorker:
             self._teardown()
 
     def _iterate(self) -> bool:
-        """One loop turn: apply commands, run one transaction if there is work, publish counters."""
+        """One loop turn: apply commands, publish counters, run one transaction if there is work."""
         try:
             if not self._take_commands(block=not self._has_work()):
                 return False
+            self._publish()
             if self._has_work():
                 self._step()
-            self._publish()
-        except Exception as exc:  # a bug on the owner thread must not leave clients waiting forever
+        except Exception as exc:  # an engine-level error: clients must not be left waiting forever
             self._fail(exc)
         return True
 
@@ -255,17 +275,23 @@ class EngineWorker:
                 return True
 
     def _apply(self, command: Any) -> None:
-        if isinstance(command, _Submit):
-            self._submit(command)
-        elif isinstance(command, _Cancel):
-            self._cancel(command.job_id)
-        elif isinstance(command, _Sync):
-            self._publish()
-            command.reply(self._snapshot)
+        """Apply one command; its error fails at most its own job, unless the engine says it is unhealthy."""
+        try:
+            if isinstance(command, _Submit):
+                self._submit(command)
+            elif isinstance(command, _Cancel):
+                self._cancel(command.job_id)
+            elif isinstance(command, _Sync):
+                self._publish()
+                command.reply(self._snapshot)
+        except (EngineUnhealthyError, EngineClosedError) as exc:
+            self._fail(exc)
+        except Exception:
+            log.exception("command %s failed; the engine stays healthy", type(command).__name__)
 
     def _submit(self, command: _Submit) -> None:
         if self._error is not None:
-            _deliver(command.sink, JobUpdate(error=JobError.UNAVAILABLE, message=self._error))
+            _deliver(command.sink, JobUpdate(error=JobError.UNAVAILABLE, message=UNAVAILABLE_MESSAGE))
             return
         request = None
         try:
@@ -273,13 +299,11 @@ class EngineWorker:
             turn_id = request.begin_turn(list(command.prompt_ids), command.params.turn_options(request))
         except Exception as exc:
             if request is not None:
-                request.close()
-            kind = (
-                JobError.INVALID
-                if isinstance(exc, PagedGenError | ValueError | TypeError)
-                else JobError.INTERNAL
-            )
-            _deliver(command.sink, JobUpdate(error=kind, message=str(exc)))
+                with contextlib.suppress(Exception):  # a refused begin_turn left the request unassigned
+                    request.close()
+            _deliver(command.sink, _refusal(exc, command.tag))
+            if isinstance(exc, EngineUnhealthyError | EngineClosedError):
+                raise
             return
         job = _Job(
             command.job_id, request, turn_id, command.sink, command.arrived_at, len(command.prompt_ids)
@@ -294,8 +318,10 @@ class EngineWorker:
         job = self._jobs.get(job_id)
         if job is None or self._error is not None:
             return
-        job.request.cancel_turn(job.turn_id)
-        self._forget(job)
+        try:
+            job.request.cancel_turn(job.turn_id)
+        finally:
+            self._forget(job)  # closing frees the blocks even if cancel_turn refused
         if self._metrics is not None:
             self._metrics.on_cancelled()
 
@@ -326,12 +352,26 @@ class EngineWorker:
             if update is None:
                 update = updates[job.job_id] = JobUpdate()
             _copy_event(event, update)
-        for job_id, update in updates.items():
-            self._deliver_update(self._jobs[job_id], update, now)
+        deliveries = [self._settle(self._jobs[job_id], update, now) for job_id, update in updates.items()]
+        self._publish()  # before the updates: a client that has its answer sees it counted
+        for sink, update in deliveries:
+            _deliver(sink, update)
         if fatal is not None:
             self._fail(RuntimeError(fatal))
 
-    def _deliver_update(self, job: _Job, update: JobUpdate, now: float) -> None:
+    def _settle(self, job: _Job, update: JobUpdate, now: float) -> tuple[Sink, JobUpdate]:
+        """Account one job's update (metrics; a finished job is closed); an error fails that job alone."""
+        try:
+            self._account(job, update, now)
+        except Exception:
+            log.exception("job %d: settling its update failed; failing that job alone", job.job_id)
+            if job.job_id in self._jobs:
+                with contextlib.suppress(Exception):
+                    self._forget(job)
+            return job.sink, JobUpdate(error=JobError.INTERNAL, message="internal error")
+        return job.sink, update
+
+    def _account(self, job: _Job, update: JobUpdate, now: float) -> None:
         if update.tokens:
             if job.first_token_at is None:
                 job.first_token_at = now
@@ -346,7 +386,6 @@ class EngineWorker:
                 self._metrics.on_finished(
                     update.finish.reason, job.arrived_at, job.first_token_at, job.num_tokens, now
                 )
-        _deliver(job.sink, update)
 
     def _fail(self, exc: BaseException) -> None:
         """Mark the engine unhealthy and end every job in flight with UNAVAILABLE."""
@@ -354,21 +393,23 @@ class EngineWorker:
             log.error("engine became unhealthy: %r", exc)
             self._error = f"the engine is unhealthy: {exc}"
         for job in list(self._jobs.values()):
-            _deliver(job.sink, JobUpdate(error=JobError.UNAVAILABLE, message=self._error))
+            _deliver(job.sink, JobUpdate(error=JobError.UNAVAILABLE, message=UNAVAILABLE_MESSAGE))
             with contextlib.suppress(
                 Exception
             ):  # close is allowed on an unhealthy engine; nothing to protect
                 job.request.close()
         self._jobs.clear()
         self._by_request.clear()
+        self._publish()
 
     def _publish(self) -> None:
-        if self._error is not None:
+        if self._error is not None:  # the engine may not be asked any more: keep its last counts
             self._snapshot = EngineSnapshot(
                 total_blocks=self._snapshot.total_blocks,
                 free_blocks=self._snapshot.free_blocks,
                 steps=self._snapshot.steps,
                 rollbacks=self._snapshot.rollbacks,
+                healthy=False,
             )
             return
         stats = self._engine.stats()
@@ -384,12 +425,12 @@ class EngineWorker:
 
     def _teardown(self) -> None:
         for job in list(self._jobs.values()):
-            _deliver(job.sink, JobUpdate(error=JobError.UNAVAILABLE, message="the server is shutting down"))
+            _deliver(job.sink, JobUpdate(error=JobError.UNAVAILABLE, message=SHUTDOWN_MESSAGE))
             if self._error is None:
                 self._forget(job)
         self._jobs.clear()
         self._by_request.clear()
-        self._error = self._error or "the server is shutting down"
+        self._error = self._error or SHUTDOWN_MESSAGE
         try:
             self._engine.close()
         except Exception as exc:  # an unhealthy engine may refuse; nothing is left to protect
@@ -400,7 +441,7 @@ class EngineWorker:
             except queue.Empty:
                 return
             if isinstance(command, _Submit):
-                _deliver(command.sink, JobUpdate(error=JobError.UNAVAILABLE, message=self._error))
+                _deliver(command.sink, JobUpdate(error=JobError.UNAVAILABLE, message=SHUTDOWN_MESSAGE))
             elif isinstance(command, _Sync):
                 command.reply(self._snapshot)
 
@@ -430,11 +471,23 @@ def _copy_event(event: Any, update: JobUpdate) -> None:
         )
 
 
+def _refusal(exc: Exception, tag: str) -> JobUpdate:
+    """The update of a job whose command the engine refused: bad input is 400 with the engine's message."""
+    if isinstance(exc, EngineUnhealthyError | EngineClosedError):
+        return JobUpdate(error=JobError.UNAVAILABLE, message=UNAVAILABLE_MESSAGE)
+    if isinstance(exc, PagedGenError) and isinstance(exc, ValueError):
+        return JobUpdate(error=JobError.INVALID, message=str(exc))
+    log.error("request %s: starting its turn failed", tag or "?", exc_info=exc)
+    return JobUpdate(error=JobError.INTERNAL, message="internal error")
+
+
 def _deliver(sink: Sink, update: JobUpdate) -> None:
     try:
         sink(update)
     except RuntimeError as exc:  # the receiving event loop is closed: the client is gone
         log.debug("dropped an update for a closed event loop: %r", exc)
+    except Exception:  # one client's sink must not stop the owner thread
+        log.exception("dropped an update: its sink raised")
 
 
 # ---------------------------------------------------------------- asyncio side
@@ -467,26 +520,13 @@ class AsyncEngineClient:
     def __init__(self, worker: EngineWorker):
         self.worker = worker
 
-    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, arrived_at: float) -> JobHandle:
+    def submit(
+        self, prompt_ids: Sequence[int], params: SamplingParams, arrived_at: float, tag: str = ""
+    ) -> JobHandle:
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue[JobUpdate] = asyncio.Queue()
         handle = JobHandle(self.worker, updates)
         handle.job_id = self.worker.submit(
-            prompt_ids, params, lambda u: loop.call_soon_threadsafe(updates.put_nowait, u), arrived_at
+            prompt_ids, params, lambda u: loop.call_soon_threadsafe(updates.put_nowait, u), arrived_at, tag
         )
         return handle
-
-    async def sync(self) -> EngineSnapshot:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[EngineSnapshot] = loop.create_future()
-
-        def reply(snapshot: EngineSnapshot) -> None:
-            loop.call_soon_threadsafe(_resolve, future, snapshot)
-
-        self.worker.sync(reply)
-        return await future
-
-
-def _resolve(future: asyncio.Future[Any], value: Any) -> None:
-    if not future.done():
-        future.set_result(value)

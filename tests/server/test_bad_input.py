@@ -7,6 +7,7 @@ import openai
 import pytest
 
 from tests.server.conftest import API_KEY, MAX_BODY_BYTES, MODEL_NAME, metric
+from tests.server.doubles import settled_metrics
 
 pytestmark = pytest.mark.model
 
@@ -153,6 +154,6 @@ def test_server_keeps_serving_and_nothing_leaked(live_server, client):
     """Run after the refusals above (file order): a normal request works and no block is held."""
     response = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=2, temperature=0)
     assert response.usage.completion_tokens == 2
-    text = httpx.get(live_server.url + "/metrics").text
+    text = settled_metrics(live_server)
     total = metric(text, "pagedgen:kv_cache_blocks_total", model_name=MODEL_NAME)
     assert metric(text, "pagedgen:kv_cache_blocks_free", model_name=MODEL_NAME) == total

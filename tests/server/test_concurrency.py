@@ -7,7 +7,6 @@ cancelled and its request closed, so that afterwards the pool has every KV block
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import openai
@@ -15,6 +14,7 @@ import pytest
 
 import pagedgen as pg
 from tests.server.conftest import API_KEY, MODEL_NAME, metric
+from tests.server.doubles import settled_metrics, wait_until
 
 pytestmark = pytest.mark.model
 
@@ -23,7 +23,6 @@ NUM_DISCONNECT = 8
 MAX_TOKENS = 8
 # Disconnect detection is asynchronous (the server notices a closed socket on its own schedule); the test
 # re-reads /metrics until the cancellations have been applied, and fails if that never happens.
-SETTLE_DEADLINE_S = 300.0
 
 PROMPTS = [f"Question {i}: what is {i} plus {i + 1}? Answer:" for i in range(NUM_COMPLETE)]
 LEAVING = [f"Write a very long story about the number {i}." for i in range(NUM_DISCONNECT)]
@@ -68,14 +67,13 @@ async def _run_clients(url: str) -> tuple[list, list]:
     return list(results[:NUM_COMPLETE]), list(results[NUM_COMPLETE:])
 
 
-def _settled_metrics(url: str, cancelled_before: float) -> str:
-    deadline = time.monotonic() + SETTLE_DEADLINE_S
-    while True:
-        text = httpx.get(url + "/metrics").text
-        cancelled = metric(text, "pagedgen:request_cancelled_total", model_name=MODEL_NAME) - cancelled_before
-        if cancelled >= NUM_DISCONNECT or time.monotonic() > deadline:
-            return text
-        time.sleep(0.1)
+def _settled_metrics(server, cancelled_before: float) -> str:
+    def cancelled() -> float:
+        text = httpx.get(server.url + "/metrics").text
+        return metric(text, "pagedgen:request_cancelled_total", model_name=MODEL_NAME) - cancelled_before
+
+    wait_until(lambda: cancelled() >= NUM_DISCONNECT, "every leaving client's turn was cancelled")
+    return settled_metrics(server)
 
 
 def test_32_concurrent_streams_with_8_disconnects(live_server, reference_llm):
@@ -91,7 +89,7 @@ def test_32_concurrent_streams_with_8_disconnects(live_server, reference_llm):
     assert [finish for _, finish in completed] == [e.finish_reason for e in expected]
     assert left == [2] * NUM_DISCONNECT
 
-    text = _settled_metrics(live_server.url, cancelled_before)
+    text = _settled_metrics(live_server, cancelled_before)
     assert (
         metric(text, "pagedgen:request_cancelled_total", model_name=MODEL_NAME) - cancelled_before
         == NUM_DISCONNECT

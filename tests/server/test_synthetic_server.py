@@ -2,71 +2,44 @@
 
 The synthetic model's greedy continuation is a closed formula (``synthetic_greedy``), so the text of every
 completion is known exactly. A model whose forward raises an unknown error makes the engine unhealthy: from
-then on every route, ``/health`` included, answers 503.
+then on every route answers 503, ``/health`` with its own body, while ``/metrics`` keeps answering.
 """
 
 from __future__ import annotations
 
 import json
 import socket
-import threading
-import time
 
 import httpx
 import openai
 import pytest
 
-import pagedgen as pg
 from pagedgen.models.synthetic import SyntheticModel, SyntheticTokenizer, synthetic_greedy
-from pagedgen.server.app import ServerOptions, build_app
 from tests.server.conftest import metric
-from tests.server.live import LiveServer
-
-VOCAB = 95
-POISON = 13  # a prompt holding this token makes the failing model's forward raise
-
-
-class ModelFailure(Exception):
-    """Not an error type the engine knows: an unknown execution failure, which is fatal."""
-
-
-class FailingModel(SyntheticModel):
-    def forward(self, inputs, kv_cache):
-        if bool((inputs.input_ids == POISON).any()):
-            raise ModelFailure("the accelerator caught fire")
-        return super().forward(inputs, kv_cache)
-
-
-class GatedModel(SyntheticModel):
-    """Every forward waits at ``gate``; ``entered`` is set when the first one starts (the test drives it)."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.entered = threading.Event()
-        self.gate = threading.Event()
-
-    def forward(self, inputs, kv_cache):
-        self.entered.set()
-        self.gate.wait()
-        return super().forward(inputs, kv_cache)
-
-
-def _serve(model) -> LiveServer:
-    config = pg.EngineConfig(max_batch_size=8, num_blocks=64, debug_invariants=True)
-    app = build_app(model, config, ServerOptions(model_name="synthetic"), tokenizer=SyntheticTokenizer(VOCAB))
-    return LiveServer(app).start()
+from tests.server.doubles import (
+    NUM_BLOCKS,
+    POISON,
+    VOCAB,
+    FailingModel,
+    GatedModel,
+    app_state,
+    client_of,
+    serve,
+    settled_metrics,
+    wait_until,
+)
 
 
 @pytest.fixture
 def synthetic_server():
-    server = _serve(SyntheticModel(vocab_size=VOCAB))
+    server = serve(SyntheticModel(vocab_size=VOCAB))
     yield server
     server.stop()
 
 
 @pytest.fixture
 def failing_server():
-    server = _serve(FailingModel(vocab_size=VOCAB))
+    server = serve(FailingModel(vocab_size=VOCAB))
     yield server
     server.stop()
 
@@ -74,14 +47,13 @@ def failing_server():
 @pytest.fixture
 def gated():
     model = GatedModel(vocab_size=VOCAB)
-    server = _serve(model)
+    server = serve(model)
     yield server, model
     model.gate.set()
     server.stop()
 
 
-def _client(server: LiveServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+_client = client_of
 
 
 def test_completions_return_the_exact_synthetic_tokens(synthetic_server):
@@ -115,13 +87,27 @@ def test_engine_failure_makes_every_route_503(failing_server):
         client.completions.create(model="synthetic", prompt=[1, POISON, 3], max_tokens=3)
     assert info.value.status_code == 503
 
-    for path in ("/health", "/metrics", "/v1/models"):
-        assert httpx.get(failing_server.url + path).status_code == 503
+    health = httpx.get(failing_server.url + "/health")
+    assert health.status_code == 503 and health.json()["error"]["code"] == "unhealthy"
+    assert httpx.get(failing_server.url + "/v1/models").status_code == 503
+    scrape = httpx.get(failing_server.url + "/metrics")
+    assert scrape.status_code == 200  # operators need it exactly now
+    assert metric(scrape.text, "pagedgen:healthy", model_name="synthetic") == 0
+    assert (
+        metric(scrape.text, "pagedgen:request_failure_total", model_name="synthetic", reason="unhealthy") == 1
+    )
+    assert (
+        metric(
+            scrape.text, "pagedgen:request_success_total", model_name="synthetic", finished_reason="length"
+        )
+        == 1
+    )
     with pytest.raises(openai.InternalServerError) as info:
         client.completions.create(model="synthetic", prompt=[1, 2, 3], max_tokens=3)
     assert info.value.status_code == 503
     assert info.value.body["code"] == "unhealthy"
     assert info.value.body["type"] == "service_unavailable"
+    assert "fire" not in info.value.body["message"]  # the cause is for the log, not the client
 
 
 def test_engine_failure_mid_stream_ends_the_stream_with_an_error_event(failing_server):
@@ -139,13 +125,10 @@ def test_engine_failure_mid_stream_ends_the_stream_with_an_error_event(failing_s
     assert httpx.get(failing_server.url + "/health").status_code == 503
 
 
-def _wait_for_disconnect(server: LiveServer) -> None:
+def _wait_for_disconnect(server, count: int = 1) -> None:
     """The event loop notices a closed socket on its own schedule; read the counter until it has."""
-    counter = server.server.config.app.state.metrics.disconnects
-    deadline = time.monotonic() + 120
-    while counter._value.get() < 1:
-        assert time.monotonic() < deadline, "the server never noticed the disconnect"
-        time.sleep(0.01)
+    counter = app_state(server).metrics.disconnects
+    wait_until(lambda: counter._value.get() >= count, "the server noticed the disconnect")
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["non-streaming", "streaming"])
@@ -162,10 +145,10 @@ def test_client_that_leaves_has_its_turn_cancelled_and_blocks_freed(gated, strea
         assert model.entered.wait(timeout=120)
     _wait_for_disconnect(server)  # the cancel command is queued before the counter moves
     model.gate.set()
-    metrics = httpx.get(server.url + "/metrics").text  # syncs with the worker: the cancel is applied
+    metrics = settled_metrics(server)  # the cancel (queued before the counter moved) is applied
     assert metric(metrics, "pagedgen:request_cancelled_total", model_name="synthetic") == 1
     assert metric(metrics, "pagedgen:generation_tokens_total", model_name="synthetic") <= 1
-    assert metric(metrics, "pagedgen:kv_cache_blocks_free", model_name="synthetic") == 64
+    assert metric(metrics, "pagedgen:kv_cache_blocks_free", model_name="synthetic") == NUM_BLOCKS
     assert metric(metrics, "pagedgen:num_requests_running", model_name="synthetic") == 0
     ok = _client(server).completions.create(model="synthetic", prompt=[4, 5], max_tokens=3, temperature=0)
     assert ok.choices[0].text == SyntheticTokenizer(VOCAB).decode(synthetic_greedy([4, 5], 3, VOCAB))

@@ -1,0 +1,62 @@
+"""Bounded admission: how many completion requests the server holds at once, counted on the event loop.
+
+Without a bound, a burst of requests piles up in the worker's command queue and in the engine's queue; every
+one of them holds a connection, a tokenized prompt and an asyncio queue, and all of them time out together.
+The server instead admits a request only while fewer than ``max_running + max_queued`` are in flight
+(admitted, response not yet ended): ``max_running`` is the engine's ``max_batch_size`` (what it can run at
+once) and ``max_queued`` the ``--max-queued-requests`` that may wait beyond a full batch, as in vLLM. A
+request past the bound gets 429 with ``Retry-After`` before its prompt is tokenized.
+
+The count lives on the event loop only (no lock): a ticket is taken by a route and released once, when its
+response ends, whichever way it ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_MAX_QUEUED_REQUESTS = 256
+RETRY_AFTER_S = 1  # the Retry-After of a 429: a batch of short turns drains in about that long
+
+
+@dataclass(slots=True)
+class Ticket:
+    """One admitted request's place; ``release()`` is idempotent so every exit path may call it."""
+
+    _admission: Admission | None
+
+    def release(self) -> None:
+        if self._admission is not None:
+            self._admission.in_flight -= 1
+            self._admission = None
+
+
+@dataclass(slots=True)
+class Admission:
+    """The in-flight count and its bound (see the module docstring); used from the event loop only."""
+
+    max_running: int
+    max_queued: int
+    in_flight: int = field(default=0)
+
+    def __post_init__(self) -> None:
+        if self.max_running < 1:
+            raise ValueError(f"Admission.max_running must be >= 1, got {self.max_running}")
+        if self.max_queued < 0:
+            raise ValueError(f"Admission.max_queued must be >= 0, got {self.max_queued}")
+
+    @property
+    def capacity(self) -> int:
+        return self.max_running + self.max_queued
+
+    @property
+    def waiting(self) -> int:
+        """Admitted requests beyond a full batch: what ``max_queued`` bounds."""
+        return max(self.in_flight - self.max_running, 0)
+
+    def admit(self) -> Ticket | None:
+        """A ticket, or None when ``capacity`` requests are already in flight (the caller answers 429)."""
+        if self.in_flight >= self.capacity:
+            return None
+        self.in_flight += 1
+        return Ticket(self)
