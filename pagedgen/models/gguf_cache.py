@@ -4,7 +4,9 @@ Opening a GGUF file and dequantising it takes seconds (the ``gguf`` reader parse
 Python, the quant blocks are expanded in numpy, the tokenizer is rebuilt); reading back float32 safetensors
 takes a fraction of a second. So the first load writes ``config.json``, ``model.safetensors``,
 ``tokenizer.json`` and ``tokenizer_config.json`` into ``<cache root>/gguf-v<N>/<sha256 of the file>/`` and
-every later load reads that directory like any HF checkpoint.
+every later load reads that directory like any HF checkpoint. ``native.safetensors`` beside them holds the
+2-D weights whose format has a native kernel as their raw blocks (llama.cpp's Q/K permutation undone), for
+``weights="native"`` (:mod:`pagedgen.models.native_weights`).
 
 The key is the sha256 of the whole file, streamed (about 0.2 s for the 98 MB default model): a file edited in
 place gets a new entry, and a renamed or copied file reuses the old one. An entry is built in a temporary
@@ -34,9 +36,10 @@ from pagedgen.models.gguf_reader import (
     plan_weights,
 )
 from pagedgen.models.gguf_tokenizer import gguf_tokenizer_files
+from pagedgen.models.native_weights import write_native_file
 from pagedgen.models.safetensors_stream import TensorSpec, write_safetensors
 
-CACHE_FORMAT = 1  # bump when the entry layout or the dequantisation changes
+CACHE_FORMAT = 2  # bump when the entry layout or the dequantisation changes (2: native.safetensors)
 CACHE_DIR_ENV = "PAGEDGEN_CACHE_DIR"
 _HASH_CHUNK = 1 << 22
 _KEPT_TYPES = {"F16": "F16", "BF16": "BF16"}  # stored as-is (lossless); every quantised type becomes F32
@@ -113,6 +116,7 @@ def _build_entry(path: Path, entry: Path) -> None:
         specs = [TensorSpec(p.name, _KEPT_TYPES.get(p.ggml_type, "F32"), p.shape) for p in plans]
         tensors = ((p.name, _as_tensor(file, p, config)) for p in plans)
         write_safetensors(tmp / "model.safetensors", specs, tensors, {"format": "pt", "sha256": entry.name})
+        write_native_file(tmp, file, plans, config)
         _publish(tmp, entry)
     except OSError as exc:
         raise ModelLoadError(f"{entry}: cannot write the weight cache (set ${CACHE_DIR_ENV}): {exc}") from exc

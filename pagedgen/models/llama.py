@@ -25,6 +25,8 @@ from pagedgen.models.config import ModelConfig, RopeConfig
 from pagedgen.ops.attention import AttentionPlan, paged_attention, plan_attention, write_kv
 from pagedgen.ops.layer_ops import add_rms_norm, apply_rotary_, rms_norm, silu_and_mul
 from pagedgen.ops.linear import linear
+from pagedgen.ops.quant_gemm import embedding
+from pagedgen.ops.qweight import QuantizedWeight, concat_rows
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -32,8 +34,19 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False)
 
 
+def _set_weight(module: nn.Module, weight: torch.Tensor | QuantizedWeight) -> None:
+    """Assign a tensor as a parameter, or a weight kept in its stored format as a plain attribute."""
+    if isinstance(weight, QuantizedWeight):
+        if "weight" in module._parameters:
+            delattr(module, "weight")
+        object.__setattr__(module, "weight", weight)
+    else:
+        module.weight = nn.Parameter(weight, requires_grad=False)
+
+
 class Linear(nn.Module):
-    """``y = x W^T + b`` through :func:`pagedgen.ops.linear.linear`; ``weight`` is ``[out, in]``."""
+    """``y = x W^T + b`` through :func:`pagedgen.ops.linear.linear`; ``weight`` is ``[out, in]`` (a tensor,
+    or a :class:`QuantizedWeight` when the checkpoint's format is kept)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()
@@ -44,21 +57,33 @@ class Linear(nn.Module):
         return linear(x, self.weight, self.bias)
 
 
-def _fuse_linears(parts: list[Linear]) -> Linear:
+def _fuse_linears(parts: list[Linear]) -> Linear | None:
     """A Linear whose weight (and bias) stacks ``parts``' by output; the parts become views of it.
 
     The state-dict names and the memory stay as they were: each part's parameter now points into the fused
-    tensor, so no weight is held twice.
+    tensor, so no weight is held twice. ``None`` (nothing changed) when the parts are stored in different
+    formats (a Q4_K_M file keeps v in Q6_K beside q/k in Q4_K): they then run as separate GEMMs.
     """
-    weight = torch.cat([p.weight for p in parts])  # [sum(out), in]
-    fused = Linear(weight.shape[1], weight.shape[0], False, weight.dtype)
-    fused.weight = nn.Parameter(weight, requires_grad=False)
+    weights = [p.weight for p in parts]
+    if all(isinstance(w, QuantizedWeight) for w in weights):
+        if len({w.qtype for w in weights}) > 1:
+            return None
+        weight = concat_rows(weights)  # [sum(out), in] blocks
+    elif any(isinstance(w, QuantizedWeight) for w in weights):
+        return None
+    else:
+        weight = torch.cat(weights)  # [sum(out), in]
+    dtype = weight.dtype if isinstance(weight, torch.Tensor) else torch.float32  # of the meta placeholder
+    fused = Linear(weight.shape[1], weight.shape[0], False, dtype)
+    _set_weight(fused, weight)
     if parts[0].bias is not None:
         fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
     start = 0
     for part in parts:
         end = start + part.weight.shape[0]
-        part.weight = nn.Parameter(fused.weight[start:end], requires_grad=False)
+        _set_weight(
+            part, weight.rows(start, end) if isinstance(weight, QuantizedWeight) else weight[start:end]
+        )
         if part.bias is not None:
             part.bias = nn.Parameter(fused.bias[start:end], requires_grad=False)
         start = end
@@ -73,6 +98,8 @@ class Embedding(nn.Module):
         self.weight = _param(vocab_size, hidden, dtype=dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, QuantizedWeight):
+            return embedding(input_ids, self.weight)  # dequantises only the looked-up rows
         return F.embedding(input_ids, self.weight)
 
 
@@ -145,7 +172,8 @@ class Attention(nn.Module):
         self.qkv: Linear | None = None  # set by fuse_qkv() once the weights are loaded
 
     def fuse_qkv(self) -> None:
-        """Concatenate the q/k/v weights into one ``[q + 2 kv, hidden]`` matrix; q/k/v become views of it.
+        """Concatenate the q/k/v weights into one ``[q + 2 kv, hidden]`` matrix; q/k/v become views of it
+        (left apart when stored in different formats).
 
         Why: one GEMM per layer instead of three, each big enough to split across threads
         (docs/performance.md: 1.09x on a batch-1 forward). No extra memory.
@@ -278,7 +306,7 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.fuse_gate_up()
 
     @property
-    def head_weight(self) -> torch.Tensor:
+    def head_weight(self) -> torch.Tensor | QuantizedWeight:
         """``[vocab, hidden]``: the LM head, or the token embedding when they are tied."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 

@@ -1,9 +1,11 @@
 """``pagedgen.Model``: a loaded decoder, its KV geometry and its tokenizer.
 
 ``Model("default")`` is the embedded SmolLM2-135M-Instruct; ``Model(dir)`` an HF checkpoint directory
-(safetensors, single or sharded); ``Model(path.gguf)`` a llama.cpp file, dequantised once into the weight
-cache. The engine runs ``model.runtime`` (a :class:`pagedgen.models.base.CausalLM`) once per step with a
-:class:`pagedgen.models.base.PagedKVCache` built from ``model.kv_spec``.
+(safetensors, single or sharded); ``Model(path.gguf)`` a llama.cpp file. ``weights="native"`` (the
+default where the native kernels exist) keeps quantised and 16-bit weights as stored
+(:mod:`pagedgen.models.native_weights`); ``weights="float32"`` dequantises them at load (a GGUF file once,
+into the weight cache). The engine runs ``model.runtime`` (a :class:`pagedgen.models.base.CausalLM`) once
+per step with a :class:`pagedgen.models.base.PagedKVCache` built from ``model.kv_spec``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,12 @@ from pagedgen.models.checkpoint import Checkpoint, CheckpointKind, resolve_check
 from pagedgen.models.config import ModelConfig
 from pagedgen.models.hf_loader import read_hf_config, read_hf_weights
 from pagedgen.models.llama import LlamaForCausalLM
+from pagedgen.models.native_weights import (
+    WeightFormat,
+    keep_half_weights,
+    read_native_entry,
+    resolve_weight_format,
+)
 from pagedgen.models.tokenizer import Tokenizer
 from pagedgen.models.weights import load_weights
 
@@ -66,7 +74,9 @@ class Model:
 
     Raises :class:`ModelLoadError` (or :class:`UnsupportedArchitectureError`) naming the file and the
     problem: a missing path, an unknown architecture, an unsupported quant type, a truncated file, missing
-    tensors, or an embedding that does not match the vocab size.
+    tensors, an embedding that does not match the vocab size, or a ``weights`` other than ``"native"`` or
+    ``"float32"``. ``weights_format`` is the format actually loaded, ``weights_reason`` why (native falls
+    back to float32, logged, without the native kernels or off the CPU float32 path).
     """
 
     def __init__(
@@ -74,9 +84,11 @@ class Model:
         name_or_path: str | Path = "default",
         dtype: torch.dtype | str | None = None,
         device: torch.device | str | None = None,
+        weights: str = "native",
     ):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        self.weights_format, self.weights_reason = resolve_weight_format(weights, self.device, self.dtype)
         checkpoint = resolve_checkpoint(name_or_path)
         try:
             self.config, self.runtime = self._load(checkpoint)
@@ -91,7 +103,12 @@ class Model:
 
     def _load(self, checkpoint: Checkpoint) -> tuple[ModelConfig, LlamaForCausalLM]:
         config = read_hf_config(checkpoint.directory)
-        weights = read_hf_weights(checkpoint.directory, self.device)
+        if self.weights_format is WeightFormat.FLOAT32:
+            weights = read_hf_weights(checkpoint.directory, self.device)
+        elif checkpoint.kind is CheckpointKind.GGUF:
+            weights = read_native_entry(checkpoint.directory)
+        else:
+            weights = keep_half_weights(read_hf_weights(checkpoint.directory, self.device))
         runtime = RUNTIMES[config.architecture](config, self.dtype, self.device)
         load_weights(runtime, weights, str(checkpoint.source), self.device)
         runtime.fuse_projections()
@@ -131,4 +148,7 @@ class Model:
         return tuple(i for i in ids if 0 <= i < self.vocab_size)
 
     def __repr__(self) -> str:
-        return f"Model({self.name!r}, {self.config.architecture}, dtype={self.dtype}, device={self.device})"
+        return (
+            f"Model({self.name!r}, {self.config.architecture}, dtype={self.dtype}, device={self.device}, "
+            f"weights={self.weights_format.value!r})"
+        )

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
-_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "U8": torch.uint8}
 
 
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
-    """Name, safetensors dtype (``F32``/``F16``/``BF16``) and shape of one tensor to be written."""
+    """Name, safetensors dtype (``F32``/``F16``/``BF16``, ``U8`` for quant blocks) and shape of a tensor."""
 
     name: str
     dtype: str

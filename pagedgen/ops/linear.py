@@ -3,7 +3,8 @@
 Kept behind a single function so the GEMM backend is chosen per shape (:mod:`pagedgen.ops.gemm`,
 docs/performance.md) without touching model code: CPU fp32 calls go to the backend the active
 :class:`~pagedgen.ops.gemm.GemmTable` names for ``(rows, in, out)``; everything else (CUDA, half precision,
-autograd, 3-D inputs) goes to ``F.linear``.
+autograd, 3-D inputs) goes to ``F.linear``. A weight kept in its stored format (a
+:class:`~pagedgen.ops.qweight.QuantizedWeight`) goes to :func:`pagedgen.ops.quant_gemm.quantized_linear`.
 """
 
 from __future__ import annotations
@@ -18,10 +19,16 @@ from pagedgen.ops.gemm import (
     openblas_gemm,
     torch_gemm,
 )
+from pagedgen.ops.quant_gemm import quantized_linear
+from pagedgen.ops.qweight import QuantizedWeight
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x [rows, in]`` and ``weight [out, in]``; returns ``[rows, out]``."""
+    if isinstance(weight, QuantizedWeight):
+        return quantized_linear(x, weight, bias)
     if openblas_eligible(x, weight, bias):
         backend = choose_backend(x.shape[0], weight.shape[1], weight.shape[0])
         if backend is GemmBackend.NATIVE:

@@ -60,7 +60,8 @@ def test_first_load_builds_a_sha256_keyed_entry_and_later_loads_never_reopen_the
     digest = hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
     entry = cache_dir / f"gguf-v{gguf_cache.CACHE_FORMAT}" / digest
     assert cold.checkpoint_dir == entry
-    assert sorted(p.name for p in entry.iterdir()) == ["config.json", "model.safetensors"]  # no vocab in file
+    names = sorted(p.name for p in entry.iterdir())
+    assert names == ["config.json", "model.safetensors", "native.safetensors"]  # no vocab in the file
     assert [p.name for p in entry.parent.iterdir()] == [digest]  # no temporary directory left behind
 
     def no_reopen(path):
@@ -91,12 +92,16 @@ def test_editing_the_file_makes_a_new_entry(cache_dir, tiny_gguf):
     )
 
 
-def test_a_damaged_entry_is_rebuilt(cache_dir, tiny_gguf):
+@pytest.mark.parametrize(
+    ("weights", "damaged"), [("float32", "model.safetensors"), ("native", "native.safetensors")]
+)
+def test_a_damaged_entry_is_rebuilt(cache_dir, tiny_gguf, weights, damaged):
     entry = gguf_cache_entry(tiny_gguf)
-    weights = entry / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:1000])
-    model = Model(str(tiny_gguf), device="cpu")
-    assert model.checkpoint_dir == entry and weights.stat().st_size > 1000
+    path = entry / damaged
+    intact = path.read_bytes()
+    path.write_bytes(intact[: len(intact) // 2])
+    model = Model(str(tiny_gguf), device="cpu", weights=weights)
+    assert model.checkpoint_dir == entry and path.read_bytes() == intact
 
 
 def test_half_precision_tensors_are_kept_lossless(cache_dir, tmp_path):

@@ -1,0 +1,286 @@
+/*
+ * GEMM over weights kept in their stored format: GGUF Q4_0, Q4_1, Q8_0, Q4_K, Q6_K blocks, f16 and bf16.
+ *
+ * Why: a decode step at 1-64 rows is a stream of the weight matrices. Dequantised to fp32 the default
+ * model's weights are 538 MB; as Q4_1/Q8_0 blocks they are 85 MB. Here each thread of torch's OpenMP pool
+ * streams a contiguous slice of packed weight rows once, expands four rows at a time into an L1-resident
+ * fp32 buffer (exactly as gguf-py's dequantizer computes them, see below) and runs every x row against
+ * them. Activations and accumulation stay fp32.
+ *
+ * Exactness: every expanded weight equals gguf.quants.dequantize's float32 bit for bit. Its formulas are a
+ * product of an f16 scale (11 significant bits) with a small integer (at most 8 bits), which fp32 holds
+ * exactly, plus at most one add (Q4_1's min, Q4_K's block min): one rounding whether or not the compiler
+ * fuses them into an FMA. Q4_K and Q6_K first form d * sub-scale (exact), then multiply by q (one
+ * rounding), in gguf-py's order.
+ *
+ * Invariance: an output's sum is one thread's fixed-order sum whose order depends on k only, never on how
+ * many x rows share the call or on the thread count, so a row gets the same bits alone or in any batch.
+ *
+ * Layouts: x [m_rows, k] fp32, w [n_out, row_bytes] (each row its k / block_elems blocks), y [m_rows,
+ * n_out], bias [n_out] or NULL; all contiguous. qtype is the ggml type id.
+ *
+ * Variants, chosen by the build's -march: AVX-512F (16 lanes), AVX2 + FMA (8 lanes), or portable C that
+ * the compiler vectorises. k must be a multiple of the vector width for the vector tile, else the portable
+ * dot is used (the choice depends on k only).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+enum { QT_F16 = 1, QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8, QT_Q4_K = 12, QT_Q6_K = 14, QT_BF16 = 30 };
+
+static inline float f16_to_f32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    /* The exact widening: normals rebias the exponent, subnormals are normalised, inf/NaN keep their bits. */
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0 && man == 0) {
+        bits = sign;
+    } else if (exp == 0) {
+        exp = 113;
+        while (!(man & 0x400)) man <<= 1, --exp;
+        bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline float f16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return f16_to_f32(h);
+}
+
+static void expand_q4_0(const uint8_t *row, int64_t k, float *out) {
+    for (int64_t b = 0; b < k / 32; ++b, row += 18, out += 32) {
+        const float d = f16_at(row);
+        const uint8_t *qs = row + 2;
+        for (int j = 0; j < 16; ++j) {
+            out[j] = d * (float)((int)(qs[j] & 15) - 8);
+            out[j + 16] = d * (float)((int)(qs[j] >> 4) - 8);
+        }
+    }
+}
+
+static void expand_q4_1(const uint8_t *row, int64_t k, float *out) {
+    for (int64_t b = 0; b < k / 32; ++b, row += 20, out += 32) {
+        const float d = f16_at(row), m = f16_at(row + 2);
+        const uint8_t *qs = row + 4;
+        for (int j = 0; j < 16; ++j) {
+            out[j] = d * (float)(qs[j] & 15) + m;
+            out[j + 16] = d * (float)(qs[j] >> 4) + m;
+        }
+    }
+}
+
+static void expand_q8_0(const uint8_t *row, int64_t k, float *out) {
+    for (int64_t b = 0; b < k / 32; ++b, row += 34, out += 32) {
+        const float d = f16_at(row);
+        const int8_t *qs = (const int8_t *)(row + 2);
+        for (int j = 0; j < 32; ++j) out[j] = d * (float)qs[j];
+    }
+}
+
+static void expand_q4_k(const uint8_t *row, int64_t k, float *out) {
+    for (int64_t b = 0; b < k / 256; ++b, row += 144, out += 256) {
+        const float d = f16_at(row), dmin = f16_at(row + 2);
+        const uint8_t *s = row + 4, *qs = row + 16;
+        float scale[8], min[8];
+        for (int j = 0; j < 4; ++j) {
+            scale[j] = d * (float)(s[j] & 63);
+            min[j] = dmin * (float)(s[j + 4] & 63);
+            scale[j + 4] = d * (float)((s[j + 8] & 15) | ((s[j] >> 2) & 0x30));
+            min[j + 4] = dmin * (float)((s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30));
+        }
+        for (int i = 0; i < 4; ++i) /* 32 bytes -> sub-blocks 2i (low nibbles) and 2i + 1 (high) */
+            for (int l = 0; l < 32; ++l) {
+                out[64 * i + l] = scale[2 * i] * (float)(qs[32 * i + l] & 15) - min[2 * i];
+                out[64 * i + 32 + l] = scale[2 * i + 1] * (float)(qs[32 * i + l] >> 4) - min[2 * i + 1];
+            }
+    }
+}
+
+static void expand_q6_k(const uint8_t *row, int64_t k, float *out) {
+    for (int64_t b = 0; b < k / 256; ++b, row += 210, out += 256) {
+        const uint8_t *ql = row, *qh = row + 128;
+        const int8_t *sc = (const int8_t *)(row + 192);
+        const float d = f16_at(row + 208);
+        float scale[16];
+        for (int i = 0; i < 16; ++i) scale[i] = d * (float)sc[i];
+        for (int f = 0; f < 256; ++f) {
+            const int c = f >> 7, r = f & 127;
+            const int lo = (ql[64 * c + (r & 63)] >> (4 * (r >> 6))) & 15;
+            const int hi = (qh[32 * c + (r & 31)] >> (2 * (r >> 5))) & 3;
+            out[f] = scale[f >> 4] * (float)((lo | (hi << 4)) - 32);
+        }
+    }
+}
+
+static void expand_f16(const uint8_t *row, int64_t k, float *out) {
+    int64_t d = 0;
+#if defined(__F16C__)
+    for (; d + 8 <= k; d += 8) _mm256_storeu_ps(out + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * d))));
+#endif
+    for (; d < k; ++d) out[d] = f16_at(row + 2 * d);
+}
+
+static void expand_bf16(const uint8_t *row, int64_t k, float *out) {
+    for (int64_t d = 0; d < k; ++d) {
+        uint16_t h;
+        memcpy(&h, row + 2 * d, 2);
+        const uint32_t bits = (uint32_t)h << 16;
+        memcpy(out + d, &bits, 4);
+    }
+}
+
+/* Expand one packed row of k weights into out[k]; returns 0, or -1 for an unknown qtype. */
+static int expand_row(int qtype, const uint8_t *row, int64_t k, float *out) {
+    switch (qtype) {
+    case QT_Q4_0: expand_q4_0(row, k, out); return 0;
+    case QT_Q4_1: expand_q4_1(row, k, out); return 0;
+    case QT_Q8_0: expand_q8_0(row, k, out); return 0;
+    case QT_Q4_K: expand_q4_k(row, k, out); return 0;
+    case QT_Q6_K: expand_q6_k(row, k, out); return 0;
+    case QT_F16: expand_f16(row, k, out); return 0;
+    case QT_BF16: expand_bf16(row, k, out); return 0;
+    default: return -1;
+    }
+}
+
+static inline float add_bias(float s, const float *bias, int64_t n) { return bias ? s + bias[n] : s; }
+
+/* The portable dot: one fixed-order (compiler-vectorised) reduction per output. */
+static float dot_portable(const float *x, const float *w, int64_t k) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t d = 0; d < k; ++d) s += x[d] * w[d];
+    return s;
+}
+
+#if defined(__AVX512F__)
+#define VW 16
+typedef __m512 vec;
+static inline vec vzero(void) { return _mm512_setzero_ps(); }
+static inline vec vload(const float *p) { return _mm512_loadu_ps(p); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VW 8
+typedef __m256 vec;
+static inline vec vzero(void) { return _mm256_setzero_ps(); }
+static inline vec vload(const float *p) { return _mm256_loadu_ps(p); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float vsum(vec v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+#endif
+
+#ifdef VW
+/* x rows m .. m + mr - 1 (mr <= 3) against the four expanded rows w[4][k]: twelve accumulators, VW k at a
+ * time. Each output's chain is the same whatever mr is. k is a multiple of VW. */
+static inline __attribute__((always_inline)) void tile_3x4(const float *x, int64_t k, const float *w,
+                                                           const float *bias, float *y, int64_t n_out,
+                                                           int64_t m, int64_t n, const int mr) {
+    const float *x0 = x + m * k, *x1 = mr > 1 ? x0 + k : x0, *x2 = mr > 2 ? x0 + 2 * k : x0;
+    const float *w0 = w, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
+    vec a00 = vzero(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+    vec a20 = a00, a21 = a00, a22 = a00, a23 = a00;
+    for (int64_t d = 0; d < k; d += VW) {
+        const vec v0 = vload(x0 + d), v1 = vload(x1 + d), v2 = vload(x2 + d);
+        vec b = vload(w0 + d);
+        a00 = vfma(v0, b, a00), a10 = vfma(v1, b, a10), a20 = vfma(v2, b, a20);
+        b = vload(w1 + d);
+        a01 = vfma(v0, b, a01), a11 = vfma(v1, b, a11), a21 = vfma(v2, b, a21);
+        b = vload(w2 + d);
+        a02 = vfma(v0, b, a02), a12 = vfma(v1, b, a12), a22 = vfma(v2, b, a22);
+        b = vload(w3 + d);
+        a03 = vfma(v0, b, a03), a13 = vfma(v1, b, a13), a23 = vfma(v2, b, a23);
+    }
+    const vec acc[3][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}, {a20, a21, a22, a23}};
+    for (int r = 0; r < mr; ++r)
+        for (int c = 0; c < 4; ++c) y[(m + r) * n_out + n + c] = add_bias(vsum(acc[r][c]), bias, n + c);
+}
+
+/* One expanded row against one x row with the tile's arithmetic (one accumulator chain). */
+static inline float dot_vec(const float *x, const float *w, int64_t k) {
+    vec a = vzero();
+    for (int64_t d = 0; d < k; d += VW) a = vfma(vload(x + d), vload(w + d), a);
+    return vsum(a);
+}
+#endif
+
+/* Rows n .. n + nr - 1 of w, expanded in buf [nr, k], against every x row. */
+static void rows_times_x(const float *x, int64_t m_rows, const float *buf, int nr, int64_t k, const float *bias,
+                         float *y, int64_t n_out, int64_t n) {
+#ifdef VW
+    if (k % VW == 0) {
+        if (nr == 4) {
+            for (int64_t m = 0; m < m_rows; m += 3) {
+                const int mr = m_rows - m >= 3 ? 3 : (int)(m_rows - m);
+                if (mr == 3)
+                    tile_3x4(x, k, buf, bias, y, n_out, m, n, 3);
+                else if (mr == 2)
+                    tile_3x4(x, k, buf, bias, y, n_out, m, n, 2);
+                else
+                    tile_3x4(x, k, buf, bias, y, n_out, m, n, 1);
+            }
+        } else {
+            for (int r = 0; r < nr; ++r)
+                for (int64_t m = 0; m < m_rows; ++m)
+                    y[m * n_out + n + r] = add_bias(dot_vec(x + m * k, buf + r * k, k), bias, n + r);
+        }
+        return;
+    }
+#endif
+    for (int r = 0; r < nr; ++r)
+        for (int64_t m = 0; m < m_rows; ++m)
+            y[m * n_out + n + r] = add_bias(dot_portable(x + m * k, buf + r * k, k), bias, n + r);
+}
+
+/* y = x @ dequant(w).T (+ bias). Returns 0, -1 for an unknown qtype, -2 if a thread's buffer could not be
+ * allocated (y is then incomplete). */
+int quant_gemm_f32(const float *x, int64_t m_rows, const uint8_t *w, int64_t row_bytes, int qtype, int64_t k,
+                   int64_t n_out, const float *bias, float *y, int num_threads) {
+    if (expand_row(qtype, w, 0, NULL) != 0) return -1;
+    const int64_t groups = (n_out + 3) / 4;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *buf = aligned_alloc(64, ((size_t)(4 * k * sizeof(float)) + 63) / 64 * 64);
+        if (buf == NULL) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; ++g) {
+            if (buf == NULL) continue;
+            const int64_t n = 4 * g;
+            const int nr = n_out - n >= 4 ? 4 : (int)(n_out - n);
+            for (int r = 0; r < nr; ++r) expand_row(qtype, w + (n + r) * row_bytes, k, buf + r * k);
+            rows_times_x(x, m_rows, buf, nr, k, bias, y, n_out, n);
+        }
+        free(buf);
+    }
+    return failed ? -2 : 0;
+}
+
+/* out[i, :] = dequant(w[rows[i], :]) for i < n_rows (rows NULL: rows 0 .. n_rows - 1). Returns 0, -1 for an
+ * unknown qtype. The caller has checked the row indices. */
+int quant_dequantize_rows(const uint8_t *w, int64_t row_bytes, int qtype, int64_t k, const int64_t *rows,
+                          int64_t n_rows, float *out, int num_threads) {
+    if (expand_row(qtype, w, 0, NULL) != 0) return -1;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (n_rows * k >= 65536)
+    for (int64_t i = 0; i < n_rows; ++i) expand_row(qtype, w + (rows ? rows[i] : i) * row_bytes, k, out + i * k);
+    return 0;
+}

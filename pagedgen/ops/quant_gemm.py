@@ -1,0 +1,153 @@
+"""Linear layers and embedding lookups over a :class:`~pagedgen.ops.qweight.QuantizedWeight`.
+
+Two paths, chosen by row count (docs/performance.md, "Native weights"):
+
+* up to :data:`QUANT_MAX_ROWS` rows (decode, the LM head): :func:`quant_gemm`, the native kernel of
+  ``kernels/quant_gemm.c``, which streams the packed blocks once and expands them in L1; bandwidth-bound,
+  so fewer bytes is faster;
+* above (prefill, compute-bound): the weight is dequantised into an fp32 scratch matrix for the call
+  (:func:`dequantize`) and multiplied by torch's GEMM.
+
+Both use the same fp32 weight values (bit-identical to ``gguf.quants.dequantize``), so they differ from
+each other and from the dequantised fp32 model only in summation order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import numpy as np
+import torch
+
+from pagedgen.ops.gemm import torch_gemm
+from pagedgen.ops.gemm_threads import torch_pool
+from pagedgen.ops.native import native_library
+from pagedgen.ops.qweight import QType, QuantizedWeight
+
+# Measured on the 2-core Xeon (AVX-512) dev machine, whole linear layers of the default model's shapes: the
+# kernel beat dequantise + torch up to 64 rows; see docs/performance.md.
+QUANT_MAX_ROWS = 64
+
+_POINTER = ctypes.c_void_p
+_I64 = ctypes.c_int64
+
+
+class QuantKernels:
+    """``quant_gemm_f32`` and ``quant_dequantize_rows`` of a compiled library (any build of the source)."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self._gemm = library.quant_gemm_f32
+        self._gemm.argtypes = [_POINTER, _I64, _POINTER, _I64, ctypes.c_int, _I64, _I64, _POINTER, _POINTER]
+        self._gemm.argtypes += [ctypes.c_int]
+        self._gemm.restype = ctypes.c_int
+        self._rows = library.quant_dequantize_rows
+        self._rows.argtypes = [_POINTER, _I64, ctypes.c_int, _I64, _POINTER, _I64, _POINTER, ctypes.c_int]
+        self._rows.restype = ctypes.c_int
+
+    def gemm(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        """``[rows, out]`` for fp32 CPU ``x [rows, in]`` and fp32 ``bias [out]``; raises ``MemoryError``."""
+        x = x.contiguous()
+        out_features, k = weight.shape
+        out = torch.empty(x.shape[0], out_features, dtype=torch.float32)  # [rows, out]
+        bias = None if bias is None else bias.contiguous()  # held: its memory must outlive the call
+        failed = self._gemm(
+            x.data_ptr(),
+            x.shape[0],
+            weight.data.data_ptr(),
+            weight.data.shape[1],
+            weight.qtype.ggml_id,
+            k,
+            out_features,
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise MemoryError(f"quant_gemm_f32 failed ({failed}) for {weight.qtype.name} {weight.shape}")
+        return out
+
+    def dequantize(self, weight: QuantizedWeight, rows: torch.Tensor | None) -> torch.Tensor:
+        """fp32 ``[len(rows) or out, in]``; ``rows`` int64 contiguous, already checked to be in range."""
+        count = weight.shape[0] if rows is None else rows.shape[0]
+        out = torch.empty(count, weight.shape[1], dtype=torch.float32)  # [count, in]
+        failed = self._rows(
+            weight.data.data_ptr(),
+            weight.data.shape[1],
+            weight.qtype.ggml_id,
+            weight.shape[1],
+            None if rows is None else rows.data_ptr(),
+            count,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise ValueError(f"quant_dequantize_rows does not know {weight.qtype.name}")
+        return out
+
+
+_lock = threading.Lock()
+_kernels: list[QuantKernels | None] = []
+
+
+def quant_kernels() -> QuantKernels | None:
+    """The wrapper over the shared native library; ``None`` when native kernels are unavailable."""
+    with _lock:
+        if not _kernels:
+            library = native_library()
+            _kernels.append(None if library is None else QuantKernels(library))
+        return _kernels[0]
+
+
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [rows, in] @ dequant(weight).T (+ bias)`` -> ``[rows, out]``, by the path for ``rows``."""
+    if x.dim() == 2 and x.shape[0] <= QUANT_MAX_ROWS and quant_kernels() is not None:
+        return quant_gemm(x, weight, bias)
+    return torch_gemm(x, dequantize(weight), bias)
+
+
+def quant_gemm(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The native kernel alone, at any row count (a backend the GEMM calibration can time).
+
+    Raises ``RuntimeError`` without the native kernels, ``ValueError`` for an ``x`` it cannot take.
+    """
+    kernels = quant_kernels()
+    if kernels is None:
+        raise RuntimeError("quant_gemm needs the native kernels (pagedgen.ops.native.native_status())")
+    if x.dtype is not torch.float32 or x.device.type != "cpu" or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"quant_gemm needs fp32 CPU x [rows, {weight.shape[1]}], got {x.dtype} {x.shape}")
+    torch_pool.restore()
+    return kernels.gemm(x, weight, bias)
+
+
+def dequantize(weight: QuantizedWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 ``[out, in]`` (or only ``rows``, int64 ``[n]``), bit-identical to ``gguf.quants.dequantize``.
+
+    Raises ``IndexError`` for a row outside ``[0, out)``. Without the native kernels, a numpy fallback.
+    """
+    if rows is not None:
+        rows = rows.to(torch.int64).contiguous()
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= weight.shape[0]):
+            raise IndexError(f"dequantize: row ids {rows.tolist()} outside [0, {weight.shape[0]})")
+    kernels = quant_kernels()
+    if kernels is not None:
+        torch_pool.restore()
+        return kernels.dequantize(weight, rows)
+    data = weight.data if rows is None else weight.data[rows]
+    return _dequantize_numpy(weight.qtype, data, weight.shape[1])
+
+
+def embedding(ids: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """``[*ids.shape, in]``: only the looked-up rows are dequantised."""
+    return dequantize(weight, ids.reshape(-1)).reshape(*ids.shape, weight.shape[1])
+
+
+def _dequantize_numpy(qtype: QType, data: torch.Tensor, k: int) -> torch.Tensor:
+    if qtype is QType.F16:
+        return data.view(torch.float16).float()
+    if qtype is QType.BF16:
+        return data.view(torch.bfloat16).float()
+    import gguf
+
+    values = gguf.quants.dequantize(data.numpy(), gguf.GGMLQuantizationType[qtype.name])
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(-1, k))

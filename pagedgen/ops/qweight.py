@@ -1,0 +1,99 @@
+"""A weight matrix kept in the format it is stored in: GGUF quant blocks, f16 or bf16.
+
+Why: the default model's weights are Q4_1/Q8_0 in its GGUF file (85 MB); dequantised to fp32 they are 538 MB,
+and a batch-1 decode step is bound by streaming them. :func:`pagedgen.ops.linear.linear` recognises a
+:class:`QuantizedWeight` and runs :mod:`pagedgen.ops.quant_gemm`, whose kernel expands each weight to fp32 in
+registers/L1 exactly as ``gguf.quants.dequantize`` would. Nothing about the model changes: no re-quantisation.
+
+Layout: ``data`` is ``[out, row_bytes]`` uint8, each row the ``in / block_elems`` blocks of one output row in
+GGUF order (f16/bf16: the 2-byte values). Rows are independent, so permuting or concatenating output rows
+(llama.cpp's Q/K permutation, fusing q/k/v) is a row operation on ``data``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class QType(enum.Enum):
+    """Stored formats with a native kernel; the value is ``(ggml type id, block elements, block bytes)``."""
+
+    F16 = (1, 1, 2)
+    Q4_0 = (2, 32, 18)
+    Q4_1 = (3, 32, 20)
+    Q8_0 = (8, 32, 34)
+    Q4_K = (12, 256, 144)
+    Q6_K = (14, 256, 210)
+    BF16 = (30, 1, 2)
+
+    @property
+    def ggml_id(self) -> int:
+        return self.value[0]
+
+    @property
+    def block_elems(self) -> int:
+        return self.value[1]
+
+    @property
+    def block_bytes(self) -> int:
+        return self.value[2]
+
+    def row_bytes(self, in_features: int) -> int:
+        return in_features // self.block_elems * self.block_bytes
+
+
+# The GGUF type names (``gguf.GGMLQuantizationType(...).name``) run natively; the rest are dequantised.
+NATIVE_GGUF_TYPES = {q.name: q for q in QType}
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedWeight:
+    """``[out, in]`` weights as raw blocks: ``data [out, row_bytes]`` uint8 in ``qtype``'s block format.
+
+    Raises ``ValueError`` naming the field when ``in`` is not a whole number of blocks or ``data`` does not
+    hold exactly ``out`` rows of ``row_bytes``.
+    """
+
+    qtype: QType
+    shape: tuple[int, int]  # (out_features, in_features), as the fp32 weight would be
+    data: torch.Tensor  # [out, row_bytes] uint8, CPU, rows contiguous
+
+    def __post_init__(self) -> None:
+        out, k = self.shape
+        if k <= 0 or k % self.qtype.block_elems:
+            raise ValueError(f"QuantizedWeight.shape: in={k} is not a multiple of {self.qtype.name} blocks")
+        expected = (out, self.qtype.row_bytes(k))
+        if self.data.dtype is not torch.uint8 or tuple(self.data.shape) != expected:
+            raise ValueError(
+                f"QuantizedWeight.data must be uint8 {expected} for {self.qtype.name} {self.shape}, "
+                f"got {self.data.dtype} {tuple(self.data.shape)}"
+            )
+        if self.data.device.type != "cpu" or self.data.stride(1) != 1 or self.data.stride(0) != expected[1]:
+            raise ValueError("QuantizedWeight.data must be a contiguous CPU tensor")
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def rows(self, start: int, end: int) -> QuantizedWeight:
+        """Output rows ``start:end`` as a view (the fused q/k/v parts keep pointing into one tensor)."""
+        return QuantizedWeight(self.qtype, (end - start, self.shape[1]), self.data[start:end])
+
+    @staticmethod
+    def from_half(weight: torch.Tensor) -> QuantizedWeight:
+        """A 2-D f16 or bf16 tensor kept as stored (its bytes, viewed; no copy when contiguous)."""
+        qtype = {torch.float16: QType.F16, torch.bfloat16: QType.BF16}[weight.dtype]
+        weight = weight.contiguous()
+        return QuantizedWeight(qtype, tuple(weight.shape), weight.view(torch.uint8))
+
+
+def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """One weight stacking ``parts`` by output row (all of one qtype and in size); copies the blocks once."""
+    first = parts[0]
+    if any(p.qtype is not first.qtype or p.shape[1] != first.shape[1] for p in parts):
+        raise ValueError(f"cannot stack {[(p.qtype.name, p.shape) for p in parts]}: qtype or in size differ")
+    data = torch.cat([p.data for p in parts])  # [sum(out), row_bytes]
+    return QuantizedWeight(first.qtype, (data.shape[0], first.shape[1]), data)
