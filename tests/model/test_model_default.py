@@ -1,5 +1,8 @@
 """The embedded SmolLM2-135M-Instruct (fp32, CPU) against transformers reading the same GGUF file.
 
+Parity runs on both weight formats: native (the file's Q4_1/Q8_0 blocks, expanded in the kernels) and
+float32 (dequantised at load); both are the same model up to summation order.
+
 Oracle 1 of DESIGN.md (logits and greedy tokens) and oracle 3 (a request's logits are the same alone and
 inside a packed step that mixes prefill and decode rows over shuffled physical blocks).
 """
@@ -10,6 +13,9 @@ import pytest
 import torch
 
 from pagedgen.models.model import Model
+from pagedgen.models.native_weights import WeightFormat
+from pagedgen.ops.native import native_status
+from pagedgen.ops.qweight import QType, QuantizedWeight
 from tests.model.paged_runner import PagedRunner, PagedSequence, greedy, prompt_logits
 
 pytestmark = pytest.mark.model
@@ -51,20 +57,35 @@ def test_default_model_surface(default_model):
     assert m.tokenizer is m.tokenizer  # cached
 
 
-def test_logits_match_transformers_at_every_position(default_model, hf_default_model):
+def test_the_default_load_keeps_the_files_blocks(default_model, default_model_float32):
+    if not native_status().available:
+        pytest.skip(native_status().detail)
+    assert default_model.weights_format is WeightFormat.NATIVE
+    layer = default_model.runtime.model.layers[7]
+    for weight in (layer.self_attn.qkv.weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up.weight):
+        assert isinstance(weight, QuantizedWeight) and weight.qtype is QType.Q4_1
+    head = default_model.runtime.head_weight  # tied: the token embedding
+    assert isinstance(head, QuantizedWeight) and (head.qtype, head.shape) == (QType.Q8_0, (49152, 576))
+    assert default_model_float32.weights_format is WeightFormat.FLOAT32
+    assert default_model_float32.runtime.head_weight.dtype is torch.float32
+
+
+def test_logits_match_transformers_at_every_position(default_model_each_format, hf_default_model):
+    model = default_model_each_format
     for text in PROMPTS:
-        ids = default_model.tokenizer.encode(text)
+        ids = model.tokenizer.encode(text)
         with torch.no_grad():
             ref = hf_default_model(torch.tensor([ids])).logits[0].float()  # [T, vocab]
-        ours = prompt_logits(default_model, ids)
+        ours = prompt_logits(model, ids)
         assert ours.shape == ref.shape
         assert (ours - ref).abs().max().item() <= 1e-3, text
 
 
-def test_greedy_chat_matches_transformers_generate(default_model, hf_default_model):
-    eos = default_model.eos_token_ids
+def test_greedy_chat_matches_transformers_generate(default_model_each_format, hf_default_model):
+    model = default_model_each_format
+    eos = model.eos_token_ids
     for text in CHATS:
-        ids = _chat_ids(default_model, text)
+        ids = _chat_ids(model, text)
         with torch.no_grad():
             out = hf_default_model.generate(
                 torch.tensor([ids]),
@@ -76,7 +97,7 @@ def test_greedy_chat_matches_transformers_generate(default_model, hf_default_mod
         expected = out[0, len(ids) :].tolist()
         if expected and expected[-1] in eos:
             expected = expected[:-1]  # transformers emits the EOS it stops on; our loop stops before it
-        assert greedy(default_model, ids, 32, eos) == expected, text
+        assert greedy(model, ids, 32, eos) == expected, text
 
 
 def test_packed_step_matches_each_request_alone(default_model):

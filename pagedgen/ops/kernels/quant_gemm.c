@@ -62,14 +62,63 @@ static inline float f16_at(const uint8_t *p) {
     return f16_to_f32(h);
 }
 
+#if defined(__AVX512F__)
+#define VW 16
+typedef __m512 vec;
+static inline vec vzero(void) { return _mm512_setzero_ps(); }
+static inline vec vload(const float *p) { return _mm512_loadu_ps(p); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+static inline vec vset1(float f) { return _mm512_set1_ps(f); }
+/* 16 bytes -> 16 floats at out (unsigned or signed bytes), times scale plus offset (exact: see the top). */
+static inline void bytes16_u(__m128i b, vec scale, vec offset, float *out) {
+    _mm512_storeu_ps(out, _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)), offset));
+}
+static inline void bytes16_i(__m128i b, vec scale, float *out) {
+    _mm512_storeu_ps(out, _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VW 8
+typedef __m256 vec;
+static inline vec vzero(void) { return _mm256_setzero_ps(); }
+static inline vec vload(const float *p) { return _mm256_loadu_ps(p); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float vsum(vec v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+static inline vec vset1(float f) { return _mm256_set1_ps(f); }
+static inline void bytes16_u(__m128i b, vec scale, vec offset, float *out) {
+    _mm256_storeu_ps(out, _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), offset));
+    b = _mm_srli_si128(b, 8);
+    _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), offset));
+}
+static inline void bytes16_i(__m128i b, vec scale, float *out) {
+    _mm256_storeu_ps(out, _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b))));
+    b = _mm_srli_si128(b, 8);
+    _mm256_storeu_ps(out + 8, _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b))));
+}
+#endif
+
+/* Vector expanders: a block's 16 bytes of nibbles (or 32 int8) widened to fp32 lanes, then the same
+ * product (and add) as the scalar formulas below. */
 static void expand_q4_0(const uint8_t *row, int64_t k, float *out) {
     for (int64_t b = 0; b < k / 32; ++b, row += 18, out += 32) {
         const float d = f16_at(row);
         const uint8_t *qs = row + 2;
+#ifdef VW
+        const __m128i q = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
+        const vec vd = vset1(d);
+        bytes16_i(_mm_sub_epi8(_mm_and_si128(q, mask), eight), vd, out);
+        bytes16_i(_mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), mask), eight), vd, out + 16);
+#else
         for (int j = 0; j < 16; ++j) {
             out[j] = d * (float)((int)(qs[j] & 15) - 8);
             out[j + 16] = d * (float)((int)(qs[j] >> 4) - 8);
         }
+#endif
     }
 }
 
@@ -77,10 +126,17 @@ static void expand_q4_1(const uint8_t *row, int64_t k, float *out) {
     for (int64_t b = 0; b < k / 32; ++b, row += 20, out += 32) {
         const float d = f16_at(row), m = f16_at(row + 2);
         const uint8_t *qs = row + 4;
+#ifdef VW
+        const __m128i q = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(15);
+        const vec vd = vset1(d), vm = vset1(m);
+        bytes16_u(_mm_and_si128(q, mask), vd, vm, out);
+        bytes16_u(_mm_and_si128(_mm_srli_epi16(q, 4), mask), vd, vm, out + 16);
+#else
         for (int j = 0; j < 16; ++j) {
             out[j] = d * (float)(qs[j] & 15) + m;
             out[j + 16] = d * (float)(qs[j] >> 4) + m;
         }
+#endif
     }
 }
 
@@ -88,7 +144,13 @@ static void expand_q8_0(const uint8_t *row, int64_t k, float *out) {
     for (int64_t b = 0; b < k / 32; ++b, row += 34, out += 32) {
         const float d = f16_at(row);
         const int8_t *qs = (const int8_t *)(row + 2);
+#ifdef VW
+        const vec vd = vset1(d);
+        bytes16_i(_mm_loadu_si128((const __m128i *)qs), vd, out);
+        bytes16_i(_mm_loadu_si128((const __m128i *)(qs + 16)), vd, out + 16);
+#else
         for (int j = 0; j < 32; ++j) out[j] = d * (float)qs[j];
+#endif
     }
 }
 
@@ -168,26 +230,6 @@ static float dot_portable(const float *x, const float *w, int64_t k) {
     return s;
 }
 
-#if defined(__AVX512F__)
-#define VW 16
-typedef __m512 vec;
-static inline vec vzero(void) { return _mm512_setzero_ps(); }
-static inline vec vload(const float *p) { return _mm512_loadu_ps(p); }
-static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
-#elif defined(__AVX2__) && defined(__FMA__)
-#define VW 8
-typedef __m256 vec;
-static inline vec vzero(void) { return _mm256_setzero_ps(); }
-static inline vec vload(const float *p) { return _mm256_loadu_ps(p); }
-static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-static inline float vsum(vec v) {
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
-}
-#endif
 
 #ifdef VW
 /* x rows m .. m + mr - 1 (mr <= 3) against the four expanded rows w[4][k]: twelve accumulators, VW k at a

@@ -1,0 +1,141 @@
+"""pg.Model(..., weights=...): GGUF blocks and 16-bit safetensors kept as stored, the same model as float32.
+
+A native load holds exactly the float32 load's weight values (its blocks dequantise to them bit for bit), so
+its logits differ only by summation order. Without the native kernels, native falls back to float32, logged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import pagedgen.ops.quant_gemm as quant_gemm
+from pagedgen.errors import ModelLoadError
+from pagedgen.executor.inputs import SequenceChunk, pack_step
+from pagedgen.models.base import PagedKVCache
+from pagedgen.models.llama import Linear, _fuse_linears, _set_weight
+from pagedgen.models.model import Model
+from pagedgen.models.native_weights import WeightFormat
+from pagedgen.ops import gemm, native
+from pagedgen.ops.quant_gemm import dequantize
+from pagedgen.ops.qweight import QType, QuantizedWeight
+from tests.model.tiny_checkpoints import TINY_RAW, random_state, write_gguf
+from tests.unit.test_quant_gemm import random_weight
+
+IDS = list(range(0, 260, 7))
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    root = tmp_path / "cache"
+    monkeypatch.setenv("PAGEDGEN_CACHE_DIR", str(root))
+    return root
+
+
+@pytest.fixture
+def need_kernels():
+    if quant_gemm.quant_kernels() is None:
+        pytest.skip(native.native_status().detail)
+
+
+def _logits(model: Model, ids: list[int]) -> torch.Tensor:
+    cache = PagedKVCache(model.kv_spec, num_blocks=8, block_size=16)
+    inputs = pack_step([SequenceChunk(ids, 0, [5, 2, 7], all_logits=True)], block_size=16)
+    return model.runtime.forward(inputs, cache)
+
+
+def _gguf(tmp_path, qtype: gguf.GGMLQuantizationType):
+    path = tmp_path / f"tiny-{qtype.name}.gguf"
+    write_gguf(path, "llama", random_state(TINY_RAW, seed=3), TINY_RAW, qtype=qtype, tokenizer=False)
+    return path
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "F16"])
+def test_a_gguf_file_runs_on_its_stored_blocks(tmp_path, need_kernels, qtype):
+    path = _gguf(tmp_path, gguf.GGMLQuantizationType[qtype])
+    ours, plain = Model(str(path), device="cpu"), Model(str(path), device="cpu", weights="float32")
+    assert (ours.weights_format, plain.weights_format) == (WeightFormat.NATIVE, WeightFormat.FLOAT32)
+    layer, plain_layer = ours.runtime.model.layers[0], plain.runtime.model.layers[0]
+    for weight in (layer.self_attn.qkv.weight, layer.mlp.down_proj.weight, ours.runtime.head_weight):
+        assert isinstance(weight, QuantizedWeight) and weight.qtype is QType[qtype]
+    assert (
+        layer.self_attn.k_proj.weight.data.data_ptr() > layer.self_attn.qkv.weight.data.data_ptr()
+    )  # a view
+    assert isinstance(ours.runtime.model.norm.weight, torch.Tensor)  # norms stay float32
+    # The same values: llama.cpp's Q/K row permutation undone on the blocks, nothing re-quantised.
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        got = dequantize(getattr(layer.self_attn, name).weight)
+        assert torch.equal(got, getattr(plain_layer.self_attn, name).weight), name
+    got, expected = _logits(ours, IDS), _logits(plain, IDS)
+    assert (got - expected).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_half_safetensors_stay_16_bit(tmp_path, need_kernels, dtype):
+    directory = tmp_path / "hf"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(TINY_RAW))
+    state = {k: torch.from_numpy(v).to(dtype) for k, v in random_state(TINY_RAW, seed=2).items()}
+    save_file(state, str(directory / "model.safetensors"))
+    ours, plain = Model(str(directory)), Model(str(directory), weights="float32")
+    weight = ours.runtime.model.layers[1].mlp.down_proj.weight
+    assert isinstance(weight, QuantizedWeight) and weight.nbytes == 2 * weight.shape[0] * weight.shape[1]
+    assert torch.equal(dequantize(weight), plain.runtime.model.layers[1].mlp.down_proj.weight)
+    got, expected = _logits(ours, IDS), _logits(plain, IDS)
+    assert (got - expected).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("off", ["disabled", "no compiler"])
+def test_without_the_native_kernels_native_falls_back_to_float32_and_says_why(
+    tmp_path, monkeypatch, caplog, off
+):
+    path = _gguf(tmp_path, gguf.GGMLQuantizationType.Q4_1)
+    expected = _logits(Model(str(path), weights="float32"), IDS)
+    if off == "disabled":
+        monkeypatch.setenv(native.DISABLE_ENV, "0")
+    else:
+        monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setattr(native, "_loaded", [])  # restored afterwards: the library this process built
+    monkeypatch.setattr(quant_gemm, "_kernels", [])
+    monkeypatch.setattr(gemm, "_choices", {})  # backends chosen without the kernels stay in this test
+    with caplog.at_level(logging.WARNING, logger="pagedgen"):
+        model = Model(str(path))
+    assert model.weights_format is WeightFormat.FLOAT32
+    reason = (
+        f"disabled by {native.DISABLE_ENV}" if off == "disabled" else "building the native kernels failed"
+    )
+    assert reason in model.weights_reason and "pagedgen loads float32 weights" in caplog.text
+    assert isinstance(model.runtime.model.layers[0].self_attn.qkv.weight, torch.nn.Parameter)
+    assert (_logits(model, IDS) - expected).abs().max().item() <= 1e-4  # pure-torch ops: another sum order
+
+
+def test_native_needs_cpu_float32_activations(tmp_path, need_kernels):
+    model = Model(str(_gguf(tmp_path, gguf.GGMLQuantizationType.Q8_0)), dtype="bf16")
+    assert model.weights_format is WeightFormat.FLOAT32 and "CPU float32 only" in model.weights_reason
+    assert model.runtime.model.layers[0].mlp.up_proj.weight.dtype is torch.bfloat16
+
+
+def test_an_unknown_weights_argument_is_named(tmp_path):
+    with pytest.raises(
+        ModelLoadError, match=r"weights='int4' is not supported \(use 'native' or 'float32'\)"
+    ):
+        Model(str(_gguf(tmp_path, gguf.GGMLQuantizationType.Q8_0)), weights="int4")
+
+
+def test_parts_stored_in_different_formats_are_left_unfused():
+    """A Q4_K_M file keeps attn_v in Q6_K beside Q4_K q/k: they run as separate GEMMs."""
+    parts = [Linear(256, 8, False, torch.float32) for _ in range(3)]
+    for part, qtype in zip(parts, (QType.Q4_K, QType.Q4_K, QType.Q6_K), strict=True):
+        _set_weight(part, random_weight(qtype, 8, 256))
+    assert _fuse_linears(parts) is None
+    _set_weight(parts[2], random_weight(QType.Q4_K, 8, 256, seed=1))
+    fused = _fuse_linears(parts)
+    assert fused.weight.shape == (24, 256) and np.shares_memory(
+        parts[2].weight.data.numpy(), fused.weight.data.numpy()
+    )

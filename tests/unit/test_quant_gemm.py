@@ -1,0 +1,198 @@
+"""ops.quant_gemm: weights kept as stored expand to exactly gguf-py's dequantised values, and every GEMM path
+over them equals a float64 product of those values up to fp32 summation order.
+
+Each kernel variant is built from the same source: the host's (-march=native: AVX-512 here), an AVX2 + FMA
+build (the EPYC hosts) and a portable build without vector extensions (scalar f16 conversion included).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from pagedgen.ops import native
+from pagedgen.ops.linear import linear
+from pagedgen.ops.quant_gemm import (
+    QUANT_MAX_ROWS,
+    QuantKernels,
+    dequantize,
+    embedding,
+    quant_gemm,
+    quant_kernels,
+    tiled_dequant_gemm,
+)
+from pagedgen.ops.qweight import QType, QuantizedWeight, concat_rows
+
+ROWS = [1, 2, 3, 5, 16, 33, 64, 65, 200]
+# in sizes of several blocks (K-quants: super-blocks of 256) and out sizes off every tile multiple
+IN_FEATURES = {QType.Q4_K: 512, QType.Q6_K: 768, QType.F16: 160, QType.BF16: 72}  # BF16: AVX-512 tail
+DEFAULT_IN = 96
+
+
+def _in(qtype: QType) -> int:
+    return IN_FEATURES.get(qtype, DEFAULT_IN)
+
+
+def random_weight(qtype: QType, out: int, k: int, seed: int = 0) -> QuantizedWeight:
+    """Blocks as gguf writes them (its own quantiser where it has one; random blocks with finite f16 scales
+    for the K-quants, which gguf-py cannot quantise)."""
+    rng = np.random.default_rng(seed)
+    values = (rng.standard_normal((out, k)) * 0.5).astype(np.float32)
+    values[0, :4] = [1e-6, -3e-7, 0.0, -0.0]  # f16 subnormals and zeros
+    if qtype in (QType.F16, QType.BF16):
+        half = torch.from_numpy(values).to(torch.float16 if qtype is QType.F16 else torch.bfloat16)
+        return QuantizedWeight.from_half(half)
+    if qtype in (QType.Q4_K, QType.Q6_K):
+        blocks = rng.integers(0, 256, (out, k // 256, qtype.block_bytes), dtype=np.uint8)
+        scales = (rng.standard_normal((out, k // 256, 2)) * 0.01).astype(np.float16).view(np.uint8)
+        offsets = (0, 2) if qtype is QType.Q4_K else (208,)
+        for i, offset in enumerate(offsets):
+            blocks[..., offset : offset + 2] = scales[..., 2 * i : 2 * i + 2]
+        data = blocks.reshape(out, -1)
+    else:
+        data = gguf.quants.quantize(values, gguf.GGMLQuantizationType[qtype.name])
+    return QuantizedWeight(qtype, (out, k), torch.from_numpy(np.ascontiguousarray(data)))
+
+
+def reference(weight: QuantizedWeight) -> np.ndarray:
+    """gguf-py's dequantiser: the oracle every expanded weight must equal bit for bit."""
+    data = weight.data.numpy()
+    if weight.qtype is QType.BF16:
+        return (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    values = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[weight.qtype.name])
+    return np.asarray(values, dtype=np.float32).reshape(weight.shape)
+
+
+def assert_matches_float64(got: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight, bias=None) -> None:
+    """Within fp32 summation error of the float64 product of the dequantised weights."""
+    w = torch.from_numpy(reference(weight)).double()
+    ref = x.double() @ w.T + (0 if bias is None else bias.double())
+    scale = x.double().abs() @ w.abs().T + (0 if bias is None else bias.double().abs())
+    assert got.shape == ref.shape and got.dtype is torch.float32
+    assert bool(((got.double() - ref).abs() <= 1e-5 * scale + 1e-30).all())
+
+
+def _need_kernels():
+    if quant_kernels() is None:
+        pytest.skip(native.native_status().detail)
+
+
+@pytest.fixture(scope="module", params=["host", "avx2", "portable"])
+def kernels(request, tmp_path_factory) -> QuantKernels:
+    """The kernel wrapper over one build of ``quant_gemm.c``."""
+    _need_kernels()
+    if request.param == "host":
+        return quant_kernels()
+    flags = {"avx2": ["-O3", "-mavx2", "-mfma", "-mf16c"], "portable": ["-O3"]}[request.param]
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    path = tmp_path_factory.mktemp("kernels") / f"quant-{request.param}.so"
+    source = native.KERNELS / "quant_gemm.c"
+    cmd = [compiler, *flags, "-fopenmp", "-shared", "-fPIC", "-o", str(path), str(source)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    return QuantKernels(ctypes.CDLL(str(path)))
+
+
+@pytest.mark.parametrize("qtype", list(QType), ids=lambda q: q.name)
+def test_expanded_rows_are_bit_identical_to_gguf(kernels, qtype):
+    weight = random_weight(qtype, 37, _in(qtype), seed=1)
+    expected = reference(weight)
+    got = kernels.dequantize(weight, None).numpy()
+    np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))
+    rows = torch.tensor([36, 0, 5, 5, 17], dtype=torch.int64)  # gathered (an embedding lookup), repeated
+    got = kernels.dequantize(weight, rows).numpy()
+    np.testing.assert_array_equal(got.view(np.uint32), expected[rows.numpy()].view(np.uint32))
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("qtype", list(QType), ids=lambda q: q.name)
+def test_kernel_matches_the_dequantized_reference(kernels, qtype, rows):
+    k = _in(qtype)
+    gen = torch.Generator().manual_seed(rows)
+    for out in (1, 6, 37):  # below, off and across the 4-row groups
+        weight = random_weight(qtype, out, k, seed=out)
+        x = torch.randn(rows, k, generator=gen)
+        bias = torch.randn(out, generator=gen)
+        assert_matches_float64(kernels.gemm(x, weight, None), x, weight)
+        assert_matches_float64(kernels.gemm(x, weight, bias), x, weight, bias)
+
+
+@pytest.mark.parametrize("rows", [1, QUANT_MAX_ROWS, QUANT_MAX_ROWS + 1, 200])
+@pytest.mark.parametrize("qtype", list(QType), ids=lambda q: q.name)
+def test_linear_dispatch_matches_the_reference_on_both_sides_of_the_threshold(qtype, rows):
+    _need_kernels()
+    weight = random_weight(qtype, 37, _in(qtype), seed=3)
+    gen = torch.Generator().manual_seed(rows)
+    x, bias = torch.randn(rows, _in(qtype), generator=gen), torch.randn(37, generator=gen)
+    assert_matches_float64(linear(x, weight, bias), x, weight, bias)
+    assert_matches_float64(quant_gemm(x, weight, bias), x, weight, bias)
+
+
+def test_many_rows_go_tile_by_tile_over_a_large_weight(monkeypatch):
+    _need_kernels()
+    import pagedgen.ops.quant_gemm as quant_gemm_module
+
+    monkeypatch.setattr(quant_gemm_module, "TILE_BYTES", 4 * 96 * 10)  # tiles of 10 rows: 37 = 3 x 10 + 7
+    weight = random_weight(QType.Q8_0, 37, 96, seed=4)
+    x, bias = torch.randn(70, 96), torch.randn(37)
+    assert_matches_float64(tiled_dequant_gemm(x, weight, bias), x, weight, bias)
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q8_0, QType.Q4_K, QType.BF16], ids=lambda q: q.name)
+def test_a_rows_output_bits_do_not_depend_on_the_batch_or_the_thread_count(kernels, qtype):
+    k = _in(qtype)
+    weight = random_weight(qtype, 75, k, seed=5)
+    x, bias = torch.randn(16, k, generator=torch.Generator().manual_seed(5)), torch.randn(75)
+    batch = kernels.gemm(x, weight, bias)
+    alone = torch.cat([kernels.gemm(x[i : i + 1], weight, bias) for i in range(16)])
+    pairs = torch.cat([kernels.gemm(x[i : i + 2], weight, bias) for i in range(0, 16, 2)])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        other_threads = kernels.gemm(x, weight, bias)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(batch, alone) and torch.equal(batch, pairs) and torch.equal(batch, other_threads)
+
+
+def test_embedding_dequantizes_the_looked_up_rows():
+    weight = random_weight(QType.Q8_0, 50, 64, seed=6)
+    ids = torch.tensor([[3, 49], [0, 3]])
+    got = embedding(ids, weight)  # [2, 2, 64]
+    expected = torch.from_numpy(reference(weight))[ids]
+    assert torch.equal(got, expected)
+    with pytest.raises(IndexError, match="outside"):
+        embedding(torch.tensor([50]), weight)
+
+
+def test_dequantize_without_the_kernels_uses_gguf(monkeypatch):
+    import pagedgen.ops.quant_gemm as quant_gemm_module
+
+    monkeypatch.setattr(quant_gemm_module, "quant_kernels", lambda: None)
+    for qtype in (QType.Q4_1, QType.F16, QType.BF16):
+        weight = random_weight(qtype, 9, _in(qtype), seed=7)
+        np.testing.assert_array_equal(dequantize(weight).numpy(), reference(weight))
+        x = torch.randn(2, _in(qtype))
+        assert_matches_float64(linear(x, weight), x, weight)  # the dequantise + torch path
+
+
+def test_fusing_rows_is_concatenating_blocks():
+    parts = [random_weight(QType.Q4_1, n, 64, seed=n) for n in (8, 4, 4)]
+    fused = concat_rows(parts)
+    assert fused.shape == (16, 64)
+    assert torch.equal(fused.rows(8, 12).data, parts[1].data)
+    np.testing.assert_array_equal(reference(fused), np.concatenate([reference(p) for p in parts]))
+    with pytest.raises(ValueError, match="qtype or in size differ"):
+        concat_rows([parts[0], random_weight(QType.Q8_0, 4, 64)])
+
+
+def test_a_malformed_weight_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match="not a multiple of Q4_1 blocks"):
+        QuantizedWeight(QType.Q4_1, (2, 48), torch.zeros(2, 30, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"QuantizedWeight.data must be uint8 \(2, 40\)"):
+        QuantizedWeight(QType.Q4_1, (2, 64), torch.zeros(2, 41, dtype=torch.uint8))
