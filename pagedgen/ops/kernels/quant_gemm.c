@@ -293,6 +293,16 @@ static void rows_times_x(const float *x, int64_t m_rows, const float *buf, int n
             y[m * n_out + n + r] = add_bias(dot_portable(x + m * k, buf + r * k, k), bias, n + r);
 }
 
+/* Ask for the packed rows PREFETCH_ROWS ahead of the group being expanded: the expansion computes between
+ * its loads, so without this a single thread keeps too few cache misses in flight to stream DRAM. */
+#define PREFETCH_ROWS 32
+static inline void prefetch_ahead(const uint8_t *w, int64_t row_bytes, int64_t n, int64_t n_out) {
+    const int64_t first = n + PREFETCH_ROWS, last = first + 4 < n_out ? first + 4 : n_out;
+    if (first >= last) return;
+    const uint8_t *p = w + first * row_bytes, *end = w + last * row_bytes;
+    for (; p < end; p += 64) __builtin_prefetch(p, 0, 1);
+}
+
 /* y = x @ dequant(w).T (+ bias). Returns 0, -1 for an unknown qtype, -2 if a thread's buffer could not be
  * allocated (y is then incomplete). */
 int quant_gemm_f32(const float *x, int64_t m_rows, const uint8_t *w, int64_t row_bytes, int qtype, int64_t k,
@@ -309,6 +319,7 @@ int quant_gemm_f32(const float *x, int64_t m_rows, const uint8_t *w, int64_t row
             if (buf == NULL) continue;
             const int64_t n = 4 * g;
             const int nr = n_out - n >= 4 ? 4 : (int)(n_out - n);
+            prefetch_ahead(w, row_bytes, n, n_out);
             for (int r = 0; r < nr; ++r) expand_row(qtype, w + (n + r) * row_bytes, k, buf + r * k);
             rows_times_x(x, m_rows, buf, nr, k, bias, y, n_out, n);
         }
