@@ -27,9 +27,9 @@ from pagedgen.ops.gemm_threads import torch_pool
 from pagedgen.ops.native import native_library
 from pagedgen.ops.qweight import QType, QuantizedWeight
 
-# Measured on the 2-core Xeon (AVX-512) dev machine, whole linear layers of the default model's shapes: the
-# kernel beat dequantise + torch up to 64 rows; see docs/performance.md.
-QUANT_MAX_ROWS = 64
+# Measured on a 2-core Xeon (AVX-512), one thread, the default model's Q4_1 shapes with hot caches: the kernel
+# beat dequantise + torch GEMM at every shape up to 96 rows, tied at 128, lost at 256 (docs/performance.md).
+QUANT_MAX_ROWS = 96
 TILE_BYTES = 8 << 20  # fp32 bytes of one dequantised weight tile on the many-row path
 
 _POINTER = ctypes.c_void_p
