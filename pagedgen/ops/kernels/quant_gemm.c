@@ -165,26 +165,65 @@ static void expand_q4_k(const uint8_t *row, int64_t k, float *out) {
             scale[j + 4] = d * (float)((s[j + 8] & 15) | ((s[j] >> 2) & 0x30));
             min[j + 4] = dmin * (float)((s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30));
         }
-        for (int i = 0; i < 4; ++i) /* 32 bytes -> sub-blocks 2i (low nibbles) and 2i + 1 (high) */
+        for (int i = 0; i < 4; ++i) { /* 32 bytes -> sub-blocks 2i (low nibbles) and 2i + 1 (high) */
+#ifdef VW
+            const __m128i mask = _mm_set1_epi8(15);
+            for (int l = 0; l < 32; l += 16) {
+                const __m128i q = _mm_loadu_si128((const __m128i *)(qs + 32 * i + l));
+                bytes16_u(_mm_and_si128(q, mask), vset1(scale[2 * i]), vset1(-min[2 * i]), out + 64 * i + l);
+                bytes16_u(_mm_and_si128(_mm_srli_epi16(q, 4), mask), vset1(scale[2 * i + 1]), vset1(-min[2 * i + 1]),
+                          out + 64 * i + 32 + l);
+            }
+            continue;
+#endif
             for (int l = 0; l < 32; ++l) {
                 out[64 * i + l] = scale[2 * i] * (float)(qs[32 * i + l] & 15) - min[2 * i];
                 out[64 * i + 32 + l] = scale[2 * i + 1] * (float)(qs[32 * i + l] >> 4) - min[2 * i + 1];
             }
+        }
     }
 }
 
+/* Q6_K: each half of a super-block (128 weights) takes 64 bytes of low nibbles and 32 bytes of 2-bit highs;
+ * output l, l + 32, l + 64, l + 96 of the half share ql[l], ql[l + 32] and qh[l] (gguf-py's reshapes, which
+ * are llama.cpp's dequantize_row_q6_K). Written as four 32-wide loops the compiler vectorises. */
 static void expand_q6_k(const uint8_t *row, int64_t k, float *out) {
-    for (int64_t b = 0; b < k / 256; ++b, row += 210, out += 256) {
+    for (int64_t b = 0; b < k / 256; ++b, row += 210) {
         const uint8_t *ql = row, *qh = row + 128;
         const int8_t *sc = (const int8_t *)(row + 192);
         const float d = f16_at(row + 208);
         float scale[16];
         for (int i = 0; i < 16; ++i) scale[i] = d * (float)sc[i];
-        for (int f = 0; f < 256; ++f) {
-            const int c = f >> 7, r = f & 127;
-            const int lo = (ql[64 * c + (r & 63)] >> (4 * (r >> 6))) & 15;
-            const int hi = (qh[32 * c + (r & 31)] >> (2 * (r >> 5))) & 3;
-            out[f] = scale[f >> 4] * (float)((lo | (hi << 4)) - 32);
+        for (int half = 0; half < 2; ++half, ql += 64, qh += 32, out += 128) {
+            const float *s = scale + 8 * half;
+#ifdef VW
+            const __m128i low = _mm_set1_epi8(15), high = _mm_set1_epi8(0x30), bias = _mm_set1_epi8(32);
+            for (int l = 0; l < 32; l += 16) {
+                const __m128i a = _mm_loadu_si128((const __m128i *)(ql + l));
+                const __m128i c = _mm_loadu_si128((const __m128i *)(ql + l + 32));
+                const __m128i h = _mm_loadu_si128((const __m128i *)(qh + l));
+                const __m128i q1 = _mm_or_si128(_mm_and_si128(a, low), _mm_and_si128(_mm_slli_epi16(h, 4), high));
+                const __m128i q2 = _mm_or_si128(_mm_and_si128(c, low), _mm_and_si128(_mm_slli_epi16(h, 2), high));
+                const __m128i q3 = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), low), _mm_and_si128(h, high));
+                const __m128i q4 =
+                    _mm_or_si128(_mm_and_si128(_mm_srli_epi16(c, 4), low), _mm_and_si128(_mm_srli_epi16(h, 2), high));
+                const int is = l / 16;
+                bytes16_i(_mm_sub_epi8(q1, bias), vset1(s[is]), out + l);
+                bytes16_i(_mm_sub_epi8(q2, bias), vset1(s[is + 2]), out + l + 32);
+                bytes16_i(_mm_sub_epi8(q3, bias), vset1(s[is + 4]), out + l + 64);
+                bytes16_i(_mm_sub_epi8(q4, bias), vset1(s[is + 6]), out + l + 96);
+            }
+            continue;
+#endif
+            for (int l = 0; l < 32; ++l) {
+                const int q1 = (ql[l] & 15) | ((qh[l] & 3) << 4), q2 = (ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4);
+                const int q3 = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4), q4 = (ql[l + 32] >> 4) | ((qh[l] >> 6) << 4);
+                const int is = l / 16;
+                out[l] = s[is] * (float)(q1 - 32);
+                out[l + 32] = s[is + 2] * (float)(q2 - 32);
+                out[l + 64] = s[is + 4] * (float)(q3 - 32);
+                out[l + 96] = s[is + 6] * (float)(q4 - 32);
+            }
         }
     }
 }
@@ -198,7 +237,19 @@ static void expand_f16(const uint8_t *row, int64_t k, float *out) {
 }
 
 static void expand_bf16(const uint8_t *row, int64_t k, float *out) {
-    for (int64_t d = 0; d < k; ++d) {
+    int64_t d = 0;
+#if defined(__AVX512F__)
+    for (; d + 16 <= k; d += 16) {
+        const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 2 * d)));
+        _mm512_storeu_ps(out + d, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+    }
+#elif defined(__AVX2__)
+    for (; d + 8 <= k; d += 8) {
+        const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + 2 * d)));
+        _mm256_storeu_ps(out + d, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+    }
+#endif
+    for (; d < k; ++d) {
         uint16_t h;
         memcpy(&h, row + 2 * d, 2);
         const uint32_t bits = (uint32_t)h << 16;
