@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
+from pagedgen.core.kv import PagedKVCache
+from pagedgen.core.step_inputs import StepInputs
 from pagedgen.errors import PagedGenError
-from pagedgen.executor.inputs import StepInputs
-from pagedgen.models.base import PagedKVCache
 from pagedgen.ops.cpu_memory import retain_freed_cpu_memory
 from pagedgen.ops.gemm import gemm_step
 

@@ -5,7 +5,7 @@
 default where the native kernels exist) keeps quantised and 16-bit weights as stored
 (:mod:`pagedgen.models.native_weights`); ``weights="float32"`` dequantises them at load (a GGUF file once,
 into the weight cache). The engine runs ``model.runtime`` (a :class:`pagedgen.models.base.CausalLM`) once
-per step with a :class:`pagedgen.models.base.PagedKVCache` built from ``model.kv_spec``.
+per step with a :class:`pagedgen.core.kv.PagedKVCache` built from ``model.kv_spec``.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
+from pagedgen.core.kv import KVSpec
 from pagedgen.errors import ModelLoadError, TokenizerError
-from pagedgen.models.base import KVSpec
 from pagedgen.models.checkpoint import Checkpoint, CheckpointKind, resolve_checkpoint
 from pagedgen.models.config import ModelConfig
 from pagedgen.models.hf_loader import read_hf_config, read_hf_weights

@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import save_file
 
 import pagedgen.ops.quant_gemm as quant_gemm
+from pagedgen.core.kv import PagedKVCache
 from pagedgen.errors import ModelLoadError
 from pagedgen.executor.inputs import SequenceChunk, pack_step
-from pagedgen.models.base import PagedKVCache
 from pagedgen.models.llama import Linear, _fuse_linears, _set_weight
 from pagedgen.models.model import Model
 from pagedgen.models.native_weights import WeightFormat
