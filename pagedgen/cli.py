@@ -98,6 +98,13 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         default="default",
         help="'default' (embedded SmolLM2-135M-Instruct), an HF checkpoint directory or a .gguf file",
     )
+    parser.add_argument(
+        "--weights",
+        choices=("native", "float32"),
+        default="native",
+        help="'native' keeps GGUF-quantised and 16-bit weights as stored (falls back to float32 without the "
+        "native kernels); 'float32' dequantises them at load (default: native)",
+    )
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -164,11 +171,11 @@ def sampling_params(args: argparse.Namespace) -> Any:
     )
 
 
-def _load_model(name: str) -> Any:
+def _load_model(name: str, weights: str = "native") -> Any:
     from pagedgen.models.model import Model
 
-    print(f"loading model {name!r} ...", file=sys.stderr, flush=True)
-    return Model(name)
+    print(f"loading model {name!r} ({weights} weights) ...", file=sys.stderr, flush=True)
+    return Model(name, weights=weights)
 
 
 # ---------------------------------------------------------------- subcommands
@@ -185,7 +192,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         max_queued_requests=args.max_queued_requests,
     )
-    app = build_app(_load_model(args.model), engine_config(args), options)
+    app = build_app(_load_model(args.model, args.weights), engine_config(args), options)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
 
@@ -193,7 +200,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from pagedgen.llm import LLM
 
-    llm = LLM(_load_model(args.model), engine_config(args))
+    llm = LLM(_load_model(args.model, args.weights), engine_config(args))
     params = sampling_params(args)
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
@@ -220,7 +227,7 @@ CHAT_HELP = "Type a message and press Enter. /reset starts a new conversation; /
 def cmd_chat(args: argparse.Namespace) -> int:
     from pagedgen.llm import LLM, ChatSession
 
-    llm = LLM(_load_model(args.model), engine_config(args))
+    llm = LLM(_load_model(args.model, args.weights), engine_config(args))
     params = sampling_params(args)
     session = ChatSession(llm, params, args.system)
     print(CHAT_HELP, flush=True)

@@ -16,9 +16,17 @@ from pagedgen.models.synthetic import SyntheticModel, SyntheticTokenizer, synthe
 
 def test_serve_defaults_bind_to_localhost_8000():
     args = cli.build_parser().parse_args(["serve"])
-    assert (args.host, args.port, args.model) == ("127.0.0.1", 8000, "default")
+    assert (args.host, args.port, args.model, args.weights) == ("127.0.0.1", 8000, "default", "native")
     assert args.served_model_name is None
     assert cli.engine_config(args) == pg.EngineConfig()
+
+
+def test_weights_choose_native_or_float32_and_refuse_the_rest(capsys):
+    parser = cli.build_parser()
+    assert parser.parse_args(["generate", "hi", "--weights", "float32"]).weights == "float32"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--weights", "int4"])
+    assert "invalid choice: 'int4'" in capsys.readouterr().err
 
 
 def test_engine_options_map_to_the_engine_config():
@@ -101,7 +109,7 @@ def test_bench_reports_when_unavailable(monkeypatch, capsys):
 
 def test_generate_prints_one_json_record_per_prompt(monkeypatch, capsys):
     vocab = 95
-    monkeypatch.setattr(cli, "_load_model", lambda name: SyntheticModel(vocab_size=vocab))
+    monkeypatch.setattr(cli, "_load_model", lambda name, weights: SyntheticModel(vocab_size=vocab))
     assert cli.main(["generate", "abc", "hello", "--max-tokens", "5", "--num-blocks", "16", "--json"]) == 0
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     tokenizer = SyntheticTokenizer(vocab)
@@ -115,7 +123,7 @@ def test_generate_prints_one_json_record_per_prompt(monkeypatch, capsys):
 
 
 def test_generate_plain_output_is_the_completion_text(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "_load_model", lambda name: SyntheticModel(vocab_size=95))
+    monkeypatch.setattr(cli, "_load_model", lambda name, weights: SyntheticModel(vocab_size=95))
     assert cli.main(["generate", "abc", "--max-tokens", "3", "--num-blocks", "16"]) == 0
     tokenizer = SyntheticTokenizer(95)
     expected = tokenizer.decode(synthetic_greedy(tokenizer.encode("abc"), 3, 95))
