@@ -36,6 +36,8 @@ from pagedgen.ops.gemm import GemmBackend, GemmTable, RowBucket, native_gemm, op
 from pagedgen.ops.native import gemm_kernel
 
 DRAM_BYTES = 192 << 20  # enough distinct weights per shape to stream from memory, not cache
+SHARED_DECODE_ROWS = 32  # decode widths every engine measures (see engine_row_counts)
+BUDGET_S = 3.0  # seconds of repeats at engine start (one round always runs)
 
 Gemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
@@ -227,17 +229,21 @@ class RowCounts:
 def engine_row_counts(
     max_batch_size: int, max_scheduled_tokens: int, chunk_size: int | None = None
 ) -> RowCounts:
-    """The row counts an engine's steps produce, sampled: decode widths 1, 2, 4, ... and ``max_batch_size``;
-    prefill sizes 4x, 16x, ... ``max_batch_size`` below ``max_scheduled_tokens``, the chunk size, and
-    ``max_scheduled_tokens``. E.g. (16, 2048): decode 1, 2, 4, 8, 16; prefill 64, 256, 1024, 2048.
+    """The row counts an engine's steps produce, sampled: decode widths 1, 2, 4, ... up to
+    ``max(max_batch_size, SHARED_DECODE_ROWS)`` and ``max_batch_size``; prefill sizes 4x, 16x, ... the widest
+    decode width below ``max_scheduled_tokens``, the chunk size, and ``max_scheduled_tokens``.
+
+    E.g. (16, 2048) and (32, 2048): decode 1, 2, ..., 32; prefill 128, 512, 2048. Measuring decode widths
+    up to 32 for every engine lets engines of different batch sizes share one cached measurement.
     """
-    decode = {1 << i for i in range(max_batch_size.bit_length())} | {max_batch_size}
+    widest = max(max_batch_size, SHARED_DECODE_ROWS)
+    decode = {1 << i for i in range(widest.bit_length())} | {max_batch_size}
     prefill = {max_scheduled_tokens} | ({chunk_size} if chunk_size else set())
-    size = 4 * max_batch_size
+    size = 4 * max(decode)
     while size < max_scheduled_tokens:
         prefill.add(size)
         size *= 4
-    return RowCounts(tuple(sorted(decode)), tuple(sorted(p for p in prefill if p > max_batch_size)))
+    return RowCounts(tuple(sorted(decode)), tuple(sorted(p for p in prefill if p > max(decode))))
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,20 +325,33 @@ def _run(gemm: Gemm, calls: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None
 def time_passes(
     weights: Sequence[LinearWeight],
     counts: RowCounts,
-    trials: tuple[int, int] = (3, 2),
+    budget_s: float = BUDGET_S,
+    max_rounds: int = 3,
     gemms: dict[GemmBackend, Gemm] | None = None,
 ) -> list[PassTiming]:
-    """:func:`time_pass` at every row count: ``trials`` (decode, prefill) repeats, best kept.
+    """Best seconds per backend of a :func:`pass_weights` pass at every row count.
 
-    An untimed pass first touches every weight: a freshly loaded (memory-mapped) model would otherwise
-    page in during the first timed pass.
+    Rounds: each round times one pass per row count and backend; rounds repeat (best kept, at most
+    ``max_rounds``) while another would end within ``budget_s``. One round takes about a second on 2 cores
+    for a 135M-parameter model; a loaded machine gets fewer repeats, so a noisier table, rather than a
+    slower start (``pagedgen bench gemm --recalibrate`` measures again). An untimed pass first touches every
+    weight: a freshly loaded (memory-mapped) model would otherwise page in during the first timed pass.
     """
     _run(torch_gemm, [(torch.zeros(1, w.shape[0]), w.weight) for w in weights])
-    timings = []
-    for rows in (*counts.decode, *counts.prefill):
-        repeats = trials[0] if rows in counts.decode else trials[1]
-        timings.append(time_pass(pass_weights(weights, rows, counts), rows, repeats, gemms))
-    return timings
+    plans = [(rows, pass_weights(weights, rows, counts)) for rows in (*counts.decode, *counts.prefill)]
+    best: dict[int, PassTiming] = {}
+    start = time.perf_counter()
+    for done in range(1, max_rounds + 1):
+        for rows, chosen in plans:
+            timing = time_pass(chosen, rows, 1, gemms)
+            if rows in best:
+                seconds = {b: min(s, best[rows].seconds[b]) for b, s in timing.seconds.items()}
+                timing = PassTiming(rows, timing.flops, seconds)
+            best[rows] = timing
+        elapsed = time.perf_counter() - start
+        if elapsed + elapsed / done > budget_s:
+            break
+    return [best[rows] for rows, _ in plans]
 
 
 def explain_table(timings: Sequence[PassTiming]) -> list[str]:
