@@ -38,6 +38,7 @@ from pagedgen.ops.native import gemm_kernel
 DRAM_BYTES = 192 << 20  # enough distinct weights per shape to stream from memory, not cache
 SHARED_DECODE_ROWS = 32  # decode widths every engine measures (see engine_row_counts)
 BUDGET_S = 3.0  # seconds of repeats at engine start (one round always runs)
+SETTLE_S = 0.15  # untimed running before a backend's passes: the previous pool's spin-wait ends
 
 Gemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
@@ -297,31 +298,6 @@ def pass_weights(weights: Sequence[LinearWeight], rows: int, counts: RowCounts) 
     return chosen
 
 
-def time_pass(
-    weights: Sequence[torch.Tensor], rows: int, trials: int, gemms: dict[GemmBackend, Gemm] | None = None
-) -> PassTiming:
-    """Best-of-``trials`` seconds of ``[rows, in] @ w.T`` over ``weights`` per backend (alternating)."""
-    gemms = available_backends() if gemms is None else gemms
-    gen = torch.Generator().manual_seed(rows)
-    inputs = {k: torch.randn(rows, k, generator=gen) for k in {int(w.shape[1]) for w in weights}}
-    calls = [(inputs[int(w.shape[1])], w) for w in weights]
-    best = dict.fromkeys(gemms, float("inf"))
-    with torch.inference_mode():
-        for _ in range(trials):
-            for backend, gemm in gemms.items():
-                _run(gemm, calls[:2])  # switch pools outside the timed block
-                start = time.perf_counter()
-                _run(gemm, calls)
-                best[backend] = min(best[backend], time.perf_counter() - start)
-    flops = float(sum(2 * rows * w.numel() for w in weights))
-    return PassTiming(rows, flops, best)
-
-
-def _run(gemm: Gemm, calls: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    for x, w in calls:
-        gemm(x, w, None)
-
-
 def time_passes(
     weights: Sequence[LinearWeight],
     counts: RowCounts,
@@ -331,27 +307,58 @@ def time_passes(
 ) -> list[PassTiming]:
     """Best seconds per backend of a :func:`pass_weights` pass at every row count.
 
-    Rounds: each round times one pass per row count and backend; rounds repeat (best kept, at most
-    ``max_rounds``) while another would end within ``budget_s``. One round takes about a second on 2 cores
-    for a 135M-parameter model; a loaded machine gets fewer repeats, so a noisier table, rather than a
-    slower start (``pagedgen bench gemm --recalibrate`` measures again). An untimed pass first touches every
-    weight: a freshly loaded (memory-mapped) model would otherwise page in during the first timed pass.
+    Rounds: each round times, backend by backend, one pass per row count; rounds repeat (best kept, at
+    most ``max_rounds``) while another would end within ``budget_s``. One round takes about a second on 2
+    cores for a 135M-parameter model; a loaded machine gets fewer repeats, so a noisier table, rather than
+    a slower start (``pagedgen bench gemm --recalibrate`` measures again).
+
+    Before a backend's passes it runs untimed for :data:`SETTLE_S`: the previous backend's pool may still
+    spin (OpenBLAS's workers for ~0.1 s after a call) and would slow the first passes of the next one; a
+    pass at one row lasts only ~30 ms. The first settle also touches every weight, which a freshly loaded
+    (memory-mapped) model would otherwise page in during the first timed pass.
     """
-    _run(torch_gemm, [(torch.zeros(1, w.shape[0]), w.weight) for w in weights])
-    plans = [(rows, pass_weights(weights, rows, counts)) for rows in (*counts.decode, *counts.prefill)]
-    best: dict[int, PassTiming] = {}
+    gemms = available_backends() if gemms is None else gemms
+    rows_list = (*counts.decode, *counts.prefill)
+    plans = [(rows, _calls(pass_weights(weights, rows, counts), rows)) for rows in rows_list]
+    warm = _calls([w.weight for w in weights], 1)
+    best = {rows: dict.fromkeys(gemms, float("inf")) for rows in rows_list}
     start = time.perf_counter()
-    for done in range(1, max_rounds + 1):
-        for rows, chosen in plans:
-            timing = time_pass(chosen, rows, 1, gemms)
-            if rows in best:
-                seconds = {b: min(s, best[rows].seconds[b]) for b, s in timing.seconds.items()}
-                timing = PassTiming(rows, timing.flops, seconds)
-            best[rows] = timing
-        elapsed = time.perf_counter() - start
-        if elapsed + elapsed / done > budget_s:
-            break
-    return [best[rows] for rows, _ in plans]
+    with torch.inference_mode():
+        for done in range(1, max_rounds + 1):
+            for backend, gemm in gemms.items():
+                _settle(gemm, warm)
+                for rows, calls in plans:
+                    began = time.perf_counter()
+                    _run(gemm, calls)
+                    best[rows][backend] = min(best[rows][backend], time.perf_counter() - began)
+            elapsed = time.perf_counter() - start
+            if elapsed + elapsed / done > budget_s:
+                break
+    return [PassTiming(rows, _flops(calls), best[rows]) for rows, calls in plans]
+
+
+def _calls(weights: Sequence[torch.Tensor], rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(x [rows, in], w)`` per weight; one random ``x`` per input size."""
+    gen = torch.Generator().manual_seed(rows)
+    inputs = {k: torch.randn(rows, k, generator=gen) for k in sorted({int(w.shape[1]) for w in weights})}
+    return [(inputs[int(w.shape[1])], w) for w in weights]
+
+
+def _flops(calls: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    return float(sum(2 * x.shape[0] * w.numel() for x, w in calls))
+
+
+def _settle(gemm: Gemm, calls: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    began = time.perf_counter()
+    while True:
+        _run(gemm, calls)
+        if time.perf_counter() - began >= SETTLE_S:
+            return
+
+
+def _run(gemm: Gemm, calls: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for x, w in calls:
+        gemm(x, w, None)
 
 
 def explain_table(timings: Sequence[PassTiming]) -> list[str]:
