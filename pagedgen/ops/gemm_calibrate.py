@@ -308,7 +308,7 @@ def time_passes(
     """Best seconds per backend of a :func:`pass_weights` pass at every row count.
 
     Rounds: each round times, backend by backend, one pass per row count; rounds repeat (best kept, at
-    most ``max_rounds``) while another would end within ``budget_s``. One round takes about a second on 2
+    most ``max_rounds``) while another would end within ``budget_s``. One round took 2.5-4 s on 2 quiet
     cores for a 135M-parameter model; a loaded machine gets fewer repeats, so a noisier table, rather than
     a slower start (``pagedgen bench gemm --recalibrate`` measures again).
 
