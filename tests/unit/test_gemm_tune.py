@@ -365,3 +365,33 @@ print(gemm.active_table() == calibration.table, calibration.key["native"])
     assert json.loads(backends) == [["openblas", "torch"]] * 6  # rows 1, 2, 4, 8, 16, 32
     assert verdict == "True off: disabled by PAGEDGEN_NATIVE_KERNELS"
     assert len(list((tmp_path / "gemm").glob("table-*.json"))) == 1
+
+
+def test_bench_gemm_prints_the_table_and_a_reason_per_row_count(monkeypatch, capsys, tmp_path):
+    from pagedgen.bench import cli
+
+    class StubModel:
+        def __init__(self, name, dtype, device):
+            self.runtime = TinyRuntime()
+
+    seen, real = [], gemm_tune.calibrate
+
+    def calibrate(weights, counts, refresh=False):
+        seen.append((counts, refresh))
+        return real(weights, counts, measure=FakeMeasure(), refresh=refresh)
+
+    monkeypatch.setattr("pagedgen.models.model.Model", StubModel)
+    monkeypatch.setattr(gemm_tune, "calibrate", calibrate)
+    out_json = tmp_path / "gemm.json"
+    argv = ["gemm", "--max-batch-size", "4", "--max-scheduled-tokens", "64", "--recalibrate", "--json"]
+    assert cli.main([*argv, str(out_json)]) == 0
+    printed = capsys.readouterr().out
+    assert seen == [(RowCounts((1, 2, 4, 8, 16, 32), (64,)), True)]
+    assert "table: rows<=2: native; rows<=4: openblas; else torch\n" in printed
+    assert (
+        "  rows 3-4 (measured at 4): openblas 1.0 GFLOP/s; native 0.5 (0.50x); torch 0.3 (0.33x)\n" in printed
+    )
+    assert ", ".join(cpu_info.cpu_features()) in printed
+    document = json.loads(out_json.read_text())
+    assert document["calibration"]["table"] == "rows<=2: native; rows<=4: openblas; else torch"
+    assert document["cpu_features"] == list(cpu_info.cpu_features())
