@@ -1,24 +1,23 @@
-"""The systems pagedgen is measured against, each run in this process on the same weights, dtype and threads.
+"""The systems pagedgen is measured against, on the same weights, dtype, threads and batch size.
 
 * ``hf-static``: transformers ``generate`` over left-padded static batches of ``max_batch_size``; a batch
   runs to its longest request and each request keeps its own length (the rest is static batching's waste).
 * ``hf-cb``: transformers' own continuous batching (``ContinuousBatchingManager``, the engine behind
   ``generate_batch``) with each request's own ``max_new_tokens``.
-* ``vllm``: vLLM's CPU build (fp32, eager), only if ``vllm`` is importable; never a pagedgen dependency.
-* ``ort-genai``: ONNX Runtime GenAI ``og.Generator`` in batches of up to 32 over an fp32 CPU export of the
-  same weights (made once with its model builder), only if ``onnxruntime_genai`` is importable.
+* ``ort-genai`` / ``ort-genai-int4``: ONNX Runtime GenAI's ``og.Generator`` in batches of up to 32 over an
+  fp32 / int4 CPU export of the same weights, made once with its model builder (``ort_genai.py``).
+* ``vllm`` / ``vllm-eager``: vLLM's CPU build (fp32, compiled / eager) in its own venv (``vllm_runner.py``).
 
 Every runner takes ``(requests, max_batch_size)`` and returns a :class:`SystemRun`, or raises
 :class:`SystemSkipped` naming why it cannot run here. All are greedy with EOS ignored. The transformers model
 is loaded once from pagedgen's checkpoint directory (for a GGUF file: its dequantised fp32 cache entry, i.e.
-bit-identical weights) and shared by both transformers systems.
+bit-identical weights) and shared by both transformers systems; the ONNX Runtime and vLLM peers read the
+same directory. transformers runs in this process; the others need the ``bench`` extra or their own venv.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import subprocess
-import sys
+import json
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -27,18 +26,9 @@ from typing import Any
 from pagedgen.bench.records import SystemRun, SystemSkipped
 from pagedgen.bench.workloads import BenchRequest
 
-ORT_GENAI_MAX_BATCH = 32
 CB_STOP_TIMEOUT_S = 600.0
 NO_CHECKPOINT = "the model has no checkpoint directory (e.g. the synthetic model): nothing for it to load"
-BASELINE_NAMES = ("hf-static", "hf-cb", "vllm", "ort-genai")
-
-
-def importable(module: str) -> bool:
-    """True when ``module`` can be imported here (checked without importing it)."""
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
+BASELINE_NAMES = ("hf-static", "hf-cb", "ort-genai", "ort-genai-int4", "vllm", "vllm-eager")
 
 
 def batches(requests: Sequence[BenchRequest], size: int) -> list[Sequence[BenchRequest]]:
@@ -165,105 +155,51 @@ def _collect_cb(manager: Any, requests: Sequence[BenchRequest]) -> list[list[int
     return [o or [] for o in outputs]
 
 
-def run_vllm(checkpoint_dir: Path | None, requests: Sequence[BenchRequest], max_batch_size: int) -> SystemRun:
-    """vLLM's offline ``LLM.generate`` (fp32, eager) on token-id prompts. Skipped when not importable."""
-    if not importable("vllm"):
-        raise SystemSkipped("vllm is not importable in this environment (pagedgen never depends on it)")
-    if checkpoint_dir is None:
-        raise SystemSkipped(NO_CHECKPOINT)
-    from vllm import SamplingParams  # type: ignore[import-not-found]
+def hf_dir_for_loaders(checkpoint_dir: Path, staging: Path) -> Path:
+    """``checkpoint_dir`` itself if its ``config.json`` names ``architectures``, else a linked copy that does.
 
-    llm = _vllm_engine(checkpoint_dir, max_batch_size)
-    params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
-    prompts = [{"prompt_token_ids": list(r.prompt_ids)} for r in requests]
-    start = time.perf_counter()
-    results = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - start
-    return SystemRun([list(r.outputs[0].token_ids) for r in results], wall)
-
-
-_VLLM_ENGINES: dict[tuple[str, int], Any] = {}
-
-
-def _vllm_engine(checkpoint_dir: Path, max_batch_size: int) -> Any:
-    from vllm import LLM  # type: ignore[import-not-found]
-
-    key = (str(checkpoint_dir), max_batch_size)
-    if key not in _VLLM_ENGINES:
-        _VLLM_ENGINES[key] = LLM(
-            model=str(checkpoint_dir), dtype="float32", enforce_eager=True, max_num_seqs=max_batch_size
-        )
-    return _VLLM_ENGINES[key]
-
-
-def ort_export_dir(checkpoint_dir: Path) -> Path:
-    """Where the fp32 CPU export of ``checkpoint_dir`` lives (built once next to the checkpoint)."""
-    return Path(checkpoint_dir) / "ort-genai-fp32-cpu"
-
-
-def ensure_ort_export(checkpoint_dir: Path) -> Path:
-    """Build the fp32 CPU export with ONNX Runtime GenAI's model builder unless it exists."""
-    out = ort_export_dir(checkpoint_dir)
-    if (out / "genai_config.json").is_file():
-        return out
-    command = [
-        sys.executable, "-m", "onnxruntime_genai.models.builder",
-        "-i", str(checkpoint_dir), "-o", str(out), "-p", "fp32", "-e", "cpu",
-    ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"model builder failed ({' '.join(command)}): {done.stderr[-2000:]}")
-    return out
-
-
-def run_ort_genai(
-    checkpoint_dir: Path | None, requests: Sequence[BenchRequest], max_batch_size: int
-) -> SystemRun:
-    """``og.Generator`` over batches of up to 32 requests of equal prompt length (no padding semantics).
-
-    Requests are grouped by prompt length (stable order) because how og pads batched prompts of different
-    lengths is not something this bench can verify; W1 and B1 batch normally, W2's batches are smaller.
+    ONNX Runtime GenAI's builder and vLLM pick the model class from ``architectures``, which pagedgen's GGUF
+    cache entries (written from GGUF metadata) do not carry; transformers' causal-LM table names the class
+    for the model type. The copy links every other file, so it costs no disk.
     """
-    if not importable("onnxruntime_genai"):
-        raise SystemSkipped("onnxruntime_genai is not importable in this environment")
-    if checkpoint_dir is None:
-        raise SystemSkipped(NO_CHECKPOINT)
-    import numpy as np
-    import onnxruntime_genai as og  # type: ignore[import-not-found]
+    config = json.loads((checkpoint_dir / "config.json").read_text())
+    if config.get("architectures"):
+        return checkpoint_dir
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    model = og.Model(str(ensure_ort_export(checkpoint_dir)))
-    size = min(max_batch_size, ORT_GENAI_MAX_BATCH)
-    by_len: dict[int, list[int]] = {}
-    for i, r in enumerate(requests):
-        by_len.setdefault(len(r.prompt_ids), []).append(i)
-    outputs: list[list[int]] = [[] for _ in requests]
-    start = time.perf_counter()
-    for length, members in by_len.items():
-        for group in batches(members, size):
-            longest = max(requests[i].output_len for i in group)
-            params = og.GeneratorParams(model)
-            params.set_search_options(do_sample=False, max_length=length + longest, batch_size=len(group))
-            generator = og.Generator(model, params)
-            generator.append_tokens(np.array([requests[i].prompt_ids for i in group], dtype=np.int32))
-            while not generator.is_done():
-                generator.generate_next_token()
-            for row, i in enumerate(group):
-                outputs[i] = list(generator.get_sequence(row))[length : length + requests[i].output_len]
-    return SystemRun(outputs, time.perf_counter() - start)
+    architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type", ""))
+    if architecture is None:
+        kind = config.get("model_type")
+        raise RuntimeError(f"{checkpoint_dir}: no causal-LM class for model_type {kind!r}")
+    staging.mkdir(parents=True)
+    for path in checkpoint_dir.iterdir():
+        if path.is_file() and path.name != "config.json":
+            (staging / path.name).symlink_to(path.resolve())
+    (staging / "config.json").write_text(json.dumps(config | {"architectures": [architecture]}, indent=2))
+    return staging
 
 
 def baseline_runners(
-    names: Sequence[str], checkpoint_dir: Path | None
+    names: Sequence[str], checkpoint_dir: Path | None, *, vllm_venv: Path | None = None, threads: int = 1
 ) -> dict[str, Callable[[Sequence[BenchRequest], int], SystemRun]]:
-    """Runners for ``names`` (in order); raises ValueError naming an unknown baseline."""
+    """Runners for ``names`` (in order); raises ValueError naming an unknown baseline.
+
+    ``vllm_venv`` is the root of the venv holding vLLM (default: this interpreter's), ``threads`` the number
+    of cores the vLLM baselines are bound to.
+    """
+    from pagedgen.bench.ort_genai import OrtGenai
+    from pagedgen.bench.vllm_runner import Vllm
+
     unknown = [n for n in names if n not in BASELINE_NAMES]
     if unknown:
         raise ValueError(f"unknown baseline(s) {unknown}; known: {', '.join(BASELINE_NAMES)}")
     hf = TransformersBaselines(checkpoint_dir)
-    table: dict[str, Callable[[Sequence[BenchRequest], int], SystemRun]] = {
+    table: dict[str, Callable[[Sequence[BenchRequest], int], SystemRun]] = {  # nothing loads before a run
         "hf-static": hf.run_static,
         "hf-cb": hf.run_continuous,
-        "vllm": lambda reqs, batch: run_vllm(checkpoint_dir, reqs, batch),
-        "ort-genai": lambda reqs, batch: run_ort_genai(checkpoint_dir, reqs, batch),
+        "ort-genai": OrtGenai(checkpoint_dir, "fp32").run,
+        "ort-genai-int4": OrtGenai(checkpoint_dir, "int4").run,
+        "vllm": Vllm(checkpoint_dir, vllm_venv, enforce_eager=False, threads=threads).run,
+        "vllm-eager": Vllm(checkpoint_dir, vllm_venv, enforce_eager=True, threads=threads).run,
     }
     return {name: table[name] for name in names}

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pagedgen.bench.extras import INSTALL_HINT, MissingBenchExtra, importable, require
 from pagedgen.cli import positive_int
 
 DEFAULT_BASELINES = "hf-static"
@@ -55,7 +56,13 @@ def _throughput_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--baselines",
         default=DEFAULT_BASELINES,
-        help="comma list of hf-static, hf-cb, vllm, ort-genai, run in this order after pagedgen ('' none)",
+        help="comma list of hf-static, hf-cb, ort-genai, ort-genai-int4, vllm, vllm-eager, run in this order "
+        "after pagedgen ('' none); the ort-genai ones need the bench extra",
+    )
+    p.add_argument(
+        "--vllm-venv",
+        type=Path,
+        help="root of the venv holding vLLM's CPU build (default: this interpreter's environment)",
     )
     e = p.add_argument_group("pagedgen engine")
     e.add_argument("--max-batch-size", type=positive_int, default=32, help="batch size of every system")
@@ -77,7 +84,7 @@ def _throughput_parser(p: argparse.ArgumentParser) -> None:
     o.add_argument("--profile", action="store_true", help="split pagedgen's step time into phases")
     o.add_argument("--json", type=Path, help="write every record (and the machine) to this JSON file")
     o.add_argument("--markdown", type=Path, help="write the markdown table to this file")
-    o.add_argument("--plot", type=Path, help="bar chart PNG (default: next to --json)")
+    o.add_argument("--plot", type=Path, help="bar chart PNG (default: next to --json, with matplotlib)")
 
 
 def _serve_parser(p: argparse.ArgumentParser) -> None:
@@ -94,7 +101,9 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=positive_int, help="most requests in flight")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     p.add_argument("--json", type=Path, help="write the summaries to this JSON file")
-    p.add_argument("--plot", type=Path, help="latency-vs-rate PNG (default: next to --json, 2+ rates)")
+    p.add_argument(
+        "--plot", type=Path, help="latency-vs-rate PNG (default: next to --json, 2+ rates, with matplotlib)"
+    )
 
 
 def _gemm_parser(p: argparse.ArgumentParser) -> None:
@@ -131,10 +140,11 @@ def workloads_from_args(args: argparse.Namespace, default: str) -> list[Any]:
 
 
 def machine_info(peak_flops: float | None) -> dict[str, Any]:
-    """What a reader needs to interpret the numbers: CPU, threads, versions, GEMM table, load."""
+    """What a reader needs to interpret the numbers: CPU and flags, threads, versions, GEMM table, load."""
     import numpy as np
     import torch
 
+    from pagedgen.bench.cpu import cpu_flags
     from pagedgen.ops.gemm import active_table
     from pagedgen.ops.gemm_threads import current_thread_settings
 
@@ -149,6 +159,7 @@ def machine_info(peak_flops: float | None) -> dict[str, Any]:
     threads = current_thread_settings()
     return {
         "cpu": cpu,
+        "cpu_flags": list(cpu_flags()),
         "cpus": threads.cpus,
         "torch_threads": threads.torch_threads,
         "blas_threads": threads.blas_threads,
@@ -198,12 +209,14 @@ def cmd_throughput(args: argparse.Namespace) -> int:
 
     specs = workloads_from_args(args, "W1")
     names = [n.strip() for n in args.baselines.split(",") if n.strip()]
+    plot = _plot_path(args.plot, args.json, "the throughput chart")
     _setup_machine(args.threads, args.gemm)
     peak = None if args.no_roofline else measure_gemm_flops()
     result = ThroughputResult(machine=machine_info(peak))
     _print_machine(result.machine)
     model, tokenizer, checkpoint = _load_model(args.model)
-    runners = baseline_runners(names, checkpoint)
+    threads = result.machine["torch_threads"]
+    runners = baseline_runners(names, checkpoint, vllm_venv=args.vllm_venv, threads=threads)
     options = PagedgenOptions(
         max_batch_size=args.max_batch_size,
         max_scheduled_tokens=args.max_scheduled_tokens,
@@ -230,10 +243,25 @@ def cmd_throughput(args: argparse.Namespace) -> int:
             args.json,
             json_document(result.records, command=command, machine=result.machine, profiles=profiles),
         )
-    plot = args.plot or (args.json.with_suffix(".png") if args.json else None)
     if plot is not None and plot_throughput(result.records, plot):
         print(f"\nchart: {plot}")
     return 0
+
+
+def _plot_path(explicit: Path | None, json_path: Path | None, purpose: str) -> Path | None:
+    """Where the chart goes: ``--plot``, else next to ``--json`` when matplotlib is installed.
+
+    Checked before any measurement: an explicit ``--plot`` without matplotlib raises MissingBenchExtra.
+    """
+    if explicit is not None:
+        require("matplotlib", purpose)
+        return explicit
+    if json_path is None:
+        return None
+    if not importable("matplotlib"):
+        print(f"no chart: matplotlib is not installed ({INSTALL_HINT})", flush=True)
+        return None
+    return json_path.with_suffix(".png")
 
 
 def _print_machine(machine: dict[str, Any]) -> None:
@@ -253,7 +281,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pagedgen.models.synthetic import SyntheticModel
     from pagedgen.models.tokenizer import Tokenizer
 
+    require("httpx", "pagedgen bench serve")
     specs = workloads_from_args(args, "W2")
+    plot = _plot_path(args.plot, args.json, "the latency chart")
     tokenizer = SyntheticModel().tokenizer if args.tokenizer == "synthetic" else Tokenizer(args.tokenizer)
     model = args.served_model or asyncio.run(served_model_name(args.base_url, args.api_key))
     summaries = []
@@ -277,7 +307,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.json:
         records = [{"workload": name, **s.to_dict()} for name, s in summaries]
         write_json(args.json, {"base_url": args.base_url, "model": model, "summaries": records})
-    plot = args.plot or (args.json.with_suffix(".png") if args.json else None)
     if plot is not None and plot_latency_vs_rate([s for _, s in summaries], plot):
         print(f"\nchart: {plot}")
     return 0 if all(s.failed == 0 for _, s in summaries) else 1
@@ -287,6 +316,7 @@ def cmd_gemm(args: argparse.Namespace) -> int:
     """The table the engine would use on this machine for this model, each choice's reason, and (with
     ``--shapes``) the per-shape study."""
     from pagedgen.bench.report import write_json
+    from pagedgen.models.llama import Linear
     from pagedgen.models.model import Model
     from pagedgen.ops.cpu_info import cpu_features, cpu_model
     from pagedgen.ops.gemm_calibrate import engine_row_counts, model_linear_weights
@@ -299,7 +329,7 @@ def cmd_gemm(args: argparse.Namespace) -> int:
     print(f"threads: torch {settings.torch_threads}, OpenBLAS {settings.blas_threads} ({settings.blas_core})")
     kernel = gemm_kernel()
     model = Model(args.model, dtype="float32", device="cpu")
-    weights = model_linear_weights(model.runtime)
+    weights = model_linear_weights(model.runtime, (Linear,))
     in_sizes = sorted({w.shape[0] for w in weights})
     variants = ", ".join(f"k={k}: {kernel.variant(k)}" for k in in_sizes) if kernel else None
     print(f"native kernel: {variants or native_status().detail}")
@@ -368,3 +398,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"pagedgen bench {args.command}: {exc}", file=sys.stderr)
         return 2
+    except MissingBenchExtra as exc:
+        print(f"pagedgen bench {args.command}: {exc}", file=sys.stderr)
+        return 1

@@ -2,10 +2,12 @@
 
 A system runner returns a :class:`SystemRun` (token outputs, wall time, cache use) or raises
 :class:`SystemSkipped` with the reason it cannot run here; :func:`make_record` turns either into a
-:class:`BenchRecord`, the unit of the JSON output (one record per system and workload). Greedy outputs are
-compared with pagedgen's by :func:`match_stats`: the matched part of a request is its common prefix with the
-reference, because once two greedy decodes diverge (a near-tie flipped by float rounding) every later token
-legitimately differs.
+:class:`BenchRecord`, the unit of the JSON output (one record per system and workload). Every record's greedy
+outputs, pagedgen's included, are compared with the fp32 reference by :func:`match_stats`, and the record
+names that reference in ``reference`` (``bench throughput`` uses pagedgen's own run, in fp32, tested token
+for token against transformers). The matched part of a request is its common prefix with the reference,
+because once two greedy decodes diverge (a near-tie flipped by float rounding) every later token legitimately
+differs. Every record also carries the CPU flags of the machine it ran on.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pagedgen.bench.cpu import cpu_flags
 from pagedgen.bench.workloads import BenchRequest, workload_totals
 
 
@@ -89,10 +92,12 @@ class BenchRecord:
     peak_rss_bytes: int | None = None
     kv_blocks_used: int | None = None
     kv_blocks_total: int | None = None
-    match_rate: float | None = None  # vs pagedgen's greedy outputs (None for pagedgen itself)
+    match_rate: float | None = None  # greedy agreement with ``reference`` (None: no reference, or no run)
     matched_tokens: int | None = None
     compared_tokens: int | None = None
     exact_match_requests: int | None = None
+    reference: str | None = None  # the fp32 run the match is against, e.g. "pagedgen fp32"
+    cpu_flags: list[str] = field(default_factory=list)  # pagedgen.bench.cpu.RELEVANT flags this CPU has
     details: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -113,14 +118,17 @@ def make_record(
     peak_flops: float | None = None,
     peak_rss_bytes: int | None = None,
     reference: Sequence[Sequence[int]] | None = None,
+    reference_name: str | None = None,
 ) -> BenchRecord:
     """The record of a run (``run`` given, status OK) or of a skip/failure (``run`` None, ``reason`` given).
 
     Throughput counts the tokens the workload asked for (a static batch's extra tokens are waste, not output).
-    ``roofline_fraction`` is ``model_flops / wall_s / peak_flops`` when both are known.
+    ``roofline_fraction`` is ``model_flops / wall_s / peak_flops`` when both are known; the match against
+    ``reference`` (outputs per request, named ``reference_name``) is filled in when it is given.
     """
     prompt_tokens, output_tokens = workload_totals(requests)
     record = BenchRecord(workload, system, status, reason, len(requests), prompt_tokens, output_tokens)
+    record.cpu_flags = list(cpu_flags())
     if run is None:
         if status is RunStatus.OK:
             raise ValueError("a record without a run must be SKIPPED or FAILED")
@@ -145,5 +153,6 @@ def make_record(
         record.match_rate = stats.rate
         record.matched_tokens, record.compared_tokens = stats.matched_tokens, stats.compared_tokens
         record.exact_match_requests = stats.exact_requests
+        record.reference = reference_name
     record.details = dict(run.details)
     return record

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pagedgen.bench.extras import require
 from pagedgen.bench.records import BenchRecord, RunStatus
 
 REQUIRED_KEYS = (
@@ -97,9 +98,7 @@ def plot_throughput(records: Sequence[BenchRecord], path: Path) -> bool:
     ran = [r for r in records if r.status is RunStatus.OK and r.output_tokens_per_s]
     if not ran:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
+    require("matplotlib", "the throughput chart").use("Agg")
     import matplotlib.pyplot as plt
 
     workloads = list(dict.fromkeys(r.workload for r in ran))

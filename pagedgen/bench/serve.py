@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from pagedgen.bench.extras import require
 from pagedgen.bench.workloads import BenchRequest
 
 PERCENTILES = (50, 90, 99)
@@ -218,7 +219,7 @@ async def run_rate(
     timeout_s: float = 600.0,
 ) -> ServeSummary:
     """Send every request at its Poisson arrival time (bounded by ``max_concurrency``) and summarise."""
-    import httpx
+    httpx = require("httpx", "pagedgen bench serve")
 
     arrivals = poisson_arrivals(request_rate, len(requests), seed)
     limit = asyncio.Semaphore(max_concurrency or len(requests))
@@ -240,7 +241,7 @@ async def run_rate(
 
 async def served_model_name(base_url: str, api_key: str | None = None) -> str:
     """The first model id ``GET /v1/models`` lists (raises RuntimeError if the server lists none)."""
-    import httpx
+    httpx = require("httpx", "pagedgen bench serve")
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     async with httpx.AsyncClient(timeout=30.0) as client:
@@ -276,9 +277,7 @@ def plot_latency_vs_rate(summaries: Sequence[ServeSummary], path: Any) -> bool:
     points = [s for s in summaries if not math.isinf(s.request_rate) and s.completed]
     if len(points) < 2:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
+    require("matplotlib", "the latency chart").use("Agg")
     import matplotlib.pyplot as plt
 
     points.sort(key=lambda s: s.request_rate)

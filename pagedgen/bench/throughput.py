@@ -1,8 +1,9 @@
 """``pagedgen bench throughput``: run a workload offline on pagedgen and each baseline, one record per system.
 
 All requests are submitted at once (like ``vllm bench throughput``); each system generates exactly the
-workload's greedy tokens per request (EOS ignored). pagedgen runs first and its outputs are the reference
-the baselines' match rates are computed against. Each system gets a short untimed warm-up (first-call
+workload's greedy tokens per request (EOS ignored). pagedgen runs first, in fp32 (the bench loads the model
+at its default dtype), and its outputs are the fp32 reference every record's match rate is computed against
+(pagedgen's own is 1 by construction). Each system gets a short untimed warm-up (first-call
 allocations, thread-pool start) before its timed run, and both thread pools are restored to their full size
 before every system so a baseline never inherits pagedgen's parked torch pool.
 """
@@ -13,6 +14,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+import torch
 
 from pagedgen.bench.memory import PeakRss
 from pagedgen.bench.profile import ProfileSummary, StepProfiler
@@ -130,6 +133,20 @@ def _drive(
 SystemRunner = Callable[[Sequence[BenchRequest], int], SystemRun]
 
 
+@dataclass(frozen=True, slots=True)
+class Reference:
+    """The greedy outputs every system's match rate is computed against, and what produced them."""
+
+    outputs: list[list[int]]
+    name: str
+
+
+def reference_name(model: Any) -> str:
+    """``"pagedgen fp32"`` for a float32 model (the bench's case), else the dtype it ran in."""
+    dtype = getattr(model, "dtype", torch.float32)
+    return "pagedgen fp32" if dtype == torch.float32 else f"pagedgen {str(dtype).removeprefix('torch.')}"
+
+
 @dataclass(slots=True)
 class ThroughputResult:
     """Everything one ``bench throughput`` invocation measured."""
@@ -167,7 +184,7 @@ def bench_workload(
     run_pagedgen(model, warmup_requests(requests), config)
     with PeakRss() as rss:
         paged = run_pagedgen(model, requests, config, profile=profile)
-    reference = paged.run.outputs
+    reference = Reference(paged.run.outputs, reference_name(model))
     record = make_record(
         spec.name,
         "pagedgen",
@@ -176,6 +193,8 @@ def bench_workload(
         model_flops=model_flops,
         peak_flops=peak_flops,
         peak_rss_bytes=rss.peak_bytes,
+        reference=reference.outputs,
+        reference_name=reference.name,
     )
     record.details["max_batch_size"] = batch
     result.records.append(record)
@@ -195,7 +214,7 @@ def _run_baseline(
     runner: SystemRunner,
     requests: list[BenchRequest],
     batch: int,
-    reference: list[list[int]],
+    reference: Reference,
     model_flops: float | None,
     peak_flops: float | None,
 ) -> BenchRecord:
@@ -218,7 +237,8 @@ def _run_baseline(
         model_flops=model_flops,
         peak_flops=peak_flops,
         peak_rss_bytes=rss.peak_bytes,
-        reference=reference,
+        reference=reference.outputs,
+        reference_name=reference.name,
     )
     record.details["max_batch_size"] = batch
     return record
@@ -226,9 +246,9 @@ def _run_baseline(
 
 def _one_line(record: BenchRecord) -> str:
     if record.status is not RunStatus.OK:
-        return f"  {record.system:<10} {record.status.value}: {record.reason}"
+        return f"  {record.system:<14} {record.status.value}: {record.reason}"
     match = "" if record.match_rate is None else f", match {record.match_rate:.1%}"
     return (
-        f"  {record.system:<10} {record.output_tokens_per_s:8.1f} out tok/s, "
+        f"  {record.system:<14} {record.output_tokens_per_s:8.1f} out tok/s, "
         f"{record.total_tokens_per_s:8.1f} total tok/s, {record.wall_s:7.2f} s{match}"
     )

@@ -1,6 +1,6 @@
 """Paged KV-cache ownership: block pool, block tables, step planning, reservations, the manager facade.
 
-Pure Python bookkeeping; the K/V tensors themselves live in ``pagedgen.models.base.PagedKVCache``.
+Pure Python bookkeeping; the K/V tensors themselves live in ``pagedgen.core.kv.PagedKVCache``.
 """
 
 from pagedgen.cache.block_pool import BlockPool, BlockState, num_blocks_for_budget

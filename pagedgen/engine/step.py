@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from pagedgen.cache import Reservation
+from pagedgen.core.step_inputs import StepInputs
 from pagedgen.engine.events import EngineErrorCode, EngineEvent, FinishReason, TokenLogprobs
 from pagedgen.engine.faults import FaultInjector
 from pagedgen.engine.isolation import FailureIsolator
@@ -36,7 +37,7 @@ from pagedgen.engine.turn_output import (
     sample_row,
     stage_sampled,
 )
-from pagedgen.executor.inputs import SequenceChunk, StepInputs, pack_step
+from pagedgen.executor.inputs import SequenceChunk, pack_step
 from pagedgen.executor.runner import ModelRunner
 from pagedgen.sampling import RowSamplingError, SampledToken, Sampler
 

@@ -1,8 +1,9 @@
-"""Packed variable-length step inputs: the contract between the engine and every model.
+"""Packing of variable-length step inputs: per-request chunks in, one padding-free :class:`StepInputs` out.
 
 One engine step runs the model once over the concatenated unprocessed tokens of all scheduled requests,
 with no padding. ``pack_step`` builds the tensors of DESIGN.md from a small per-request description; the
-model writes new K/V through ``slot_mapping`` and reads history through ``block_tables``.
+type itself lives in ``pagedgen.core.step_inputs`` so ops and models can name it without importing the
+executor.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from pagedgen.core.step_inputs import StepInputs
 
 
 @dataclass(slots=True)
@@ -27,39 +30,6 @@ class SequenceChunk:
     past_len: int
     block_table: Sequence[int]
     all_logits: bool = False
-
-
-@dataclass(slots=True)
-class StepInputs:
-    """The packed inputs of one model call (B requests, T tokens)."""
-
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64, absolute position of each token
-    cu_seqlens: torch.Tensor  # [B+1] int32, request boundaries in the flat token array
-    past_lens: torch.Tensor  # [B] int32, committed KV length of each request
-    block_tables: torch.Tensor  # [B, W] int32, physical block ids, padded with 0 past each table's end
-    slot_mapping: torch.Tensor  # [T] int64, flat cache slot (block * block_size + offset) of each new token
-    logits_rows: torch.Tensor  # [R] int64, rows of the flat token array whose logits are returned
-    max_query_len: int  # attention metadata: longest query of the step
-    max_kv_len: int  # attention metadata: longest past + query of the step
-    min_kv_len: int  # attention metadata: shortest past + query of the step
-    block_size: int
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    @property
-    def num_seqs(self) -> int:
-        return int(self.past_lens.shape[0])
-
-    @property
-    def query_lens(self) -> torch.Tensor:  # [B] int32
-        return self.cu_seqlens[1:] - self.cu_seqlens[:-1]
-
-    @property
-    def kv_lens(self) -> torch.Tensor:  # [B] int32, past + query per request
-        return self.past_lens + self.query_lens
 
 
 def pack_step(

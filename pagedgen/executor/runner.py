@@ -10,9 +10,10 @@ from typing import Any
 
 import torch
 
+from pagedgen.core.kv import PagedKVCache
+from pagedgen.core.step_inputs import StepInputs
 from pagedgen.errors import PagedGenError
-from pagedgen.executor.inputs import StepInputs
-from pagedgen.models.base import PagedKVCache
+from pagedgen.models.llama import Linear
 from pagedgen.ops.cpu_memory import retain_freed_cpu_memory
 from pagedgen.ops.gemm import gemm_step
 from pagedgen.ops.gemm_tune import adapt_to_model
@@ -49,7 +50,7 @@ class ModelRunner:
         """Pick the GEMM backend per step size for this machine and model (measured once per machine, then
         read from the cache; :mod:`pagedgen.ops.gemm_tune`). A no-op for models without CPU fp32 linear
         layers and when a table was pinned."""
-        adapt_to_model(self.runtime, max_batch_size, max_scheduled_tokens, chunk_size)
+        adapt_to_model(self.runtime, (Linear,), max_batch_size, max_scheduled_tokens, chunk_size)
 
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Run the model once; returns float logits ``[len(inputs.logits_rows), vocab]``.

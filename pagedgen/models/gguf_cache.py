@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from pagedgen.core.paths import CACHE_DIR_ENV, cache_root
 from pagedgen.errors import ModelLoadError
 from pagedgen.models.config import ModelConfig
 from pagedgen.models.gguf_reader import (
@@ -37,18 +38,8 @@ from pagedgen.models.gguf_tokenizer import gguf_tokenizer_files
 from pagedgen.models.safetensors_stream import TensorSpec, write_safetensors
 
 CACHE_FORMAT = 1  # bump when the entry layout or the dequantisation changes
-CACHE_DIR_ENV = "PAGEDGEN_CACHE_DIR"
 _HASH_CHUNK = 1 << 22
 _KEPT_TYPES = {"F16": "F16", "BF16": "BF16"}  # stored as-is (lossless); every quantised type becomes F32
-
-
-def cache_root() -> Path:
-    """``$PAGEDGEN_CACHE_DIR``, else ``$XDG_CACHE_HOME/pagedgen``, else ``~/.cache/pagedgen``."""
-    explicit = os.environ.get(CACHE_DIR_ENV)
-    if explicit:
-        return Path(explicit)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "pagedgen"
 
 
 def file_sha256(path: Path) -> str:

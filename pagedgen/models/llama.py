@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedgen.executor.inputs import StepInputs
-from pagedgen.models.base import KVSpec, PagedKVCache
+from pagedgen.core.kv import KVSpec, PagedKVCache
+from pagedgen.core.step_inputs import StepInputs
 from pagedgen.models.config import ModelConfig, RopeConfig
 from pagedgen.ops.attention import AttentionPlan, paged_attention, plan_attention, write_kv
 from pagedgen.ops.layer_ops import add_rms_norm, apply_rotary_, rms_norm, silu_and_mul

@@ -3,7 +3,7 @@
 ``Model("default")`` is the embedded SmolLM2-135M-Instruct; ``Model(dir)`` an HF checkpoint directory
 (safetensors, single or sharded); ``Model(path.gguf)`` a llama.cpp file, dequantised once into the weight
 cache. The engine runs ``model.runtime`` (a :class:`pagedgen.models.base.CausalLM`) once per step with a
-:class:`pagedgen.models.base.PagedKVCache` built from ``model.kv_spec``.
+:class:`pagedgen.core.kv.PagedKVCache` built from ``model.kv_spec``.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
+from pagedgen.core.kv import KVSpec
 from pagedgen.errors import ModelLoadError, TokenizerError
-from pagedgen.models.base import KVSpec
 from pagedgen.models.checkpoint import Checkpoint, CheckpointKind, resolve_checkpoint
 from pagedgen.models.config import ModelConfig
 from pagedgen.models.hf_loader import read_hf_config, read_hf_weights

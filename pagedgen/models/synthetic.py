@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedgen.executor.inputs import StepInputs
-from pagedgen.models.base import KVSpec, PagedKVCache
+from pagedgen.core.kv import KVSpec, PagedKVCache
+from pagedgen.core.step_inputs import StepInputs
 
 
 def synthetic_next_token(first: int, prev: int, current: int, position: int, vocab_size: int) -> int:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedgen.executor.inputs import StepInputs
+from pagedgen.core.step_inputs import StepInputs
 from pagedgen.ops.native import DecodeKernel, decode_kernel
 
 

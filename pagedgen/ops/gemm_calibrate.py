@@ -178,19 +178,18 @@ class LinearWeight:
         return int(self.weight.shape[1]), int(self.weight.shape[0])
 
 
-def model_linear_weights(runtime: Any) -> list[LinearWeight]:
-    """The fp32 CPU weights the model's linear layers multiply by, each once, in module order.
+def model_linear_weights(runtime: Any, linear_types: tuple[type, ...]) -> list[LinearWeight]:
+    """The fp32 CPU weights of ``runtime``'s linear layers (modules of ``linear_types``, e.g. the model
+    family's ``Linear``: ops cannot import the models), each once, in module order.
 
     Fused projections (q/k/v, gate/up) count once: a layer whose weight is a view into a larger weight of
     another layer (the fused one) is left out. The LM head (``runtime.head_weight``, perhaps the tied
     embedding) is marked ``every_token=False``. A model without such layers (the synthetic test model, a
     CUDA or half-precision model) gives an empty list.
     """
-    from pagedgen.models.llama import Linear  # here: models import the ops
-
     by_storage: dict[int, torch.Tensor] = {}
     for module in runtime.modules() if hasattr(runtime, "modules") else ():
-        if isinstance(module, Linear) and _gemm_weight(module.weight):
+        if isinstance(module, linear_types) and _gemm_weight(module.weight):
             key = module.weight.untyped_storage().data_ptr()
             if key not in by_storage or by_storage[key].numel() < module.weight.numel():
                 by_storage[key] = module.weight

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedgen.core.paths import cache_root
 from pagedgen.ops.cpu_info import cpu_flags, cpu_model
 from pagedgen.ops.gemm import (
     NATIVE_ONLY,
@@ -139,8 +140,6 @@ def key_digest(key: dict[str, Any]) -> str:
 
 
 def cache_dir() -> Path:
-    from pagedgen.models.gguf_cache import cache_root  # here, not at import: models import the ops
-
     return cache_root() / "gemm"
 
 
@@ -221,13 +220,15 @@ def env_calibration() -> Calibration | None:
 
 def adapt_to_model(
     runtime: Any,
+    linear_types: tuple[type, ...],
     max_batch_size: int,
     max_scheduled_tokens: int,
     chunk_size: int | None = None,
     *,
     measure: Measure = time_passes,
 ) -> Calibration | None:
-    """Install the table for this model's CPU fp32 linear layers at the engine's row counts.
+    """Install the table for this model's CPU fp32 linear layers (modules of ``linear_types``) at the
+    engine's row counts.
 
     Returns what was chosen, or None when nothing was: a pinned table stands, or the model has no such
     layers (the synthetic test model, CUDA or half precision). Raises ``ValueError`` for a bad
@@ -239,7 +240,7 @@ def adapt_to_model(
     if fixed is not None:
         adopt_table(fixed.table)
         return fixed
-    weights = model_linear_weights(runtime)
+    weights = model_linear_weights(runtime, linear_types)
     if not weights:
         return None
     counts = engine_row_counts(max_batch_size, max_scheduled_tokens, chunk_size)

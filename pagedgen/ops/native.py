@@ -39,6 +39,8 @@ from pathlib import Path
 
 import torch
 
+from pagedgen.core.paths import cache_root
+
 log = logging.getLogger(__name__)
 
 DISABLE_ENV = "PAGEDGEN_NATIVE_KERNELS"
@@ -330,8 +332,6 @@ def _off(reason: str) -> _Library:
 
 def _build(compiler: str) -> Path:
     """Compile the library into the cache unless an entry for this source/flags/compiler/CPU exists."""
-    from pagedgen.models.gguf_cache import cache_root  # here, not at import: models imports this module
-
     sources = [source.read_bytes() for source in (*SOURCES, *HEADERS)]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60, check=True)
     key = hashlib.sha256(

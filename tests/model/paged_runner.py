@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedgen.core.kv import PagedKVCache
 from pagedgen.executor.inputs import SequenceChunk, pack_step
-from pagedgen.models.base import PagedKVCache
 
 
 @dataclass(slots=True)

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from pagedgen.executor.inputs import SequenceChunk, StepInputs, pack_step
-from pagedgen.models.base import PagedKVCache
+from pagedgen.core.kv import PagedKVCache
+from pagedgen.core.step_inputs import StepInputs
+from pagedgen.executor.inputs import SequenceChunk, pack_step
 from pagedgen.models.synthetic import SyntheticModel, synthetic_greedy
 
 Tamper = Callable[[int, StepInputs], StepInputs]

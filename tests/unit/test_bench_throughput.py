@@ -7,8 +7,11 @@ import json
 
 import pytest
 
-from pagedgen.bench.baselines import NO_CHECKPOINT, baseline_runners, batches, importable, left_pad
+import pagedgen.bench.ort_genai as ort_genai
+from pagedgen.bench.baselines import BASELINE_NAMES, NO_CHECKPOINT, baseline_runners, batches, left_pad
 from pagedgen.bench.cli import main
+from pagedgen.bench.cpu import cpu_flags
+from pagedgen.bench.extras import INSTALL_HINT
 from pagedgen.bench.profile import PHASE_GROUPS, PhaseClock, StepProfiler, phase_durations
 from pagedgen.bench.records import RunStatus, SystemRun, SystemSkipped
 from pagedgen.bench.report import REQUIRED_KEYS
@@ -73,7 +76,10 @@ def test_bench_workload_records_every_system_with_its_status_and_match_rate():
     assert list(by_system) == ["pagedgen", "same", "off", "skip", "crash"]
     total_out = sum(r.output_len for r in requests)
     paged = by_system["pagedgen"]
-    assert paged.status is RunStatus.OK and paged.output_tokens == total_out and paged.match_rate is None
+    assert paged.status is RunStatus.OK and paged.output_tokens == total_out
+    assert (paged.match_rate, paged.exact_match_requests) == (1.0, len(requests))  # it is the reference
+    assert {r.reference for r in result.records} == {"pagedgen fp32", None}  # None: skipped / failed
+    assert all(r.cpu_flags == list(cpu_flags()) for r in result.records)
     assert paged.roofline_fraction is None  # the synthetic model has no FLOP model
     assert paged.details["max_batch_size"] == 4
     assert by_system["same"].match_rate == 1.0 and by_system["same"].exact_match_requests == len(requests)
@@ -99,22 +105,27 @@ def test_workload_batch_size_overrides_the_command_default():
     assert result.records[0].details["max_batch_size"] == 1
 
 
-def test_baselines_without_a_checkpoint_are_skipped_with_reasons():
-    runners = baseline_runners(["hf-static", "hf-cb", "vllm", "ort-genai"], None)
+def _skip_reasons(names):
     requests = build_workload(SPEC, MODEL.tokenizer)
     reasons = {}
-    for name, runner in runners.items():
+    for name, runner in baseline_runners(names, None).items():
         with pytest.raises(SystemSkipped) as skip:
             runner(requests, 4)
         reasons[name] = str(skip.value)
-    assert reasons["hf-static"] == NO_CHECKPOINT and reasons["hf-cb"] == NO_CHECKPOINT
-    for name, module in (("vllm", "vllm"), ("ort-genai", "onnxruntime_genai")):
-        if importable(module):
-            assert reasons[name] == NO_CHECKPOINT
-        else:
-            assert reasons[name].startswith(f"{module} is not importable in this environment")
+    return reasons
+
+
+def test_baselines_without_a_checkpoint_are_skipped_with_reasons(monkeypatch):
+    monkeypatch.setattr(ort_genai, "importable", lambda module: True)
+    assert _skip_reasons(BASELINE_NAMES) == dict.fromkeys(BASELINE_NAMES, NO_CHECKPOINT)
     with pytest.raises(ValueError, match=r"unknown baseline\(s\) \['tgi'\]"):
         baseline_runners(["hf-static", "tgi"], None)
+
+
+def test_ort_genai_without_the_bench_extra_is_skipped_naming_it(monkeypatch):
+    monkeypatch.setattr(ort_genai, "importable", lambda module: False)
+    reason = f"onnxruntime_genai is not importable in this environment ({INSTALL_HINT})"
+    assert _skip_reasons(["ort-genai", "ort-genai-int4"]) == {"ort-genai": reason, "ort-genai-int4": reason}
 
 
 def test_static_batching_helpers():

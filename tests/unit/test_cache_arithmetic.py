@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagedgen.cache import blocks_for_tokens, num_blocks_for_budget, slot_of_position
-from pagedgen.models.base import KVSpec
+from pagedgen.core.kv import KVSpec
 
 
 @pytest.mark.parametrize(

@@ -46,6 +46,7 @@ from pagedgen.ops.gemm_threads import ThreadSettings
 from pagedgen.ops.native import NativeStatus
 
 BLAS, TORCH, NATIVE = GemmBackend.OPENBLAS, GemmBackend.TORCH, GemmBackend.NATIVE
+LINEAR = (Linear,)
 COUNTS = RowCounts(decode=(1, 2, 4), prefill=(16,))
 # (torch, openblas, native) seconds: at 1 and 2 rows native is fastest, at 3-4 OpenBLAS, above torch.
 SECONDS = {1: (3.0, 2.0, 1.0), 2: (3.0, 2.0, 1.5), 4: (3.0, 1.0, 2.0)}
@@ -106,14 +107,14 @@ class TinyRuntime(nn.Module):
 
 
 def _weights() -> list[LinearWeight]:
-    return model_linear_weights(TinyRuntime())
+    return model_linear_weights(TinyRuntime(), LINEAR)
 
 
 # -- the model's weights and the row counts -------------------------------------------------------------
 
 
 def test_model_weights_count_fused_projections_once_and_mark_the_head():
-    weights = model_linear_weights(TinyRuntime())
+    weights = model_linear_weights(TinyRuntime(), LINEAR)
     assert [(w.shape, w.every_token) for w in weights] == [
         ((16, 16), True),  # the fused q/k/v (where its first view, q, stood), not its three views
         ((8, 16), True),
@@ -121,14 +122,14 @@ def test_model_weights_count_fused_projections_once_and_mark_the_head():
         ((8, 16), True),
         ((16, 40), False),  # the tied head, sampled rows only
     ]
-    unfused = model_linear_weights(TinyRuntime(layers=1, fuse=False))
+    unfused = model_linear_weights(TinyRuntime(layers=1, fuse=False), LINEAR)
     assert [w.shape for w in unfused] == [(16, 8), (16, 4), (16, 4), (8, 16), (16, 40)]
 
 
 def test_models_without_cpu_fp32_linear_layers_have_no_weights():
-    assert model_linear_weights(SyntheticModel().runtime) == []
+    assert model_linear_weights(SyntheticModel().runtime, LINEAR) == []
     half = TinyRuntime(layers=1).to(torch.bfloat16)
-    assert model_linear_weights(half) == []
+    assert model_linear_weights(half, LINEAR) == []
 
 
 @pytest.mark.parametrize(
@@ -282,10 +283,10 @@ def test_a_corrupt_or_foreign_entry_is_measured_again_and_rewritten(damage, monk
 
 def test_adapt_installs_the_measured_table_unless_one_is_pinned():
     measure = FakeMeasure()
-    chosen = gemm_tune.adapt_to_model(TinyRuntime(), 4, 16, measure=measure)
+    chosen = gemm_tune.adapt_to_model(TinyRuntime(), LINEAR, 4, 16, measure=measure)
     assert chosen is not None and gemm.active_table() == chosen.table == derive_table(measure(None, COUNTS))
     set_gemm_table(OPENBLAS_ONLY)  # pinned
-    assert gemm_tune.adapt_to_model(TinyRuntime(), 4, 16, measure=measure) is None
+    assert gemm_tune.adapt_to_model(TinyRuntime(), LINEAR, 4, 16, measure=measure) is None
     assert gemm.active_table() is OPENBLAS_ONLY and measure.calls == 2  # the pinned check measures nothing
     assert not adopt_table(TORCH_ONLY) and gemm.active_table() is OPENBLAS_ONLY
 
@@ -298,7 +299,7 @@ def test_a_scoped_table_restores_the_unpinned_state():
 
 def test_models_without_linear_layers_keep_the_table():
     measure = FakeMeasure()
-    assert gemm_tune.adapt_to_model(SyntheticModel().runtime, 16, 2048, measure=measure) is None
+    assert gemm_tune.adapt_to_model(SyntheticModel().runtime, LINEAR, 16, 2048, measure=measure) is None
     assert measure.calls == 0 and gemm.active_table() is UNTUNED
 
 
@@ -308,7 +309,7 @@ def test_models_without_linear_layers_keep_the_table():
 def test_the_environment_names_one_backend(name, table, monkeypatch):
     monkeypatch.setenv(gemm_tune.TABLE_ENV, name)
     measure = FakeMeasure()
-    chosen = gemm_tune.adapt_to_model(TinyRuntime(), 4, 16, measure=measure)
+    chosen = gemm_tune.adapt_to_model(TinyRuntime(), LINEAR, 4, 16, measure=measure)
     assert chosen is not None and chosen.source == f"PAGEDGEN_GEMM_TABLE={name}"
     assert gemm.active_table() is table and measure.calls == 0
 
@@ -317,11 +318,11 @@ def test_the_environment_names_a_table_file(monkeypatch, tmp_path):
     gemm_tune.calibrate(_weights(), COUNTS, measure=FakeMeasure())
     (entry,) = _entries(tmp_path)
     monkeypatch.setenv(gemm_tune.TABLE_ENV, str(entry))
-    chosen = gemm_tune.adapt_to_model(SyntheticModel().runtime, 16, 2048, measure=FakeMeasure())
+    chosen = gemm_tune.adapt_to_model(SyntheticModel().runtime, LINEAR, 16, 2048, measure=FakeMeasure())
     assert chosen is not None and gemm.active_table() == derive_table(FakeMeasure()(None, COUNTS))
     monkeypatch.setenv(gemm_tune.TABLE_ENV, str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="PAGEDGEN_GEMM_TABLE="):
-        gemm_tune.adapt_to_model(TinyRuntime(), 4, 16)
+        gemm_tune.adapt_to_model(TinyRuntime(), LINEAR, 4, 16)
 
 
 # -- real measurements on tiny weights ---------------------------------------------------------------------

@@ -13,10 +13,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import pagedgen.models.gguf_cache as gguf_cache
+from pagedgen.core.kv import PagedKVCache
+from pagedgen.core.paths import cache_root
 from pagedgen.errors import ModelLoadError
 from pagedgen.executor.inputs import SequenceChunk, pack_step
-from pagedgen.models.base import PagedKVCache
-from pagedgen.models.gguf_cache import cache_root, gguf_cache_entry
+from pagedgen.models.gguf_cache import gguf_cache_entry
 from pagedgen.models.model import Model
 from pagedgen.models.safetensors_stream import TensorSpec, write_safetensors
 from tests.model.tiny_checkpoints import TINY_RAW, random_state, write_gguf, write_hf_dir

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedgen.models.base import KVSpec, PagedKVCache, zeroed_tensor
+from pagedgen.core.kv import KVSpec, PagedKVCache, zeroed_tensor
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -13,7 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedgen.executor.inputs import SequenceChunk, StepInputs, pack_step
+from pagedgen.core.step_inputs import StepInputs
+from pagedgen.executor.inputs import SequenceChunk, pack_step
 from pagedgen.ops import attention, native
 from pagedgen.ops.attention import paged_attention, paged_attention_reference, plan_attention, write_kv
 from pagedgen.ops.cpu_memory import retain_freed_cpu_memory

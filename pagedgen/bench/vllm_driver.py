@@ -1,0 +1,87 @@
+"""Runs vLLM's offline engine for ``pagedgen bench`` inside vLLM's own virtual environment.
+
+vLLM's CPU build pins its own torch, so it lives in a separate venv and this file runs there as a plain
+script (``<venv>/bin/python vllm_driver.py``): it imports only the standard library and vLLM, never pagedgen.
+Protocol, one JSON object per line each way (stdin in, stdout out); anything vLLM prints goes to stderr:
+
+* ``{"model": DIR, "max_num_seqs": N, "enforce_eager": BOOL}`` starts the engine, answered by
+  ``{"ready": {versions, engine arguments, VLLM_CPU_OMP_THREADS_BIND}}``, ``{"skipped": REASON}`` when vLLM
+  cannot be imported, or ``{"error": REASON}``;
+* then each ``{"requests": [[PROMPT_IDS, OUTPUT_LEN], ...]}`` is answered by
+  ``{"outputs": [[TOKEN_IDS], ...], "wall_s": SECONDS}`` (greedy, EOS ignored; only ``generate`` is timed)
+  or ``{"error": REASON}``.
+
+The driver exits when its stdin closes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+
+def start(message: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    import vllm
+
+    args = {
+        "model": message["model"],
+        "dtype": "float32",
+        "enforce_eager": bool(message["enforce_eager"]),
+        "max_num_seqs": int(message["max_num_seqs"]),
+        "seed": 0,
+    }
+    llm = vllm.LLM(**args)
+    info = {
+        "vllm": getattr(vllm, "__version__", "unknown"),
+        "engine_args": args,
+        "threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+    except ImportError:
+        pass
+    return llm, info
+
+
+def generate(llm: Any, requests: list[list[Any]]) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    prompts = [{"prompt_token_ids": [int(t) for t in ids]} for ids, _ in requests]
+    params = [SamplingParams(temperature=0.0, max_tokens=int(n), ignore_eos=True) for _, n in requests]
+    begin = time.perf_counter()
+    results = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - begin
+    return {"outputs": [[int(t) for t in r.outputs[0].token_ids] for r in results], "wall_s": wall}
+
+
+def main() -> int:
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # vLLM's own prints (Python or C) land on stderr, never in the protocol stream
+    sys.stdout = sys.stderr
+    llm = None
+    for line in sys.stdin:
+        message = json.loads(line)
+        try:
+            if llm is None:
+                try:
+                    llm, info = start(message)
+                    reply: dict[str, Any] = {"ready": info}
+                except ImportError as exc:
+                    reply = {"skipped": f"vllm is not importable by {sys.executable}: {exc}"}
+            else:
+                reply = generate(llm, message["requests"])
+        except Exception as exc:  # reported to the bench, which records the baseline as failed
+            traceback.print_exc()
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        replies.write(json.dumps(reply) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
