@@ -74,10 +74,10 @@ def _throughput_parser(p: argparse.ArgumentParser) -> None:
     m.add_argument("--threads", type=positive_int, help="threads of torch and OpenBLAS (default: all CPUs)")
     m.add_argument(
         "--gemm",
-        choices=["auto", "torch", "openblas", "openblas-small"],
+        choices=["auto", "torch", "openblas", "native"],
         default="auto",
-        help="linear-layer backend: the measured table (auto: native kernel up to 64 rows, torch above), one "
-        "backend for every shape, or openblas-small (OpenBLAS up to 16 rows, torch above)",
+        help="linear-layer backend: auto (the table measured for this machine and model at engine start, "
+        "see 'pagedgen bench gemm'), or one backend for every shape",
     )
     m.add_argument("--no-roofline", action="store_true", help="skip the GEMM peak measurement")
     o = p.add_argument_group("output")
@@ -107,10 +107,15 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
 
 
 def _gemm_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default", help="model whose linear shapes to time")
-    p.add_argument("--rows", default="1,4,8,16,32,64,128,256", help="comma list of row counts")
-    p.add_argument("--trials", type=positive_int, default=5)
+    p.add_argument("--model", default="default", help="model whose linear layers to time")
+    p.add_argument("--max-batch-size", type=positive_int, default=16, help="the engine's (decode widths)")
+    p.add_argument("--max-scheduled-tokens", type=positive_int, default=2048, help="the engine's (prefill)")
+    p.add_argument("--chunk-size", type=positive_int, help="the engine's prefill chunk, if any")
+    p.add_argument("--recalibrate", action="store_true", help="measure again even if a cached table exists")
     p.add_argument("--threads", type=positive_int, help="threads of torch and OpenBLAS (default: all CPUs)")
+    p.add_argument("--shapes", action="store_true", help="also time each shape alone at --rows")
+    p.add_argument("--rows", default="1,4,8,16,32,64,128,256", help="comma list of row counts (--shapes)")
+    p.add_argument("--trials", type=positive_int, default=5, help="repeats per shape (--shapes)")
     p.add_argument("--json", type=Path)
 
 
@@ -171,16 +176,14 @@ def machine_info(peak_flops: float | None) -> dict[str, Any]:
 
 def _setup_machine(threads: int | None, gemm: str) -> None:
     from pagedgen.ops import gemm as gemm_mod
+    from pagedgen.ops import gemm_tune
     from pagedgen.ops.gemm_threads import configure_cpu_threads
 
     configure_cpu_threads(threads)
-    tables = {
-        "auto": gemm_mod.DEFAULT_TABLE,
-        "torch": gemm_mod.TORCH_ONLY,
-        "openblas": gemm_mod.OPENBLAS_ONLY,
-        "openblas-small": gemm_mod.OPENBLAS_SMALL,
-    }
-    gemm_mod.set_gemm_table(tables[gemm])
+    if gemm == "auto":  # measured (or read from the cache) when the engine starts
+        gemm_mod.set_gemm_table(gemm_mod.UNTUNED, pinned=False)
+    else:
+        gemm_mod.set_gemm_table(gemm_tune.FIXED_TABLES[gemm])
 
 
 def _load_model(name: str) -> tuple[Any, Any, Path | None]:
@@ -310,7 +313,44 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_gemm(args: argparse.Namespace) -> int:
+    """The table the engine would use on this machine for this model, each choice's reason, and (with
+    ``--shapes``) the per-shape study."""
     from pagedgen.bench.report import write_json
+    from pagedgen.models.llama import Linear
+    from pagedgen.models.model import Model
+    from pagedgen.ops.cpu_info import cpu_features, cpu_model
+    from pagedgen.ops.gemm_calibrate import engine_row_counts, model_linear_weights
+    from pagedgen.ops.gemm_threads import configure_cpu_threads
+    from pagedgen.ops.gemm_tune import cache_dir, calibrate, key_digest
+    from pagedgen.ops.native import gemm_kernel, native_status
+
+    settings = configure_cpu_threads(args.threads)
+    print(f"{cpu_model()}: {', '.join(cpu_features()) or 'no SIMD features listed'}")
+    print(f"threads: torch {settings.torch_threads}, OpenBLAS {settings.blas_threads} ({settings.blas_core})")
+    kernel = gemm_kernel()
+    model = Model(args.model, dtype="float32", device="cpu")
+    weights = model_linear_weights(model.runtime, (Linear,))
+    in_sizes = sorted({w.shape[0] for w in weights})
+    variants = ", ".join(f"k={k}: {kernel.variant(k)}" for k in in_sizes) if kernel else None
+    print(f"native kernel: {variants or native_status().detail}")
+    counts = engine_row_counts(args.max_batch_size, args.max_scheduled_tokens, args.chunk_size)
+    start = time.perf_counter()
+    calibration = calibrate(weights, counts, refresh=args.recalibrate)
+    path = cache_dir() / f"table-{key_digest(calibration.key or {})}.json"
+    print(f"\n{calibration.source} in {time.perf_counter() - start:.1f} s (entry {path})")
+    print(f"table: {calibration.table.describe()}")
+    print("\n".join(f"  {line}" for line in calibration.reasons))
+    document = {"cpu": cpu_model(), "cpu_features": list(cpu_features()), "native_variants": variants}
+    document["calibration"] = calibration.to_json()
+    if args.shapes:
+        document["shapes"] = _gemm_shapes(args, model.config)
+    if args.json:
+        write_json(args.json, document)
+    return 0
+
+
+def _gemm_shapes(args: argparse.Namespace, config: Any) -> dict[str, Any]:
+    """Each linear shape alone, DRAM-resident random weights, at ``--rows`` (the per-shape study)."""
     from pagedgen.ops.gemm_calibrate import (
         available_backends,
         check_equivalence,
@@ -318,18 +358,12 @@ def cmd_gemm(args: argparse.Namespace) -> int:
         model_linear_shapes,
         time_shape,
     )
-    from pagedgen.ops.gemm_threads import configure_cpu_threads, torch_pool
+    from pagedgen.ops.gemm_threads import torch_pool
 
-    settings = configure_cpu_threads(args.threads)
-    from pagedgen.models.checkpoint import resolve_checkpoint
-    from pagedgen.models.hf_loader import read_hf_config
-
-    config = read_hf_config(resolve_checkpoint(args.model).directory)
     rows = [int(r) for r in args.rows.split(",") if r.strip()]
-    print(f"threads: torch {settings.torch_threads}, OpenBLAS {settings.blas_threads} ({settings.blas_core})")
     backends = list(available_backends())
     names = [b.value for b in backends]
-    print("| in -> out | rows | " + " | ".join(f"{n} GFLOP/s" for n in names) + " | fastest |")
+    print("\n| in -> out | rows | " + " | ".join(f"{n} GFLOP/s" for n in names) + " | fastest |")
     print("|---|---|" + "---|" * (len(names) + 1))
     timings = []
     for in_f, out_f in model_linear_shapes(config):
@@ -341,22 +375,16 @@ def cmd_gemm(args: argparse.Namespace) -> int:
     torch_pool.restore()
     table = derive_table(timings)
     worst = max(check_equivalence(r, i, o) for i, o in model_linear_shapes(config) for r in (1, 64))
-    print(f"\nderived table: {table.describe()}\nmax relative difference between backends: {worst:.2e}")
-    if args.json:
-        write_json(
-            args.json,
-            {
-                "threads": {"torch": settings.torch_threads, "blas": settings.blas_threads},
-                "derived_table": table.describe(),
-                "max_relative_difference": worst,
-                "timings": [
-                    {"rows": t.rows, "in": t.in_features, "out": t.out_features}
-                    | {f"{b.value}_gflops": t.gflops(b) for b in t.seconds}
-                    for t in timings
-                ],
-            },
-        )
-    return 0
+    print(f"\nper-shape table: {table.describe()}\nmax relative difference between backends: {worst:.2e}")
+    return {
+        "derived_table": table.describe(),
+        "max_relative_difference": worst,
+        "timings": [
+            {"rows": t.rows, "in": t.in_features, "out": t.out_features}
+            | {f"{b.value}_gflops": t.gflops(b) for b in t.seconds}
+            for t in timings
+        ],
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -94,6 +94,7 @@ class Engine:
         bytes_per_block = model.kv_spec.bytes_per_block(config.block_size)
         self.num_blocks = resolve_num_blocks(config, bytes_per_block, int(model.max_context), device)
         self._runner = ModelRunner(model, self.num_blocks, config.block_size)
+        self._runner.adapt_gemm(config.max_batch_size, config.max_scheduled_tokens, config.chunk_size)
         isolator = FailureIsolator(config.max_step_retries)
         if config.dynamic_batching:
             cache = PagedCacheManager(

@@ -13,8 +13,10 @@ import torch
 from pagedgen.core.kv import PagedKVCache
 from pagedgen.core.step_inputs import StepInputs
 from pagedgen.errors import PagedGenError
+from pagedgen.models.llama import Linear
 from pagedgen.ops.cpu_memory import retain_freed_cpu_memory
 from pagedgen.ops.gemm import gemm_step
+from pagedgen.ops.gemm_tune import adapt_to_model
 
 
 class RetryableExecutionError(PagedGenError, RuntimeError):
@@ -43,6 +45,12 @@ class ModelRunner:
         self.kv_cache: PagedKVCache | None = PagedKVCache(
             model.kv_spec, num_blocks, block_size, device=self.device
         )
+
+    def adapt_gemm(self, max_batch_size: int, max_scheduled_tokens: int, chunk_size: int | None) -> None:
+        """Pick the GEMM backend per step size for this machine and model (measured once per machine, then
+        read from the cache; :mod:`pagedgen.ops.gemm_tune`). A no-op for models without CPU fp32 linear
+        layers and when a table was pinned."""
+        adapt_to_model(self.runtime, (Linear,), max_batch_size, max_scheduled_tokens, chunk_size)
 
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Run the model once; returns float logits ``[len(inputs.logits_rows), vocab]``.

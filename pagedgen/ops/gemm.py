@@ -1,15 +1,18 @@
 """GEMM backends for the model's linear layers and the table that picks one per shape.
 
-Why two backends: on the 2-core AMD EPYC (AVX2) CPUs we serve from, torch's MKL sgemm is far slower than
-numpy's OpenBLAS at decode-sized batches (1-64 rows), e.g. 576->1536 at 1 row 22 vs 35 GFLOP/s, 1536->576
-17 vs 46 (docs/performance.md has the full measured table and the method). From a few hundred rows up both
-reach the same compute roof. numpy's matmul on zero-copy views (``Tensor.numpy()`` / ``torch.from_numpy``)
-reaches OpenBLAS without copying weights or activations, so the choice costs one Python branch per call.
+Why several backends: which library is fastest at decode-sized batches (1-64 rows) depends on the CPU. On a
+2-core AMD EPYC (AVX2) numpy's OpenBLAS beat torch's MKL up to 1.9x and pagedgen's own kernel beat both; on
+an AVX-512 Xeon the order was different again (docs/performance.md). So no threshold is fixed here: at engine
+start the candidates are timed on the model's own linear layers and the fastest per row count becomes the
+active table (:mod:`pagedgen.ops.gemm_tune`, cached per machine). numpy's matmul on zero-copy views
+(``Tensor.numpy()`` / ``torch.from_numpy``) reaches OpenBLAS without copying weights or activations, so the
+choice costs one Python branch per call.
 
 The table is chosen per ``(rows, in_features, out_features)``: a list of row buckets, each naming a backend,
-with optional per-``(in, out)`` overrides. :data:`DEFAULT_TABLE` is the measured one; ``pagedgen bench gemm``
-re-measures on the current machine and prints a table to use instead (:func:`use_gemm_table`).
-Both backends compute the same fp32 product; only the summation order differs (relative error ~1e-6).
+with optional per-``(in, out)`` overrides. Until a table is measured or set, every call takes torch
+(:data:`UNTUNED`, the library's own choice). A table set by :func:`set_gemm_table` is *pinned*: the engine's
+measurement then leaves it alone (benchmarks comparing backends, ``PAGEDGEN_GEMM_TABLE``).
+Every backend computes the same fp32 product; only the summation order differs (relative error ~1e-6).
 """
 
 from __future__ import annotations
@@ -106,24 +109,13 @@ def _check_ascending(name: str, buckets: tuple[RowBucket, ...]) -> None:
         raise ValueError(f"{name} must be strictly ascending by max_rows, got {limits}")
 
 
-# Measured on the 2-core AMD EPYC dev machine (docs/performance.md): with DRAM-resident weights OpenBLAS on
-# 2 threads streams decode-sized GEMMs up to 1.9x faster than MKL (which does not thread them), and a whole
-# decode step of 1-16 rows ran 1.2-1.6x faster than on torch. pagedgen's own kernel (a 3 x 4 AVX2 register
-# tile on torch's pool) then beat both on whole decode forwards: 1.0x OpenBLAS at 1 row, 1.4-2x at 2-8,
-# 1.2-1.3x torch at 32-48 rows, 1.1x at 64, while torch won from 128 rows (prefill). Without a C compiler
-# NATIVE falls back to OPENBLAS (see choose_backend), whose own crossover with torch was 16 rows.
-NATIVE_MAX_ROWS = 64
-OPENBLAS_MAX_ROWS = 16
-DEFAULT_TABLE = GemmTable(
-    buckets=(RowBucket(NATIVE_MAX_ROWS, GemmBackend.NATIVE),), default=GemmBackend.TORCH
-)
-OPENBLAS_SMALL = GemmTable(
-    buckets=(RowBucket(OPENBLAS_MAX_ROWS, GemmBackend.OPENBLAS),), default=GemmBackend.TORCH
-)
 TORCH_ONLY = GemmTable(default=GemmBackend.TORCH)
 OPENBLAS_ONLY = GemmTable(default=GemmBackend.OPENBLAS)
+NATIVE_ONLY = GemmTable(default=GemmBackend.NATIVE)
+UNTUNED = TORCH_ONLY  # before any measurement: the library's own GEMM, no machine-specific guess
 
-_active: list[GemmTable] = [DEFAULT_TABLE]
+_active: list[GemmTable] = [UNTUNED]
+_pinned: list[bool] = [False]  # set_gemm_table's choice stands over a measured one
 _choices: dict[tuple[int, int | None, int, int], GemmBackend] = {}  # (rows, step rows, in, out) -> backend
 _step_rows: list[int | None] = [None]  # the enclosing gemm_step's token count, if any
 
@@ -160,8 +152,8 @@ def _decide(rows: int, step_rows: int | None, in_features: int, out_features: in
 def _select(rows: int, in_features: int, out_features: int) -> GemmBackend:
     backend = _active[0].select(rows, in_features, out_features)
     if backend is GemmBackend.NATIVE and gemm_kernel() is None:
-        # No compiler here: the previous best choice for the shape (OpenBLAS up to its crossover).
-        backend = OPENBLAS_SMALL.select(rows, in_features, out_features)
+        # A table naming the native kernel, used where it cannot be built (a measured table never does).
+        backend = GemmBackend.TORCH
     return backend
 
 
@@ -183,23 +175,40 @@ def gemm_step(num_tokens: int) -> Iterator[None]:
         _step_rows[0] = outer
 
 
-def set_gemm_table(table: GemmTable) -> GemmTable:
-    """Make ``table`` the process-wide choice; returns the previous one. Not for use mid-forward."""
+def set_gemm_table(table: GemmTable, *, pinned: bool = True) -> GemmTable:
+    """Make ``table`` the process-wide choice; returns the previous one. Not for use mid-forward.
+
+    ``pinned`` (the default) keeps it over the table the engine measures at start (:func:`adopt_table`).
+    """
     if not isinstance(table, GemmTable):
         raise ValueError(f"set_gemm_table takes a GemmTable, got {type(table).__name__}")
-    previous, _active[0] = _active[0], table
+    previous, _active[0], _pinned[0] = _active[0], table, pinned
     _choices.clear()
     return previous
 
 
+def adopt_table(table: GemmTable) -> bool:
+    """Install a measured ``table`` unless one was pinned by :func:`set_gemm_table`; True if installed."""
+    if _pinned[0]:
+        return False
+    set_gemm_table(table, pinned=False)
+    return True
+
+
+def table_pinned() -> bool:
+    return _pinned[0]
+
+
 @contextlib.contextmanager
 def use_gemm_table(table: GemmTable) -> Iterator[GemmTable]:
-    """Use ``table`` inside the block (benchmarks compare backends in one process), then restore."""
+    """Use ``table`` (pinned) inside the block (benchmarks compare backends in one process), then restore
+    the previous table and whether it was pinned."""
+    was_pinned = _pinned[0]
     previous = set_gemm_table(table)
     try:
         yield table
     finally:
-        set_gemm_table(previous)
+        set_gemm_table(previous, pinned=was_pinned)
 
 
 def torch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -5,8 +5,9 @@ Why C (docs/performance.md has the measurements):
 * ``kernels/paged_decode.c``: the pure-torch decode path must gather each request's scattered KV blocks
   into a dense copy in every layer and then runs SDPA on it; a kernel that reads the blocks in place does
   the same arithmetic 2-3x faster. The KV write lives there too.
-* ``kernels/small_gemm.c``: at 1-64 rows a linear layer streams its weights; MKL does not thread that well
-  and OpenBLAS threads it in a second pool, which cannot share the two cores with torch's.
+* ``kernels/small_gemm.c``: at decode sizes a linear layer streams its weights; libraries do not always
+  thread that well, and OpenBLAS threads it in a second pool. An AVX-512 and an AVX2 register tile, picked
+  by the host's instruction set; whether it beats the libraries is measured per machine (ops/gemm_tune.py).
 * ``kernels/layer_ops.c``: RMSNorm, rotary, SwiGLU; as torch ops they are 5-10 dispatches each.
 * ``kernels/quant_gemm.c``: linear layers over GGUF-quantised or 16-bit weights kept as stored
   (:mod:`pagedgen.ops.quant_gemm`), so a decode step streams 85 MB instead of 538 MB.
@@ -168,6 +169,17 @@ class GemmKernel:
         self._fn = library.small_gemm_f32
         self._fn.argtypes = [_POINTER, _I64, _POINTER, _I64, _I64, _POINTER, _POINTER, ctypes.c_int]
         self._fn.restype = None
+        self._variant = library.small_gemm_variant
+        self._variant.argtypes = [_I64]
+        self._variant.restype = ctypes.c_int
+
+    def variant(self, in_features: int) -> str:
+        """The code path a call with this input size takes: ``avx512``, ``avx2`` or ``portable``.
+
+        Chosen by the host's instruction set (compiled with ``-march=native``) and ``in_features`` only,
+        never by the row count, so a row's result does not depend on its batch.
+        """
+        return ("portable", "avx2", "avx512")[self._variant(in_features)]
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``[rows, out]`` for fp32 CPU ``x [rows, in]``, contiguous ``weight [out, in]`` and ``bias [out]``.

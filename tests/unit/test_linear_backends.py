@@ -12,12 +12,10 @@ import torch.nn.functional as F
 
 from pagedgen.ops import gemm
 from pagedgen.ops.gemm import (
-    DEFAULT_TABLE,
-    NATIVE_MAX_ROWS,
-    OPENBLAS_MAX_ROWS,
+    NATIVE_ONLY,
     OPENBLAS_ONLY,
-    OPENBLAS_SMALL,
     TORCH_ONLY,
+    UNTUNED,
     GemmBackend,
     GemmTable,
     RowBucket,
@@ -39,7 +37,9 @@ from pagedgen.ops.linear import linear
 from pagedgen.ops.native import gemm_kernel, native_status
 
 BLAS, TORCH, NATIVE = GemmBackend.OPENBLAS, GemmBackend.TORCH, GemmBackend.NATIVE
-NATIVE_ONLY = GemmTable(default=NATIVE)
+# Tables of the shape a calibration produces (the machine decides the boundaries; these are examples).
+NATIVE_SMALL = GemmTable(buckets=(RowBucket(64, NATIVE),), default=TORCH)
+OPENBLAS_SMALL = GemmTable(buckets=(RowBucket(16, BLAS),), default=TORCH)
 
 
 def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -48,8 +48,8 @@ def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize(
     "table",
-    [TORCH_ONLY, OPENBLAS_ONLY, NATIVE_ONLY, DEFAULT_TABLE, OPENBLAS_SMALL],
-    ids=["torch", "openblas", "native", "default", "openblas-small"],
+    [TORCH_ONLY, OPENBLAS_ONLY, NATIVE_ONLY, NATIVE_SMALL, OPENBLAS_SMALL],
+    ids=["torch", "openblas", "native", "native-small", "openblas-small"],
 )
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 64])
 # (64, 7): the tiled kernel's leftover outputs; (100, 9): an input size the tile cannot take (portable loop)
@@ -96,13 +96,9 @@ def test_ineligible_calls_take_f_linear_exactly(x, w):
         assert x.grad is not None
 
 
-def test_default_table_boundary():
-    assert DEFAULT_TABLE.select(1, 576, 576) is NATIVE
-    assert DEFAULT_TABLE.select(NATIVE_MAX_ROWS, 576, 49152) is NATIVE
-    assert DEFAULT_TABLE.select(NATIVE_MAX_ROWS + 1, 576, 576) is TORCH
-    assert DEFAULT_TABLE.select(4096, 576, 576) is TORCH
-    assert OPENBLAS_SMALL.select(OPENBLAS_MAX_ROWS, 576, 576) is BLAS
-    assert OPENBLAS_SMALL.select(OPENBLAS_MAX_ROWS + 1, 576, 576) is TORCH
+def test_untuned_table_is_torch_everywhere():
+    assert UNTUNED is TORCH_ONLY
+    assert {UNTUNED.select(r, 576, 576) for r in (1, 16, 64, 4096)} == {TORCH}
 
 
 def _native_or_skip():
@@ -110,14 +106,14 @@ def _native_or_skip():
         pytest.skip(native_status().detail)
 
 
-def test_native_gemm_is_chosen_here_and_falls_back_to_openblas_without_the_kernel(monkeypatch):
+def test_native_gemm_is_chosen_here_and_falls_back_to_torch_without_the_kernel(monkeypatch):
     _native_or_skip()
-    with use_gemm_table(DEFAULT_TABLE):
+    with use_gemm_table(NATIVE_SMALL):
         assert choose_backend(4, 576, 576) is NATIVE
     monkeypatch.setattr(gemm, "gemm_kernel", lambda: None)
-    with use_gemm_table(DEFAULT_TABLE):  # a fresh memo: the fallback is decided per shape once
-        assert choose_backend(4, 576, 576) is BLAS
-        assert choose_backend(OPENBLAS_MAX_ROWS + 1, 576, 576) is TORCH
+    with use_gemm_table(NATIVE_SMALL):  # a fresh memo: the fallback is decided per shape once
+        assert choose_backend(4, 576, 576) is TORCH
+        assert choose_backend(65, 576, 576) is TORCH
         x, w = torch.randn(4, 576), torch.randn(576, 576)
         assert _rel_diff(linear(x, w), F.linear(x, w)) <= 1e-5
 
@@ -224,7 +220,7 @@ def test_gemm_step_uses_the_step_token_count_and_nests():
 
 def test_a_prefill_steps_few_row_head_takes_the_native_kernel_on_the_shared_pool():
     _native_or_skip()
-    with use_gemm_table(DEFAULT_TABLE), gemm_step(300):
+    with use_gemm_table(NATIVE_SMALL), gemm_step(300):
         assert choose_backend(300, 576, 576) is TORCH
         assert choose_backend(4, 576, 49152) is NATIVE  # same OpenMP pool as torch: no hand-over
 
