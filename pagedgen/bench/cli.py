@@ -52,6 +52,12 @@ def _add_workload_args(p: argparse.ArgumentParser, default: str) -> None:
 
 def _throughput_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="'default', a checkpoint dir, a .gguf, or 'synthetic'")
+    p.add_argument(
+        "--weights",
+        choices=("native", "float32"),
+        default="native",
+        help="pagedgen's weight format; with native, a float32-weights run is the fp32 reference too",
+    )
     _add_workload_args(p, "W1")
     p.add_argument(
         "--baselines",
@@ -186,18 +192,24 @@ def _setup_machine(threads: int | None, gemm: str) -> None:
         gemm_mod.set_gemm_table(gemm_tune.FIXED_TABLES[gemm])
 
 
-def _load_model(name: str) -> tuple[Any, Any, Path | None]:
-    """(model, tokenizer, checkpoint dir for the baselines); ``synthetic`` is the weightless test model."""
+def _load_model(name: str, weights: str = "native") -> tuple[Any, Any, Path | None, Any]:
+    """(model, tokenizer, checkpoint dir for the baselines, float32-weights reference model or None).
+
+    ``synthetic`` is the weightless test model. When the model runs its weights as stored (native), the same
+    checkpoint is also loaded on float32 weights: that run is the fp32 reference of every match rate.
+    """
     if name == "synthetic":
         from pagedgen.models.synthetic import SyntheticModel
 
         model = SyntheticModel()
-        return model, model.tokenizer, None
+        return model, model.tokenizer, None, None
     from pagedgen.models.model import Model
     from pagedgen.models.tokenizer import Tokenizer
 
-    model = Model(name)
-    return model, Tokenizer(model), model.checkpoint_dir
+    model = Model(name, weights=weights)
+    native = getattr(model.weights_format, "value", "float32") != "float32"
+    reference = Model(name, weights="float32") if native else None
+    return model, Tokenizer(model), model.checkpoint_dir, reference
 
 
 def cmd_throughput(args: argparse.Namespace) -> int:
@@ -214,7 +226,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     peak = None if args.no_roofline else measure_gemm_flops()
     result = ThroughputResult(machine=machine_info(peak))
     _print_machine(result.machine)
-    model, tokenizer, checkpoint = _load_model(args.model)
+    model, tokenizer, checkpoint, reference_model = _load_model(args.model, args.weights)
     threads = result.machine["torch_threads"]
     runners = baseline_runners(names, checkpoint, vllm_venv=args.vllm_venv, threads=threads)
     options = PagedgenOptions(
@@ -226,7 +238,15 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     )
     for spec in specs:
         bench_workload(
-            spec, model, tokenizer, options, runners, peak_flops=peak, profile=args.profile, result=result
+            spec,
+            model,
+            tokenizer,
+            options,
+            runners,
+            peak_flops=peak,
+            profile=args.profile,
+            result=result,
+            reference_model=reference_model,
         )
     result.machine["load_average_end"] = list(os.getloadavg())
     table = markdown_table(result.records)

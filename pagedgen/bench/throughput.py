@@ -142,9 +142,12 @@ class Reference:
 
 
 def reference_name(model: Any) -> str:
-    """``"pagedgen fp32"`` for a float32 model (the bench's case), else the dtype it ran in."""
+    """``"pagedgen fp32"`` for a float32 model (the bench's case), else the dtype it ran in; a model that
+    records its weight format (``weights_format``: native blocks or float32) says which."""
     dtype = getattr(model, "dtype", torch.float32)
-    return "pagedgen fp32" if dtype == torch.float32 else f"pagedgen {str(dtype).removeprefix('torch.')}"
+    name = "pagedgen fp32" if dtype == torch.float32 else f"pagedgen {str(dtype).removeprefix('torch.')}"
+    weights = getattr(model, "weights_format", None)
+    return name if weights is None else f"{name} ({getattr(weights, 'value', weights)} weights)"
 
 
 @dataclass(slots=True)
@@ -172,8 +175,13 @@ def bench_workload(
     profile: bool = False,
     result: ThroughputResult,
     log: Callable[[str], None] = print,
+    reference_model: Any = None,
 ) -> None:
-    """Run ``spec`` on pagedgen then on every baseline (in the given order); appends records to ``result``."""
+    """Run ``spec`` on pagedgen then on every baseline (in the given order); appends records to ``result``.
+
+    ``reference_model`` (the same checkpoint on float32 weights, when ``model`` runs native weights) runs
+    first as ``pagedgen-f32w``; its outputs are then the fp32 reference of every record's match rate.
+    """
     requests = build_workload(spec, tokenizer)
     batch = spec.max_batch_size or options.max_batch_size
     flops = flop_model_of(model)
@@ -181,24 +189,21 @@ def bench_workload(
     log(f"[{spec.name}] {spec.describe()}; max batch {batch}")
     config = options.engine_config(batch)
     torch_pool.restore()
+    reference = None
+    if reference_model is not None:  # pagedgen on float32 weights first: the reference of every record
+        run_pagedgen(reference_model, warmup_requests(requests), config)
+        with PeakRss() as rss:
+            f32 = run_pagedgen(reference_model, requests, config)
+        reference = Reference(f32.run.outputs, reference_name(reference_model))
+        costs = (model_flops, peak_flops, rss.peak_bytes)
+        _record_pagedgen(spec, "pagedgen-f32w", requests, f32.run, costs, batch, reference, result, log)
     run_pagedgen(model, warmup_requests(requests), config)
     with PeakRss() as rss:
         paged = run_pagedgen(model, requests, config, profile=profile)
-    reference = Reference(paged.run.outputs, reference_name(model))
-    record = make_record(
-        spec.name,
-        "pagedgen",
-        requests,
-        paged.run,
-        model_flops=model_flops,
-        peak_flops=peak_flops,
-        peak_rss_bytes=rss.peak_bytes,
-        reference=reference.outputs,
-        reference_name=reference.name,
-    )
-    record.details["max_batch_size"] = batch
-    result.records.append(record)
-    log(_one_line(record))
+    if reference is None:
+        reference = Reference(paged.run.outputs, reference_name(model))
+    costs = (model_flops, peak_flops, rss.peak_bytes)
+    _record_pagedgen(spec, "pagedgen", requests, paged.run, costs, batch, reference, result, log)
     if paged.profiler is not None:
         result.profiles[spec.name] = paged.profiler.summary()
         result.profiles[f"{spec.name}@{batch}"] = paged.profiler.summary(resident=[batch])
@@ -206,6 +211,35 @@ def bench_workload(
         record = _run_baseline(spec, name, runner, requests, batch, reference, model_flops, peak_flops)
         result.records.append(record)
         log(_one_line(record))
+
+
+def _record_pagedgen(
+    spec: WorkloadSpec,
+    system: str,
+    requests: list[BenchRequest],
+    run: SystemRun,
+    costs: tuple[float | None, float | None, int | None],
+    batch: int,
+    reference: Reference,
+    result: ThroughputResult,
+    log: Callable[[str], None],
+) -> None:
+    """Append (and log) the record of one pagedgen run; ``costs`` = (model FLOPs, peak FLOP/s, peak RSS)."""
+    model_flops, peak_flops, peak_rss = costs
+    record = make_record(
+        spec.name,
+        system,
+        requests,
+        run,
+        model_flops=model_flops,
+        peak_flops=peak_flops,
+        peak_rss_bytes=peak_rss,
+        reference=reference.outputs,
+        reference_name=reference.name,
+    )
+    record.details["max_batch_size"] = batch
+    result.records.append(record)
+    log(_one_line(record))
 
 
 def _run_baseline(

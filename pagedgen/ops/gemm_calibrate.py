@@ -201,9 +201,11 @@ def model_linear_weights(runtime: Any, linear_types: tuple[type, ...]) -> list[L
     return weights
 
 
-def _gemm_weight(weight: torch.Tensor) -> bool:
+def _gemm_weight(weight: object) -> bool:
+    """An fp32 CPU matrix the GEMM backends can take (quantized weights have their own kernel)."""
     return (
-        weight.dtype is torch.float32
+        isinstance(weight, torch.Tensor)
+        and weight.dtype is torch.float32
         and weight.device.type == "cpu"
         and weight.dim() == 2
         and weight.is_contiguous()

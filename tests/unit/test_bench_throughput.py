@@ -210,3 +210,30 @@ def test_cli_usage_errors_return_2(capsys):
     assert "unknown workload 'W9'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["throughput", "--max-batch-size", "0"])
+
+
+def test_a_float32_weights_reference_runs_first_and_every_match_is_against_it():
+    """With native weights, the same checkpoint on float32 weights is the reference (here: a synthetic model
+    whose vocabulary differs, so its outputs, and so the matches against it, differ visibly)."""
+
+    class Float32Weights(SyntheticModel):
+        weights_format = "float32"
+
+    reference_model = Float32Weights(vocab_size=MODEL.vocab_size - 1)
+    result = ThroughputResult()
+    bench_workload(
+        SPEC,
+        MODEL,
+        MODEL.tokenizer,
+        OPTIONS,
+        {"same": _greedy_runner},
+        peak_flops=None,
+        result=result,
+        log=str,
+        reference_model=reference_model,
+    )
+    assert [r.system for r in result.records] == ["pagedgen-f32w", "pagedgen", "same"]
+    assert {r.reference for r in result.records} == {"pagedgen fp32 (float32 weights)"}
+    f32w, paged, same = result.records
+    assert f32w.match_rate == 1.0 and f32w.exact_match_requests == SPEC.num_requests
+    assert paged.match_rate < 1.0 and same.match_rate == paged.match_rate

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from pagedgen.models.llama import Linear, _fuse_linears
+from pagedgen.models.llama import Linear, _fuse_linears, _set_weight
 from pagedgen.models.synthetic import SyntheticModel
 from pagedgen.ops import cpu_info, gemm, gemm_calibrate, gemm_tune
 from pagedgen.ops.gemm import (
@@ -44,6 +44,7 @@ from pagedgen.ops.gemm_calibrate import (
 )
 from pagedgen.ops.gemm_threads import ThreadSettings
 from pagedgen.ops.native import NativeStatus
+from pagedgen.ops.qweight import QuantizedWeight
 
 BLAS, TORCH, NATIVE = GemmBackend.OPENBLAS, GemmBackend.TORCH, GemmBackend.NATIVE
 LINEAR = (Linear,)
@@ -130,6 +131,14 @@ def test_models_without_cpu_fp32_linear_layers_have_no_weights():
     assert model_linear_weights(SyntheticModel().runtime, LINEAR) == []
     half = TinyRuntime(layers=1).to(torch.bfloat16)
     assert model_linear_weights(half, LINEAR) == []
+
+
+def test_weights_kept_in_their_stored_format_are_not_gemm_candidates():
+    """Native (quantized / half) weights run on their own kernel: only the fp32 ones are timed here."""
+    runtime = TinyRuntime(layers=1, fuse=False)
+    block = runtime.blocks[0]
+    _set_weight(block.o, QuantizedWeight.from_half(block.o.weight.detach().to(torch.float16)))
+    assert [w.shape for w in model_linear_weights(runtime, LINEAR)] == [(16, 8), (16, 4), (16, 4), (16, 40)]
 
 
 @pytest.mark.parametrize(
