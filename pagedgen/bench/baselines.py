@@ -156,26 +156,33 @@ def _collect_cb(manager: Any, requests: Sequence[BenchRequest]) -> list[list[int
 
 
 def hf_dir_for_loaders(checkpoint_dir: Path, staging: Path) -> Path:
-    """``checkpoint_dir`` itself if its ``config.json`` names ``architectures``, else a linked copy that does.
+    """``checkpoint_dir`` as other loaders need it: ``architectures`` in ``config.json``, and only HF files.
 
     ONNX Runtime GenAI's builder and vLLM pick the model class from ``architectures``, which pagedgen's GGUF
     cache entries (written from GGUF metadata) do not carry; transformers' causal-LM table names the class
-    for the model type. The copy links every other file, so it costs no disk.
+    for the model type. They also load every ``*.safetensors`` of the folder, and a GGUF entry's
+    ``native.safetensors`` (pagedgen's raw weight blocks) is no HF weight file. So unless the folder already
+    fits, this returns a copy in ``staging`` that links every other file (no disk cost).
     """
+    from pagedgen.models.native_weights import NATIVE_FILE
+
     config = json.loads((checkpoint_dir / "config.json").read_text())
-    if config.get("architectures"):
+    native = checkpoint_dir / NATIVE_FILE
+    if config.get("architectures") and not native.exists():
         return checkpoint_dir
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type", ""))
-    if architecture is None:
+    architecture = config.get("architectures") or [
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type", ""))
+    ]
+    if architecture == [None]:
         kind = config.get("model_type")
         raise RuntimeError(f"{checkpoint_dir}: no causal-LM class for model_type {kind!r}")
     staging.mkdir(parents=True)
     for path in checkpoint_dir.iterdir():
-        if path.is_file() and path.name != "config.json":
+        if path.is_file() and path.name not in ("config.json", NATIVE_FILE):
             (staging / path.name).symlink_to(path.resolve())
-    (staging / "config.json").write_text(json.dumps(config | {"architectures": [architecture]}, indent=2))
+    (staging / "config.json").write_text(json.dumps(config | {"architectures": architecture}, indent=2))
     return staging
 
 

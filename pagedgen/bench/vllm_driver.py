@@ -33,6 +33,9 @@ def start(message: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         "enforce_eager": bool(message["enforce_eager"]),
         "max_num_seqs": int(message["max_num_seqs"]),
         "seed": 0,
+        # On the CPU backend this is the share of the NUMA node's memory vLLM reserves (its default, 0.92,
+        # fails to start beside the bench's own process); 0.3 leaves gigabytes of KV cache for a small model.
+        "gpu_memory_utilization": float(message.get("memory_fraction", 0.3)),
     }
     llm = vllm.LLM(**args)
     info = {

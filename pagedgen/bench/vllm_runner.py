@@ -61,7 +61,9 @@ class VllmDriver:
     def __init__(self, python: Path, model: Path, max_num_seqs: int, eager: bool, env: dict[str, str]):
         self._stderr: IO[str] = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in close())
         self._process = subprocess.Popen(
-            [str(python), str(DRIVER)],
+            # -P: the script's folder (pagedgen/bench) must not shadow the standard library: its profile.py
+            # would stand in for the stdlib module that cProfile (imported by torch._dynamo) needs.
+            [str(python), "-P", str(DRIVER)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._stderr,

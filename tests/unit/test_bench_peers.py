@@ -109,6 +109,15 @@ def test_a_failed_build_raises_with_the_builders_message_and_leaves_nothing(tmp_
     assert list((root / f"ort-genai-v{ort_genai.EXPORT_FORMAT}").iterdir()) == []
 
 
+def test_loaders_never_see_pagedgens_native_weight_file(tmp_path, checkpoint):
+    """vLLM loads every *.safetensors of the folder; a GGUF entry's raw blocks would be read as weights."""
+    (checkpoint / "native.safetensors").write_bytes(b"raw blocks")
+    staged = hf_dir_for_loaders(checkpoint, tmp_path / "staged")
+    assert staged != checkpoint and not (staged / "native.safetensors").exists()
+    assert (staged / "model.safetensors").resolve() == (checkpoint / "model.safetensors").resolve()
+    assert json.loads((staged / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
 def test_loaders_get_the_checkpoint_itself_when_it_names_its_architecture(tmp_path, checkpoint):
     staged = hf_dir_for_loaders(checkpoint, tmp_path / "staged")
     assert json.loads((staged / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
@@ -200,6 +209,8 @@ def test_right_padding_refuses_a_prompt_holding_the_pad_token():
 
 STUB_VLLM = """
 import json, pathlib, types
+import profile  # as torch._dynamo does (through cProfile): the standard library's, not pagedgen/bench's
+assert "pagedgen" not in profile.__file__, profile.__file__
 __version__ = "0.32.0-stub"
 print("stub vllm imported")  # vLLM's chatter on stdout must not break the protocol
 
@@ -256,6 +267,7 @@ def test_vllm_runs_through_the_driver_protocol_in_the_given_interpreter(monkeypa
         4,
         0,
     )
+    assert args["gpu_memory_utilization"] == 0.3  # vLLM's CPU default (0.92 of the node) fails beside us
 
 
 def test_vllm_is_skipped_when_its_interpreter_cannot_import_it(monkeypatch, tmp_path, checkpoint):
