@@ -151,20 +151,13 @@ def machine_info(peak_flops: float | None) -> dict[str, Any]:
     import torch
 
     from pagedgen.bench.cpu import cpu_flags
+    from pagedgen.ops.cpu_info import cpu_model
     from pagedgen.ops.gemm import active_table
     from pagedgen.ops.gemm_threads import current_thread_settings
 
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     threads = current_thread_settings()
     return {
-        "cpu": cpu,
+        "cpu": cpu_model(),
         "cpu_flags": list(cpu_flags()),
         "cpus": threads.cpus,
         "torch_threads": threads.torch_threads,
