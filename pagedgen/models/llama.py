@@ -23,6 +23,7 @@ from pagedgen.core.kv import KVSpec, PagedKVCache
 from pagedgen.core.step_inputs import StepInputs
 from pagedgen.models.config import ModelConfig, RopeConfig
 from pagedgen.ops.attention import AttentionPlan, paged_attention, plan_attention, write_kv
+from pagedgen.ops.decoder_layers import DecoderDims, FusedDecoder, LayerWeights
 from pagedgen.ops.layer_ops import add_rms_norm, apply_rotary_, rms_norm, silu_and_mul
 from pagedgen.ops.linear import linear
 from pagedgen.ops.quant_gemm import embedding
@@ -298,12 +299,49 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else Linear(config.hidden_size, config.vocab_size, False, dtype)
         )
+        self.fused_decoder: FusedDecoder | None = None  # set by fuse_projections() when it can run
 
     def fuse_projections(self) -> None:
-        """Fuse each layer's q/k/v and gate/up weights (after loading; the state-dict names stay valid)."""
+        """Fuse each layer's q/k/v and gate/up weights (after loading; the state-dict names stay valid), and
+        build the one-call decode path (:mod:`pagedgen.ops.decoder_layers`) when the weights allow it."""
         for layer in self.model.layers:
             layer.self_attn.fuse_qkv()
             layer.mlp.fuse_gate_up()
+        self.fused_decoder = self._build_fused_decoder()
+
+    def _build_fused_decoder(self) -> FusedDecoder | None:
+        """``None`` unless every layer is the plain pre-norm block with fused, stored-format projections."""
+        config = self.config
+        if self.dtype is not torch.float32 or config.qk_norm:
+            return None
+        layers = []
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.qkv is None or mlp.gate_up is None:
+                return None
+            layers.append(
+                LayerWeights(
+                    input_norm=layer.input_layernorm.weight,
+                    post_norm=layer.post_attention_layernorm.weight,
+                    qkv=attn.qkv.weight,
+                    qkv_bias=attn.qkv.bias,
+                    o=attn.o_proj.weight,
+                    gate_up=mlp.gate_up.weight,
+                    gate_up_bias=mlp.gate_up.bias,
+                    down=mlp.down_proj.weight,
+                    down_bias=mlp.down_proj.bias,
+                )
+            )
+        dims = DecoderDims(
+            hidden=config.hidden_size,
+            q_heads=config.num_heads,
+            kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            inner=config.intermediate_size,
+            eps=config.rms_norm_eps,
+            scale=config.head_dim**-0.5,
+        )
+        return FusedDecoder.build(layers, dims)
 
     @property
     def head_weight(self) -> torch.Tensor | QuantizedWeight:
@@ -318,9 +356,15 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(inputs.input_ids)  # [T, hidden]
         rope = self.model.rotary_emb(inputs.positions, x.dtype)  # 2 x [T, head_dim]
         plan = plan_attention(inputs, kv_cache.keys[0])  # once per step, shared by every layer
-        delta = None
-        for layer, k_cache, v_cache in zip(self.model.layers, kv_cache.keys, kv_cache.values, strict=True):
-            x, delta = layer(x, delta, rope, inputs, plan, k_cache, v_cache)
+        fused = self.fused_decoder
+        if fused is not None and fused.supports(x, inputs, plan):
+            x, delta = fused.run(x, rope, inputs, plan, kv_cache.keys, kv_cache.values)
+        else:
+            delta = None
+            for layer, k_cache, v_cache in zip(
+                self.model.layers, kv_cache.keys, kv_cache.values, strict=True
+            ):
+                x, delta = layer(x, delta, rope, inputs, plan, k_cache, v_cache)
         rows = inputs.logits_rows
         x = self.model.norm(x[rows] + delta[rows])  # [R, hidden]
         return linear(x, self.head_weight).float()  # [R, vocab]

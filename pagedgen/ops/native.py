@@ -11,6 +11,8 @@ Why C (docs/performance.md has the measurements):
 * ``kernels/layer_ops.c``: RMSNorm, rotary, SwiGLU; as torch ops they are 5-10 dispatches each.
 * ``kernels/quant_gemm.c``: linear layers over GGUF-quantised or 16-bit weights kept as stored
   (:mod:`pagedgen.ops.quant_gemm`), so a decode step streams 85 MB instead of 538 MB.
+* ``kernels/decoder_layers.c``: the per-layer loop of a pure-decode step over the kernels above, in one call
+  (:mod:`pagedgen.ops.decoder_layers`), so no Python runs between a step's layers.
 
 No library of the field ships these for Python on CPU (vLLM's kernels are built into vLLM), so they are
 ours: built with the system C compiler (``$CC``, else ``cc``) into one library in the pagedgen cache
@@ -47,7 +49,10 @@ log = logging.getLogger(__name__)
 
 DISABLE_ENV = "PAGEDGEN_NATIVE_KERNELS"
 KERNELS = Path(__file__).with_name("kernels")
-SOURCES = tuple(KERNELS / name for name in ("paged_decode.c", "small_gemm.c", "layer_ops.c", "quant_gemm.c"))
+SOURCES = tuple(
+    KERNELS / name
+    for name in ("paged_decode.c", "small_gemm.c", "layer_ops.c", "quant_gemm.c", "decoder_layers.c")
+)
 HEADERS = (KERNELS / "vec_math.h",)
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
 _POINTER = ctypes.c_void_p

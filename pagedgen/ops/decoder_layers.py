@@ -1,0 +1,228 @@
+"""Every decoder layer of a pure-decode step in one native call (``kernels/decoder_layers.c``).
+
+Why: at batch 1 a Llama layer is ten microsecond-sized kernels; calling them one by one from Python, with
+the tensor bookkeeping between them, cost about a quarter of a forward (docs/performance.md, "The fused
+decode path"). :class:`FusedDecoder` runs the same kernels, in the same order, on the same kinds of
+buffers, from one C loop over the layers, so its output is bit-identical to the per-layer path.
+
+It applies only where that per-layer path would itself run those native kernels: float32 CPU activations,
+every linear weight kept in its stored format (:class:`~pagedgen.ops.qweight.QuantizedWeight`) and run by
+the native quant kernel at the step's row count, steps whose rows are all single-token decodes read by the
+native paged decode kernel. Anything else (prefill and mixed steps, float32 weights, other devices) takes the
+per-layer path. :meth:`FusedDecoder.build` returns ``None`` for a model it cannot run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pagedgen.core.step_inputs import StepInputs
+from pagedgen.ops.attention import AttentionPlan
+from pagedgen.ops.gemm_threads import torch_pool
+from pagedgen.ops.native import native_library
+from pagedgen.ops.quant_gemm import use_quant_kernel
+from pagedgen.ops.qweight import QuantizedWeight
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+
+
+class _PackedWeight(ctypes.Structure):
+    _fields_ = [("data", _P), ("row_bytes", _I64), ("qtype", _I64), ("bias", _P)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", _P),
+        ("post_norm", _P),
+        ("qkv", _PackedWeight),
+        ("o", _PackedWeight),
+        ("gate_up", _PackedWeight),
+        ("down", _PackedWeight),
+        ("k_cache", _P),
+        ("v_cache", _P),
+    ]
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = [
+        ("hidden", _I64),
+        ("q_heads", _I64),
+        ("kv_heads", _I64),
+        ("head_dim", _I64),
+        ("inner", _I64),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+    ]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        ("tokens", _I64),
+        ("cos", _P),
+        ("sin", _P),
+        ("slots", _P),
+        ("num_slots", _I64),
+        ("tables", _P),
+        ("table_stride", _I64),
+        ("kv_lens", _P),
+        ("token_rows", _P),
+        ("block_size", _I64),
+        *((name, _P) for name in ("x", "delta", "h", "qkv", "q", "attn", "o", "gate_up", "act")),
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    """One Llama-style layer's parameters: fused q/k/v and gate/up, as the per-layer path runs them."""
+
+    input_norm: torch.Tensor  # [hidden] fp32
+    post_norm: torch.Tensor  # [hidden] fp32
+    qkv: QuantizedWeight  # [(Hq + 2 Hkv) D, hidden]
+    qkv_bias: torch.Tensor | None
+    o: QuantizedWeight  # [hidden, Hq D]
+    gate_up: QuantizedWeight  # [2 inner, hidden]
+    gate_up_bias: torch.Tensor | None
+    down: QuantizedWeight  # [hidden, inner]
+    down_bias: torch.Tensor | None
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderDims:
+    hidden: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    inner: int
+    eps: float
+    scale: float
+
+
+def _fp32_vector(t: torch.Tensor | None, size: int) -> bool:
+    return t is None or (
+        t.dtype is torch.float32 and t.device.type == "cpu" and t.is_contiguous() and t.shape == (size,)
+    )
+
+
+def _packed(weight: QuantizedWeight, bias: torch.Tensor | None) -> _PackedWeight:
+    return _PackedWeight(
+        weight.data.data_ptr(),
+        weight.data.shape[1],
+        weight.qtype.ggml_id,
+        None if bias is None else bias.data_ptr(),
+    )
+
+
+class FusedDecoder:
+    """The layers of one model, ready for :meth:`run`; holds references to every tensor it points into."""
+
+    def __init__(self, function: ctypes._CFuncPtr, layers: Sequence[LayerWeights], dims: DecoderDims):
+        self._fn = function
+        self._weights = tuple(layers)
+        self._dims = dims
+        self._c_dims = _Dims(
+            dims.hidden, dims.q_heads, dims.kv_heads, dims.head_dim, dims.inner, dims.eps, dims.scale
+        )
+        self._c_layers = (_Layer * len(layers))()
+        for c, w in zip(self._c_layers, layers, strict=True):
+            c.input_norm, c.post_norm = w.input_norm.data_ptr(), w.post_norm.data_ptr()
+            c.qkv, c.o = _packed(w.qkv, w.qkv_bias), _packed(w.o, None)
+            c.gate_up, c.down = _packed(w.gate_up, w.gate_up_bias), _packed(w.down, w.down_bias)
+        # one weight per (format, shape): the quant kernel's use is decided per format and shape
+        every = (w for lw in layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down))
+        self._distinct = tuple({(w.qtype, w.shape): w for w in every}.values())
+
+    @staticmethod
+    def build(layers: Sequence[LayerWeights], dims: DecoderDims) -> FusedDecoder | None:
+        """The fused runner for ``layers``, or ``None`` when a weight or the kernels do not allow it."""
+        library = native_library()
+        if library is None or not layers or not hasattr(library, "decoder_layers_f32"):
+            return None
+        q, kv, d = dims.q_heads * dims.head_dim, dims.kv_heads * dims.head_dim, dims.head_dim
+        shapes = {"qkv": (q + 2 * kv, dims.hidden), "o": (dims.hidden, q)}
+        shapes |= {"gate_up": (2 * dims.inner, dims.hidden), "down": (dims.hidden, dims.inner)}
+        for w in layers:
+            if not all(isinstance(getattr(w, n), QuantizedWeight) for n in shapes):
+                return None
+            if any(getattr(w, n).shape != shape for n, shape in shapes.items()):
+                return None
+            vectors = ((w.input_norm, dims.hidden), (w.post_norm, dims.hidden), (w.qkv_bias, q + 2 * kv))
+            vectors += ((w.gate_up_bias, 2 * dims.inner), (w.down_bias, dims.hidden))
+            if w.input_norm is None or not all(_fp32_vector(t, n) for t, n in vectors):
+                return None
+        if d % 2 or dims.q_heads % dims.kv_heads:
+            return None
+        function = library.decoder_layers_f32
+        function.argtypes = [ctypes.POINTER(_Layer), _I64, ctypes.POINTER(_Dims), ctypes.POINTER(_Step)]
+        function.argtypes += [ctypes.c_int]
+        function.restype = ctypes.c_int
+        return FusedDecoder(function, layers, dims)
+
+    def supports(self, x: torch.Tensor, inputs: StepInputs, plan: AttentionPlan) -> bool:
+        """Whether the per-layer path would run this step on exactly the kernels :meth:`run` calls."""
+        tokens = inputs.num_tokens
+        return (
+            plan.kernel is not None
+            and not plan.prefill
+            and plan.decode_token_rows.shape[0] == tokens
+            and x.dtype is torch.float32
+            and x.device.type == "cpu"
+            and all(use_quant_kernel(w, tokens) for w in self._distinct)
+        )
+
+    def run(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        inputs: StepInputs,
+        plan: AttentionPlan,
+        keys: Sequence[torch.Tensor],
+        values: Sequence[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer over the step: ``(x, delta)`` as the per-layer loop leaves them (``x`` in place).
+
+        Writes each layer's new K/V into ``keys``/``values`` (``[num_blocks, block_size, Hkv, D]`` fp32,
+        contiguous; checked by :meth:`supports` through the plan). Raises ``IndexError`` for a slot outside
+        the cache (nothing written), ``MemoryError`` when a kernel could not allocate.
+        """
+        dims, tokens = self._dims, inputs.num_tokens
+        if len(keys) != len(self._c_layers) or len(values) != len(self._c_layers):
+            raise ValueError(f"the fused decoder has {len(self._c_layers)} layers, the cache {len(keys)}")
+        for c, k, v in zip(self._c_layers, keys, values, strict=True):
+            c.k_cache, c.v_cache = k.data_ptr(), v.data_ptr()
+        x = x.contiguous()
+        cos, sin = (t.contiguous() for t in rope)
+        slots = inputs.slot_mapping.to(torch.int64).contiguous()
+        q_width, kv_width = dims.q_heads * dims.head_dim, dims.kv_heads * dims.head_dim
+
+        def buffer(width: int) -> torch.Tensor:
+            return torch.empty(tokens, width, dtype=torch.float32)
+
+        delta, h, o = buffer(dims.hidden), buffer(dims.hidden), buffer(dims.hidden)
+        qkv, q, attn = buffer(q_width + 2 * kv_width), buffer(q_width), buffer(q_width)
+        gate_up, act = buffer(2 * dims.inner), buffer(dims.inner)
+        cache = keys[0]
+        step = _Step(
+            tokens,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.data_ptr(),
+            cache.shape[0] * cache.shape[1],
+            plan.decode_tables.data_ptr(),
+            plan.decode_tables.shape[1],
+            plan.decode_kv_lens.data_ptr(),
+            plan.decode_token_rows.data_ptr(),
+            cache.shape[1],
+            *(t.data_ptr() for t in (x, delta, h, qkv, q, attn, o, gate_up, act)),
+        )
+        torch_pool.restore()
+        failed = self._fn(self._c_layers, len(self._c_layers), self._c_dims, step, torch.get_num_threads())
+        if failed == -3:
+            raise IndexError(f"write_kv: a slot of {slots.tolist()} is outside the cache")
+        if failed:
+            raise MemoryError(f"decoder_layers_f32 failed ({failed})")
+        return x, delta

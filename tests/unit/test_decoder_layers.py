@@ -1,0 +1,172 @@
+"""The one-call decode path (pagedgen/ops/decoder_layers.py) is the per-layer path with the Python removed.
+
+Every test compares bits: the fused path runs the same kernels in the same order, so its logits and the K/V
+it writes must equal the per-layer loop's exactly, for any batch, format and bias; steps it cannot run fall
+back to the per-layer loop.
+"""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import pagedgen.ops.decoder_layers as decoder_layers
+import pagedgen.ops.quant_gemm as quant_gemm
+from pagedgen.core.kv import PagedKVCache
+from pagedgen.executor.inputs import SequenceChunk, pack_step
+from pagedgen.models.model import Model
+from pagedgen.ops import native
+from pagedgen.ops.attention import plan_attention
+from tests.model.tiny_checkpoints import TINY_RAW, random_state, write_gguf
+
+BLOCK = 4  # small blocks: the tables of the rows below span several, partly filled
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDGEN_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def need_kernels():
+    if quant_gemm.quant_kernels() is None:
+        pytest.skip(native.native_status().detail)
+
+
+def _gguf_model(tmp_path, qtype: str) -> Model:
+    path = tmp_path / f"tiny-{qtype}.gguf"
+    state = random_state(TINY_RAW, seed=5)
+    write_gguf(path, "llama", state, TINY_RAW, qtype=gguf.GGMLQuantizationType[qtype], tokenizer=False)
+    return Model(str(path))
+
+
+def _biased_bf16_model(tmp_path) -> Model:
+    """A 16-bit safetensors model with q/k/v and MLP biases (the fused kernel adds them)."""
+    raw = {**TINY_RAW, "attention_bias": True, "mlp_bias": True}
+    state = random_state(raw, seed=6, qkv_bias=True)
+    rng = np.random.default_rng(7)
+    for i in range(raw["num_hidden_layers"]):
+        for name, rows in (("gate", raw["intermediate_size"]), ("up", raw["intermediate_size"])):
+            state[f"model.layers.{i}.mlp.{name}_proj.bias"] = rng.standard_normal(rows).astype(np.float32)
+        state[f"model.layers.{i}.mlp.down_proj.bias"] = rng.standard_normal(raw["hidden_size"]).astype(
+            np.float32
+        )
+    directory = tmp_path / "hf-bias"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(raw))
+    save_file(
+        {k: torch.from_numpy(v).to(torch.bfloat16) for k, v in state.items()},
+        str(directory / "model.safetensors"),
+    )
+    return Model(str(directory))
+
+
+def _run(model: Model, fused: bool, prompts: list[list[int]], steps: int = 5):
+    """Prefill ``prompts`` together, then ``steps`` greedy decode steps; ``(logits per step, cache)``."""
+    runtime = model.runtime
+    kept = runtime.fused_decoder
+    runtime.fused_decoder = kept if fused else None
+    try:
+        cache = PagedKVCache(model.kv_spec, num_blocks=64, block_size=BLOCK)
+        tables = [list(range(12 * i, 12 * i + 12)) for i in range(len(prompts))]
+        chunks = [SequenceChunk(p, 0, t) for p, t in zip(prompts, tables, strict=True)]
+        outputs = [runtime.forward(pack_step(chunks, block_size=BLOCK), cache)]
+        for step in range(steps):
+            ids = outputs[-1].argmax(-1).tolist()
+            chunks = [SequenceChunk([ids[i]], len(p) + step, tables[i]) for i, p in enumerate(prompts)]
+            outputs.append(runtime.forward(pack_step(chunks, block_size=BLOCK), cache))
+        return outputs, cache
+    finally:
+        runtime.fused_decoder = kept
+
+
+def _assert_same(model: Model, prompts: list[list[int]]) -> None:
+    fused_logits, fused_cache = _run(model, True, prompts)
+    plain_logits, plain_cache = _run(model, False, prompts)
+    for got, expected in zip(fused_logits, plain_logits, strict=True):
+        assert torch.equal(got, expected)
+    for got, expected in zip(
+        fused_cache.keys + fused_cache.values, plain_cache.keys + plain_cache.values, strict=True
+    ):
+        assert torch.equal(got, expected)
+
+
+PROMPTS = [[3, 9, 27, 81, 243], [7] * 11, [100, 2], list(range(30, 47))]
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "F16"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_fused_decode_equals_the_per_layer_loop(tmp_path, need_kernels, qtype, batch):
+    model = _gguf_model(tmp_path, qtype)
+    assert model.runtime.fused_decoder is not None
+    _assert_same(model, PROMPTS[:batch])
+
+
+def test_biases_are_added_as_the_per_layer_loop_adds_them(tmp_path, need_kernels):
+    model = _biased_bf16_model(tmp_path)
+    layer = model.runtime.model.layers[0]
+    assert layer.self_attn.qkv.bias is not None and layer.mlp.gate_up.bias is not None
+    assert model.runtime.fused_decoder is not None
+    _assert_same(model, PROMPTS[:3])
+
+
+def test_decode_steps_take_the_fused_path_and_prefill_or_mixed_steps_do_not(
+    tmp_path, need_kernels, monkeypatch
+):
+    model = _gguf_model(tmp_path, "Q4_1")
+    calls = []
+    run = decoder_layers.FusedDecoder.run
+    monkeypatch.setattr(decoder_layers.FusedDecoder, "run", lambda self, *a: calls.append(1) or run(self, *a))
+    cache = PagedKVCache(model.kv_spec, num_blocks=16, block_size=BLOCK)
+    prefill = pack_step([SequenceChunk([1, 2, 3], 0, [0, 1])], block_size=BLOCK)
+    model.runtime.forward(prefill, cache)
+    assert calls == []
+    mixed = pack_step([SequenceChunk([4], 3, [0, 1]), SequenceChunk([5, 6], 0, [2])], block_size=BLOCK)
+    model.runtime.forward(mixed, cache)
+    assert calls == []
+    decode = pack_step([SequenceChunk([7], 4, [0, 1]), SequenceChunk([8], 2, [2])], block_size=BLOCK)
+    model.runtime.forward(decode, cache)
+    assert calls == [1]
+
+
+def test_rows_above_the_quant_kernels_range_take_the_per_layer_path(tmp_path, need_kernels, monkeypatch):
+    model = _gguf_model(tmp_path, "Q8_0")
+    cache = PagedKVCache(model.kv_spec, num_blocks=16, block_size=BLOCK)
+    step = pack_step([SequenceChunk([7], 0, [0]), SequenceChunk([8], 0, [1])], block_size=BLOCK)
+    plan = plan_attention(step, cache.keys[0])
+    x = torch.zeros(2, TINY_RAW["hidden_size"])
+    assert model.runtime.fused_decoder.supports(x, step, plan)
+    monkeypatch.setattr(decoder_layers, "use_quant_kernel", lambda weight, rows: rows < 2)
+    assert not model.runtime.fused_decoder.supports(x, step, plan)
+
+
+def test_float32_weights_and_missing_kernels_build_no_fused_decoder(tmp_path, need_kernels, monkeypatch):
+    path = tmp_path / "tiny.gguf"
+    write_gguf(
+        path,
+        "llama",
+        random_state(TINY_RAW, seed=5),
+        TINY_RAW,
+        qtype=gguf.GGMLQuantizationType.Q8_0,
+        tokenizer=False,
+    )
+    assert Model(str(path), weights="float32").runtime.fused_decoder is None
+    monkeypatch.setattr(decoder_layers, "native_library", lambda: None)
+    assert Model(str(path)).runtime.fused_decoder is None
+
+
+def test_a_slot_outside_the_cache_raises_and_writes_nothing(tmp_path, need_kernels):
+    model = _gguf_model(tmp_path, "Q4_1")
+    cache = PagedKVCache(model.kv_spec, num_blocks=4, block_size=BLOCK)
+    model.runtime.forward(pack_step([SequenceChunk([1, 2], 0, [0])], block_size=BLOCK), cache)
+    before = [t.clone() for t in cache.keys + cache.values]
+    step = pack_step([SequenceChunk([3], 2, [0]), SequenceChunk([4], 0, [1])], block_size=BLOCK)
+    step.slot_mapping[1] = 4 * BLOCK  # one past the last slot
+    with pytest.raises(IndexError, match="outside the cache"):
+        model.runtime.forward(step, cache)
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.keys + cache.values, strict=True))
