@@ -5,10 +5,11 @@ torch's GEMM. :func:`time_quant_passes` measures them as :func:`pagedgen.ops.gem
 measures the fp32 backends, at the same engine row counts: per row count one pass over the model's own
 quantized weights in model order (every weight at a decode width, so the pass streams the packed model like
 a decode step; at prefill sizes the per-token weights up to the widest decode pass's FLOPs, at least one of
-each kind), an untimed settle before each path's passes, rounds repeated within a budget, the best kept.
-Each call is timed on its own, so one model-order pass gives a time per *kind* (format and shape): the
-kind's median call times its number of calls. The median, not the sum: on a shared machine a descheduled
-thread stretches a few-microsecond kernel call by a whole time slice, and a pass at 1 row lasts ~10 ms.
+each kind), rounds repeated within a budget, the best kept; the two paths alternate per row count (see
+:func:`time_quant_passes`). Each call is timed on its own, so one model-order pass gives a time per *kind*
+(format and shape): the kind's median call times its number of calls. The median, not the sum: on a shared
+machine a 2-thread call whose second thread is descheduled waits a whole time slice (kernel calls of 40 us
+measured at 10 ms), and a whole pass at 1 row lasts ~20 ms.
 
 :func:`derive_quant_table` then chooses **per kind** (and, for kinds the table does not name, another
 model's weights in the same process, on the times summed over all kinds) one crossover: the kernel up to
@@ -141,7 +142,14 @@ def time_quant_passes(
     paths: dict[QuantPath, QuantGemm] | None = None,
 ) -> list[QuantPassTiming]:
     """Best seconds per path and kind of a :func:`~pagedgen.ops.gemm_calibrate.pass_members` pass at every
-    row count; rounds and settling as in :func:`~pagedgen.ops.gemm_calibrate.time_passes`."""
+    row count; rounds and budget as in :func:`~pagedgen.ops.gemm_calibrate.time_passes`.
+
+    Unlike there, the paths alternate per row count within a round (kernel pass, dequantise pass, next row
+    count), so the two passes compared at a count run back to back: on a shared machine, load comes in
+    episodes of a fraction of a second to seconds, and two passes that far apart can land one inside an
+    episode and one outside. Both paths run on torch's thread count and no OpenBLAS pool is involved, so
+    one settle per path before the first round suffices (it also pages in a freshly loaded model).
+    """
     paths = available_paths() if paths is None else paths
     rows_list = (*counts.decode, *counts.prefill)
     plans = [(rows, _calls(pass_members(weights, rows, counts), rows)) for rows in rows_list]
@@ -149,10 +157,11 @@ def time_quant_passes(
     best: dict[tuple[int, Kind], dict[QuantPath, float]] = {}
     start = time.perf_counter()
     with torch.inference_mode():
+        for gemm in paths.values():
+            _settle(gemm, warm)
         for done in range(1, max_rounds + 1):
-            for path, gemm in paths.items():
-                _settle(gemm, warm)
-                for rows, calls in plans:
+            for rows, calls in plans:
+                for path, gemm in paths.items():
                     for kind, seconds in _timed_pass(gemm, calls).items():
                         slot = best.setdefault((rows, kind), dict.fromkeys(paths, float("inf")))
                         slot[path] = min(slot[path], seconds)
