@@ -20,6 +20,9 @@ one process and one trial loop, never across runs.
 one backend per step (see :func:`pagedgen.ops.gemm.gemm_step`). What no GEMM timing sees: a step on
 OpenBLAS runs attention and the small ops on one thread (the torch pool is parked), so the whole-forward
 effect of an OpenBLAS choice can be smaller than its GEMM gain (docs/performance.md).
+
+Weights kept in their stored format are not candidates here: :mod:`pagedgen.ops.quant_calibrate` times their
+own two paths, choosing what each pass multiplies by with the same :func:`pass_members`.
 """
 
 from __future__ import annotations
