@@ -83,7 +83,8 @@ def _throughput_parser(p: argparse.ArgumentParser) -> None:
         choices=["auto", "torch", "openblas", "native"],
         default="auto",
         help="linear-layer backend: auto (the table measured for this machine and model at engine start, "
-        "see 'pagedgen bench gemm'), or one backend for every shape",
+        "see 'pagedgen bench gemm'), or one backend for every shape (weights kept as stored: native runs "
+        "the quant kernel, torch and openblas dequantise + torch GEMM, for every call)",
     )
     m.add_argument("--no-roofline", action="store_true", help="skip the GEMM peak measurement")
     o = p.add_argument_group("output")
@@ -114,6 +115,12 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
 
 def _gemm_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="model whose linear layers to time")
+    p.add_argument(
+        "--weights",
+        choices=("native", "float32"),
+        default="native",
+        help="the model's weight format, as the engine would load it (native: the quantized paths are timed)",
+    )
     p.add_argument("--max-batch-size", type=positive_int, default=16, help="the engine's (decode widths)")
     p.add_argument("--max-scheduled-tokens", type=positive_int, default=2048, help="the engine's (prefill)")
     p.add_argument("--chunk-size", type=positive_int, help="the engine's prefill chunk, if any")
@@ -175,14 +182,16 @@ def machine_info(peak_flops: float | None) -> dict[str, Any]:
 
 def _setup_machine(threads: int | None, gemm: str) -> None:
     from pagedgen.ops import gemm as gemm_mod
-    from pagedgen.ops import gemm_tune
+    from pagedgen.ops import gemm_tune, quant_table
     from pagedgen.ops.gemm_threads import configure_cpu_threads
 
     configure_cpu_threads(threads)
     if gemm == "auto":  # measured (or read from the cache) when the engine starts
         gemm_mod.set_gemm_table(gemm_mod.UNTUNED, pinned=False)
-    else:
+        quant_table.set_quant_table(quant_table.UNCALIBRATED, pinned=False)
+    else:  # weights kept as stored: the quant kernel for native, dequantise + torch GEMM otherwise
         gemm_mod.set_gemm_table(gemm_tune.FIXED_TABLES[gemm])
+        quant_table.set_quant_table(gemm_tune.FIXED_QUANT_TABLES[gemm])
 
 
 def _load_model(name: str, weights: str = "native") -> tuple[Any, Any, Path | None, Any]:
@@ -326,33 +335,47 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_gemm(args: argparse.Namespace) -> int:
-    """The table the engine would use on this machine for this model, each choice's reason, and (with
-    ``--shapes``) the per-shape study."""
+    """The tables the engine would use on this machine for this model (fp32 backends and, for weights kept
+    as stored, the quantized paths), each choice's reason, and (with ``--shapes``) the per-shape study."""
     from pagedgen.bench.report import write_json
     from pagedgen.models.llama import Linear
     from pagedgen.models.model import Model
     from pagedgen.ops.cpu_info import cpu_features, cpu_model
+    from pagedgen.ops.cpu_memory import retain_freed_cpu_memory
     from pagedgen.ops.gemm_calibrate import engine_row_counts, model_linear_weights
     from pagedgen.ops.gemm_threads import configure_cpu_threads
     from pagedgen.ops.gemm_tune import cache_dir, calibrate, key_digest
     from pagedgen.ops.native import gemm_kernel, native_status
+    from pagedgen.ops.quant_calibrate import model_quant_weights
+    from pagedgen.ops.quant_gemm import quant_kernels
 
     settings = configure_cpu_threads(args.threads)
+    # As the engine's runner does before it calibrates: the dequantise path's fp32 temporaries are reused,
+    # not page-faulted again on every call.
+    retain_freed_cpu_memory()
     print(f"{cpu_model()}: {', '.join(cpu_features()) or 'no SIMD features listed'}")
     print(f"threads: torch {settings.torch_threads}, OpenBLAS {settings.blas_threads} ({settings.blas_core})")
     kernel = gemm_kernel()
-    model = Model(args.model, dtype="float32", device="cpu")
+    model = Model(args.model, dtype="float32", device="cpu", weights=args.weights)
     weights = model_linear_weights(model.runtime, (Linear,))
+    quant_weights = model_quant_weights(model.runtime, (Linear,)) if quant_kernels() is not None else []
     in_sizes = sorted({w.shape[0] for w in weights})
     variants = ", ".join(f"k={k}: {kernel.variant(k)}" for k in in_sizes) if kernel else None
     print(f"native kernel: {variants or native_status().detail}")
+    if not weights and not quant_weights:
+        print("nothing to calibrate: the model has no CPU fp32 linear layers and no quantized ones")
+        return 0
     counts = engine_row_counts(args.max_batch_size, args.max_scheduled_tokens, args.chunk_size)
     start = time.perf_counter()
-    calibration = calibrate(weights, counts, refresh=args.recalibrate)
+    calibration = calibrate(weights, counts, quant_weights=quant_weights, refresh=args.recalibrate)
     path = cache_dir() / f"table-{key_digest(calibration.key or {})}.json"
     print(f"\n{calibration.source} in {time.perf_counter() - start:.1f} s (entry {path})")
-    print(f"table: {calibration.table.describe()}")
-    print("\n".join(f"  {line}" for line in calibration.reasons))
+    if calibration.table is not None:
+        print(f"table: {calibration.table.describe()}")
+        print("\n".join(f"  {line}" for line in calibration.reasons))
+    if calibration.quant is not None:
+        print(f"quantized table: {calibration.quant.describe()}")
+        print("\n".join(f"  {line}" for line in calibration.quant_reasons))
     document = {"cpu": cpu_model(), "cpu_features": list(cpu_features()), "native_variants": variants}
     document["calibration"] = calibration.to_json()
     if args.shapes:

@@ -47,9 +47,10 @@ class ModelRunner:
         )
 
     def adapt_gemm(self, max_batch_size: int, max_scheduled_tokens: int, chunk_size: int | None) -> None:
-        """Pick the GEMM backend per step size for this machine and model (measured once per machine, then
-        read from the cache; :mod:`pagedgen.ops.gemm_tune`). A no-op for models without CPU fp32 linear
-        layers and when a table was pinned."""
+        """Pick the GEMM backend per step size, and for weights kept in their stored format the quantized
+        path per kind and row count, for this machine and model (measured once per machine, then read from
+        the cache; :mod:`pagedgen.ops.gemm_tune`). A no-op for models with neither CPU fp32 nor quantized
+        linear layers and for tables that were pinned."""
         adapt_to_model(self.runtime, (Linear,), max_batch_size, max_scheduled_tokens, chunk_size)
 
     def execute(self, inputs: StepInputs) -> torch.Tensor:

@@ -20,14 +20,17 @@ one process and one trial loop, never across runs.
 one backend per step (see :func:`pagedgen.ops.gemm.gemm_step`). What no GEMM timing sees: a step on
 OpenBLAS runs attention and the small ops on one thread (the torch pool is parked), so the whole-forward
 effect of an OpenBLAS choice can be smaller than its GEMM gain (docs/performance.md).
+
+Weights kept in their stored format are not candidates here: :mod:`pagedgen.ops.quant_calibrate` times their
+own two paths, choosing what each pass multiplies by with the same :func:`pass_members`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -41,6 +44,7 @@ BUDGET_S = 3.0  # seconds of repeats at engine start (one round always runs)
 SETTLE_S = 0.15  # untimed running before a backend's passes: the previous pool's spin-wait ends
 
 Gemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+Member = TypeVar("Member", bound="PassMember")
 
 
 def available_backends() -> dict[GemmBackend, Gemm]:
@@ -177,6 +181,15 @@ class LinearWeight:
         """``(in_features, out_features)``."""
         return int(self.weight.shape[1]), int(self.weight.shape[0])
 
+    @property
+    def kind(self) -> tuple[int, int]:
+        """What a prefill pass takes at least one of (:func:`pass_members`): the shape."""
+        return self.shape
+
+    @property
+    def numel(self) -> int:
+        return self.weight.numel()
+
 
 def model_linear_weights(runtime: Any, linear_types: tuple[type, ...]) -> list[LinearWeight]:
     """The fp32 CPU weights of ``runtime``'s linear layers (modules of ``linear_types``, e.g. the model
@@ -274,27 +287,47 @@ class PassTiming:
         return "; ".join(parts)
 
 
+class PassMember(Protocol):
+    """What :func:`pass_members` reads of a weight: fp32 (:class:`LinearWeight`) or quantized alike."""
+
+    @property
+    def every_token(self) -> bool: ...
+
+    @property
+    def kind(self) -> Hashable: ...
+
+    @property
+    def numel(self) -> int: ...
+
+
 def pass_weights(weights: Sequence[LinearWeight], rows: int, counts: RowCounts) -> list[torch.Tensor]:
+    """The matrices a pass at ``rows`` multiplies by (:func:`pass_members`)."""
+    return [w.weight for w in pass_members(weights, rows, counts)]
+
+
+def pass_members(weights: Sequence[Member], rows: int, counts: RowCounts) -> list[Member]:
     """What a pass at ``rows`` multiplies by.
 
     At a decode width: every weight, so the pass streams the model like a decode step. Above: the per-token
     weights in model order, as many as fit the FLOPs of a pass at the widest decode width (at least one of
-    each shape), so a prefill-sized pass costs no more than a decode one while its weights still come from
+    each kind), so a prefill-sized pass costs no more than a decode one while its weights still come from
     as far away as a budget allows (a single reused weight would sit in cache and flatter the small
     kernels at 64-256 rows).
     """
     if rows in counts.decode:
-        return [w.weight for w in weights]
+        return list(weights)
     per_token = [w for w in weights if w.every_token]
     widest = counts.decode[-1] if counts.decode else 1
-    budget = 2 * widest * sum(w.weight.numel() for w in per_token)
-    chosen, shapes, flops = [], set(), 0
+    budget = 2 * widest * sum(w.numel for w in per_token)
+    chosen: list[Member] = []
+    kinds: set[Hashable] = set()
+    flops = 0
     for w in per_token:
-        cost = 2 * rows * w.weight.numel()
-        if flops + cost > budget and w.shape in shapes:
+        cost = 2 * rows * w.numel
+        if flops + cost > budget and w.kind in kinds:
             continue
-        chosen.append(w.weight)
-        shapes.add(w.shape)
+        chosen.append(w)
+        kinds.add(w.kind)
         flops += cost
     return chosen
 

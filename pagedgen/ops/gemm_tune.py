@@ -1,21 +1,29 @@
-"""Adapt the GEMM table to the machine: measure once per machine and model, cache the result, install it.
+"""Adapt the GEMM tables to the machine: measure once per machine and model, cache the result, install it.
 
 Why: the fastest backend per row count depends on the CPU, the libraries and the thread count (an AVX2
 EPYC and an AVX-512 Xeon disagree, docs/performance.md), so nothing about it is fixed in code. At engine
-start :func:`adapt_to_model` times torch, OpenBLAS and (when it can be built) the native kernel on the
-model's own linear weights at the row counts the engine's steps produce (:mod:`pagedgen.ops.gemm_calibrate`)
-and installs the fastest per row count, unless a table was pinned (:func:`pagedgen.ops.gemm.set_gemm_table`).
+start :func:`adapt_to_model` measures, at the row counts the engine's steps produce, on the model's own
+weights:
 
-The measurement is cached as JSON in ``<cache root>/gemm/``, keyed by everything it depends on
+* for fp32 linear weights: torch, OpenBLAS and (when it can be built) the native kernel
+  (:mod:`pagedgen.ops.gemm_calibrate`); the fastest per row count becomes the
+  :class:`~pagedgen.ops.gemm.GemmTable`, unless one was pinned (:func:`pagedgen.ops.gemm.set_gemm_table`);
+* for weights kept in their stored format (:class:`~pagedgen.ops.qweight.QuantizedWeight`): the native
+  quant kernel against dequantise + torch GEMM, per format and shape (:mod:`pagedgen.ops.quant_calibrate`);
+  the faster per row count becomes the :class:`~pagedgen.ops.quant_table.QuantTable`, unless one was pinned
+  (:func:`pagedgen.ops.quant_table.set_quant_table`).
+
+Both measurements are cached in one JSON entry in ``<cache root>/gemm/``, keyed by everything they depend on
 (:func:`calibration_key`): CPU model and flags, thread counts, torch and numpy versions, numpy's BLAS
 library and kernel family, the native library (its file name hashes sources, flags, compiler and CPU) or
-why it is off, the weight shapes and the row counts. Any change gives a new entry; an entry that does not
-parse or whose stored key differs is measured again and overwritten. Within a process, a key is measured or
-read once.
+why it is off, the fp32 weight shapes, the quantized weight formats and shapes, and the row counts. Any
+change gives a new entry; an entry that does not parse or whose stored key differs is measured again and
+overwritten. Within a process, a key is measured or read once.
 
 ``PAGEDGEN_GEMM_TABLE`` overrides the measurement for reproducibility: ``torch``, ``openblas`` or
-``native`` (one backend for every call), or the path of a cache entry (its timings decide, whatever machine
-they came from).
+``native`` (one backend for every fp32 call; for quantized weights ``native`` means the quant kernel for
+every call, ``torch`` and ``openblas`` dequantise + torch GEMM for every call: there is no OpenBLAS path over
+stored blocks), or the path of a cache entry (its timings decide, whatever machine they came from).
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import os
 import platform
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,47 +65,97 @@ from pagedgen.ops.gemm_calibrate import (
 )
 from pagedgen.ops.gemm_threads import current_thread_settings, torch_pool
 from pagedgen.ops.native import native_status
+from pagedgen.ops.quant_calibrate import (
+    QuantLinearWeight,
+    QuantPassTiming,
+    derive_quant_table,
+    explain_quant_table,
+    model_quant_weights,
+    time_quant_passes,
+)
+from pagedgen.ops.quant_gemm import quant_kernels
+from pagedgen.ops.quant_table import (
+    DEQUANT_ONLY,
+    KERNEL_ONLY,
+    QuantPath,
+    QuantTable,
+    adopt_quant_table,
+    quant_table_pinned,
+)
+from pagedgen.ops.qweight import QType
 
 log = logging.getLogger(__name__)
 
 TABLE_ENV = "PAGEDGEN_GEMM_TABLE"
-METHOD_VERSION = 1  # bump when the measurement changes meaning: every cached entry is then re-measured
+# Bump when the measurement changes meaning: every cached entry is then re-measured. 2: quantized paths.
+METHOD_VERSION = 2
 FIXED_TABLES = {"torch": TORCH_ONLY, "openblas": OPENBLAS_ONLY, "native": NATIVE_ONLY}
+# What each fixed name means for weights kept in their stored format (module docstring).
+FIXED_QUANT_TABLES = {"torch": DEQUANT_ONLY, "openblas": DEQUANT_ONLY, "native": KERNEL_ONLY}
 
 Measure = Callable[[Sequence[LinearWeight], RowCounts], list[PassTiming]]
+QuantMeasure = Callable[[Sequence[QuantLinearWeight], RowCounts], list[QuantPassTiming]]
 
 
 @dataclass(frozen=True, slots=True)
 class Calibration:
-    """A table and where it came from: measured timings (with the key they were measured under) or a
-    fixed choice. ``source`` says which: ``measured``, ``cache <path>``, ``PAGEDGEN_GEMM_TABLE=...``."""
+    """The tables and where they came from: measured timings (with the key they were measured under) or a
+    fixed choice. ``source`` says which: ``measured``, ``cache <path>``, ``PAGEDGEN_GEMM_TABLE=...``.
 
-    table: GemmTable
+    ``table`` is None when no fp32 linear weight was measured (a model on native weights), ``quant`` when no
+    quantized one was (a model on float32 weights).
+    """
+
+    table: GemmTable | None
     reasons: tuple[str, ...]
     source: str
     key: dict[str, Any] | None = None
     timings: tuple[PassTiming, ...] = ()
+    quant: QuantTable | None = None
+    quant_reasons: tuple[str, ...] = ()
+    quant_timings: tuple[QuantPassTiming, ...] = ()
 
     @classmethod
     def from_timings(
-        cls, timings: Sequence[PassTiming], source: str, key: dict[str, Any] | None
+        cls,
+        timings: Sequence[PassTiming],
+        source: str,
+        key: dict[str, Any] | None,
+        quant_timings: Sequence[QuantPassTiming] = (),
     ) -> Calibration:
-        return cls(derive_table(timings), tuple(explain_table(timings)), source, key, tuple(timings))
+        return cls(
+            derive_table(timings) if timings else None,
+            tuple(explain_table(timings)),
+            source,
+            key,
+            tuple(timings),
+            derive_quant_table(quant_timings) if quant_timings else None,
+            tuple(explain_quant_table(quant_timings)),
+            tuple(quant_timings),
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
             "key": self.key,
-            "table": self.table.describe(),
+            "table": None if self.table is None else self.table.describe(),
             "reasons": list(self.reasons),
             "timings": [
                 {"rows": t.rows, "flops": t.flops, "seconds": {b.value: s for b, s in t.seconds.items()}}
                 for t in self.timings
             ],
+            "quant_table": None if self.quant is None else self.quant.describe(),
+            "quant_reasons": list(self.quant_reasons),
+            "quant_timings": [
+                {"rows": t.rows, "qtype": t.qtype.name, "shape": list(t.shape), "flops": t.flops}
+                | {"seconds": {p.value: s for p, s in t.seconds.items()}}
+                for t in self.quant_timings
+            ],
         }
 
 
-def timings_from_json(document: dict[str, Any]) -> tuple[PassTiming, ...]:
-    """The timings of a cache entry; raises ``KeyError``/``ValueError``/``TypeError`` when malformed."""
+def timings_from_json(document: dict[str, Any]) -> tuple[tuple[PassTiming, ...], tuple[QuantPassTiming, ...]]:
+    """The fp32 and quantized timings of a cache entry (an entry from before the quantized paths has none of
+    the latter); raises ``KeyError``/``ValueError``/``TypeError`` when malformed or empty."""
     timings = tuple(
         PassTiming(
             int(t["rows"]),
@@ -106,12 +164,25 @@ def timings_from_json(document: dict[str, Any]) -> tuple[PassTiming, ...]:
         )
         for t in document["timings"]
     )
-    if not timings or any(not t.seconds or min(t.seconds.values()) <= 0 for t in timings):
+    quant_timings = tuple(
+        QuantPassTiming(
+            int(t["rows"]),
+            QType[t["qtype"]],
+            (int(t["shape"][0]), int(t["shape"][1])),
+            float(t["flops"]),
+            {QuantPath(name): float(s) for name, s in t["seconds"].items()},
+        )
+        for t in document.get("quant_timings", ())
+    )
+    measured = [*timings, *quant_timings]
+    if not measured or any(not t.seconds or min(t.seconds.values()) <= 0 for t in measured):
         raise ValueError("a calibration entry needs positive timings")
-    return timings
+    return timings, quant_timings
 
 
-def calibration_key(weights: Sequence[LinearWeight], counts: RowCounts) -> dict[str, Any]:
+def calibration_key(
+    weights: Sequence[LinearWeight], counts: RowCounts, quant_weights: Sequence[QuantLinearWeight] = ()
+) -> dict[str, Any]:
     """Everything a measured choice depends on (see the module docstring); JSON-serialisable."""
     threads = current_thread_settings()
     native = native_status()
@@ -119,6 +190,9 @@ def calibration_key(weights: Sequence[LinearWeight], counts: RowCounts) -> dict[
     for w in weights:
         name = f"{w.shape[0]}x{w.shape[1]}{'' if w.every_token else ' head'}"
         shapes[name] = shapes.get(name, 0) + 1
+    quant_shapes: dict[str, int] = {}
+    for q in quant_weights:
+        quant_shapes[q.name] = quant_shapes.get(q.name, 0) + 1
     return {
         "method": METHOD_VERSION,
         "machine": platform.machine(),
@@ -131,6 +205,7 @@ def calibration_key(weights: Sequence[LinearWeight], counts: RowCounts) -> dict[
         "blas": [Path(threads.blas_library).name if threads.blas_library else None, threads.blas_core],
         "native": Path(native.detail).name if native.available else f"off: {native.detail}",
         "shapes": shapes,
+        "quant_shapes": quant_shapes,
         "rows": {"decode": list(counts.decode), "prefill": list(counts.prefill)},
     }
 
@@ -145,15 +220,19 @@ def cache_dir() -> Path:
 
 def load_entry(path: Path, key: dict[str, Any] | None) -> Calibration | None:
     """The cached calibration at ``path``; None when missing, unreadable, malformed, or (``key`` given)
-    measured under another key."""
+    measured under another key or lacking the timings the key's weights call for."""
     try:
         document = json.loads(path.read_text())
-        timings = timings_from_json(document)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        timings, quant_timings = timings_from_json(document)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
         return None
-    if key is not None and document.get("key") != key:
+    if key is not None and (
+        document.get("key") != key
+        or bool(key["shapes"]) != bool(timings)
+        or bool(key["quant_shapes"]) != bool(quant_timings)
+    ):
         return None
-    return Calibration.from_timings(timings, f"cache {path}", document.get("key"))
+    return Calibration.from_timings(timings, f"cache {path}", document.get("key"), quant_timings)
 
 
 def store_entry(path: Path, calibration: Calibration) -> None:
@@ -175,17 +254,20 @@ def calibrate(
     weights: Sequence[LinearWeight],
     counts: RowCounts,
     *,
+    quant_weights: Sequence[QuantLinearWeight] = (),
     measure: Measure = time_passes,
+    measure_quant: QuantMeasure = time_quant_passes,
     refresh: bool = False,
 ) -> Calibration:
-    """The calibration for these weights and row counts: memoised, else cached on disk, else measured.
+    """The calibration for these fp32 and quantized weights and row counts: memoised, else cached on disk,
+    else measured (each measurement only when it has weights; at least one list must be non-empty).
 
     ``refresh`` measures again and overwrites the cache entry. Measuring mutates the thread pools' state
     (torch's pool is left at its full thread count).
     """
     if not torch_pool.parked:  # a count set by torch.set_num_threads is the one to measure and keep
         torch_pool.set_full(torch.get_num_threads())
-    key = calibration_key(weights, counts)
+    key = calibration_key(weights, counts, quant_weights)
     digest = key_digest(key)
     path = cache_dir() / f"table-{digest}.json"
     if not refresh:
@@ -194,10 +276,11 @@ def calibrate(
             _memo[digest] = found
             return found
     try:
-        timings = measure(weights, counts)
+        timings = measure(weights, counts) if weights else []
+        quant_timings = measure_quant(quant_weights, counts) if quant_weights else []
     finally:
         torch_pool.restore()
-    calibration = Calibration.from_timings(timings, "measured", key)
+    calibration = Calibration.from_timings(timings, "measured", key, quant_timings)
     store_entry(path, calibration)
     _memo[digest] = calibration
     return calibration
@@ -211,11 +294,18 @@ def env_calibration() -> Calibration | None:
         return None
     source = f"{TABLE_ENV}={value}"
     if value in FIXED_TABLES:
-        return Calibration(FIXED_TABLES[value], (f"{value} for every call ({source})",), source)
+        quant = FIXED_QUANT_TABLES[value]
+        return Calibration(
+            FIXED_TABLES[value],
+            (f"{value} for every call ({source})",),
+            source,
+            quant=quant,
+            quant_reasons=(f"{quant.default.value} for every call ({source})",),
+        )
     entry = load_entry(Path(value), key=None)
     if entry is None:
         raise ValueError(f"{TABLE_ENV}={value!r}: not one of auto, {', '.join(FIXED_TABLES)} or a table file")
-    return Calibration(entry.table, entry.reasons, source, entry.key, entry.timings)
+    return replace(entry, source=source)
 
 
 def adapt_to_model(
@@ -226,26 +316,41 @@ def adapt_to_model(
     chunk_size: int | None = None,
     *,
     measure: Measure = time_passes,
+    measure_quant: QuantMeasure = time_quant_passes,
 ) -> Calibration | None:
-    """Install the table for this model's CPU fp32 linear layers (modules of ``linear_types``) at the
-    engine's row counts.
+    """Install the tables for this model's linear layers (modules of ``linear_types``) at the engine's row
+    counts: the GEMM table for its CPU fp32 weights, the quantized-path table for its weights kept in their
+    stored format (when the native kernels exist: without them every such call dequantises anyway).
 
-    Returns what was chosen, or None when nothing was: a pinned table stands, or the model has no such
-    layers (the synthetic test model, CUDA or half precision). Raises ``ValueError`` for a bad
-    ``PAGEDGEN_GEMM_TABLE``.
+    Returns what was chosen, or None when nothing was installed: the tables are pinned, or the model has
+    no such layers (the synthetic test model, CUDA or half precision). A pinned table stands; the other
+    one is still measured. Raises ``ValueError`` for a bad ``PAGEDGEN_GEMM_TABLE``.
     """
-    if table_pinned():
+    gemm_free, quant_free = not table_pinned(), not quant_table_pinned()
+    if not (gemm_free or quant_free):
         return None
     fixed = env_calibration()
     if fixed is not None:
-        adopt_table(fixed.table)
-        return fixed
-    weights = model_linear_weights(runtime, linear_types)
-    if not weights:
+        return fixed if _install(fixed) else None
+    weights = model_linear_weights(runtime, linear_types) if gemm_free else []
+    measurable = quant_free and quant_kernels() is not None
+    quant_weights = model_quant_weights(runtime, linear_types) if measurable else []
+    if not weights and not quant_weights:
         return None
     counts = engine_row_counts(max_batch_size, max_scheduled_tokens, chunk_size)
-    calibration = calibrate(weights, counts, measure=measure)
-    if adopt_table(calibration.table):
-        log.info("GEMM table (%s): %s", calibration.source, calibration.table.describe())
-        return calibration
-    return None
+    calibration = calibrate(
+        weights, counts, quant_weights=quant_weights, measure=measure, measure_quant=measure_quant
+    )
+    if not _install(calibration):
+        return None
+    for name, table in (("GEMM", calibration.table), ("quantized-path", calibration.quant)):
+        if table is not None:
+            log.info("%s table (%s): %s", name, calibration.source, table.describe())
+    return calibration
+
+
+def _install(calibration: Calibration) -> bool:
+    """Adopt each table the calibration has, unless pinned; True if either was installed."""
+    gemm = calibration.table is not None and adopt_table(calibration.table)
+    quant = calibration.quant is not None and adopt_quant_table(calibration.quant)
+    return gemm or quant

@@ -1,14 +1,20 @@
 """Linear layers and embedding lookups over a :class:`~pagedgen.ops.qweight.QuantizedWeight`.
 
-Two paths, chosen by row count (docs/performance.md, "Native weights"):
+Two paths (docs/performance.md, "Native weights"):
 
-* up to :data:`QUANT_MAX_ROWS` rows (decode, the LM head): :func:`quant_gemm`, the native kernel of
-  ``kernels/quant_gemm.c``, which streams the packed blocks once and expands them in L1; bandwidth-bound,
-  so fewer bytes is faster;
-* above (prefill, compute-bound): the weight is dequantised into fp32 for the call and multiplied by
-  torch's GEMM (dequantising a 576 x 1536 matrix costs 0.17 ms, its GEMM at 256 rows 2.9 ms); a matrix
-  above :data:`TILE_BYTES` as fp32 (the 49152-row LM head: 113 MB) goes tile by tile, so no call
-  allocates and page-faults a whole fp32 copy.
+* :func:`quant_gemm`, the native kernel of ``kernels/quant_gemm.c``, which streams the packed blocks once and
+  expands them in L1; bandwidth-bound, so fewer bytes is faster: the path for few rows (decode, the LM head);
+* :func:`tiled_dequant_gemm`: the weight is dequantised into fp32 for the call and multiplied by torch's GEMM
+  (dequantising a 576 x 1536 matrix costs 0.17 ms, its GEMM at 256 rows 2.9 ms); compute-bound, the path
+  for many rows (prefill). A matrix above :data:`TILE_BYTES` as fp32 (the 49152-row LM head: 113 MB) goes
+  tile by tile, so no call allocates and page-faults a whole fp32 copy.
+
+Which one a call takes is :func:`use_quant_kernel`: the installed
+:class:`~pagedgen.ops.quant_table.QuantTable` for the weight's format, shape and the call's row count. The
+engine measures that table at start with the GEMM calibration (:mod:`pagedgen.ops.quant_calibrate`, cached
+per machine and model by :mod:`pagedgen.ops.gemm_tune`); without one (a bare ``Model``, tests) the kernel
+runs up to :data:`~pagedgen.ops.quant_table.UNCALIBRATED_KERNEL_MAX_ROWS` rows. ``PAGEDGEN_GEMM_TABLE=native``
+means the kernel for every call, ``torch`` or ``openblas`` the dequantise path for every call.
 
 Both use the same fp32 weight values (bit-identical to ``gguf.quants.dequantize``), so they differ from
 each other and from the dequantised fp32 model only in summation order.
@@ -25,11 +31,9 @@ import torch
 from pagedgen.ops.gemm import torch_gemm
 from pagedgen.ops.gemm_threads import torch_pool
 from pagedgen.ops.native import native_library
+from pagedgen.ops.quant_table import QuantPath, quant_path
 from pagedgen.ops.qweight import QType, QuantizedWeight
 
-# Measured on a 2-core Xeon (AVX-512), one thread, the default model's Q4_1 shapes with hot caches: the kernel
-# beat dequantise + torch GEMM at every shape up to 96 rows, tied at 128, lost at 256 (docs/performance.md).
-QUANT_MAX_ROWS = 96
 TILE_BYTES = 8 << 20  # fp32 bytes of one dequantised weight tile on the many-row path
 
 _POINTER = ctypes.c_void_p
@@ -95,6 +99,8 @@ _kernels: list[QuantKernels | None] = []
 
 def quant_kernels() -> QuantKernels | None:
     """The wrapper over the shared native library; ``None`` when native kernels are unavailable."""
+    if _kernels:  # decided: no lock on the per-call path
+        return _kernels[0]
     with _lock:
         if not _kernels:
             library = native_library()
@@ -112,6 +118,18 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     if x.dim() == 2 and use_quant_kernel(weight, x.shape[0]):
         return quant_gemm(x, weight, bias)
     return tiled_dequant_gemm(x, weight, bias)
+
+
+def use_quant_kernel(weight: QuantizedWeight, rows: int) -> bool:
+    """True when the native kernel (:func:`quant_gemm`) is the path for ``weight`` at ``rows`` rows, False
+    for dequantise + torch GEMM; always False when the native kernels are unavailable.
+
+    Follows the installed table (module docstring); memoised per (format, shape, rows), so a call costs
+    one dict lookup.
+    """
+    if quant_kernels() is None:
+        return False
+    return quant_path(weight.qtype, weight.shape, rows) is QuantPath.KERNEL
 
 
 def tiled_dequant_gemm(

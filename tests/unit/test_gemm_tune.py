@@ -44,7 +44,18 @@ from pagedgen.ops.gemm_calibrate import (
 )
 from pagedgen.ops.gemm_threads import ThreadSettings
 from pagedgen.ops.native import NativeStatus
-from pagedgen.ops.qweight import QuantizedWeight
+from pagedgen.ops.quant_calibrate import QuantPassTiming, derive_quant_table, model_quant_weights
+from pagedgen.ops.quant_table import (
+    DEQUANT_ONLY,
+    KERNEL_ONLY,
+    UNCALIBRATED,
+    QuantPath,
+    active_quant_table,
+    set_quant_table,
+    use_quant_table,
+)
+from pagedgen.ops.qweight import QType, QuantizedWeight
+from tests.unit.test_quant_calibrate import QuantRuntime
 
 BLAS, TORCH, NATIVE = GemmBackend.OPENBLAS, GemmBackend.TORCH, GemmBackend.NATIVE
 LINEAR = (Linear,)
@@ -68,14 +79,34 @@ class FakeMeasure:
         ]
 
 
+class FakeQuantMeasure:
+    """Per kind and row count: the kernel 1 s, dequantise 2 s up to 2 rows and 0.5 s above; counts calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, weights, counts):
+        self.calls += 1
+        kinds = dict.fromkeys(w.kind for w in weights)
+        return [
+            QuantPassTiming(r, qtype, shape, 1e9, {KERNEL: 1.0, DEQUANT: 2.0 if r <= 2 else 0.5})
+            for r in (*counts.decode, *counts.prefill)
+            for qtype, shape in kinds
+        ]
+
+
+KERNEL, DEQUANT = QuantPath.KERNEL, QuantPath.DEQUANT
+
+
 @pytest.fixture(autouse=True)
 def _fresh(monkeypatch, tmp_path):
-    """A private cache directory, an empty in-process memo, no table override, the table restored."""
+    """A private cache directory, an empty in-process memo, no table override, both tables restored."""
     monkeypatch.setenv("PAGEDGEN_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(gemm_tune.TABLE_ENV, raising=False)
     monkeypatch.setattr(gemm_tune, "_memo", {})
-    with use_gemm_table(gemm.active_table()):
+    with use_gemm_table(gemm.active_table()), use_quant_table(active_quant_table()):
         set_gemm_table(UNTUNED, pinned=False)
+        set_quant_table(UNCALIBRATED, pinned=False)
         yield
 
 
@@ -381,12 +412,12 @@ def test_bench_gemm_prints_the_table_and_a_reason_per_row_count(monkeypatch, cap
     from pagedgen.bench import cli
 
     class StubModel:
-        def __init__(self, name, dtype, device):
+        def __init__(self, name, dtype, device, weights):
             self.runtime = TinyRuntime()
 
     seen, real = [], gemm_tune.calibrate
 
-    def calibrate(weights, counts, refresh=False):
+    def calibrate(weights, counts, quant_weights=(), refresh=False):
         seen.append((counts, refresh))
         return real(weights, counts, measure=FakeMeasure(), refresh=refresh)
 
@@ -405,3 +436,218 @@ def test_bench_gemm_prints_the_table_and_a_reason_per_row_count(monkeypatch, cap
     document = json.loads(out_json.read_text())
     assert document["calibration"]["table"] == "rows<=2: native; rows<=4: openblas; else torch"
     assert document["cpu_features"] == list(cpu_info.cpu_features())
+
+
+# -- weights kept in their stored format: the quantized paths --------------------------------------------
+
+
+class MixedRuntime(TinyRuntime):
+    """TinyRuntime's fp32 layers plus QuantRuntime's quantized ones (its Q8_0 head replaces the fp32 one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.quant = QuantRuntime()
+
+    @property
+    def head_weight(self):
+        return self.quant.head_weight
+
+
+def _quant_weights(runtime=None):
+    return model_quant_weights(runtime or QuantRuntime(), LINEAR)
+
+
+def test_quantized_timings_round_trip_through_the_cache_entry(tmp_path, monkeypatch):
+    measure, measure_quant = FakeMeasure(), FakeQuantMeasure()
+    runtime = MixedRuntime()
+    args = (model_linear_weights(runtime, LINEAR), COUNTS)
+    first = gemm_tune.calibrate(*args, quant_weights=_quant_weights(runtime), measure_quant=measure_quant)
+    assert first.quant == derive_quant_table(first.quant_timings) and first.table is not None
+    assert first.key["quant_shapes"] == {"Q4_1 32->64": 2, "Q4_1 32->32": 2, "Q8_0 32->40 head": 1}
+    monkeypatch.setattr(gemm_tune, "_memo", {})
+    again = gemm_tune.calibrate(
+        *args, quant_weights=_quant_weights(runtime), measure=measure, measure_quant=measure_quant
+    )
+    assert measure_quant.calls == 1 and measure.calls == 0 and again.source.startswith("cache ")
+    assert (again.quant, again.quant_reasons, again.quant_timings) == (
+        first.quant,
+        first.quant_reasons,
+        first.quant_timings,
+    )
+    (entry,) = _entries(tmp_path)
+    assert json.loads(entry.read_text())["quant_table"] == first.quant.describe()
+
+
+def test_a_model_on_native_weights_measures_only_the_quantized_paths():
+    measure, measure_quant = FakeMeasure(), FakeQuantMeasure()
+    weights = model_linear_weights(QuantRuntime(), LINEAR)
+    calibration = gemm_tune.calibrate(
+        weights, COUNTS, quant_weights=_quant_weights(), measure=measure, measure_quant=measure_quant
+    )
+    assert weights == [] and measure.calls == 0 and measure_quant.calls == 1
+    assert calibration.table is None and calibration.reasons == () and calibration.quant is not None
+    assert calibration.quant.select(QType.Q4_1, (64, 32), 2) is KERNEL
+    assert calibration.quant.select(QType.Q4_1, (64, 32), 3) is DEQUANT
+
+
+def _other_qtype() -> list:
+    weights = _quant_weights()
+    head = weights[-1].weight
+    return [
+        *weights[:-1],
+        type(weights[-1])(QuantizedWeight.from_half(torch.zeros(head.shape, dtype=torch.float16)), False),
+    ]
+
+
+QUANT_CHANGES = {
+    "fewer layers": lambda: _quant_weights(QuantRuntime(layers=1)),
+    "other shapes": lambda: _quant_weights(QuantRuntime(fuse=False)),
+    "other format": _other_qtype,  # the head as f16 instead of Q8_0, same shape
+    "none": lambda: [],
+}
+
+
+@pytest.mark.parametrize("change", list(QUANT_CHANGES), ids=list(QUANT_CHANGES))
+def test_other_quantized_kinds_or_counts_are_new_entries(change, tmp_path):
+    measure, measure_quant = FakeMeasure(), FakeQuantMeasure()
+    gemm_tune.calibrate(
+        _weights(), COUNTS, quant_weights=_quant_weights(), measure=measure, measure_quant=measure_quant
+    )
+    gemm_tune.calibrate(
+        _weights(), COUNTS, quant_weights=_quant_weights(), measure=measure, measure_quant=measure_quant
+    )
+    assert len(_entries(tmp_path)) == 1  # the same kinds: a memo hit
+    changed = QUANT_CHANGES[change]()
+    gemm_tune.calibrate(
+        _weights(), COUNTS, quant_weights=changed, measure=measure, measure_quant=measure_quant
+    )
+    assert len(_entries(tmp_path)) == 2 and measure.calls == 2
+    assert measure_quant.calls == (1 if change == "none" else 2)
+
+
+def test_an_entry_from_before_the_quantized_paths_is_measured_again(tmp_path):
+    """A method-1 entry (fp32 timings only, no quantized shapes in its key) found where the new key's entry
+    goes is not read: the method version in the key changed."""
+    measure, measure_quant = FakeMeasure(), FakeQuantMeasure()
+    key = gemm_tune.calibration_key(_weights(), COUNTS, _quant_weights())
+    assert key["method"] == 2
+    old_key = {k: v for k, v in key.items() if k != "quant_shapes"} | {"method": 1}
+    path = gemm_tune.cache_dir() / f"table-{gemm_tune.key_digest(key)}.json"
+    path.parent.mkdir(parents=True)
+    timings = [{"rows": 1, "flops": 1e9, "seconds": {"torch": 1.0}}]
+    path.write_text(json.dumps({"key": old_key, "table": "else torch", "timings": timings}))
+    found = gemm_tune.calibrate(
+        _weights(), COUNTS, quant_weights=_quant_weights(), measure=measure, measure_quant=measure_quant
+    )
+    assert found.source == "measured" and (measure.calls, measure_quant.calls) == (1, 1)
+    assert json.loads(path.read_text())["key"] == key
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda doc: doc | {"quant_timings": []},
+        lambda doc: doc | {"quant_timings": [t | {"qtype": "Q9_9"} for t in doc["quant_timings"]]},
+        lambda doc: doc | {"quant_timings": [t | {"seconds": {"kernel": 0.0}} for t in doc["quant_timings"]]},
+        lambda doc: doc | {"quant_timings": [t | {"shape": [4]} for t in doc["quant_timings"]]},
+    ],
+    ids=["no-quant-timings", "unknown-format", "zero-time", "bad-shape"],
+)
+def test_a_damaged_quantized_part_is_measured_again(damage, monkeypatch, tmp_path):
+    measure_quant = FakeQuantMeasure()
+    first = gemm_tune.calibrate([], COUNTS, quant_weights=_quant_weights(), measure_quant=measure_quant)
+    (entry,) = _entries(tmp_path)
+    entry.write_text(json.dumps(damage(json.loads(entry.read_text()))))
+    monkeypatch.setattr(gemm_tune, "_memo", {})
+    again = gemm_tune.calibrate([], COUNTS, quant_weights=_quant_weights(), measure_quant=measure_quant)
+    assert measure_quant.calls == 2 and again.source == "measured" and again.quant == first.quant
+
+
+def test_adapt_installs_the_quantized_table_and_leaves_the_gemm_table(monkeypatch):
+    monkeypatch.setattr(gemm_tune, "quant_kernels", lambda: object())
+    measure, measure_quant = FakeMeasure(), FakeQuantMeasure()
+    chosen = gemm_tune.adapt_to_model(
+        QuantRuntime(), LINEAR, 4, 16, measure=measure, measure_quant=measure_quant
+    )
+    assert chosen is not None and chosen.table is None and measure.calls == 0
+    assert active_quant_table() == chosen.quant and gemm.active_table() is UNTUNED
+    assert active_quant_table().select(QType.Q8_0, (40, 32), 2) is KERNEL
+
+
+def test_a_pinned_table_stands_while_the_other_is_measured(monkeypatch):
+    monkeypatch.setattr(gemm_tune, "quant_kernels", lambda: object())
+    measure, measure_quant = FakeMeasure(), FakeQuantMeasure()
+    set_quant_table(DEQUANT_ONLY)  # pinned
+    chosen = gemm_tune.adapt_to_model(
+        MixedRuntime(), LINEAR, 4, 16, measure=measure, measure_quant=measure_quant
+    )
+    assert chosen is not None and chosen.quant is None and measure_quant.calls == 0
+    assert gemm.active_table() == chosen.table and active_quant_table() is DEQUANT_ONLY
+    set_gemm_table(TORCH_ONLY)  # both pinned: nothing is measured
+    assert gemm_tune.adapt_to_model(MixedRuntime(), LINEAR, 4, 16, measure=measure) is None
+    assert measure.calls == 1
+
+
+def test_without_the_native_kernels_the_quantized_paths_are_not_measured(monkeypatch):
+    monkeypatch.setattr(gemm_tune, "quant_kernels", lambda: None)
+    measure_quant = FakeQuantMeasure()
+    assert gemm_tune.adapt_to_model(QuantRuntime(), LINEAR, 4, 16, measure_quant=measure_quant) is None
+    assert measure_quant.calls == 0 and active_quant_table() is UNCALIBRATED
+
+
+@pytest.mark.parametrize(
+    "name, quant", [("torch", DEQUANT_ONLY), ("openblas", DEQUANT_ONLY), ("native", KERNEL_ONLY)]
+)
+def test_the_environment_maps_each_backend_name_to_a_quantized_path(name, quant, monkeypatch):
+    monkeypatch.setenv(gemm_tune.TABLE_ENV, name)
+    measure_quant = FakeQuantMeasure()
+    chosen = gemm_tune.adapt_to_model(QuantRuntime(), LINEAR, 4, 16, measure_quant=measure_quant)
+    assert chosen is not None and chosen.quant is quant and active_quant_table() is quant
+    assert measure_quant.calls == 0
+    assert chosen.quant_reasons == (f"{quant.default.value} for every call (PAGEDGEN_GEMM_TABLE={name})",)
+
+
+def test_the_environment_names_a_table_file_with_quantized_timings(monkeypatch, tmp_path):
+    measured = gemm_tune.calibrate(
+        [], COUNTS, quant_weights=_quant_weights(), measure_quant=FakeQuantMeasure()
+    )
+    (entry,) = _entries(tmp_path)
+    monkeypatch.setenv(gemm_tune.TABLE_ENV, str(entry))
+    chosen = gemm_tune.adapt_to_model(SyntheticModel().runtime, LINEAR, 16, 2048)
+    assert chosen is not None and chosen.source == f"PAGEDGEN_GEMM_TABLE={entry}"
+    assert active_quant_table() == measured.quant and gemm.active_table() is UNTUNED
+
+
+def test_bench_gemm_prints_the_quantized_table_and_its_reasons(monkeypatch, capsys, tmp_path):
+    from pagedgen.bench import cli
+    from pagedgen.ops import quant_gemm
+
+    class StubModel:
+        def __init__(self, name, dtype, device, weights):
+            assert weights == "native"
+            self.runtime = QuantRuntime()
+
+    real = gemm_tune.calibrate
+
+    def calibrate(weights, counts, quant_weights=(), refresh=False):
+        return real(weights, counts, quant_weights=quant_weights, measure_quant=FakeQuantMeasure())
+
+    monkeypatch.setattr("pagedgen.models.model.Model", StubModel)
+    monkeypatch.setattr(gemm_tune, "calibrate", calibrate)
+    monkeypatch.setattr(quant_gemm, "quant_kernels", lambda: object())
+    out_json = tmp_path / "gemm.json"
+    assert (
+        cli.main(["gemm", "--max-batch-size", "4", "--max-scheduled-tokens", "64", "--json", str(out_json)])
+        == 0
+    )
+    printed = capsys.readouterr().out
+    assert "\ntable:" not in printed  # no fp32 linear layers
+    table = (
+        "rows<=2: kernel; else dequant; Q4_1 32->64: [<=2: kernel, else dequant]; "
+        "Q4_1 32->32: [<=2: kernel, else dequant]; Q8_0 32->40: [<=2: kernel, else dequant]"
+    )
+    assert f"quantized table: {table}\n" in printed
+    assert "  Q8_0 32->40: kernel up to 2 rows\n" in printed
+    assert "    rows 3-4 (measured at 4): dequant 2.0 GFLOP/s; kernel 1.0 (0.50x)\n" in printed
+    document = json.loads(out_json.read_text())
+    assert document["calibration"]["quant_table"] == table and document["calibration"]["table"] is None

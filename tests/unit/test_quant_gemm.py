@@ -19,13 +19,19 @@ import torch
 from pagedgen.ops import native
 from pagedgen.ops.linear import linear
 from pagedgen.ops.quant_gemm import (
-    QUANT_MAX_ROWS,
     QuantKernels,
     dequantize,
     embedding,
     quant_gemm,
     quant_kernels,
     tiled_dequant_gemm,
+)
+from pagedgen.ops.quant_table import (
+    DEQUANT_ONLY,
+    KERNEL_ONLY,
+    UNCALIBRATED,
+    UNCALIBRATED_KERNEL_MAX_ROWS,
+    use_quant_table,
 )
 from pagedgen.ops.qweight import QType, QuantizedWeight, concat_rows
 
@@ -122,14 +128,20 @@ def test_kernel_matches_the_dequantized_reference(kernels, qtype, rows):
         assert_matches_float64(kernels.gemm(x, weight, bias), x, weight, bias)
 
 
-@pytest.mark.parametrize("rows", [1, QUANT_MAX_ROWS, QUANT_MAX_ROWS + 1, 200])
+LIMIT = UNCALIBRATED_KERNEL_MAX_ROWS
+TABLES = {"uncalibrated": UNCALIBRATED, "kernel": KERNEL_ONLY, "dequant": DEQUANT_ONLY}
+
+
+@pytest.mark.parametrize("rows", [1, LIMIT, LIMIT + 1, 200])
+@pytest.mark.parametrize("table", list(TABLES))
 @pytest.mark.parametrize("qtype", list(QType), ids=lambda q: q.name)
-def test_linear_dispatch_matches_the_reference_on_both_sides_of_the_threshold(qtype, rows):
+def test_linear_dispatch_matches_the_reference_on_either_path(qtype, table, rows):
     _need_kernels()
     weight = random_weight(qtype, 37, _in(qtype), seed=3)
     gen = torch.Generator().manual_seed(rows)
     x, bias = torch.randn(rows, _in(qtype), generator=gen), torch.randn(37, generator=gen)
-    assert_matches_float64(linear(x, weight, bias), x, weight, bias)
+    with use_quant_table(TABLES[table]):
+        assert_matches_float64(linear(x, weight, bias), x, weight, bias)
     assert_matches_float64(quant_gemm(x, weight, bias), x, weight, bias)
 
 
