@@ -108,11 +108,6 @@ def quant_kernels() -> QuantKernels | None:
         return _kernels[0]
 
 
-def use_quant_kernel(weight: QuantizedWeight, rows: int) -> bool:
-    """Whether :func:`quantized_linear` runs ``rows`` rows of ``x`` through the native kernel."""
-    return rows <= QUANT_MAX_ROWS and quant_kernels() is not None
-
-
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """``x [rows, in] @ dequant(weight).T (+ bias)`` -> ``[rows, out]``, by the path for ``rows``."""
     if x.dim() == 2 and use_quant_kernel(weight, x.shape[0]):
