@@ -207,7 +207,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
         q, k = apply_rotary_(q, cos, sin), apply_rotary_(k, cos, sin)  # in place (fresh GEMM output)
-        write_kv(k, v, k_cache, v_cache, inputs.slot_mapping)
+        slots = inputs.slot_mapping if plan.slot_mapping is None else plan.slot_mapping  # a ring's own
+        write_kv(k, v, k_cache, v_cache, slots)
         out = paged_attention(q, k_cache, v_cache, inputs, self.scale, plan)  # [T, Hq, D]
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
@@ -290,7 +291,15 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.dtype = dtype
-        self.kv_spec = KVSpec(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
+        self.windowed = frozenset(config.windowed_layers)  # sliding-window layers (their own plan)
+        self.kv_spec = KVSpec(
+            config.num_layers,
+            config.num_kv_heads,
+            config.head_dim,
+            dtype,
+            window_size=config.sliding_window,
+            window_layers=config.windowed_layers,
+        )
         self.vocab_size = config.vocab_size
         self.model = LlamaModel(config, dtype, device)
         self.lm_head = (
@@ -310,6 +319,13 @@ class LlamaForCausalLM(nn.Module):
         """``[vocab, hidden]``: the LM head, or the token embedding when they are tied."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def _window_plan(self, inputs: StepInputs, kv_cache: PagedKVCache) -> AttentionPlan | None:
+        """The sliding-window layers' plan (their ring, or the block tables masked to the window)."""
+        if not self.windowed:
+            return None
+        first = min(self.windowed)
+        return plan_attention(inputs, kv_cache.keys[first], window=self.config.sliding_window)
+
     @torch.inference_mode()
     def forward(self, inputs: StepInputs, kv_cache: PagedKVCache) -> torch.Tensor:
         """Float32 logits ``[len(inputs.logits_rows), vocab]``; mutates ``kv_cache`` at ``slot_mapping``."""
@@ -318,9 +334,13 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(inputs.input_ids)  # [T, hidden]
         rope = self.model.rotary_emb(inputs.positions, x.dtype)  # 2 x [T, head_dim]
         plan = plan_attention(inputs, kv_cache.keys[0])  # once per step, shared by every layer
+        window_plan = self._window_plan(inputs, kv_cache)
         delta = None
-        for layer, k_cache, v_cache in zip(self.model.layers, kv_cache.keys, kv_cache.values, strict=True):
-            x, delta = layer(x, delta, rope, inputs, plan, k_cache, v_cache)
+        for i, (layer, k_cache, v_cache) in enumerate(
+            zip(self.model.layers, kv_cache.keys, kv_cache.values, strict=True)
+        ):
+            layer_plan = window_plan if i in self.windowed else plan
+            x, delta = layer(x, delta, rope, inputs, layer_plan, k_cache, v_cache)
         rows = inputs.logits_rows
         x = self.model.norm(x[rows] + delta[rows])  # [R, hidden]
         return linear(x, self.head_weight).float()  # [R, vocab]
