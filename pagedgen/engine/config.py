@@ -8,6 +8,9 @@
    CPU, ``torch.cuda.mem_get_info`` free bytes for CUDA; both already exclude the loaded weights), capped at
    what the workload can ever use: ``max_batch_size`` requests of ``max_context`` tokens each. A quarter
    leaves room for activations, the sampler and the rest of the process on a shared machine.
+
+Storage reserved first (``reserved_bytes``: the sliding-window ring pool) comes off the byte budget in 2 and
+3. A full pool whose blocks cost nothing (every layer windowed: it only tracks positions) is the ceiling.
 """
 
 from __future__ import annotations
@@ -82,15 +85,27 @@ def available_memory_bytes(device: torch.device) -> int:
 
 
 def resolve_num_blocks(
-    config: EngineConfig, bytes_per_block: int, max_context: int, device: torch.device
+    config: EngineConfig,
+    bytes_per_block: int,
+    max_context: int,
+    device: torch.device,
+    reserved_bytes: int = 0,
 ) -> int:
     """The block-pool size for ``config`` (rule in the module docstring). Raises if not one block fits."""
     from pagedgen.cache import blocks_for_tokens, num_blocks_for_budget
 
     if config.num_blocks is not None:
         return config.num_blocks
-    if config.kv_cache_memory_bytes is not None:
-        return num_blocks_for_budget(config.kv_cache_memory_bytes, bytes_per_block)
     ceiling = config.max_batch_size * blocks_for_tokens(max_context, config.block_size)
-    budget = int(available_memory_bytes(device) * AUTO_KV_MEMORY_FRACTION)
-    return min(ceiling, num_blocks_for_budget(budget, bytes_per_block))
+    if bytes_per_block == 0:
+        return ceiling
+    if config.kv_cache_memory_bytes is not None:
+        if reserved_bytes >= config.kv_cache_memory_bytes:
+            raise InvalidArgumentError(
+                f"kv_cache_memory_bytes {config.kv_cache_memory_bytes} does not cover the sliding-window "
+                f"rings ({reserved_bytes} bytes) and one more block",
+                "kv_cache_memory_bytes",
+            )
+        return num_blocks_for_budget(config.kv_cache_memory_bytes - reserved_bytes, bytes_per_block)
+    budget = int(available_memory_bytes(device) * AUTO_KV_MEMORY_FRACTION) - reserved_bytes
+    return min(ceiling, num_blocks_for_budget(max(budget, 0), bytes_per_block))

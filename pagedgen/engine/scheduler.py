@@ -118,6 +118,11 @@ class DynamicScheduler:
         stats = self.cache.stats()
         return stats.total_blocks, stats.free_blocks
 
+    def window_block_counts(self) -> tuple[int, int]:
+        """``(total, free)`` blocks of the window-ring pool (``(0, 0)`` without one)."""
+        stats = self.cache.stats()
+        return stats.window_total_blocks, stats.window_free_blocks
+
     @property
     def residents(self) -> list[RequestState]:
         return list(self._residents.values())
