@@ -40,7 +40,9 @@ class EngineConfig:
 
     ``max_batch_size`` bounds both the scheduled rows of one step and the number of cache-resident requests;
     ``max_scheduled_tokens`` bounds the query tokens of one model run; ``chunk_size`` optionally bounds one
-    request's prefill contribution per step; ``dynamic_batching=False`` selects the static path;
+    request's prefill contribution per step (for a model with sliding-window layers it is also the ``C`` of
+    their rings, capped to ``max_scheduled_tokens``, which it defaults to; docs/cache.md);
+    ``dynamic_batching=False`` selects the static path;
     ``debug_invariants`` validates cache and request accounting after every step (raises on a violation);
     ``max_step_retries`` is how often an unattributed rollback is retried as is before the engine narrows the
     batch to find the request that causes it (:mod:`pagedgen.engine.isolation`).

@@ -173,7 +173,8 @@ def _window_view(inputs: StepInputs, window: int) -> _KeyView:
     bs = inputs.block_size
     first_block = (inputs.past_lens.long() - window + 1).clamp(min=0) // bs  # [B]
     tables = inputs.block_tables
-    columns = (first_block[:, None] + torch.arange(tables.shape[1])[None, :]).clamp(max=tables.shape[1] - 1)
+    steps = torch.arange(tables.shape[1], device=tables.device)
+    columns = (first_block.to(tables.device)[:, None] + steps[None, :]).clamp(max=tables.shape[1] - 1)
     return _KeyView(
         tables.gather(1, columns).to(torch.int32), (first_block * bs).tolist(), inputs.slot_mapping
     )
