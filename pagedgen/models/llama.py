@@ -237,6 +237,8 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
 
+    windowed = False  # a sliding-window layer (attends within ``config.sliding_window``; its own plan)
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -302,6 +304,8 @@ class LlamaForCausalLM(nn.Module):
         )
         self.vocab_size = config.vocab_size
         self.model = LlamaModel(config, dtype, device)
+        for i in self.windowed:
+            self.model.layers[i].windowed = True
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -336,11 +340,10 @@ class LlamaForCausalLM(nn.Module):
         plan = plan_attention(inputs, kv_cache.keys[0])  # once per step, shared by every layer
         window_plan = self._window_plan(inputs, kv_cache)
         delta = None
-        for i, (layer, k_cache, v_cache) in enumerate(
-            zip(self.model.layers, kv_cache.keys, kv_cache.values, strict=True)
-        ):
-            layer_plan = window_plan if i in self.windowed else plan
-            x, delta = layer(x, delta, rope, inputs, layer_plan, k_cache, v_cache)
+        for layer, k_cache, v_cache in zip(self.model.layers, kv_cache.keys, kv_cache.values, strict=True):
+            x, delta = layer(
+                x, delta, rope, inputs, window_plan if layer.windowed else plan, k_cache, v_cache
+            )
         rows = inputs.logits_rows
         x = self.model.norm(x[rows] + delta[rows])  # [R, hidden]
         return linear(x, self.head_weight).float()  # [R, vocab]
