@@ -93,21 +93,29 @@ def resolve_num_blocks(
     device: torch.device,
     reserved_bytes: int = 0,
 ) -> int:
-    """The block-pool size for ``config`` (rule in the module docstring). Raises if not one block fits."""
+    """The block-pool size for ``config`` (rule in the module docstring).
+
+    Raises ``ValueError`` if not one block fits, :class:`InvalidArgumentError` if the byte budget does not
+    even hold the reserved storage (the sliding-window rings).
+    """
     from pagedgen.cache import blocks_for_tokens, num_blocks_for_budget
 
     if config.num_blocks is not None:
         return config.num_blocks
     ceiling = config.max_batch_size * blocks_for_tokens(max_context, config.block_size)
+    explicit = config.kv_cache_memory_bytes is not None
+    if config.kv_cache_memory_bytes is not None:
+        budget, source = config.kv_cache_memory_bytes, f"kv_cache_memory_bytes {config.kv_cache_memory_bytes}"
+    else:
+        budget = int(available_memory_bytes(device) * AUTO_KV_MEMORY_FRACTION)
+        source = f"the automatic KV budget ({budget} bytes, a quarter of the free memory)"
+    if reserved_bytes > budget or (reserved_bytes == budget and bytes_per_block > 0):
+        raise InvalidArgumentError(
+            f"{source} does not hold the sliding-window rings ({reserved_bytes} bytes: one ring per "
+            "max_batch_size request) and a block more; lower max_batch_size or chunk_size, or raise it",
+            "kv_cache_memory_bytes",
+        )
     if bytes_per_block == 0:
         return ceiling
-    if config.kv_cache_memory_bytes is not None:
-        if reserved_bytes >= config.kv_cache_memory_bytes:
-            raise InvalidArgumentError(
-                f"kv_cache_memory_bytes {config.kv_cache_memory_bytes} does not cover the sliding-window "
-                f"rings ({reserved_bytes} bytes) and one more block",
-                "kv_cache_memory_bytes",
-            )
-        return num_blocks_for_budget(config.kv_cache_memory_bytes - reserved_bytes, bytes_per_block)
-    budget = int(available_memory_bytes(device) * AUTO_KV_MEMORY_FRACTION) - reserved_bytes
-    return min(ceiling, num_blocks_for_budget(max(budget, 0), bytes_per_block))
+    num_blocks = num_blocks_for_budget(budget - reserved_bytes, bytes_per_block)
+    return num_blocks if explicit else min(ceiling, num_blocks)

@@ -226,3 +226,28 @@ def test_fixed_state_groups_load_but_the_engine_refuses_them(tmp_path):
         pg.Engine(model, pg.EngineConfig(num_blocks=8))
     with pytest.raises(UnsupportedStateError):
         pg.Engine(model, pg.EngineConfig(num_blocks=8, dynamic_batching=False))
+
+
+def test_the_rings_come_off_the_kv_budget_before_the_full_pool_is_sized():
+    model = SyntheticModel(window=6)  # layer 0 full, layer 1 windowed; fp32, 1 head of 1 dim
+    spec = model.kv_spec
+    config = pg.EngineConfig(block_size=4, max_batch_size=3, chunk_size=5, kv_cache_memory_bytes=4096)
+    rings = 3 * 3 * spec.bytes_per_window_block(4)  # 3 residents x R = ceil((5 + 6 - 1) / 4) = 3 blocks
+    engine = pg.Engine(model, config)
+    stats = engine.stats()
+    assert (stats.window_total_blocks, stats.window_free_blocks) == (9, 9)
+    assert stats.total_blocks == (4096 - rings) // spec.bytes_per_full_block(4)
+    too_small = pg.EngineConfig(block_size=4, max_batch_size=3, chunk_size=5, kv_cache_memory_bytes=rings)
+    with pytest.raises(pg.EngineError, match="does not hold the sliding-window rings"):
+        pg.Engine(model, too_small)
+
+
+def test_a_model_without_full_attention_layers_pays_only_for_its_rings(tmp_path):
+    model = pg.Model(str(checkpoint(tmp_path, model_type="mistral", sliding_window=16)), device="cpu")
+    spec = model.kv_spec
+    assert spec.full_layers == () and spec.bytes_per_full_block(4) == 0
+    rings = 2 * 5 * spec.bytes_per_window_block(4)  # R = ceil((5 + 16 - 1) / 4) = 5 blocks per resident
+    config = pg.EngineConfig(block_size=4, max_batch_size=2, chunk_size=5, kv_cache_memory_bytes=rings)
+    stats = pg.Engine(model, config).stats()
+    # The full pool holds no storage: its blocks only track positions, sized for every whole context.
+    assert (stats.window_total_blocks, stats.total_blocks) == (10, 2 * 256 // 4)
