@@ -35,3 +35,7 @@ class EngineError(PagedGenError, RuntimeError):
 
 class CacheError(PagedGenError, RuntimeError):
     """Misuse of the paged-cache ownership layer (bad reservation, unknown request, double commit)."""
+
+
+class StateManifestError(ModelLoadError):
+    """A decoder state manifest (derived from the config, or a ``pagedgen.json`` override) is invalid."""

@@ -14,8 +14,20 @@ from pagedgen.models.synthetic import SyntheticModel, synthetic_greedy
 VOCAB = 257
 
 
-def synthetic_model(vocab_size: int = VOCAB, eos_token_id: int | None = None, max_context: int = 4096):
-    return SyntheticModel(vocab_size=vocab_size, eos_token_id=eos_token_id, max_context=max_context)
+SYNTHETIC_WINDOW: int | None = None  # tests that run on the windowed synthetic model set this (monkeypatch)
+
+
+def synthetic_model(
+    vocab_size: int = VOCAB,
+    eos_token_id: int | None = None,
+    max_context: int = 4096,
+    window: int | None = None,
+):
+    """The synthetic model; with ``window`` (or :data:`SYNTHETIC_WINDOW`) a sliding-window layer too."""
+    window = SYNTHETIC_WINDOW if window is None else window
+    return SyntheticModel(
+        vocab_size=vocab_size, eos_token_id=eos_token_id, max_context=max_context, window=window
+    )
 
 
 def make_engine(model: Any = None, **config: Any) -> pg.Engine:
@@ -136,8 +148,13 @@ def engine_snapshot(engine: pg.Engine) -> dict[str, Any]:
     }
     cache = getattr(scheduler, "cache", None)
     if cache is not None:
-        snap["tables"] = {rid: (tuple(t.blocks), t.committed_slots) for rid, t in cache.tables().items()}
+        snap["tables"] = {
+            rid: (tuple(t.blocks), t.committed_slots, tuple(t.window_blocks))
+            for rid, t in cache.tables().items()
+        }
         snap["free_blocks"] = sorted(cache.pool.free_list())  # FIFO order may differ after a rollback
+        if cache.window_pool is not None:
+            snap["free_window_blocks"] = sorted(cache.window_pool.free_list())
         snap["waiting"] = [s.request_id for s in scheduler.waiting]
         snap["resident_order"] = [s.request_id for s in scheduler.residents]
     return snap

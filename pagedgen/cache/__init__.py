@@ -8,6 +8,7 @@ from pagedgen.cache.block_table import BlockTable, blocks_for_tokens, slot_of_po
 from pagedgen.cache.manager import CacheStats, PagedCacheManager
 from pagedgen.cache.paged import CacheCandidate, DeferReason, PlanLimits, ResourcePlan, plan_resources
 from pagedgen.cache.reservation import Reservation, ReservationState, ReservedRow
+from pagedgen.cache.window_ring import WindowRingSpec
 
 __all__ = [
     "BlockPool",
@@ -22,6 +23,7 @@ __all__ = [
     "ReservationState",
     "ReservedRow",
     "ResourcePlan",
+    "WindowRingSpec",
     "blocks_for_tokens",
     "num_blocks_for_budget",
     "plan_resources",

@@ -130,6 +130,11 @@ class BlockPool:
         self._check_all(blocks, BlockState.OWNED, "return_owned")
         self._release(blocks)
 
+    def check_state(self, blocks: Sequence[int], expected: BlockState, action: str) -> None:
+        """Raise ``CacheError`` unless every block is a distinct id in state ``expected`` (mutates nothing):
+        lets a caller prove a two-pool change legal before it changes either pool."""
+        self._check_all(blocks, expected, action)
+
     def record_mutation(self) -> None:
         """Advance the generation for an ownership change that moves no block (a committed-slot advance)."""
         self._generation += 1

@@ -55,14 +55,17 @@ class BlockTable:
 
     ``blocks`` are the physical blocks in logical order; ``committed_slots`` counts the leading slots that
     hold committed K/V (it may be smaller than the table's capacity: an admitted prefill owns blocks for its
-    whole prompt before all of it has run). ``generation`` advances on every change so a reservation can
-    prove the table is exactly as it found it. Only the cache manager and its reservation mutate a table.
+    whole prompt before all of it has run). ``window_blocks`` is the request's ring in the window pool
+    (:mod:`pagedgen.cache.window_ring`; empty without one): fixed at admission, it never grows.
+    ``generation`` advances on every change so a reservation can prove the table is exactly as it found it.
+    Only the cache manager and its reservation mutate a table.
     """
 
     request_id: Hashable
     blocks: list[int] = field(default_factory=list)
     committed_slots: int = 0
     generation: int = 0
+    window_blocks: list[int] = field(default_factory=list)
 
     def capacity(self, block_size: int) -> int:
         """Slots the table's blocks can hold."""

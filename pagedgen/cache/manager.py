@@ -1,8 +1,10 @@
 """The cache manager the engine talks to: plan, reserve, release and report paged KV-cache ownership.
 
-``PagedCacheManager`` is a facade over per-kind pieces. Today it composes one :class:`BlockPool` (full-context
-paged KV) and the committed :class:`BlockTable` of every resident request; a sliding-window ring or a
-fixed-state pool would join as further pieces behind the same plan / reserve / commit / deallocate surface.
+``PagedCacheManager`` is a facade over per-kind pieces. It composes one :class:`BlockPool` for full-context
+paged KV, optionally a second one for sliding-window rings (:class:`WindowRingSpec`: every resident owns a
+fixed ring there), and the committed :class:`BlockTable` of every resident request. Both pools go through
+the same plan / reserve / commit / deallocate surface and are accounted separately; a fixed-state pool
+would join the same way.
 
 Committed state changes only through :meth:`Reservation.commit` and :meth:`PagedCacheManager.deallocate`;
 planning and stats never mutate. At most one reservation is live at a time, and while it is, deallocation is
@@ -16,7 +18,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from pagedgen.cache.block_pool import BlockPool
+from pagedgen.cache.block_pool import BlockPool, BlockState
 from pagedgen.cache.block_table import BlockTable, blocks_for_tokens
 from pagedgen.cache.paged import (
     CacheCandidate,
@@ -28,12 +30,16 @@ from pagedgen.cache.paged import (
     plan_resources,
 )
 from pagedgen.cache.reservation import Reservation, ReservedRow
+from pagedgen.cache.window_ring import WindowRingSpec
 from pagedgen.errors import CacheError
 
 
 @dataclass(frozen=True, slots=True)
 class CacheStats:
-    """A snapshot of block accounting; ``blocks_per_request`` is a fresh dict in admission order."""
+    """A snapshot of block accounting; ``blocks_per_request`` is a fresh dict in admission order.
+
+    The ``window_*`` counts are the window-ring pool's (all 0 without one).
+    """
 
     total_blocks: int
     free_blocks: int
@@ -41,6 +47,11 @@ class CacheStats:
     owned_blocks: int
     resident_requests: int
     blocks_per_request: dict[Hashable, int] = field(default_factory=dict)
+    window_total_blocks: int = 0
+    window_free_blocks: int = 0
+    window_reserved_blocks: int = 0
+    window_owned_blocks: int = 0
+    window_blocks_per_request: dict[Hashable, int] = field(default_factory=dict)
 
 
 def _positive(name: str, value: int) -> int:
@@ -58,11 +69,18 @@ class PagedCacheManager:
 
     ``max_batch_size`` bounds both the rows of one step and the number of resident requests (idle
     turn-complete residents included). ``max_blocks_per_table`` is the widest block table the executor
-    supports (``None``: only the pool bounds it). Raises ``ValueError`` for a non-positive setting.
+    supports (``None``: only the pool bounds it). ``window`` adds the window-ring pool: each admission then
+    also takes one ring of ``window.ring_blocks`` blocks from it. Raises ``ValueError`` for a non-positive
+    setting or a window spec of another block size.
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, max_batch_size: int, max_blocks_per_table: int | None = None
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_batch_size: int,
+        max_blocks_per_table: int | None = None,
+        window: WindowRingSpec | None = None,
     ):
         self.num_blocks = _positive("num_blocks", num_blocks)
         self.block_size = _positive("block_size", block_size)
@@ -70,7 +88,14 @@ class PagedCacheManager:
         self.max_blocks_per_table = (
             None if max_blocks_per_table is None else _positive("max_blocks_per_table", max_blocks_per_table)
         )
+        if window is not None and window.block_size != self.block_size:
+            raise ValueError(
+                f"window block_size {window.block_size} differs from block_size {self.block_size}"
+            )
         self.pool = BlockPool(self.num_blocks)
+        self.window = window
+        self.window_pool = None if window is None else BlockPool(window.num_blocks)
+        self.ring_blocks = 0 if window is None else window.ring_blocks
         self._tables: dict[Hashable, BlockTable] = {}
         self._live: Reservation | None = None
 
@@ -104,7 +129,12 @@ class PagedCacheManager:
     def block_table(self, request_id: Hashable) -> tuple[int, ...]:
         return tuple(self._table(request_id).blocks)
 
+    def window_ring(self, request_id: Hashable) -> tuple[int, ...]:
+        """The request's committed window ring (empty without a window pool)."""
+        return tuple(self._table(request_id).window_blocks)
+
     def stats(self) -> CacheStats:
+        window = self.window_pool
         return CacheStats(
             total_blocks=self.num_blocks,
             free_blocks=self.pool.num_free,
@@ -112,6 +142,11 @@ class PagedCacheManager:
             owned_blocks=self.pool.num_owned,
             resident_requests=len(self._tables),
             blocks_per_request={rid: len(t.blocks) for rid, t in self._tables.items()},
+            window_total_blocks=0 if window is None else window.num_blocks,
+            window_free_blocks=0 if window is None else window.num_free,
+            window_reserved_blocks=0 if window is None else window.num_reserved,
+            window_owned_blocks=0 if window is None else window.num_owned,
+            window_blocks_per_request={rid: len(t.window_blocks) for rid, t in self._tables.items()},
         )
 
     # ---- the step transaction ----
@@ -137,7 +172,7 @@ class PagedCacheManager:
 
         Raises ``CacheError`` (changing nothing) if a reservation is already live, ``selected`` is empty or
         contradicts committed state, exceeds the row or residency limit, contains a candidate that can never
-        fit, or needs more blocks than are free.
+        fit, or needs more blocks (of either pool) than are free.
         """
         self._require_no_live("reserve")
         if not selected:
@@ -158,12 +193,22 @@ class PagedCacheManager:
             if is_unserviceable(width, limits):
                 raise CacheError(f"request {candidate.request_id!r} needs {width} blocks and can never fit")
             growth.append(new)
+        num_ring_blocks = self.ring_blocks * num_new
+        if self.window_pool is not None and num_ring_blocks > self.window_pool.num_free:
+            raise CacheError(
+                f"cannot reserve {num_new} window rings of {self.ring_blocks} blocks: only "
+                f"{self.window_pool.num_free} of {self.window_pool.num_blocks} window blocks free"
+            )
         blocks = self.pool.reserve(sum(growth))  # raises, changing nothing, if too few are free
-        self._live = Reservation(self.pool, self._tables, self._rows(selected, growth, blocks), self._closed)
+        rings: tuple[int, ...] = ()
+        if self.window_pool is not None:  # cannot fail: checked above, before either pool changed
+            rings = self.window_pool.reserve(num_ring_blocks)
+        rows = self._rows(selected, growth, blocks, rings)
+        self._live = Reservation(self.pool, self._tables, rows, self._closed, self.window_pool)
         return self._live
 
     def deallocate(self, request_id: Hashable) -> bool:
-        """Return all of a request's blocks to the pool; False if it is not resident.
+        """Return all of a request's blocks (its ring too) to their pools; False if it is not resident.
 
         Raises ``CacheError`` while a reservation is live (its snapshot of committed state must hold).
         Cost: O(blocks of the request).
@@ -172,7 +217,11 @@ class PagedCacheManager:
         table = self._tables.get(request_id)
         if table is None:
             return False
+        if self.window_pool is not None:
+            self.window_pool.check_state(table.window_blocks, BlockState.OWNED, "return_owned")
         self.pool.return_owned(table.blocks)
+        if self.window_pool is not None:
+            self.window_pool.return_owned(table.window_blocks)
         del self._tables[request_id]
         return True
 
@@ -196,16 +245,28 @@ class PagedCacheManager:
             max_batch_size=self.max_batch_size,
             max_rows=max_rows,
             max_blocks_per_table=self.max_blocks_per_table,
+            ring_blocks=self.ring_blocks,
+            window_total_blocks=0 if self.window_pool is None else self.window_pool.num_blocks,
+            window_free_blocks=0 if self.window_pool is None else self.window_pool.num_free,
         )
 
     def _rows(
-        self, selected: Sequence[CacheCandidate], growth: list[int], blocks: tuple[int, ...]
+        self,
+        selected: Sequence[CacheCandidate],
+        growth: list[int],
+        blocks: tuple[int, ...],
+        rings: tuple[int, ...],
     ) -> tuple[ReservedRow, ...]:
-        """Split the reserved blocks over the selected rows, in order."""
+        """Split the reserved blocks over the selected rows, in order (one ring per new row)."""
         rows = []
         start = 0
+        ring_start = 0
         for candidate, count in zip(selected, growth, strict=True):
             table = self._tables.get(candidate.request_id)
+            new_ring: tuple[int, ...] = ()
+            if table is None and rings:
+                new_ring = rings[ring_start : ring_start + self.ring_blocks]
+                ring_start += self.ring_blocks
             rows.append(
                 ReservedRow(
                     request_id=candidate.request_id,
@@ -214,6 +275,8 @@ class PagedCacheManager:
                     required_slots=candidate.required_slots,
                     committed_blocks=() if table is None else tuple(table.blocks),
                     new_blocks=blocks[start : start + count],
+                    window_ring=new_ring if table is None else tuple(table.window_blocks),
+                    new_window_blocks=new_ring,
                 )
             )
             start += count

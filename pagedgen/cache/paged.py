@@ -44,12 +44,14 @@ class DeferReason(enum.Enum):
 class ResourcePlan:
     """The planner's answer: the selected candidates and, for every other candidate, why not.
 
-    Both tuples keep the input order. ``new_blocks`` is how many free blocks reserving ``selected`` takes.
+    Both tuples keep the input order. ``new_blocks`` is how many free blocks reserving ``selected`` takes,
+    ``new_window_blocks`` how many of the window pool (one ring per admission).
     """
 
     selected: tuple[CacheCandidate, ...]
     deferred: tuple[tuple[CacheCandidate, DeferReason], ...]
     new_blocks: int = 0
+    new_window_blocks: int = 0
 
     @property
     def capacity_deferred(self) -> tuple[CacheCandidate, ...]:
@@ -83,6 +85,9 @@ class PlanLimits:
     max_batch_size: int  # bound on residents (committed + newly admitted) and on rows
     max_rows: int  # bound on selected rows this step
     max_blocks_per_table: int | None  # block-table width the executor supports (None: the pool bound)
+    ring_blocks: int = 0  # window-pool blocks each admission takes (0: no window pool)
+    window_total_blocks: int = 0  # blocks of the window pool
+    window_free_blocks: int = 0  # window blocks a reservation can take now
 
 
 def check_candidates(candidates: Sequence[CacheCandidate], residents: ResidentView) -> None:
@@ -126,8 +131,8 @@ def blocks_needed(candidate: CacheCandidate, residents: ResidentView, block_size
 
 
 def is_unserviceable(width: int, limits: PlanLimits) -> bool:
-    """True if a table of ``width`` blocks could not exist even in an otherwise empty cache."""
-    if width > limits.total_blocks:
+    """True if a table of ``width`` blocks (and a ring) could not exist even in an otherwise empty cache."""
+    if width > limits.total_blocks or limits.ring_blocks > limits.window_total_blocks:
         return True
     return limits.max_blocks_per_table is not None and width > limits.max_blocks_per_table
 
@@ -139,27 +144,34 @@ def plan_resources(
 
     A candidate is UNSERVICEABLE if its final table is wider than the pool or the supported width. Otherwise
     it is CAPACITY_DEFERRED if the row limit is reached, if it is new and committed residents plus the new
-    admissions already selected fill ``max_batch_size``, or if its new blocks exceed those still free after
-    the earlier selections. Validate the candidates with :func:`check_candidates` first.
+    admissions already selected fill ``max_batch_size``, or if its new blocks (or, new, its ring) exceed
+    those still free after the earlier selections. Validate the candidates with :func:`check_candidates`
+    first.
     """
     row_limit = min(limits.max_rows, limits.max_batch_size)
     free = limits.free_blocks
+    window_free = limits.window_free_blocks
     residents_after = len(residents)
     selected: list[CacheCandidate] = []
     deferred: list[tuple[CacheCandidate, DeferReason]] = []
     for candidate in candidates:
         width, growth = blocks_needed(candidate, residents, limits.block_size)
+        ring = limits.ring_blocks if candidate.is_new else 0
         if is_unserviceable(width, limits):
             deferred.append((candidate, DeferReason.UNSERVICEABLE))
         elif (
             len(selected) >= row_limit
             or (candidate.is_new and residents_after >= limits.max_batch_size)
             or growth > free
+            or ring > window_free
         ):
             deferred.append((candidate, DeferReason.CAPACITY_DEFERRED))
         else:
             selected.append(candidate)
             free -= growth
+            window_free -= ring
             if candidate.is_new:
                 residents_after += 1
-    return ResourcePlan(tuple(selected), tuple(deferred), limits.free_blocks - free)
+    return ResourcePlan(
+        tuple(selected), tuple(deferred), limits.free_blocks - free, limits.window_free_blocks - window_free
+    )

@@ -5,13 +5,13 @@ combined view :meth:`Reservation.block_table`. Nothing about committed ownership
 reserved blocks are not in any request's table and new requests have only provisional tables. Then exactly
 one of two things happens:
 
-- :meth:`Reservation.commit` appends the reserved blocks to the tables, publishes new requests' tables and
-  advances committed slots (possibly to fewer tokens than reserved);
-- :meth:`Reservation.discard` returns every reserved block to the free list (rollback).
+- :meth:`Reservation.commit` appends the reserved blocks to the tables, publishes new requests' tables (with
+  their window rings) and advances committed slots (possibly to fewer tokens than reserved);
+- :meth:`Reservation.discard` returns every reserved block, of both pools, to its free list (rollback).
 
 :meth:`Reservation.validate_commit` proves, without mutating anything, that committed state is exactly as the
-reservation found it (pool generation, every resident table's identity, generation, size and slots), so the
-publish step cannot fail for a reason it could have checked first.
+reservation found it (both pools' generations, every resident table's identity, generation, sizes and
+slots), so the publish step cannot fail for a reason it could have checked first.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ class ReservedRow:
     required_slots: int  # the most slots commit may advance to
     committed_blocks: tuple[int, ...]  # the committed table at reserve time
     new_blocks: tuple[int, ...]  # reserved blocks, appended to the table at commit
+    window_ring: tuple[int, ...] = ()  # the request's window ring: committed, or reserved when new
+    new_window_blocks: tuple[int, ...] = ()  # the ring's reserved blocks (a new request's whole ring)
 
     @property
     def blocks(self) -> tuple[int, ...]:
@@ -54,6 +56,7 @@ class _TableSnapshot:
     generation: int
     committed_slots: int
     num_blocks: int
+    num_window_blocks: int
 
     def matches(self, table: BlockTable | None) -> bool:
         return (
@@ -61,17 +64,30 @@ class _TableSnapshot:
             and table.generation == self.generation
             and table.committed_slots == self.committed_slots
             and len(table.blocks) == self.num_blocks
+            and len(table.window_blocks) == self.num_window_blocks
         )
 
 
 class Reservation:
     """A live paged-cache transaction over one manager's pool and tables.
 
-    Created only by ``PagedCacheManager.reserve`` after it took the blocks from the pool. ``on_close`` is
-    called once when the reservation commits or is discarded, so the manager can accept the next one.
+    Created only by ``PagedCacheManager.reserve`` after it took the blocks from the pools (``window_pool``:
+    the window-ring pool, or None). ``on_close`` is called once when the reservation commits or is
+    discarded, so the manager can accept the next one.
     """
 
-    __slots__ = ("state", "_pool", "_tables", "_rows", "_index", "_snapshot", "_generation", "_on_close")
+    __slots__ = (
+        "state",
+        "_pool",
+        "_window_pool",
+        "_tables",
+        "_rows",
+        "_index",
+        "_snapshot",
+        "_generation",
+        "_window_generation",
+        "_on_close",
+    )
 
     def __init__(
         self,
@@ -79,17 +95,20 @@ class Reservation:
         tables: dict[Hashable, BlockTable],
         rows: tuple[ReservedRow, ...],
         on_close: Callable[[Reservation], None],
+        window_pool: BlockPool | None = None,
     ):
         self.state = ReservationState.LIVE
         self._pool = pool
+        self._window_pool = window_pool
         self._tables = tables
         self._rows = rows
         self._index = {row.request_id: row for row in rows}
         self._snapshot = {
-            rid: _TableSnapshot(t, t.generation, t.committed_slots, len(t.blocks))
+            rid: _TableSnapshot(t, t.generation, t.committed_slots, len(t.blocks), len(t.window_blocks))
             for rid, t in tables.items()
         }
         self._generation = pool.generation
+        self._window_generation = None if window_pool is None else window_pool.generation
         self._on_close = on_close
 
     @property
@@ -108,6 +127,18 @@ class Reservation:
     def num_reserved_blocks(self) -> int:
         return sum(len(row.new_blocks) for row in self._rows)
 
+    def reserved_window_blocks(self) -> tuple[int, ...]:
+        """Every window-pool block this reservation holds (the new requests' rings), in row order."""
+        return tuple(block for row in self._rows for block in row.new_window_blocks)
+
+    @property
+    def num_reserved_window_blocks(self) -> int:
+        return sum(len(row.new_window_blocks) for row in self._rows)
+
+    def window_ring(self, request_id: Hashable) -> tuple[int, ...]:
+        """The request's window ring (committed, or reserved for a new request); empty without a pool."""
+        return self.row(request_id).window_ring
+
     def row(self, request_id: Hashable) -> ReservedRow:
         row = self._index.get(request_id)
         if row is None:
@@ -125,16 +156,22 @@ class Reservation:
     def validate_commit(self, advance: Mapping[Hashable, int] | None = None) -> None:
         """Raise ``CacheError`` unless :meth:`commit` with ``advance`` would succeed. Mutates nothing.
 
-        Checks that the reservation is live, that no pool mutation happened since reserve, that every resident
-        table is the same object with the same generation, size and committed slots, that every reserved block
-        is still reserved, and that each ``advance`` names a row and lies in ``[committed, required]``.
-        Cost: O(residents + reserved blocks).
+        Checks that the reservation is live, that neither pool was mutated since reserve, that every resident
+        table is the same object with the same generation, sizes and committed slots, that every reserved
+        block (of both pools) is still reserved, and that each ``advance`` names a row and lies in
+        ``[committed, required]``. Cost: O(residents + reserved blocks).
         """
         if self.state is not ReservationState.LIVE:
             raise CacheError(f"cannot commit a {self.state.value} reservation")
         if self._pool.generation != self._generation:
             raise CacheError(
                 f"block pool changed since reserve (generation {self._generation} -> {self._pool.generation})"
+            )
+        window = self._window_pool
+        if window is not None and window.generation != self._window_generation:
+            raise CacheError(
+                f"window block pool changed since reserve (generation {self._window_generation} -> "
+                f"{window.generation})"
             )
         if len(self._tables) != len(self._snapshot):
             raise CacheError(
@@ -149,6 +186,11 @@ class Reservation:
                     raise CacheError(
                         f"reserved block {block} of request {row.request_id!r} is no longer reserved"
                     )
+            for block in row.new_window_blocks:
+                if window is None or window.state(block) is not BlockState.RESERVED:
+                    raise CacheError(
+                        f"reserved window block {block} of request {row.request_id!r} is no longer reserved"
+                    )
         self._target_slots(advance)
 
     def commit(self, advance: Mapping[Hashable, int] | None = None) -> None:
@@ -162,10 +204,12 @@ class Reservation:
         self.validate_commit(advance)
         targets = self._target_slots(advance)
         self._pool.publish(self.reserved_blocks())
+        if self._window_pool is not None:
+            self._window_pool.publish(self.reserved_window_blocks())
         for row in self._rows:
             if row.is_new:
                 self._tables[row.request_id] = BlockTable(
-                    row.request_id, list(row.new_blocks), targets[row.request_id]
+                    row.request_id, list(row.new_blocks), targets[row.request_id], 0, list(row.window_ring)
                 )
             else:
                 self._tables[row.request_id].advance(row.new_blocks, targets[row.request_id])
@@ -182,6 +226,8 @@ class Reservation:
         if self.state is ReservationState.COMMITTED:
             raise CacheError("cannot discard a committed reservation")
         self._pool.return_reserved(self.reserved_blocks())
+        if self._window_pool is not None:
+            self._window_pool.return_reserved(self.reserved_window_blocks())
         self._close(ReservationState.DISCARDED)
 
     def _target_slots(self, advance: Mapping[Hashable, int] | None) -> dict[Hashable, int]:

@@ -13,6 +13,21 @@ import torch
 
 
 @dataclass(slots=True)
+class WindowInputs:
+    """How the step's sliding-window layers reach their ring of blocks (:mod:`pagedgen.core.window`).
+
+    Each row's keys are read from logical block ``first_pos[i] // block_size`` on: column ``k`` of
+    ``block_tables`` holds logical block ``first_pos[i] // block_size + k`` (its ring block), so the table is
+    as wide as the live window plus one step, never as the sequence.
+    """
+
+    size: int  # W: a query at p sees keys p - W + 1 .. p
+    block_tables: torch.Tensor  # [B, Wr] int32, ring blocks rotated to start at each row's first_pos
+    first_pos: torch.Tensor  # [B] int32, logical position of column 0 (a multiple of block_size)
+    slot_mapping: torch.Tensor  # [T] int64, ring slot of each new token (p mod (R * block_size) in its ring)
+
+
+@dataclass(slots=True)
 class StepInputs:
     """The packed inputs of one model call (B requests, T tokens)."""
 
@@ -27,6 +42,7 @@ class StepInputs:
     max_kv_len: int  # attention metadata: longest past + query of the step
     min_kv_len: int  # attention metadata: shortest past + query of the step
     block_size: int
+    window: WindowInputs | None = None  # set when windowed layers keep rings (else they read block_tables)
 
     @property
     def num_tokens(self) -> int:

@@ -8,6 +8,9 @@
    CPU, ``torch.cuda.mem_get_info`` free bytes for CUDA; both already exclude the loaded weights), capped at
    what the workload can ever use: ``max_batch_size`` requests of ``max_context`` tokens each. A quarter
    leaves room for activations, the sampler and the rest of the process on a shared machine.
+
+Storage reserved first (``reserved_bytes``: the sliding-window ring pool) comes off the byte budget in 2 and
+3. A full pool whose blocks cost nothing (every layer windowed: it only tracks positions) is the ceiling.
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ class EngineConfig:
 
     ``max_batch_size`` bounds both the scheduled rows of one step and the number of cache-resident requests;
     ``max_scheduled_tokens`` bounds the query tokens of one model run; ``chunk_size`` optionally bounds one
-    request's prefill contribution per step; ``dynamic_batching=False`` selects the static path;
+    request's prefill contribution per step (for a model with sliding-window layers it is also the ``C`` of
+    their rings, capped to ``max_scheduled_tokens``, which it defaults to; docs/cache.md);
+    ``dynamic_batching=False`` selects the static path;
     ``debug_invariants`` validates cache and request accounting after every step (raises on a violation);
     ``max_step_retries`` is how often an unattributed rollback is retried as is before the engine narrows the
     batch to find the request that causes it (:mod:`pagedgen.engine.isolation`).
@@ -82,15 +87,35 @@ def available_memory_bytes(device: torch.device) -> int:
 
 
 def resolve_num_blocks(
-    config: EngineConfig, bytes_per_block: int, max_context: int, device: torch.device
+    config: EngineConfig,
+    bytes_per_block: int,
+    max_context: int,
+    device: torch.device,
+    reserved_bytes: int = 0,
 ) -> int:
-    """The block-pool size for ``config`` (rule in the module docstring). Raises if not one block fits."""
+    """The block-pool size for ``config`` (rule in the module docstring).
+
+    Raises ``ValueError`` if not one block fits, :class:`InvalidArgumentError` if the byte budget does not
+    even hold the reserved storage (the sliding-window rings).
+    """
     from pagedgen.cache import blocks_for_tokens, num_blocks_for_budget
 
     if config.num_blocks is not None:
         return config.num_blocks
-    if config.kv_cache_memory_bytes is not None:
-        return num_blocks_for_budget(config.kv_cache_memory_bytes, bytes_per_block)
     ceiling = config.max_batch_size * blocks_for_tokens(max_context, config.block_size)
-    budget = int(available_memory_bytes(device) * AUTO_KV_MEMORY_FRACTION)
-    return min(ceiling, num_blocks_for_budget(budget, bytes_per_block))
+    explicit = config.kv_cache_memory_bytes is not None
+    if config.kv_cache_memory_bytes is not None:
+        budget, source = config.kv_cache_memory_bytes, f"kv_cache_memory_bytes {config.kv_cache_memory_bytes}"
+    else:
+        budget = int(available_memory_bytes(device) * AUTO_KV_MEMORY_FRACTION)
+        source = f"the automatic KV budget ({budget} bytes, a quarter of the free memory)"
+    if reserved_bytes > budget or (reserved_bytes == budget and bytes_per_block > 0):
+        raise InvalidArgumentError(
+            f"{source} does not hold the sliding-window rings ({reserved_bytes} bytes: one ring per "
+            "max_batch_size request) and a block more; lower max_batch_size or chunk_size, or raise it",
+            "kv_cache_memory_bytes",
+        )
+    if bytes_per_block == 0:
+        return ceiling
+    num_blocks = num_blocks_for_budget(budget - reserved_bytes, bytes_per_block)
+    return num_blocks if explicit else min(ceiling, num_blocks)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from pagedgen.cache import PagedCacheManager, blocks_for_tokens
+from pagedgen.engine.cache_layout import plan_cache_layout
 from pagedgen.engine.config import EngineConfig, resolve_num_blocks
 from pagedgen.engine.consistency import request_violations
 from pagedgen.engine.errors import (
@@ -67,6 +68,8 @@ class EngineStats:
     steps: int  # committed transactions (dynamic) or executed batch steps (static)
     rollbacks: int  # transactions rolled back (RETRYABLE or execution CAPACITY_BLOCKED)
     healthy: bool = True
+    window_total_blocks: int = 0  # blocks of the sliding-window ring pool (0 without one)
+    window_free_blocks: int = 0  # of those, free (each resident owns one fixed ring)
 
 
 class Engine:
@@ -91,10 +94,13 @@ class Engine:
         self._tokenizer: Any = None
         self.eos_token_ids: tuple[int, ...] = tuple(model.eos_token_ids)
         device = torch.device(model.device)
-        bytes_per_block = model.kv_spec.bytes_per_block(config.block_size)
-        self.num_blocks = resolve_num_blocks(config, bytes_per_block, int(model.max_context), device)
-        self._runner = ModelRunner(model, self.num_blocks, config.block_size)
-        self._runner.adapt_gemm(config.max_batch_size, config.max_scheduled_tokens, config.chunk_size)
+        layout = plan_cache_layout(model, config)  # the manifest decides the cache paths
+        self.num_blocks = resolve_num_blocks(
+            config, layout.bytes_per_block, int(model.max_context), device, layout.window_bytes
+        )
+        window_blocks = None if layout.window is None else layout.window.num_blocks
+        self._runner = ModelRunner(model, self.num_blocks, config.block_size, window_blocks)
+        self._runner.adapt_gemm(config.max_batch_size, config.max_scheduled_tokens, layout.chunk_size)
         isolator = FailureIsolator(config.max_step_retries)
         if config.dynamic_batching:
             cache = PagedCacheManager(
@@ -102,9 +108,10 @@ class Engine:
                 config.block_size,
                 config.max_batch_size,
                 max_blocks_per_table=blocks_for_tokens(int(model.max_context), config.block_size),
+                window=layout.window,
             )
             self._scheduler: Any = DynamicScheduler(
-                cache, config.max_batch_size, config.max_scheduled_tokens, config.chunk_size
+                cache, config.max_batch_size, config.max_scheduled_tokens, layout.chunk_size
             )
             self._step: Any = DynamicStep(
                 self._scheduler, self._runner, self._faults, self.eos_token_ids, isolator
@@ -236,6 +243,7 @@ class Engine:
     def stats(self) -> EngineStats:
         self._check_owner()
         total, free = self._scheduler.block_counts()
+        window_total, window_free = self._scheduler.window_block_counts()
         return EngineStats(
             total_blocks=total,
             free_blocks=free,
@@ -245,6 +253,8 @@ class Engine:
             steps=self._steps,
             rollbacks=self._rollbacks,
             healthy=self._fatal is None,
+            window_total_blocks=window_total,
+            window_free_blocks=window_free,
         )
 
     def check_invariants(self) -> list[str]:

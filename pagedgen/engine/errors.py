@@ -66,3 +66,10 @@ class EngineUnhealthyError(EngineError):
     def __init__(self, message: str, cause: BaseException):
         super().__init__(message)
         self.cause = cause
+
+
+class UnsupportedStateError(EngineError):
+    """The model's decoder state manifest needs something this engine does not implement (a fixed conv or
+    recurrent state pool, several paged groups); raised at engine construction, naming what and why."""
+
+    code = EngineErrorCode.UNIMPLEMENTED

@@ -3,7 +3,8 @@
 They read state and never mutate it, so tests and ``EngineConfig(debug_invariants=True)`` can call them after
 every operation. They recompute everything from the raw records (block states, free list, tables, the live
 reservation) instead of trusting the counters those records keep, which is the point: a counter corrected
-after the fact would hide exactly the bugs these checks exist to find. Cost: O(pool + residents).
+after the fact would hide exactly the bugs these checks exist to find. The full-context pool and the
+window-ring pool are validated independently, each against its own records. Cost: O(pools + residents).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from pagedgen.cache.reservation import Reservation, ReservationState
 
 
 def validate_cache(manager: PagedCacheManager) -> list[str]:
-    """Every block free, reserved or owned exactly once; tables, reservation and counters consistent."""
+    """Every block of each pool free, reserved or owned exactly once; tables, reservation and counters
+    consistent; every resident owns exactly one ring of the window pool (none without one)."""
     pool = manager.pool
     states = pool.states()
     violations = _pool_records(pool, states)
@@ -33,6 +35,69 @@ def validate_cache(manager: PagedCacheManager) -> list[str]:
         )
     if len(tables) > manager.max_batch_size:
         violations.append(f"{len(tables)} residents exceed max_batch_size {manager.max_batch_size}")
+    return violations + _window_records(manager, tables)
+
+
+def _window_records(manager: PagedCacheManager, tables: Mapping[Hashable, BlockTable]) -> list[str]:
+    """The window-ring pool, validated on its own: states, rings, the live reservation's rings, totals."""
+    pool = manager.window_pool
+    live = manager.live_reservation
+    if pool is None:
+        violations = [
+            f"request {rid!r} holds window blocks without a window pool"
+            for rid, t in tables.items()
+            if t.window_blocks
+        ]
+        if live is not None and live.reserved_window_blocks():
+            violations.append("the reservation holds window blocks without a window pool")
+        return violations
+    states = pool.states()
+    violations = [f"window pool: {v}" for v in _pool_records(pool, states)]
+    owner: dict[int, Hashable] = {}
+    for rid, table in tables.items():
+        if len(table.window_blocks) != manager.ring_blocks:
+            violations.append(
+                f"request {rid!r} owns {len(table.window_blocks)} window blocks, "
+                f"a ring is {manager.ring_blocks}"
+            )
+        violations += _owned_blocks("window block", rid, table.window_blocks, states, owner)
+    num_owned = sum(state is BlockState.OWNED for state in states)
+    if num_owned != len(owner):
+        violations.append(f"{num_owned} window blocks are OWNED but rings hold {len(owner)} distinct blocks")
+    reserved = () if live is None else live.reserved_window_blocks()
+    violations += [f"window pool: {v}" for v in _reserved_blocks(reserved, states)]
+    if live is not None:
+        for row in live.rows:
+            if row.is_new and len(row.new_window_blocks) != manager.ring_blocks:
+                violations.append(
+                    f"reservation admits {row.request_id!r} with {len(row.new_window_blocks)} window blocks, "
+                    f"a ring is {manager.ring_blocks}"
+                )
+            if not row.is_new and row.new_window_blocks:
+                violations.append(f"reservation grows the ring of resident {row.request_id!r}")
+    total = pool.num_free + len(set(reserved)) + len(owner)
+    if total != pool.num_blocks:
+        violations.append(
+            f"window block totals: {pool.num_free} free + {len(set(reserved))} reserved + {len(owner)} owned "
+            f"!= {pool.num_blocks}"
+        )
+    return violations
+
+
+def _owned_blocks(
+    label: str, rid: Hashable, blocks: list[int], states: tuple[BlockState, ...], owner: dict[int, Hashable]
+) -> list[str]:
+    """Each block a valid OWNED id, owned by ``rid`` only (``owner`` accumulates across tables)."""
+    violations = []
+    for block in blocks:
+        if not (isinstance(block, int) and 0 <= block < len(states)):
+            violations.append(f"request {rid!r} holds invalid {label} id {block!r}")
+            continue
+        if block in owner:
+            violations.append(f"{label} {block} is owned by both {owner[block]!r} and {rid!r}")
+        owner[block] = rid
+        if states[block] is not BlockState.OWNED:
+            violations.append(f"{label} {block} is held by {rid!r} but {states[block].value}")
     return violations
 
 
@@ -100,15 +165,7 @@ def _table_records(
         width = manager.max_blocks_per_table
         if width is not None and len(table.blocks) > width:
             violations.append(f"request {rid!r}: {len(table.blocks)} blocks exceed the table width {width}")
-        for block in table.blocks:
-            if not (isinstance(block, int) and 0 <= block < len(states)):
-                violations.append(f"request {rid!r} holds invalid block id {block!r}")
-                continue
-            if block in owner:
-                violations.append(f"block {block} is owned by both {owner[block]!r} and {rid!r}")
-            owner[block] = rid
-            if states[block] is not BlockState.OWNED:
-                violations.append(f"block {block} is in the table of {rid!r} but {states[block].value}")
+        violations += _owned_blocks("block", rid, table.blocks, states, owner)
     num_owned = sum(state is BlockState.OWNED for state in states)
     if num_owned != len(owner):
         violations.append(f"{num_owned} blocks are OWNED but tables hold {len(owner)} distinct blocks")
@@ -130,19 +187,7 @@ def _reservation_records(
     violations = []
     if live.state is not ReservationState.LIVE:
         violations.append(f"the manager's live reservation is {live.state.value}")
-    blocks = live.reserved_blocks()
-    for block, count in Counter(blocks).items():
-        if not (isinstance(block, int) and 0 <= block < len(states)):
-            violations.append(f"reservation holds invalid block id {block!r}")
-            continue
-        if count > 1:
-            violations.append(f"block {block} is reserved {count} times")
-        if states[block] is not BlockState.RESERVED:
-            violations.append(f"block {block} is held by the reservation but {states[block].value}")
-    if len(set(blocks)) != num_reserved_states:
-        violations.append(
-            f"{num_reserved_states} blocks are RESERVED but the reservation holds {len(set(blocks))}"
-        )
+    violations += _reserved_blocks(live.reserved_blocks(), states)
     for row in live.rows:
         table = tables.get(row.request_id)
         if row.is_new and table is not None:
@@ -154,6 +199,25 @@ def _reservation_records(
                 f"reservation row {row.request_id!r}: slots {row.committed_slots}..{row.required_slots} "
                 f"do not fit its {len(row.blocks)} blocks"
             )
+    return violations
+
+
+def _reserved_blocks(blocks: tuple[int, ...], states: tuple[BlockState, ...]) -> list[str]:
+    """The reservation's blocks are valid ids, each once and RESERVED, and exactly the RESERVED ones."""
+    violations = []
+    for block, count in Counter(blocks).items():
+        if not (isinstance(block, int) and 0 <= block < len(states)):
+            violations.append(f"reservation holds invalid block id {block!r}")
+            continue
+        if count > 1:
+            violations.append(f"block {block} is reserved {count} times")
+        if states[block] is not BlockState.RESERVED:
+            violations.append(f"block {block} is held by the reservation but {states[block].value}")
+    num_reserved_states = sum(state is BlockState.RESERVED for state in states)
+    if len(set(blocks)) != num_reserved_states:
+        violations.append(
+            f"{num_reserved_states} blocks are RESERVED but the reservation holds {len(set(blocks))}"
+        )
     return violations
 
 

@@ -10,7 +10,9 @@ Policy (reference, "Backpressure and fairness" and "One dynamic step in detail",
    row limit, the residency limit and the free blocks, and says why the rest was deferred (temporary
    capacity, or never serviceable). A blocked prefill does not hide smaller work behind it.
 3. Selected prefills then expand in stable order, bounded by their remaining input, ``chunk_size`` and the
-   global ``max_scheduled_tokens`` budget; packed offsets follow the row order.
+   global ``max_scheduled_tokens`` budget; packed offsets follow the row order. With sliding-window rings
+   ``chunk_size`` is the rings' ``C`` (set by the engine, never unset): no request gets more tokens in one
+   step than its ring can take without overwriting a position it still reads (docs/cache.md).
 
 Admitting a prefill reserves cache for its whole remaining input (``required_slots = len(tokens)``), so a
 partial prefill can always finish: nobody can take the capacity it needs.
@@ -117,6 +119,11 @@ class DynamicScheduler:
         """``(total, free)`` blocks of the pool."""
         stats = self.cache.stats()
         return stats.total_blocks, stats.free_blocks
+
+    def window_block_counts(self) -> tuple[int, int]:
+        """``(total, free)`` blocks of the window-ring pool (``(0, 0)`` without one)."""
+        stats = self.cache.stats()
+        return stats.window_total_blocks, stats.window_free_blocks
 
     @property
     def residents(self) -> list[RequestState]:

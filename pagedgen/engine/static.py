@@ -78,6 +78,10 @@ class StaticScheduler:
     def block_counts(self) -> tuple[int, int]:
         return self.num_blocks, self.num_blocks - self.batch.num_blocks
 
+    def window_block_counts(self) -> tuple[int, int]:
+        """The static path keeps windowed layers in its one pool (masked): no ring pool."""
+        return 0, 0
+
     # -- batch formation ------------------------------------------------------------------------------
 
     def plan(self) -> tuple[list[RequestState], list[RequestState]]:

@@ -92,6 +92,8 @@ class DynamicStep:
         self.faults = faults
         self.eos_token_ids = eos_token_ids
         self.block_size = scheduler.cache.block_size
+        window = scheduler.cache.window
+        self.window = None if window is None else window.window  # sliding window of the ring layers
         self.sampler = Sampler()
         self.isolator = FailureIsolator() if isolator is None else isolator
 
@@ -171,8 +173,10 @@ class DynamicStep:
                     f"{remaining} remain and the cache holds {reservation.committed_slots(row.request_id)}"
                 )
             tokens = row.state.tokens[row.past_len : row.past_len + row.num_tokens]
-            chunks.append(SequenceChunk(tokens, row.past_len, reservation.block_table(row.request_id)))
-        inputs = pack_step(chunks, self.block_size, device=self.runner.device)
+            rid = row.request_id
+            ring = reservation.window_ring(rid)
+            chunks.append(SequenceChunk(tokens, row.past_len, reservation.block_table(rid), window_ring=ring))
+        inputs = pack_step(chunks, self.block_size, device=self.runner.device, window=self.window)
         sampling = [i for i, row in enumerate(plan.rows) if row.samples]
         if len(sampling) != len(plan.rows):  # partial prefills need no logits
             inputs.logits_rows = inputs.logits_rows[torch.tensor(sampling, dtype=torch.long)]

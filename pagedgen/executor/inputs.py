@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedgen.core.step_inputs import StepInputs
+from pagedgen.core.step_inputs import StepInputs, WindowInputs
 
 
 @dataclass(slots=True)
@@ -24,22 +24,29 @@ class SequenceChunk:
     ``tokens`` are the request's unprocessed tokens sent this step, ``past_len`` the number of tokens already
     in its committed KV cache, ``block_table`` its physical blocks (committed + reserved), in logical order.
     ``all_logits`` asks for one logits row per token (draft verification) instead of only the last one.
+    ``window_ring`` is the request's ring of window blocks when its sliding-window layers keep one.
     """
 
     tokens: Sequence[int]
     past_len: int
     block_table: Sequence[int]
     all_logits: bool = False
+    window_ring: Sequence[int] = ()
 
 
 def pack_step(
-    chunks: Sequence[SequenceChunk], block_size: int, device: torch.device | str = "cpu"
+    chunks: Sequence[SequenceChunk],
+    block_size: int,
+    device: torch.device | str = "cpu",
+    window: int | None = None,
 ) -> StepInputs:
     """Pack per-request chunks into one flat, padding-free model input.
 
     Vectorised with numpy: the only Python loop is over requests (to concatenate their token lists),
-    never over tokens. Raises ``ValueError`` (building nothing) if there are no chunks, a chunk is empty,
-    its past length is negative, its block table is too short or holds a negative block id.
+    never over tokens. With ``window`` (the sliding window of the layers that keep rings) every chunk must
+    carry its ``window_ring`` and the step gets :class:`WindowInputs`. Raises ``ValueError`` (building
+    nothing) if there are no chunks, a chunk is empty, its past length is negative, its block table is too
+    short or holds a negative block id, or a chunk would wrap its ring onto positions it still reads.
     """
     if not chunks:
         raise ValueError("pack_step needs at least one sequence chunk")
@@ -92,6 +99,9 @@ def pack_step(
     def to(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(a).to(device=device, dtype=dtype)
 
+    window_inputs = None
+    if window is not None:
+        window_inputs = _pack_window(chunks, window, block_size, past, kv_lens, row_of_token, positions, to)
     return StepInputs(
         input_ids=to(input_ids, torch.int64),
         positions=to(positions, torch.int64),
@@ -104,4 +114,52 @@ def pack_step(
         max_kv_len=int(kv_lens.max()),
         min_kv_len=int(kv_lens.min()),
         block_size=block_size,
+        window=window_inputs,
+    )
+
+
+def _pack_window(
+    chunks: Sequence[SequenceChunk],
+    window: int,
+    block_size: int,
+    past: np.ndarray,
+    kv_lens: np.ndarray,
+    row_of_token: np.ndarray,
+    positions: np.ndarray,
+    to,
+) -> WindowInputs:
+    """Ring tables and slots of the windowed layers (arithmetic of :mod:`pagedgen.core.window`).
+
+    Row ``i`` reads from position ``first_pos = (lo // B) * B``, ``lo = max(0, past - W + 1)`` being the
+    first key its earliest query sees; column ``k`` is ring block ``(first_pos // B + k) mod R``.
+    """
+    if window <= 0:
+        raise ValueError(f"window must be positive, got {window}")
+    ring_lens = np.fromiter((len(c.window_ring) for c in chunks), dtype=np.int64, count=len(chunks))
+    if (ring_lens <= 0).any():
+        raise ValueError(f"request row {int(np.argmax(ring_lens <= 0))} has no window ring")
+    live = kv_lens - past + window - 1  # positions the step writes plus those its first query still reads
+    if (live > ring_lens * block_size).any():
+        bad = int(np.argmax(live > ring_lens * block_size))
+        raise ValueError(
+            f"request row {bad}: {int(kv_lens[bad] - past[bad])} tokens with window {window} need "
+            f"{int(live[bad])} live slots but its ring holds {int(ring_lens[bad] * block_size)}"
+        )
+    rings = np.zeros((len(chunks), int(ring_lens.max())), dtype=np.int64)
+    for i, c in enumerate(chunks):
+        rings[i, : len(c.window_ring)] = c.window_ring
+    if (rings < 0).any():
+        raise ValueError("a window ring holds a negative block id")
+    first_block = np.maximum(past - window + 1, 0) // block_size  # [B]
+    first_pos = first_block * block_size
+    width = int(((kv_lens - first_pos + block_size - 1) // block_size).max())
+    rows = np.arange(len(chunks))[:, None]
+    columns = (first_block[:, None] + np.arange(width)[None, :]) % ring_lens[:, None]  # [B, width]
+    tables = rings[rows, columns]
+    token_blocks = rings[row_of_token, (positions // block_size) % ring_lens[row_of_token]]
+    return WindowInputs(
+        size=window,
+        block_tables=to(tables, torch.int32),
+        first_pos=to(first_pos, torch.int32),
+        slot_mapping=to(token_blocks * block_size + positions % block_size, torch.int64),
     )

@@ -30,11 +30,12 @@ class ExecutionCapacityError(PagedGenError, RuntimeError):
 class ModelRunner:
     """Runs ``model.runtime.forward`` over packed step inputs against one long-lived :class:`PagedKVCache`.
 
-    ``num_blocks``/``block_size`` must match the cache manager's pool: the manager decides block ownership,
-    this object only holds the storage the block ids point into.
+    ``num_blocks``/``block_size`` must match the cache manager's pool (``window_blocks`` its window-ring pool,
+    when sliding-window layers keep rings): the manager decides block ownership, this object only holds the
+    storage the block ids point into.
     """
 
-    def __init__(self, model: Any, num_blocks: int, block_size: int):
+    def __init__(self, model: Any, num_blocks: int, block_size: int, window_blocks: int | None = None):
         self.model = model
         self.runtime = model.runtime
         self.device = torch.device(model.device)
@@ -43,7 +44,7 @@ class ModelRunner:
             # Step temporaries (gathered K/V, activations) are reused instead of re-faulted every step.
             retain_freed_cpu_memory()
         self.kv_cache: PagedKVCache | None = PagedKVCache(
-            model.kv_spec, num_blocks, block_size, device=self.device
+            model.kv_spec, num_blocks, block_size, device=self.device, window_blocks=window_blocks
         )
 
     def adapt_gemm(self, max_batch_size: int, max_scheduled_tokens: int, chunk_size: int | None) -> None:

@@ -22,14 +22,17 @@ class FamilyTraits:
 
     qkv_bias: bool | None  # None: read the config's ``attention_bias`` flag
     qk_norm: bool
+    use_sliding_window: bool = True  # what an absent ``use_sliding_window`` key means (transformers' default)
 
 
 FAMILY_TRAITS: dict[str, FamilyTraits] = {
     "llama": FamilyTraits(qkv_bias=None, qk_norm=False),
     "mistral": FamilyTraits(qkv_bias=False, qk_norm=False),
-    "qwen2": FamilyTraits(qkv_bias=True, qk_norm=False),
-    "qwen3": FamilyTraits(qkv_bias=None, qk_norm=True),
+    "qwen2": FamilyTraits(qkv_bias=True, qk_norm=False, use_sliding_window=False),
+    "qwen3": FamilyTraits(qkv_bias=None, qk_norm=True, use_sliding_window=False),
 }
+
+SLIDING, FULL = "sliding_attention", "full_attention"  # HF ``layer_types`` entries
 
 _ARCHITECTURE_CLASSES = {
     "LlamaForCausalLM": "llama",
@@ -97,7 +100,8 @@ class ModelConfig:
     qkv_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
-    sliding_window: int | None = None  # not implemented: the usable context is clamped to it
+    sliding_window: int | None = None  # window of the sliding-window layers (keys p - W + 1 .. p)
+    window_layers: tuple[int, ...] | None = None  # the windowed layers; None with a window: every layer
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -123,13 +127,29 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.sliding_window must be positive or None, got {self.sliding_window}"
             )
+        if self.window_layers is not None:
+            if self.sliding_window is None and self.window_layers:
+                raise ValueError(
+                    f"ModelConfig.window_layers {self.window_layers} given without a sliding_window"
+                )
+            if any(not 0 <= i < self.num_layers for i in self.window_layers):
+                raise ValueError(
+                    f"ModelConfig.window_layers {self.window_layers} must be layers 0..{self.num_layers - 1}"
+                )
+
+    @property
+    def windowed_layers(self) -> tuple[int, ...]:
+        """The layers that attend within ``sliding_window`` (ascending)."""
+        if self.sliding_window is None:
+            return ()
+        if self.window_layers is None:
+            return tuple(range(self.num_layers))
+        return tuple(sorted(self.window_layers))
 
     @property
     def max_context(self) -> int:
-        """Longest sequence served exactly: inside the window, full attention is sliding-window attention."""
-        if self.sliding_window is None:
-            return self.max_position_embeddings
-        return min(self.max_position_embeddings, self.sliding_window)
+        """Longest sequence served: sliding-window layers attend within their window at any length."""
+        return self.max_position_embeddings
 
     def to_hf_dict(self) -> dict[str, Any]:
         """An HF-style ``config.json`` dict that :func:`config_from_hf` parses back to an equal config."""
@@ -161,6 +181,7 @@ class ModelConfig:
             "hidden_act": "silu",
             "sliding_window": self.sliding_window,
             "use_sliding_window": self.sliding_window is not None,
+            "layer_types": [SLIDING if i in self.windowed_layers else FULL for i in range(self.num_layers)],
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids),
         }
@@ -197,13 +218,15 @@ def config_from_hf(raw: Mapping[str, Any], source: str) -> ModelConfig:
     num_heads = _require_int(raw, "num_attention_heads", source)
     head_dim = raw.get("head_dim") or hidden // num_heads
     qkv_bias = traits.qkv_bias if traits.qkv_bias is not None else bool(raw.get("attention_bias", False))
+    num_layers = _require_int(raw, "num_hidden_layers", source)
+    window, window_layers = _sliding_window(raw, traits, num_layers, source)
     try:
         return ModelConfig(
             architecture=architecture,
             vocab_size=_require_int(raw, "vocab_size", source),
             hidden_size=hidden,
             intermediate_size=_require_int(raw, "intermediate_size", source),
-            num_layers=_require_int(raw, "num_hidden_layers", source),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
@@ -214,7 +237,8 @@ def config_from_hf(raw: Mapping[str, Any], source: str) -> ModelConfig:
             qkv_bias=qkv_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)),
             qk_norm=traits.qk_norm,
-            sliding_window=_sliding_window(raw, architecture),
+            sliding_window=window,
+            window_layers=window_layers,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_int_tuple(raw.get("eos_token_id")),
         )
@@ -239,14 +263,39 @@ def _int_tuple(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def _sliding_window(raw: Mapping[str, Any], architecture: str) -> int | None:
-    """The window the checkpoint attends within, or None when it attends to everything."""
+def _sliding_window(
+    raw: Mapping[str, Any], traits: FamilyTraits, num_layers: int, source: str
+) -> tuple[int | None, tuple[int, ...] | None]:
+    """``(window, windowed layers)`` from the HF keys, or ``(None, None)`` when every layer attends fully.
+
+    ``sliding_window`` is the window; ``use_sliding_window: false`` turns it off; the windowed layers are
+    those ``layer_types`` calls ``sliding_attention``, else those from ``max_window_layers`` on (Qwen2's
+    rule), else all. A window no shorter than ``max_position_embeddings`` never hides a key: no window.
+    """
     window = raw.get("sliding_window")
-    if window is None:
-        return None
-    if architecture in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
-        return None
-    return int(window)
+    if window is None or not raw.get("use_sliding_window", traits.use_sliding_window):
+        return None, None
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ModelLoadError(f"{source}: sliding_window must be a positive integer, got {window!r}")
+    layer_types = raw.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+            raise ModelLoadError(
+                f"{source}: layer_types must list {num_layers} layer types, got {layer_types!r}"
+            )
+        unknown = sorted({t for t in layer_types if t not in (SLIDING, FULL)})
+        if unknown:
+            raise ModelLoadError(
+                f"{source}: layer_types {unknown} are not supported (only {SLIDING!r}, {FULL!r})"
+            )
+        layers = tuple(i for i, t in enumerate(layer_types) if t == SLIDING)
+    elif raw.get("max_window_layers") is not None:
+        layers = tuple(range(min(int(raw["max_window_layers"]), num_layers), num_layers))
+    else:
+        layers = tuple(range(num_layers))
+    if not layers or window >= int(raw.get("max_position_embeddings") or 0):
+        return None, None
+    return window, None if len(layers) == num_layers else layers
 
 
 def _rope_from_hf(raw: Mapping[str, Any], source: str) -> RopeConfig:

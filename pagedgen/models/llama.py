@@ -208,7 +208,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
         q, k = apply_rotary_(q, cos, sin), apply_rotary_(k, cos, sin)  # in place (fresh GEMM output)
-        write_kv(k, v, k_cache, v_cache, inputs.slot_mapping)
+        slots = inputs.slot_mapping if plan.slot_mapping is None else plan.slot_mapping  # a ring's own
+        write_kv(k, v, k_cache, v_cache, slots)
         out = paged_attention(q, k_cache, v_cache, inputs, self.scale, plan)  # [T, Hq, D]
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
@@ -236,6 +237,8 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    windowed = False  # a sliding-window layer (attends within ``config.sliding_window``; its own plan)
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype):
         super().__init__()
@@ -291,9 +294,19 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.dtype = dtype
-        self.kv_spec = KVSpec(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
+        self.windowed = frozenset(config.windowed_layers)  # sliding-window layers (their own plan)
+        self.kv_spec = KVSpec(
+            config.num_layers,
+            config.num_kv_heads,
+            config.head_dim,
+            dtype,
+            window_size=config.sliding_window,
+            window_layers=config.windowed_layers,
+        )
         self.vocab_size = config.vocab_size
         self.model = LlamaModel(config, dtype, device)
+        for i in self.windowed:
+            self.model.layers[i].windowed = True
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -312,8 +325,8 @@ class LlamaForCausalLM(nn.Module):
     def _build_fused_decoder(self) -> FusedDecoder | None:
         """``None`` unless every layer is the plain pre-norm block with fused, stored-format projections."""
         config = self.config
-        if self.dtype is not torch.float32 or config.qk_norm:
-            return None
+        if self.dtype is not torch.float32 or config.qk_norm or self.windowed:
+            return None  # q/k norms and sliding windows are not in the fused kernel
         layers = []
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -348,6 +361,13 @@ class LlamaForCausalLM(nn.Module):
         """``[vocab, hidden]``: the LM head, or the token embedding when they are tied."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def _window_plan(self, inputs: StepInputs, kv_cache: PagedKVCache) -> AttentionPlan | None:
+        """The sliding-window layers' plan (their ring, or the block tables masked to the window)."""
+        if not self.windowed:
+            return None
+        first = min(self.windowed)
+        return plan_attention(inputs, kv_cache.keys[first], window=self.config.sliding_window)
+
     @torch.inference_mode()
     def forward(self, inputs: StepInputs, kv_cache: PagedKVCache) -> torch.Tensor:
         """Float32 logits ``[len(inputs.logits_rows), vocab]``; mutates ``kv_cache`` at ``slot_mapping``."""
@@ -360,11 +380,13 @@ class LlamaForCausalLM(nn.Module):
         if fused is not None and fused.supports(x, inputs, plan):
             x, delta = fused.run(x, rope, inputs, plan, kv_cache.keys, kv_cache.values)
         else:
+            window_plan = self._window_plan(inputs, kv_cache)
             delta = None
             for layer, k_cache, v_cache in zip(
                 self.model.layers, kv_cache.keys, kv_cache.values, strict=True
             ):
-                x, delta = layer(x, delta, rope, inputs, plan, k_cache, v_cache)
+                layer_plan = window_plan if layer.windowed else plan
+                x, delta = layer(x, delta, rope, inputs, layer_plan, k_cache, v_cache)
         rows = inputs.logits_rows
         x = self.model.norm(x[rows] + delta[rows])  # [R, hidden]
         return linear(x, self.head_weight).float()  # [R, vocab]

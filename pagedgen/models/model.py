@@ -16,11 +16,13 @@ from pathlib import Path
 import torch
 
 from pagedgen.core.kv import KVSpec
+from pagedgen.core.manifest import StateManifest
 from pagedgen.errors import ModelLoadError, TokenizerError
 from pagedgen.models.checkpoint import Checkpoint, CheckpointKind, resolve_checkpoint
 from pagedgen.models.config import ModelConfig
 from pagedgen.models.hf_loader import read_hf_config, read_hf_weights
 from pagedgen.models.llama import LlamaForCausalLM
+from pagedgen.models.manifest import apply_manifest, load_manifest
 from pagedgen.models.native_weights import (
     WeightFormat,
     keep_half_weights,
@@ -76,7 +78,9 @@ class Model:
     problem: a missing path, an unknown architecture, an unsupported quant type, a truncated file, missing
     tensors, an embedding that does not match the vocab size, or a ``weights`` other than ``"native"`` or
     ``"float32"``. ``weights_format`` is the format actually loaded, ``weights_reason`` why (native falls
-    back to float32, logged, without the native kernels or off the CPU float32 path).
+    back to float32, logged, without the native kernels or off the CPU float32 path). ``state_manifest``
+    says which decoder state each layer owns (:mod:`pagedgen.models.manifest`); the engine picks its cache
+    paths from it.
     """
 
     def __init__(
@@ -103,6 +107,8 @@ class Model:
 
     def _load(self, checkpoint: Checkpoint) -> tuple[ModelConfig, LlamaForCausalLM]:
         config = read_hf_config(checkpoint.directory)
+        self.state_manifest: StateManifest = load_manifest(checkpoint.source, config)
+        config = apply_manifest(config, self.state_manifest)
         if self.weights_format is WeightFormat.FLOAT32:
             weights = read_hf_weights(checkpoint.directory, self.device)
         elif checkpoint.kind is CheckpointKind.GGUF:

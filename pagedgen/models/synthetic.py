@@ -8,6 +8,11 @@ current token back *from the cache through the block table*. Its greedy next tok
 
 so a wrong block table, slot mapping, past length or a lost committed block changes the output. The logits
 put a clear maximum on ``next`` and a smaller bump on ``next + 1``, so sampling has something to choose from.
+
+With ``window`` (>= 2) the model has a second, sliding-window layer: tokens are written to both layers, the
+first token is read from layer 0 (full attention) and the previous and current tokens from layer 1, through
+its window ring when the engine keeps one (``inputs.window``). The formula is unchanged, so a wrong ring slot,
+a ring wrapped onto a live position or a lost ring changes the output.
 """
 
 from __future__ import annotations
@@ -53,11 +58,22 @@ class SyntheticModel:
     name: str = "synthetic"
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     dtype: torch.dtype = torch.float32
-    kv_spec: KVSpec = field(default_factory=lambda: KVSpec(num_layers=1, num_kv_heads=1, head_dim=1))
+    window: int | None = None  # a second, sliding-window layer with this window (>= 2)
+    kv_spec: KVSpec = field(init=False)
 
     def __post_init__(self) -> None:
         if self.vocab_size < 2 or self.vocab_size > 1 << 24:
             raise ValueError(f"vocab_size must be in [2, 2**24] (exact in float32), got {self.vocab_size}")
+        if self.window is None:
+            self.kv_spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=1)
+            return
+        if self.window < 2:
+            raise ValueError(
+                f"the synthetic model reads the previous token, so window must be >= 2, got {self.window}"
+            )
+        self.kv_spec = KVSpec(
+            num_layers=2, num_kv_heads=1, head_dim=1, window_size=self.window, window_layers=(1,)
+        )
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -81,12 +97,21 @@ class SyntheticModel:
         tables = inputs.block_tables.long()[row_of_token]  # [T, W]
         pos = inputs.positions
         first_slot = tables[:, 0] * bs
+        recent, tables, base = cache, tables, torch.zeros_like(pos)
+        if self.window is not None:  # previous and current tokens come from the sliding-window layer
+            recent = kv_cache.keys[1].view(-1)
+            ring = inputs.window
+            slots = inputs.slot_mapping if ring is None else ring.slot_mapping
+            recent[slots] = inputs.input_ids.to(recent.dtype)
+            if ring is not None:  # the ring's rotated table starts at the row's first live block
+                tables = ring.block_tables.long()[row_of_token]
+                base = ring.first_pos.long()[row_of_token] // bs
         prev_pos = (pos - 1).clamp(min=0)
-        prev_slot = tables.gather(1, (prev_pos // bs).unsqueeze(1)).squeeze(1) * bs + prev_pos % bs
-        cur_slot = tables.gather(1, (pos // bs).unsqueeze(1)).squeeze(1) * bs + pos % bs
+        prev_slot = tables.gather(1, (prev_pos // bs - base).unsqueeze(1)).squeeze(1) * bs
+        cur_slot = tables.gather(1, (pos // bs - base).unsqueeze(1)).squeeze(1) * bs + pos % bs
         first = cache[first_slot].long()
-        prev = torch.where(pos > 0, cache[prev_slot].long(), torch.zeros_like(pos))
-        cur = cache[cur_slot].long()
+        prev = torch.where(pos > 0, recent[prev_slot + prev_pos % bs].long(), torch.zeros_like(pos))
+        cur = recent[cur_slot].long()
         nxt = (first + prev + cur + pos) % self.vocab_size  # [T]
         rows = inputs.logits_rows
         logits = torch.zeros(rows.shape[0], self.vocab_size, dtype=torch.float32, device=cache.device)

@@ -109,7 +109,7 @@ class DecodeBucket:
 
     token_rows: torch.Tensor  # [n] int64, the rows' tokens in the flat step
     flat_tables: torch.Tensor  # [n * width] int64, each row's first ``width`` blocks
-    mask: torch.Tensor  # [n, 1, 1, width * block_size] bool, keys before each row's end
+    mask: torch.Tensor  # [n, 1, 1, width * block_size] bool, the keys each row attends to
     width: int
 
 
@@ -119,7 +119,7 @@ class PrefillRow:
 
     start: int  # first token in the flat step
     end: int  # one past its last token
-    kv_len: int  # past + query tokens attended by the last query
+    kv_len: int  # keys gathered: from the row's first read position through its last query
     blocks: torch.Tensor  # [ceil(kv_len / block_size)] int64
     mask: torch.Tensor | None  # [q_len, kv_len] bool; None when the row starts at position 0 (plain causal)
 
@@ -130,38 +130,93 @@ class AttentionPlan:
 
     Why: the lists, index tensors and masks below cost tens of microseconds each to build; a 30-layer model
     built them 30 times per step before. ``kernel`` is the native decode kernel when it can read this cache.
+    A sliding-window plan (``window`` set) reads each row from its first live block on (``decode_starts``:
+    the first attended key, relative to the row's table) and writes through ``slot_mapping`` (the ring's
+    slots when the window layers keep rings).
     """
 
     block_size: int
     decode_token_rows: torch.Tensor  # [Bd] int64, tokens of the single-token rows
     decode_tables: torch.Tensor  # [Bd, W] int32, contiguous
-    decode_kv_lens: torch.Tensor  # [Bd] int32
+    decode_kv_lens: torch.Tensor  # [Bd] int32, keys through the row's query, counted from its table start
     decode_buckets: list[DecodeBucket] | None  # the pure-torch decode path (None when ``kernel`` is set)
     prefill: list[PrefillRow]
     kernel: DecodeKernel | None
+    slot_mapping: torch.Tensor | None = None  # [T] int64 where this plan's layers write (None: inputs')
+    decode_starts: torch.Tensor | None = None  # [Bd] int32 first attended key; None: 0 (full attention)
+    window: int | None = None
 
 
-def plan_attention(inputs: StepInputs, k_cache: torch.Tensor, use_native: bool = True) -> AttentionPlan:
+@dataclass(slots=True)
+class _KeyView:
+    """Where each row's keys are read from: ``tables[i, k]`` holds logical block ``first_pos[i] / B + k``."""
+
+    tables: torch.Tensor  # [B, W] int32
+    first_pos: list[int]  # [B] logical position of column 0
+    slot_mapping: torch.Tensor  # [T] int64
+
+
+def _full_view(inputs: StepInputs) -> _KeyView:
+    return _KeyView(inputs.block_tables, [0] * inputs.num_seqs, inputs.slot_mapping)
+
+
+def _window_view(inputs: StepInputs, window: int) -> _KeyView:
+    """The ring's rotated tables, or (layers stored like full ones) the block tables from each row's first
+    live block on, so old blocks are neither gathered nor scored."""
+    if inputs.window is not None:
+        if inputs.window.size != window:
+            raise ValueError(
+                f"the step's window rings are for window {inputs.window.size}, the layer's is {window}"
+            )
+        ring = inputs.window
+        return _KeyView(ring.block_tables, ring.first_pos.tolist(), ring.slot_mapping)
+    bs = inputs.block_size
+    first_block = (inputs.past_lens.long() - window + 1).clamp(min=0) // bs  # [B]
+    tables = inputs.block_tables
+    steps = torch.arange(tables.shape[1], device=tables.device)
+    columns = (first_block.to(tables.device)[:, None] + steps[None, :]).clamp(max=tables.shape[1] - 1)
+    return _KeyView(
+        tables.gather(1, columns).to(torch.int32), (first_block * bs).tolist(), inputs.slot_mapping
+    )
+
+
+def plan_attention(
+    inputs: StepInputs, k_cache: torch.Tensor, use_native: bool = True, window: int | None = None
+) -> AttentionPlan:
     """Build the step's :class:`AttentionPlan` for caches like ``k_cache`` (any layer's; they share a layout).
 
     ``use_native=False`` forces the pure-torch decode path (tests and benchmarks compare the two).
+    ``window`` plans for sliding-window layers: a query at ``p`` sees keys ``p - window + 1 .. p``, read
+    from the step's rings (``inputs.window``) when it has them, else from the block tables.
     """
     device = k_cache.device
     q_lens = inputs.query_lens.tolist()
     kv_lens = inputs.kv_lens.tolist()
+    view = _full_view(inputs) if window is None else _window_view(inputs, window)
     decode_rows = [i for i, n in enumerate(q_lens) if n == 1]
     rows = torch.tensor(decode_rows, dtype=torch.long)  # [Bd]
     kernel = decode_kernel() if use_native and decode_rows else None
     if kernel is not None and not kernel.supports(k_cache, k_cache, k_cache):
         kernel = None
+    rel_lens = [kv_lens[i] - view.first_pos[i] for i in decode_rows]
+    starts = None
+    if window is not None:
+        starts = [max(0, kv_lens[i] - window) - view.first_pos[i] for i in decode_rows]
+    token_rows = inputs.cu_seqlens[:-1].long()[rows].to(device)
+    tables = view.tables[rows].to(device=device, dtype=torch.int32).contiguous()
     return AttentionPlan(
         block_size=inputs.block_size,
-        decode_token_rows=inputs.cu_seqlens[:-1].long()[rows].to(device),
-        decode_tables=inputs.block_tables[rows].to(device=device, dtype=torch.int32).contiguous(),
-        decode_kv_lens=inputs.kv_lens[rows].to(device=device, dtype=torch.int32).contiguous(),
-        decode_buckets=None if kernel is not None else _decode_buckets(inputs, q_lens, kv_lens, device),
-        prefill=_prefill_rows(inputs, q_lens, device),
+        decode_token_rows=token_rows,
+        decode_tables=tables,
+        decode_kv_lens=torch.tensor(rel_lens, dtype=torch.int32, device=device),
+        decode_buckets=None
+        if kernel is not None
+        else _decode_buckets(token_rows, tables, rel_lens, starts, inputs.block_size),
+        prefill=_prefill_rows(inputs, q_lens, view, window, device),
         kernel=kernel,
+        slot_mapping=view.slot_mapping,
+        decode_starts=None if starts is None else torch.tensor(starts, dtype=torch.int32, device=device),
+        window=window,
     )
 
 
@@ -176,7 +231,8 @@ def paged_attention(
     """Causal GQA attention of every request of the step over its paged history (new K/V already written).
 
     ``query [T, Hq, D]``; returns ``[T, Hq, D]`` in ``query.dtype``. Reads only; raises ``ValueError`` on
-    inconsistent shapes. ``plan`` is the step's :func:`plan_attention` (built here when omitted).
+    inconsistent shapes. ``plan`` is the step's :func:`plan_attention` (built here when omitted; a
+    sliding-window layer must pass its window plan).
     """
     _check_query(query, k_cache, inputs)
     plan = plan_attention(inputs, k_cache) if plan is None else plan
@@ -194,12 +250,18 @@ def paged_attention(
             plan.decode_token_rows,
             scale,
             out,
+            kv_starts=plan.decode_starts,
         )
     else:
         buckets = plan.decode_buckets
         if buckets is None:  # planned for the kernel, but these tensors need the torch path
+            starts = None if plan.decode_starts is None else plan.decode_starts.tolist()
             buckets = _decode_buckets(
-                inputs, inputs.query_lens.tolist(), inputs.kv_lens.tolist(), k_cache.device
+                plan.decode_token_rows,
+                plan.decode_tables,
+                plan.decode_kv_lens.tolist(),
+                starts,
+                plan.block_size,
             )
         for bucket in buckets:
             _decode_bucket(query, k_cache, v_cache, bucket, scale, out)
@@ -209,19 +271,22 @@ def paged_attention(
 
 
 def _decode_buckets(
-    inputs: StepInputs, q_lens: list[int], kv_lens: list[int], device: torch.device
+    token_rows: torch.Tensor,
+    tables: torch.Tensor,
+    kv_lens: list[int],
+    starts: list[int] | None,
+    block_size: int,
 ) -> list[DecodeBucket]:
     """Group single-token rows by the power-of-two bucket of their block count.
 
     One gather pads every row to the bucket's widest table, so a long request padded no short row more than
-    twice over; a step has at most log2(max blocks) + 1 buckets, usually one.
+    twice over; a step has at most log2(max blocks) + 1 buckets, usually one. A row attends to keys
+    ``starts[r] .. kv_lens[r] - 1`` of its table (from 0 when ``starts`` is None).
     """
-    block_size = inputs.block_size
+    device = tables.device
     rows_of: dict[int, list[int]] = {}
     widest: dict[int, int] = {}
-    for row, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True)):
-        if q_len != 1:
-            continue
+    for row, kv_len in enumerate(kv_lens):
         width = -(-kv_len // block_size)
         bucket = (width - 1).bit_length()
         rows_of.setdefault(bucket, []).append(row)
@@ -230,12 +295,15 @@ def _decode_buckets(
     for key, row_ids in rows_of.items():
         width = widest[key]
         rows = torch.tensor(row_ids, dtype=torch.long)  # [n]
-        lens = inputs.kv_lens.long()[rows].to(device)  # [n]
-        mask = torch.arange(width * block_size, device=device) < lens.unsqueeze(1)  # [n, span]
+        lens = torch.tensor([kv_lens[r] for r in row_ids], device=device)  # [n]
+        keys = torch.arange(width * block_size, device=device)  # [span]
+        mask = keys < lens.unsqueeze(1)  # [n, span]
+        if starts is not None:
+            mask &= keys >= torch.tensor([starts[r] for r in row_ids], device=device).unsqueeze(1)
         buckets.append(
             DecodeBucket(
-                token_rows=inputs.cu_seqlens[:-1].long()[rows].to(device),
-                flat_tables=inputs.block_tables.long()[rows, :width].reshape(-1).to(device),
+                token_rows=token_rows[rows.to(device)],
+                flat_tables=tables.long()[rows.to(device), :width].reshape(-1),
                 mask=mask[:, None, None, :],
                 width=width,
             )
@@ -251,7 +319,7 @@ def _decode_bucket(
     scale: float,
     out: torch.Tensor,
 ) -> None:
-    """One masked SDPA over single-token rows: gather ``width`` blocks each, mask keys past each row's end."""
+    """One masked SDPA over single-token rows: gather ``width`` blocks each, mask keys outside each row's."""
     n = bucket.token_rows.shape[0]
     heads, dim = k_cache.shape[2], k_cache.shape[3]
     span = bucket.width * k_cache.shape[1]
@@ -265,24 +333,29 @@ def _decode_bucket(
     out[bucket.token_rows] = attn.squeeze(2)
 
 
-def _prefill_rows(inputs: StepInputs, q_lens: list[int], device: torch.device) -> list[PrefillRow]:
+def _prefill_rows(
+    inputs: StepInputs, q_lens: list[int], view: _KeyView, window: int | None, device: torch.device
+) -> list[PrefillRow]:
     if all(n == 1 for n in q_lens):
         return []
     block_size = inputs.block_size
     cu = inputs.cu_seqlens.tolist()
     past = inputs.past_lens.tolist()
-    tables = inputs.block_tables.long()  # [B, W]
+    tables = view.tables.long()  # [B, W]
     rows = []
     for i, q_len in enumerate(q_lens):
         if q_len == 1:
             continue
-        kv_len = past[i] + q_len
+        first = view.first_pos[i]
+        kv_len = past[i] + q_len - first  # keys gathered, from position ``first``
         mask = None
-        if past[i] > 0:
-            # Query j (absolute position past + j) sees keys 0..past + j.
-            key_pos = torch.arange(kv_len, device=device)
-            query_pos = torch.arange(past[i], kv_len, device=device)
+        if past[i] > 0 or window is not None:
+            # Query j (absolute position past + j) sees keys past + j - window + 1 .. past + j.
+            key_pos = torch.arange(first, first + kv_len, device=device)
+            query_pos = torch.arange(past[i], past[i] + q_len, device=device)
             mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # [q_len, kv_len]
+            if window is not None:
+                mask &= key_pos.unsqueeze(0) > query_pos.unsqueeze(1) - window
         blocks = tables[i, : -(-kv_len // block_size)].to(device)
         rows.append(PrefillRow(start=cu[i], end=cu[i + 1], kv_len=kv_len, blocks=blocks, mask=mask))
     return rows

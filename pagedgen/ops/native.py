@@ -75,6 +75,9 @@ class DecodeKernel:
         self._fn.argtypes = [_POINTER, _POINTER, _POINTER, _POINTER, _I64, _POINTER, _POINTER, _I64]
         self._fn.argtypes += [_I64, _I64, _I64, _I64, ctypes.c_float, _POINTER, ctypes.c_int]
         self._fn.restype = ctypes.c_int
+        self._window_fn = library.paged_decode_window_attention_f32  # + int32 kv_starts after kv_lens
+        self._window_fn.argtypes = self._fn.argtypes[:6] + [_POINTER] + self._fn.argtypes[6:]
+        self._window_fn.restype = ctypes.c_int
         self._write = library.write_kv_f32
         self._write.argtypes = [_POINTER, _I64, _POINTER, _I64, _I64, _I64, _POINTER, _I64]
         self._write.argtypes += [_POINTER, _POINTER]
@@ -128,12 +131,14 @@ class DecodeKernel:
         token_rows: torch.Tensor,
         scale: float,
         out: torch.Tensor,
+        kv_starts: torch.Tensor | None = None,
     ) -> None:
         """Write ``out[token_rows]`` ``[B, Hq, D]`` from ``query[token_rows]`` over each row's paged keys.
 
         ``tables [B, W]`` int32 and ``kv_lens [B]`` int32 (contiguous), ``token_rows [B]`` int64; ``out``
-        is ``query``-shaped and contiguous. Raises ``ValueError`` on a layout the kernel cannot index and
-        ``MemoryError`` if a thread could not allocate its score buffer.
+        is ``query``-shaped and contiguous. ``kv_starts [B]`` int32 (sliding window): row ``r`` attends to
+        keys ``kv_starts[r] .. kv_lens[r] - 1`` only. Raises ``ValueError`` on a layout the kernel cannot
+        index and ``MemoryError`` if a thread could not allocate its score buffer.
         """
         if not (self.supports(query, k_cache, v_cache) and out.is_contiguous() and out.shape == query.shape):
             raise ValueError("the native decode kernel needs contiguous fp32 CPU query, out and caches")
@@ -146,13 +151,19 @@ class DecodeKernel:
         if not (tables.is_contiguous() and kv_lens.is_contiguous() and token_rows.is_contiguous()):
             raise ValueError("the native decode kernel needs contiguous tables, kv_lens and token_rows")
         _, block_size, kv_heads, head_dim = k_cache.shape
-        failed = self._fn(
+        fn, starts = self._fn, ()
+        if kv_starts is not None:
+            if kv_starts.dtype is not torch.int32 or not kv_starts.is_contiguous():
+                raise ValueError("the native decode kernel needs contiguous int32 kv_starts")
+            fn, starts = self._window_fn, (kv_starts.data_ptr(),)
+        failed = fn(
             query.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
             tables.data_ptr(),
             tables.shape[1],
             kv_lens.data_ptr(),
+            *starts,
             token_rows.data_ptr(),
             token_rows.shape[0],
             query.shape[1],

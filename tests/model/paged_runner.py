@@ -1,7 +1,9 @@
 """A minimal paged driver over a model runtime, for model tests that must not wait for the engine.
 
 It owns a :class:`PagedKVCache`, hands out physical blocks in a shuffled order (so a test that passes cannot
-be relying on blocks being contiguous or in logical order) and runs packed steps with ``pack_step``.
+be relying on blocks being contiguous or in logical order) and runs packed steps with ``pack_step``. With
+``ring_chunk`` a model's sliding-window layers keep rings (:mod:`pagedgen.core.window`) sized for steps of at
+most that many tokens per sequence, from a separate, likewise shuffled pool.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedgen.core.kv import PagedKVCache
+from pagedgen.core.window import ring_blocks
 from pagedgen.executor.inputs import SequenceChunk, pack_step
 
 
@@ -23,17 +26,30 @@ class PagedSequence:
     tokens: list[int]
     blocks: list[int] = field(default_factory=list)
     past_len: int = 0  # tokens whose K/V are in the cache
+    ring: list[int] = field(
+        default_factory=list
+    )  # window ring (sliding-window layers), when the runner keeps one
 
 
 class PagedRunner:
     """Runs ``model.runtime`` over packed steps with shuffled block allocation."""
 
-    def __init__(self, model, num_blocks: int = 256, block_size: int = 16, seed: int = 0):
+    def __init__(
+        self, model, num_blocks: int = 256, block_size: int = 16, seed: int = 0, ring_chunk: int | None = None
+    ):
         self.model = model
         self.block_size = block_size
-        self.cache = PagedKVCache(model.kv_spec, num_blocks, block_size, device=model.device)
+        spec = model.kv_spec
+        self.window = spec.window_size if ring_chunk is not None and spec.window_layers else None
+        self.ring_blocks = 0 if self.window is None else ring_blocks(ring_chunk, self.window, block_size)
+        window_blocks = None if self.window is None else 8 * self.ring_blocks
+        self.cache = PagedKVCache(
+            spec, num_blocks, block_size, device=model.device, window_blocks=window_blocks
+        )
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)
+        self.window_free = list(range(window_blocks or 0))
+        random.Random(seed + 1).shuffle(self.window_free)
 
     def reserve(self, seq: PagedSequence, total_tokens: int) -> None:
         need = -(-total_tokens // self.block_size) - len(seq.blocks)
@@ -41,6 +57,8 @@ class PagedRunner:
             raise RuntimeError(f"out of blocks: need {need}, have {len(self.free)}")
         for _ in range(need):
             seq.blocks.append(self.free.pop())
+        if self.window is not None and not seq.ring:
+            seq.ring = [self.window_free.pop() for _ in range(self.ring_blocks)]
 
     def step(
         self,
@@ -56,8 +74,12 @@ class PagedRunner:
         chunks = []
         for seq, toks, flag in zip(seqs, new_tokens, flags, strict=True):
             self.reserve(seq, seq.past_len + len(toks))
-            chunks.append(SequenceChunk(list(toks), seq.past_len, list(seq.blocks), all_logits=flag))
-        inputs = pack_step(chunks, self.block_size, device=self.model.device)
+            chunks.append(
+                SequenceChunk(
+                    list(toks), seq.past_len, list(seq.blocks), all_logits=flag, window_ring=seq.ring
+                )
+            )
+        inputs = pack_step(chunks, self.block_size, device=self.model.device, window=self.window)
         logits = self.model.runtime.forward(inputs, self.cache)
         for seq, toks in zip(seqs, new_tokens, strict=True):
             seq.tokens.extend(toks)
@@ -95,4 +117,16 @@ def stepwise_logits(model, ids: Sequence[int], prefill: int, block_size: int = 4
     seq = PagedSequence(tokens=[])
     rows = [runner.step([seq], [list(ids[:prefill])], all_logits=True)]
     rows += [runner.step([seq], [[token]]) for token in ids[prefill:]]
+    return torch.cat(rows)
+
+
+def chunked_logits(model, ids: Sequence[int], chunk: int, block_size: int = 4, seed: int = 2) -> torch.Tensor:
+    """Logits at every position from steps of ``chunk`` tokens; windowed layers keep rings sized for them."""
+    runner = PagedRunner(
+        model, num_blocks=-(-len(ids) // block_size) + 4, block_size=block_size, seed=seed, ring_chunk=chunk
+    )
+    seq = PagedSequence(tokens=[])
+    rows = [
+        runner.step([seq], [list(ids[i : i + chunk])], all_logits=True) for i in range(0, len(ids), chunk)
+    ]
     return torch.cat(rows)

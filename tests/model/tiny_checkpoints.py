@@ -96,7 +96,7 @@ def tiny_config(kind: str, **overrides: Any):
         rope["original_max_position_embeddings"] = 64
         return LlamaConfig(rope_parameters=rope, **args)
     if kind == "mistral":
-        return MistralConfig(sliding_window=None, **args)
+        return MistralConfig(**{"sliding_window": None, **args})
     if kind == "qwen2":
         return Qwen2Config(**args)
     if kind == "qwen3":

@@ -4,6 +4,9 @@ Before the commit boundary a known failure rolls back: one engine-level RETRYABL
 committed state identical to before the step, the engine healthy, and the retried run produces exactly the
 tokens of a run without the fault. Anything unknown, a failed rollback, or a failure at or after the commit
 boundary is fail-stop: one TURN_FINISHED|FAILED per affected turn, then every run raises.
+
+Every test runs twice: on the plain synthetic model and on its windowed variant (a sliding-window layer kept
+in rings of the window pool, window 3), so rollback and fail-stop are proven for both pools.
 """
 
 from __future__ import annotations
@@ -14,10 +17,16 @@ import pagedgen as pg
 from pagedgen.engine.faults import InjectedFault
 from pagedgen.engine.outcomes import Phase
 from pagedgen.executor.runner import ExecutionCapacityError, RetryableExecutionError
+from tests import helpers
 from tests.helpers import drain, engine_snapshot, event_key, make_engine, submit
 
 F = pg.EngineEventFlags
 E = pg.EngineErrorCode
+
+
+@pytest.fixture(autouse=True, params=[None, 3], ids=["dense", "window3"])
+def _synthetic_window(request, monkeypatch):
+    monkeypatch.setattr(helpers, "SYNTHETIC_WINDOW", request.param)
 
 
 def scenario() -> tuple[pg.Engine, dict[str, pg.Request]]:
@@ -224,4 +233,6 @@ def assert_all_blocks_return(engine: pg.Engine, requests: dict[str, pg.Request])
         request.close()
     stats = engine.stats()
     assert stats.free_blocks == stats.total_blocks and stats.resident_requests == 0
+    assert stats.window_free_blocks == stats.window_total_blocks
+    assert (stats.window_total_blocks > 0) == (helpers.SYNTHETIC_WINDOW is not None)
     assert engine.check_invariants() == []

@@ -6,6 +6,10 @@ operation the engine's cache and request invariants hold; every emitted token is
 model's greedy continuation of the request's logical sequence; every turn ends with exactly one terminal
 event whose reason matches the limits; refused calls change nothing; at the end every block is free.
 
+Half the machines run the windowed synthetic model (a sliding-window layer, window 2..9, kept in rings of the
+window pool with chunk cap 5), so the exact-token check covers ring slots across every wrap, rollback and
+release too.
+
 Faults are transient (each clears after one step), so a rolled-back step changes nothing, except that
 failure isolation may fail one turn (REQUEST_FAILED) once MAX_RETRIES steps in a row have rolled back without
 a commit between them: the machine counts those from the engine's stats and allows exactly that.
@@ -51,9 +55,9 @@ class Expected:
 class EngineMachine(RuleBasedStateMachine):
     requests = Bundle("requests")
 
-    @initialize()
-    def start(self):
-        self.model = SyntheticModel(vocab_size=VOCAB, eos_token_id=EOS)
+    @initialize(window=st.none() | st.integers(2, 9))
+    def start(self, window):
+        self.model = SyntheticModel(vocab_size=VOCAB, eos_token_id=EOS, window=window)
         self.engine = pg.Engine(
             self.model,
             pg.EngineConfig(
@@ -254,6 +258,7 @@ class EngineMachine(RuleBasedStateMachine):
         assert not self.engine._states
         stats = self.engine.stats()
         assert stats.free_blocks == stats.total_blocks and stats.resident_requests == 0
+        assert stats.window_free_blocks == stats.window_total_blocks
         assert self.engine.check_invariants() == []
         self.engine.close()
 

@@ -4,6 +4,9 @@ A shadow model (request -> committed slots and exact block ids, plus the expecte
 hand next to the manager; after every operation the invariant validator must find nothing and the manager
 must agree with the shadow exactly. Planning is checked against an independent greedy re-computation.
 Releasing every request must give back a pool whose blocks are all free.
+
+Half the machines also have a window-ring pool (sliding-window layers): each admission then takes one ring
+from it, which the shadow tracks as separately (its own free list, rings per request) as the full pool.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from pagedgen.cache import CacheCandidate, DeferReason, PagedCacheManager, blocks_for_tokens
+from pagedgen.cache import CacheCandidate, DeferReason, PagedCacheManager, WindowRingSpec, blocks_for_tokens
+from pagedgen.core.window import ring_blocks
 from pagedgen.engine.invariants import validate_cache
 from pagedgen.errors import CacheError
 
@@ -28,11 +32,26 @@ class CacheMachine(RuleBasedStateMachine):
         block_size=st.integers(1, 16),
         max_batch_size=st.integers(1, 6),
         max_width=st.none() | st.integers(1, 20),
+        window=st.none() | st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 3)),
     )
-    def setup(self, num_blocks: int, block_size: int, max_batch_size: int, max_width: int | None) -> None:
-        self.manager = PagedCacheManager(num_blocks, block_size, max_batch_size, max_width)
+    def setup(
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_batch_size: int,
+        max_width: int | None,
+        window: tuple[int, int, int] | None,
+    ) -> None:
+        spec = None
+        if window is not None:  # (window, chunk, spare rings): the pool may hold fewer rings than residents
+            size, chunk, spare = window
+            ring = ring_blocks(chunk, size, block_size)
+            spec = WindowRingSpec(size, chunk, block_size, ring * max(1, max_batch_size - spare))
+        self.manager = PagedCacheManager(num_blocks, block_size, max_batch_size, max_width, spec)
         self.committed: dict[Hashable, tuple[int, tuple[int, ...]]] = {}  # rid -> (slots, blocks)
         self.free: list[int] = list(range(num_blocks))  # the expected free list, in hand-out order
+        self.rings: dict[Hashable, tuple[int, ...]] = {}  # rid -> committed window ring
+        self.window_free: list[int] = [] if spec is None else list(range(spec.num_blocks))
         self.reservation = None
         self.stale = False  # the pool was mutated behind the live reservation
         self.next_id = 0
@@ -59,18 +78,24 @@ class CacheMachine(RuleBasedStateMachine):
         limit = m.num_blocks if m.max_blocks_per_table is None else min(m.num_blocks, m.max_blocks_per_table)
         rows = m.max_batch_size if max_rows is None else min(max_rows, m.max_batch_size)
         free, residents, selected, deferred = len(self.free), len(self.committed), [], []
+        window_free = len(self.window_free)
         for c in candidates:
             width = blocks_for_tokens(c.required_slots, m.block_size)
             owned = 0 if c.is_new else len(self.committed[c.request_id][1])
+            ring = m.ring_blocks if c.is_new else 0
             if width > limit:
                 deferred.append((c, DeferReason.UNSERVICEABLE))
             elif (
-                len(selected) >= rows or (c.is_new and residents >= m.max_batch_size) or width - owned > free
+                len(selected) >= rows
+                or (c.is_new and residents >= m.max_batch_size)
+                or width - owned > free
+                or ring > window_free
             ):
                 deferred.append((c, DeferReason.CAPACITY_DEFERRED))
             else:
                 selected.append(c)
                 free -= max(0, width - owned)
+                window_free -= ring
                 residents += 1 if c.is_new else 0
         return selected, deferred
 
@@ -96,13 +121,24 @@ class CacheMachine(RuleBasedStateMachine):
         reservation = self.manager.reserve(plan.selected)
         taken, self.free = self.free[: plan.new_blocks], self.free[plan.new_blocks :]
         assert reservation.reserved_blocks() == tuple(taken)
-        start = 0
+        rings, self.window_free = (
+            self.window_free[: plan.new_window_blocks],
+            self.window_free[plan.new_window_blocks :],
+        )
+        assert reservation.reserved_window_blocks() == tuple(rings)
+        start = ring_start = 0
+        r = self.manager.ring_blocks
         for c in plan.selected:
             slots, blocks = self.committed.get(c.request_id, (0, ()))
             grow = max(0, blocks_for_tokens(c.required_slots, self.manager.block_size) - len(blocks))
             assert reservation.block_table(c.request_id) == blocks + tuple(taken[start : start + grow])
             assert reservation.committed_slots(c.request_id) == slots
             start += grow
+            if c.is_new:
+                assert reservation.window_ring(c.request_id) == tuple(rings[ring_start : ring_start + r])
+                ring_start += r
+            else:
+                assert reservation.window_ring(c.request_id) == self.rings[c.request_id]
         self.reservation = reservation
         event("reserve")
 
@@ -185,6 +221,7 @@ class CacheMachine(RuleBasedStateMachine):
         reservation.commit(advance)
         for row in reservation.rows:
             self.committed[row.request_id] = (advance.get(row.request_id, row.required_slots), row.blocks)
+            self.rings[row.request_id] = row.window_ring
         self.reservation = None
 
     @rule()
@@ -193,22 +230,25 @@ class CacheMachine(RuleBasedStateMachine):
         if self.reservation is None:
             return
         self.free += list(self.reservation.reserved_blocks())
+        self.window_free += list(self.reservation.reserved_window_blocks())
         self.reservation.discard()
         self.reservation = None
         self.stale = False
 
-    @rule()
-    def mutate_pool(self) -> None:
-        """Take and return a free block directly: any live reservation is stale from then on."""
-        if not self.free:
+    @rule(window=st.booleans())
+    def mutate_pool(self, window: bool) -> None:
+        """Take and return a free block of one pool directly: any live reservation is stale from then on."""
+        free = self.window_free if window else self.free
+        pool = self.manager.window_pool if window else self.manager.pool
+        if not free or pool is None:
             return
-        stray = self.manager.pool.reserve(1)
+        stray = pool.reserve(1)
         if self._live():
             with pytest.raises(CacheError, match="block pool changed"):
                 self.reservation.validate_commit()
             self.stale = True
-        self.manager.pool.return_reserved(stray)
-        self.free = self.free[1:] + list(stray)
+        pool.return_reserved(stray)
+        free[:] = free[1:] + list(stray)
 
     @rule(data=st.data())
     def deallocate(self, data: st.DataObject) -> None:
@@ -224,6 +264,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert self.manager.deallocate(rid) is True
         assert self.manager.deallocate(rid) is False
         self.free += list(self.committed.pop(rid)[1])
+        self.window_free += list(self.rings.pop(rid))
         self.released.append(rid)
 
     # ---- checks ----
@@ -242,6 +283,16 @@ class CacheMachine(RuleBasedStateMachine):
         reserved = 0 if self.reservation is None else self.reservation.num_reserved_blocks
         assert (stats.free_blocks, stats.reserved_blocks) == (len(self.free), reserved)
         assert stats.blocks_per_request == {rid: len(b) for rid, (_, b) in self.committed.items()}
+        for rid, ring in self.rings.items():
+            assert m.window_ring(rid) == ring
+        if m.window_pool is not None:
+            assert m.window_pool.free_list() == tuple(self.window_free)
+            reserved = 0 if self.reservation is None else self.reservation.num_reserved_window_blocks
+            assert (stats.window_free_blocks, stats.window_reserved_blocks) == (
+                len(self.window_free),
+                reserved,
+            )
+            assert stats.window_blocks_per_request == {rid: len(r) for rid, r in self.rings.items()}
 
     def teardown(self) -> None:
         if self.manager is None:
@@ -253,7 +304,9 @@ class CacheMachine(RuleBasedStateMachine):
         assert validate_cache(self.manager) == []
         assert sorted(self.manager.pool.free_list()) == list(range(self.manager.num_blocks))
         event(f"teardown: released {len(self.committed)} residents")
-        assert self.manager.stats().free_blocks == self.manager.num_blocks
+        stats = self.manager.stats()
+        assert stats.free_blocks == self.manager.num_blocks
+        assert stats.window_free_blocks == stats.window_total_blocks
 
 
 CacheMachine.TestCase.settings = settings(max_examples=2000, stateful_step_count=20)

@@ -170,3 +170,14 @@ def test_a_slot_outside_the_cache_raises_and_writes_nothing(tmp_path, need_kerne
     with pytest.raises(IndexError, match="outside the cache"):
         model.runtime.forward(step, cache)
     assert all(torch.equal(a, b) for a, b in zip(before, cache.keys + cache.values, strict=True))
+
+
+def test_a_sliding_window_model_keeps_the_per_layer_path(tmp_path, need_kernels):
+    raw = {**TINY_RAW, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 6}
+    directory = tmp_path / "hf-window"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(raw))
+    state = {k: torch.from_numpy(v).to(torch.bfloat16) for k, v in random_state(raw, seed=8).items()}
+    save_file(state, str(directory / "model.safetensors"))
+    model = Model(str(directory))
+    assert model.runtime.windowed and model.runtime.fused_decoder is None

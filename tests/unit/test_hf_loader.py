@@ -49,11 +49,39 @@ def test_family_traits(overrides, expected):
     assert (config.architecture, config.qkv_bias, config.qk_norm) == expected
 
 
-def test_sliding_window_clamps_the_context():
-    mistral = config_from_hf({**TINY_RAW, "model_type": "mistral", "sliding_window": 128}, "c")
-    assert (mistral.sliding_window, mistral.max_context) == (128, 128)
-    qwen_off = config_from_hf({**TINY_RAW, "model_type": "qwen2", "sliding_window": 128}, "c")
-    assert (qwen_off.sliding_window, qwen_off.max_context) == (None, 256)
+@pytest.mark.parametrize(
+    ("keys", "window", "layers"),
+    [
+        ({"model_type": "mistral", "sliding_window": 128}, 128, (0, 1)),  # every layer, context not clamped
+        ({"model_type": "qwen2", "sliding_window": 128}, None, ()),  # Qwen2: off unless use_sliding_window
+        ({"model_type": "qwen2", "sliding_window": 128, "use_sliding_window": True}, 128, (0, 1)),
+        (
+            {"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True, "max_window_layers": 1},
+            64,
+            (1,),
+        ),
+        ({"model_type": "mistral", "sliding_window": 128, "use_sliding_window": False}, None, ()),
+        ({"sliding_window": 32, "layer_types": ["sliding_attention", "full_attention"]}, 32, (0,)),
+        ({"sliding_window": 32, "layer_types": ["full_attention", "full_attention"]}, None, ()),
+        ({"model_type": "mistral", "sliding_window": 256}, None, ()),  # window >= context: never hides a key
+    ],
+)
+def test_sliding_window_layers_from_the_config(keys, window, layers):
+    config = config_from_hf({**TINY_RAW, **keys}, "c")
+    assert (config.sliding_window, config.windowed_layers, config.max_context) == (window, layers, 256)
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        ({"sliding_window": 32, "layer_types": ["sliding_attention"]}, "must list 2 layer types"),
+        ({"sliding_window": 32, "layer_types": ["conv", "full_attention"]}, "'conv'"),
+        ({"model_type": "mistral", "sliding_window": -4}, "positive integer"),
+    ],
+)
+def test_bad_sliding_window_keys_are_refused(keys, message):
+    with pytest.raises(ModelLoadError, match=message):
+        config_from_hf({**TINY_RAW, **keys}, "c")
 
 
 def test_head_dim_defaults_to_hidden_over_heads():
@@ -72,6 +100,9 @@ def test_head_dim_defaults_to_hidden_over_heads():
         ModelConfig("qwen2", 100, 32, 64, 1, 2, 2, 16, 64, qkv_bias=True, eos_token_ids=(5, 7)),
         ModelConfig(
             "mistral", 100, 32, 64, 1, 2, 2, 16, 64, sliding_window=32, rope=RopeConfig(1e4, "linear", 2.0)
+        ),
+        ModelConfig(
+            "qwen2", 100, 32, 64, 3, 2, 2, 16, 64, qkv_bias=True, sliding_window=8, window_layers=(1, 2)
         ),
     ],
 )

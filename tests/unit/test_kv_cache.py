@@ -31,3 +31,30 @@ def test_cache_refuses_empty_geometry():
         PagedKVCache(KVSpec(1, 1, 1), num_blocks=0, block_size=4)
     with pytest.raises(ValueError, match="head_dim"):
         KVSpec(num_layers=1, num_kv_heads=1, head_dim=0)
+
+
+def test_windowed_layers_get_the_window_pools_tensors_when_they_keep_rings():
+    spec = KVSpec(num_layers=3, num_kv_heads=2, head_dim=4, window_size=8, window_layers=(0, 2))
+    assert spec.full_layers == (1,)
+    assert spec.bytes_per_full_block(7) + spec.bytes_per_window_block(7) == spec.bytes_per_block(7)
+    assert spec.bytes_per_window_block(7) == 2 * spec.bytes_per_full_block(7)
+    rings = PagedKVCache(spec, num_blocks=5, block_size=7, window_blocks=3)
+    assert rings.window_ring and [t.shape[0] for t in rings.keys] == [3, 5, 3]
+    masked = PagedKVCache(spec, num_blocks=5, block_size=7)  # no rings: windowed layers stored like full ones
+    assert not masked.window_ring and [t.shape[0] for t in masked.values] == [5, 5, 5]
+    with pytest.raises(ValueError, match="needs a positive count and windowed layers"):
+        PagedKVCache(KVSpec(1, 1, 1), num_blocks=5, block_size=7, window_blocks=3)
+
+
+@pytest.mark.parametrize(
+    ("window", "layers", "message"),
+    [
+        (8, (), "given together"),
+        (None, (0,), "given together"),
+        (0, (0,), "positive"),
+        (8, (0, 3), "distinct"),
+    ],
+)
+def test_kv_spec_refuses_an_inconsistent_window(window, layers, message):
+    with pytest.raises(ValueError, match=message):
+        KVSpec(num_layers=3, num_kv_heads=1, head_dim=2, window_size=window, window_layers=layers)

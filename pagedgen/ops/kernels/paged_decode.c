@@ -7,6 +7,8 @@
  *   k/v cache   [num_blocks, block_size, num_kv_heads, head_dim]
  *   tables      [num_rows, table_stride] int32           physical block of each logical block
  *   kv_lens     [num_rows] int32                          keys 0 .. kv_lens[r] - 1 are attended
+ *   kv_starts   [num_rows] int32 or NULL                  (windowed variant) keys before kv_starts[r] are not
+ * A sliding-window layer's table starts at the row's first live block, so its start is below block_size.
  * One task per row computes the scores of every query head (grouped-query attention: query head h reads
  * kv head h / (Hq / Hkv)), a float32 softmax, and the weighted sum of values. A row's blocks are read as
  * contiguous runs (a task per (row, kv head) read 256-byte pieces at a stride and was 1.5-2x slower). OpenMP threads come from the runtime torch loaded
@@ -21,17 +23,21 @@
 #include "vec_math.h"
 
 static inline __attribute__((always_inline)) void decode_row(
-    const float *q, const float *k_cache, const float *v_cache, const int32_t *table, int64_t len,
-    int64_t q_heads, int64_t kv_heads, const int64_t head_dim, int64_t block_size, float scale,
+    const float *q, const float *k_cache, const float *v_cache, const int32_t *table, int64_t start,
+    int64_t len, int64_t q_heads, int64_t kv_heads, const int64_t head_dim, int64_t block_size, float scale,
     float *scores, int64_t score_stride, float *acc) {
     const int64_t groups = q_heads / kv_heads;
     const int64_t pos_stride = kv_heads * head_dim; /* a position's keys of every kv head are contiguous */
     const int64_t block_stride = block_size * pos_stride;
-    /* Pass 1: scores[h, p] = scale * q[h] . k[p, h / groups], block by block (no division per position). */
+    const int64_t count = len - start; /* attended keys; scores[h, p - start] */
+    /* Pass 1: scores[h, p] = scale * q[h] . k[p, h / groups], block by block (no division per position).
+     * With start = 0 (full attention) every index and operation is what it was before windows existed. */
     for (int64_t b = 0, p0 = 0; p0 < len; ++b, p0 += block_size) {
         const int64_t n = len - p0 < block_size ? len - p0 : block_size;
+        if (p0 + n <= start) continue;
+        const int64_t j0 = start > p0 ? start - p0 : 0;
         const float *kb = k_cache + (int64_t)table[b] * block_stride;
-        for (int64_t j = 0; j < n; ++j) {
+        for (int64_t j = j0; j < n; ++j) {
             const float *kp = kb + j * pos_stride;
             for (int64_t h = 0; h < q_heads; ++h) {
                 const float *qh = q + h * head_dim;
@@ -39,7 +45,7 @@ static inline __attribute__((always_inline)) void decode_row(
                 float s = 0.f;
 #pragma omp simd reduction(+ : s)
                 for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * kh[d];
-                scores[h * score_stride + p0 + j] = s * scale;
+                scores[h * score_stride + p0 + j - start] = s * scale;
             }
         }
     }
@@ -47,25 +53,27 @@ static inline __attribute__((always_inline)) void decode_row(
     for (int64_t h = 0; h < q_heads; ++h) {
         float *sh = scores + h * score_stride;
         float top = -FLT_MAX;
-        for (int64_t p = 0; p < len; ++p) top = sh[p] > top ? sh[p] : top;
+        for (int64_t p = 0; p < count; ++p) top = sh[p] > top ? sh[p] : top;
         float total = 0.f;
 #pragma omp simd reduction(+ : total)
-        for (int64_t p = 0; p < len; ++p) {
+        for (int64_t p = 0; p < count; ++p) {
             sh[p] = vec_expf(sh[p] - top);
             total += sh[p];
         }
         const float inv = 1.f / total;
-        for (int64_t p = 0; p < len; ++p) sh[p] *= inv;
+        for (int64_t p = 0; p < count; ++p) sh[p] *= inv;
     }
     /* Pass 2: acc[h] = sum_p probs[h, p] * v[p, h / groups]. */
     memset(acc, 0, sizeof(float) * (size_t)(q_heads * head_dim));
     for (int64_t b = 0, p0 = 0; p0 < len; ++b, p0 += block_size) {
         const int64_t n = len - p0 < block_size ? len - p0 : block_size;
+        if (p0 + n <= start) continue;
+        const int64_t j0 = start > p0 ? start - p0 : 0;
         const float *vb = v_cache + (int64_t)table[b] * block_stride;
-        for (int64_t j = 0; j < n; ++j) {
+        for (int64_t j = j0; j < n; ++j) {
             const float *vp = vb + j * pos_stride;
             for (int64_t h = 0; h < q_heads; ++h) {
-                const float w = scores[h * score_stride + p0 + j];
+                const float w = scores[h * score_stride + p0 + j - start];
                 const float *vh = vp + (h / groups) * head_dim;
                 float *ah = acc + h * head_dim;
 #pragma omp simd
@@ -75,12 +83,12 @@ static inline __attribute__((always_inline)) void decode_row(
     }
 }
 
-/* Returns 0 on success, 1 if a thread could not allocate its score buffer (out is then incomplete). */
-int paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
-                               const int32_t *tables, int64_t table_stride, const int32_t *kv_lens,
-                               const int64_t *token_rows, int64_t num_rows, int64_t num_q_heads,
-                               int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                               float *out, int num_threads) {
+/* Returns 0 on success, 1 if a thread could not allocate its score buffer (out is then incomplete).
+ * kv_starts NULL: every row attends from key 0. */
+static int paged_decode(const float *q, const float *k_cache, const float *v_cache, const int32_t *tables,
+                        int64_t table_stride, const int32_t *kv_lens, const int32_t *kv_starts,
+                        const int64_t *token_rows, int64_t num_rows, int64_t num_q_heads, int64_t num_kv_heads,
+                        int64_t head_dim, int64_t block_size, float scale, float *out, int num_threads) {
     int64_t max_len = 0;
     for (int64_t r = 0; r < num_rows; ++r) max_len = kv_lens[r] > max_len ? kv_lens[r] : max_len;
     int failed = 0;
@@ -98,21 +106,41 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
             const int64_t offset = token_rows[r] * num_q_heads * head_dim;
             const int32_t *table = tables + r * table_stride;
             float *acc = scores + num_q_heads * max_len;
+            const int64_t start = kv_starts == NULL ? 0 : kv_starts[r];
             /* Constant head sizes let the compiler unroll the inner loops completely. */
             if (head_dim == 64)
-                decode_row(q + offset, k_cache, v_cache, table, kv_lens[r], num_q_heads, num_kv_heads, 64,
-                           block_size, scale, scores, max_len, acc);
+                decode_row(q + offset, k_cache, v_cache, table, start, kv_lens[r], num_q_heads, num_kv_heads,
+                           64, block_size, scale, scores, max_len, acc);
             else if (head_dim == 128)
-                decode_row(q + offset, k_cache, v_cache, table, kv_lens[r], num_q_heads, num_kv_heads, 128,
-                           block_size, scale, scores, max_len, acc);
+                decode_row(q + offset, k_cache, v_cache, table, start, kv_lens[r], num_q_heads, num_kv_heads,
+                           128, block_size, scale, scores, max_len, acc);
             else
-                decode_row(q + offset, k_cache, v_cache, table, kv_lens[r], num_q_heads, num_kv_heads,
+                decode_row(q + offset, k_cache, v_cache, table, start, kv_lens[r], num_q_heads, num_kv_heads,
                            head_dim, block_size, scale, scores, max_len, acc);
             memcpy(out + offset, acc, sizeof(float) * (size_t)(num_q_heads * head_dim));
         }
         free(scores);
     }
     return failed;
+}
+
+int paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
+                               const int32_t *tables, int64_t table_stride, const int32_t *kv_lens,
+                               const int64_t *token_rows, int64_t num_rows, int64_t num_q_heads,
+                               int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                               float *out, int num_threads) {
+    return paged_decode(q, k_cache, v_cache, tables, table_stride, kv_lens, NULL, token_rows, num_rows,
+                        num_q_heads, num_kv_heads, head_dim, block_size, scale, out, num_threads);
+}
+
+/* Sliding-window decode: row r attends to keys kv_starts[r] .. kv_lens[r] - 1 of its table. */
+int paged_decode_window_attention_f32(const float *q, const float *k_cache, const float *v_cache,
+                                      const int32_t *tables, int64_t table_stride, const int32_t *kv_lens,
+                                      const int32_t *kv_starts, const int64_t *token_rows, int64_t num_rows,
+                                      int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
+                                      int64_t block_size, float scale, float *out, int num_threads) {
+    return paged_decode(q, k_cache, v_cache, tables, table_stride, kv_lens, kv_starts, token_rows, num_rows,
+                        num_q_heads, num_kv_heads, head_dim, block_size, scale, out, num_threads);
 }
 
 /* k_cache/v_cache slot s (a [row_len] run, row_len = Hkv * D) = key/value row t for every t with s =

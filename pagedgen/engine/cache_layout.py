@@ -1,0 +1,76 @@
+"""Which cache paths the engine builds for a model, chosen from its decoder state manifest.
+
+Reference, "Decoder state manifest" and "Sliding-window paged layers". The engine never asks which family a
+model is; it reads the manifest (``model.state_manifest``, else the legacy one implied by ``model.kv_spec``)
+and decides:
+
+- every manifest needs exactly one paged_kv group (one shared paged pool); fixed conv / recurrent groups
+  need a fixed-state pool, which is not implemented yet, so they are refused here with a clear error;
+- sliding-window layers on the dynamic path keep a ring in a separate window pool. ``C``, the per-request
+  query cap, is ``chunk_size`` capped to ``max_scheduled_tokens`` (``max_scheduled_tokens`` when unset),
+  so a step never wraps a ring onto live positions; the pool holds one ring per possible resident
+  (``max_batch_size``), so rings never limit admission, and its bytes come off the budget before the
+  full-context pool is sized from the remaining full-attention layers;
+- the static path (and any model without windowed layers) keeps every layer in the full pool; windowed
+  layers there are only masked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pagedgen.cache import WindowRingSpec
+from pagedgen.core.manifest import SlidingWindow, StateManifest
+from pagedgen.engine.config import EngineConfig
+from pagedgen.engine.errors import UnsupportedStateError
+
+
+@dataclass(frozen=True, slots=True)
+class CacheLayout:
+    """The engine's cache: the full pool's cost per block and, when windowed, the window-ring pool."""
+
+    bytes_per_block: int  # one block of the full-context pool (0 when every layer is windowed)
+    window: WindowRingSpec | None  # the window-ring pool (dynamic path with sliding-window layers)
+    window_bytes: int  # storage of the whole window pool, taken off the budget first
+    chunk_size: int | None  # the scheduler's per-request query cap (C when there are rings)
+
+
+def model_manifest(model: Any) -> StateManifest:
+    """The model's manifest, or the legacy one its KV spec implies (a dense paged group, its window)."""
+    manifest = getattr(model, "state_manifest", None)
+    if manifest is not None:
+        return manifest
+    spec = model.kv_spec
+    window = None if spec.window_size is None else SlidingWindow(spec.window_size, spec.window_layers)
+    return StateManifest(spec.num_layers, (), window, f"{type(model).__name__}.kv_spec")
+
+
+def plan_cache_layout(model: Any, config: EngineConfig) -> CacheLayout:
+    """Validate the model's manifest for this engine and choose its cache paths.
+
+    Raises :class:`UnsupportedStateError` for a manifest this engine cannot serve (naming the groups) or one
+    that disagrees with the model's KV geometry.
+    """
+    manifest = model_manifest(model)
+    problems = manifest.dynamic_engine_problems()
+    if problems:
+        raise UnsupportedStateError("cannot serve this model: " + "; ".join(problems))
+    spec = model.kv_spec
+    if (manifest.window_size, manifest.window_layers) != (
+        spec.window_size,
+        tuple(sorted(spec.window_layers)),
+    ):
+        raise UnsupportedStateError(
+            f"{manifest.source}: sliding window {manifest.window_size} on layers "
+            f"{list(manifest.window_layers)} disagrees with the model's KV spec "
+            f"({spec.window_size} on {list(spec.window_layers)})"
+        )
+    block_size = config.block_size
+    if not (config.dynamic_batching and spec.window_layers):
+        return CacheLayout(spec.bytes_per_block(block_size), None, 0, config.chunk_size)
+    chunk = min(config.chunk_size or config.max_scheduled_tokens, config.max_scheduled_tokens)
+    assert spec.window_size is not None
+    window = WindowRingSpec.for_residents(spec.window_size, chunk, block_size, config.max_batch_size)
+    window_bytes = window.num_blocks * spec.bytes_per_window_block(block_size)
+    return CacheLayout(spec.bytes_per_full_block(block_size), window, window_bytes, chunk)
