@@ -15,6 +15,7 @@ VOCAB = 257
 
 
 SYNTHETIC_WINDOW: int | None = None  # tests that run on the windowed synthetic model set this (monkeypatch)
+SYNTHETIC_HYBRID = False  # tests that run on the hybrid (fixed conv state) synthetic model set this
 
 
 def synthetic_model(
@@ -22,11 +23,18 @@ def synthetic_model(
     eos_token_id: int | None = None,
     max_context: int = 4096,
     window: int | None = None,
+    hybrid: bool | None = None,
 ):
-    """The synthetic model; with ``window`` (or :data:`SYNTHETIC_WINDOW`) a sliding-window layer too."""
+    """The synthetic model; with ``window`` (or :data:`SYNTHETIC_WINDOW`) a sliding-window layer too, with
+    ``hybrid`` (or :data:`SYNTHETIC_HYBRID`) a fixed conv state."""
     window = SYNTHETIC_WINDOW if window is None else window
+    hybrid = SYNTHETIC_HYBRID if hybrid is None else hybrid
     return SyntheticModel(
-        vocab_size=vocab_size, eos_token_id=eos_token_id, max_context=max_context, window=window
+        vocab_size=vocab_size,
+        eos_token_id=eos_token_id,
+        max_context=max_context,
+        window=window,
+        hybrid=hybrid,
     )
 
 
@@ -117,7 +125,7 @@ def event_key(event: pg.EngineEvent) -> tuple:
 def expected_greedy(
     prompt: Sequence[int], n: int, vocab_size: int = VOCAB, eos: int | None = None
 ) -> list[int]:
-    return synthetic_greedy(list(prompt), n, vocab_size, eos)
+    return synthetic_greedy(list(prompt), n, vocab_size, eos, hybrid=SYNTHETIC_HYBRID)
 
 
 def engine_snapshot(engine: pg.Engine) -> dict[str, Any]:
@@ -155,6 +163,8 @@ def engine_snapshot(engine: pg.Engine) -> dict[str, Any]:
         snap["free_blocks"] = sorted(cache.pool.free_list())  # FIFO order may differ after a rollback
         if cache.window_pool is not None:
             snap["free_window_blocks"] = sorted(cache.window_pool.free_list())
+        if cache.fixed is not None:
+            snap["fixed"] = fixed_snapshot(cache.fixed)
         snap["waiting"] = [s.request_id for s in scheduler.waiting]
         snap["resident_order"] = [s.request_id for s in scheduler.residents]
     return snap
@@ -171,3 +181,17 @@ def record_steps(engine: pg.Engine) -> list[tuple[list[int], list[int]]]:
 
     engine._runner.execute = spy
     return steps
+
+
+def fixed_snapshot(pool) -> dict[str, Any]:
+    """A fixed-state pool's committed state: per owner its slot record and visible bytes, and the free slots.
+
+    The active bank index is left out on purpose: moving a row to the other bank without changing its value
+    is a representation change (direct-path normalisation), not a change of committed state.
+    """
+    owners = {}
+    for rid, index in pool.owners().items():
+        slot = pool.slot(index)
+        state = {name: tuple(t.flatten().tolist()) for name, t in pool.state(rid).items()}
+        owners[rid] = (index, slot.allocation_generation, slot.state_generation, slot.committed_tokens, state)
+    return {"owners": owners, "free": pool.free_slots(), "healthy": pool.healthy}

@@ -1,10 +1,12 @@
 """Paged KV-cache ownership: block pool, block tables, step planning, reservations, the manager facade.
 
-Pure Python bookkeeping; the K/V tensors themselves live in ``pagedgen.core.kv.PagedKVCache``.
+Block ownership is pure Python bookkeeping (the K/V tensors live in ``pagedgen.core.kv.PagedKVCache``); the
+fixed-state pool (``fixed_state``) owns its conv / recurrent state banks itself.
 """
 
 from pagedgen.cache.block_pool import BlockPool, BlockState, num_blocks_for_budget
 from pagedgen.cache.block_table import BlockTable, blocks_for_tokens, slot_of_position
+from pagedgen.cache.fixed_state import FixedStatePool, FixedStateReservation
 from pagedgen.cache.manager import CacheStats, PagedCacheManager
 from pagedgen.cache.paged import CacheCandidate, DeferReason, PlanLimits, ResourcePlan, plan_resources
 from pagedgen.cache.reservation import Reservation, ReservationState, ReservedRow
@@ -17,6 +19,8 @@ __all__ = [
     "CacheCandidate",
     "CacheStats",
     "DeferReason",
+    "FixedStatePool",
+    "FixedStateReservation",
     "PagedCacheManager",
     "PlanLimits",
     "Reservation",

@@ -3,8 +3,10 @@
 ``PagedCacheManager`` is a facade over per-kind pieces. It composes one :class:`BlockPool` for full-context
 paged KV, optionally a second one for sliding-window rings (:class:`WindowRingSpec`: every resident owns a
 fixed ring there), and the committed :class:`BlockTable` of every resident request. Both pools go through
-the same plan / reserve / commit / deallocate surface and are accounted separately; a fixed-state pool
-would join the same way.
+the same plan / reserve / commit / deallocate surface and are accounted separately. A model with fixed conv /
+recurrent state adds a :class:`FixedStatePool` (one slot per possible resident): planning counts its free
+slots with the blocks, a reservation takes the rows' slots together with their blocks (one composite
+:class:`Reservation`), and deallocation returns the slot with the blocks.
 
 Committed state changes only through :meth:`Reservation.commit` and :meth:`PagedCacheManager.deallocate`;
 planning and stats never mutate. At most one reservation is live at a time, and while it is, deallocation is
@@ -20,6 +22,7 @@ from types import MappingProxyType
 
 from pagedgen.cache.block_pool import BlockPool, BlockState
 from pagedgen.cache.block_table import BlockTable, blocks_for_tokens
+from pagedgen.cache.fixed_state import FixedStatePool, FixedStateReservation
 from pagedgen.cache.paged import (
     CacheCandidate,
     PlanLimits,
@@ -38,7 +41,8 @@ from pagedgen.errors import CacheError
 class CacheStats:
     """A snapshot of block accounting; ``blocks_per_request`` is a fresh dict in admission order.
 
-    The ``window_*`` counts are the window-ring pool's (all 0 without one).
+    The ``window_*`` counts are the window-ring pool's (all 0 without one), ``fixed_*`` the fixed-state
+    pool's slots (0 without one).
     """
 
     total_blocks: int
@@ -52,6 +56,8 @@ class CacheStats:
     window_reserved_blocks: int = 0
     window_owned_blocks: int = 0
     window_blocks_per_request: dict[Hashable, int] = field(default_factory=dict)
+    fixed_total_slots: int = 0  # the fixed-state pool's slots (0 without one)
+    fixed_free_slots: int = 0
 
 
 def _positive(name: str, value: int) -> int:
@@ -81,6 +87,7 @@ class PagedCacheManager:
         max_batch_size: int,
         max_blocks_per_table: int | None = None,
         window: WindowRingSpec | None = None,
+        fixed: FixedStatePool | None = None,
     ):
         self.num_blocks = _positive("num_blocks", num_blocks)
         self.block_size = _positive("block_size", block_size)
@@ -96,6 +103,9 @@ class PagedCacheManager:
         self.window = window
         self.window_pool = None if window is None else BlockPool(window.num_blocks)
         self.ring_blocks = 0 if window is None else window.ring_blocks
+        if fixed is not None and fixed.capacity < self.max_batch_size:
+            raise ValueError(f"a fixed-state pool of {fixed.capacity} slots is smaller than max_batch_size")
+        self.fixed = fixed
         self._tables: dict[Hashable, BlockTable] = {}
         self._live: Reservation | None = None
 
@@ -147,6 +157,8 @@ class PagedCacheManager:
             window_reserved_blocks=0 if window is None else window.num_reserved,
             window_owned_blocks=0 if window is None else window.num_owned,
             window_blocks_per_request={rid: len(t.window_blocks) for rid, t in self._tables.items()},
+            fixed_total_slots=0 if self.fixed is None else self.fixed.capacity,
+            fixed_free_slots=0 if self.fixed is None else self.fixed.num_free,
         )
 
     # ---- the step transaction ----
@@ -167,12 +179,17 @@ class PagedCacheManager:
         check_candidates(candidates, self._tables)
         return plan_resources(candidates, self._tables, self._limits(rows))
 
-    def reserve(self, selected: Sequence[CacheCandidate]) -> Reservation:
+    def reserve(
+        self, selected: Sequence[CacheCandidate], fixed_targets: Mapping[Hashable, int] | None = None
+    ) -> Reservation:
         """Reserve every block the selected candidates need, all or nothing, and return the live reservation.
 
-        Raises ``CacheError`` (changing nothing) if a reservation is already live, ``selected`` is empty or
-        contradicts committed state, exceeds the row or residency limit, contains a candidate that can never
-        fit, or needs more blocks (of either pool) than are free.
+        With a fixed-state pool the reservation is composite: ``fixed_targets[rid]`` is each row's committed
+        token count after the step (the paged commit must advance to the same), and every row keeps its slot
+        or is admitted provisionally into a free one. Raises ``CacheError`` (changing nothing) if a
+        reservation is already live, ``selected`` is empty or contradicts committed state, exceeds the row or
+        residency limit, contains a candidate that can never fit, needs more blocks (of either pool) or
+        fixed slots than are free, or lacks a fixed target.
         """
         self._require_no_live("reserve")
         if not selected:
@@ -199,26 +216,57 @@ class PagedCacheManager:
                 f"cannot reserve {num_new} window rings of {self.ring_blocks} blocks: only "
                 f"{self.window_pool.num_free} of {self.window_pool.num_blocks} window blocks free"
             )
-        blocks = self.pool.reserve(sum(growth))  # raises, changing nothing, if too few are free
+        fixed = self._reserve_fixed(selected, fixed_targets)  # first: raises, changing nothing
+        try:
+            blocks = self.pool.reserve(sum(growth))  # raises, changing nothing, if too few are free
+        except BaseException:
+            if fixed is not None:
+                fixed.discard()
+            raise
         rings: tuple[int, ...] = ()
         if self.window_pool is not None:  # cannot fail: checked above, before either pool changed
             rings = self.window_pool.reserve(num_ring_blocks)
         rows = self._rows(selected, growth, blocks, rings)
-        self._live = Reservation(self.pool, self._tables, rows, self._closed, self.window_pool)
+        self._live = Reservation(self.pool, self._tables, rows, self._closed, self.window_pool, fixed)
         return self._live
 
-    def deallocate(self, request_id: Hashable) -> bool:
-        """Return all of a request's blocks (its ring too) to their pools; False if it is not resident.
+    def _reserve_fixed(
+        self, selected: Sequence[CacheCandidate], targets: Mapping[Hashable, int] | None
+    ) -> FixedStateReservation | None:
+        """The fixed sub-reservation over the same rows (None without a pool); checks that every resident's
+        fixed tokens equal its committed slots, so the two states cannot drift apart."""
+        if self.fixed is None:
+            return None
+        if targets is None or any(c.request_id not in targets for c in selected):
+            raise CacheError("a fixed-state model needs a target token count for every reserved row")
+        owners = self.fixed.owners()
+        for candidate in selected:
+            rid = candidate.request_id
+            table = self._tables.get(rid)
+            if (table is None) != (rid not in owners) or (
+                table is not None and self.fixed.committed_tokens(rid) != table.committed_slots
+            ):
+                raise CacheError(f"request {rid!r}: paged and fixed committed state disagree")
+        return self.fixed.reserve([(c.request_id, targets[c.request_id]) for c in selected])
 
-        Raises ``CacheError`` while a reservation is live (its snapshot of committed state must hold).
-        Cost: O(blocks of the request).
+    def deallocate(self, request_id: Hashable) -> bool:
+        """Return all of a request's blocks (its ring too) to their pools and its fixed-state slot to the
+        fixed pool; False if it is not resident.
+
+        Raises ``CacheError`` while a reservation is live (its snapshot of committed state must hold), or,
+        before changing anything, when the request owns blocks but no fixed slot. Cost: O(blocks of the
+        request).
         """
         self._require_no_live("deallocate")
         table = self._tables.get(request_id)
         if table is None:
             return False
+        if self.fixed is not None and request_id not in self.fixed.owners():
+            raise CacheError(f"request {request_id!r} owns blocks but no fixed-state slot")
         if self.window_pool is not None:
             self.window_pool.check_state(table.window_blocks, BlockState.OWNED, "return_owned")
+        if self.fixed is not None:
+            self.fixed.release(request_id)
         self.pool.return_owned(table.blocks)
         if self.window_pool is not None:
             self.window_pool.return_owned(table.window_blocks)
@@ -248,6 +296,7 @@ class PagedCacheManager:
             ring_blocks=self.ring_blocks,
             window_total_blocks=0 if self.window_pool is None else self.window_pool.num_blocks,
             window_free_blocks=0 if self.window_pool is None else self.window_pool.num_free,
+            fixed_free_slots=None if self.fixed is None else self.fixed.num_free,
         )
 
     def _rows(

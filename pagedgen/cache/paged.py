@@ -88,6 +88,7 @@ class PlanLimits:
     ring_blocks: int = 0  # window-pool blocks each admission takes (0: no window pool)
     window_total_blocks: int = 0  # blocks of the window pool
     window_free_blocks: int = 0  # window blocks a reservation can take now
+    fixed_free_slots: int | None = None  # fixed-state slots an admission can take now (None: no pool)
 
 
 def check_candidates(candidates: Sequence[CacheCandidate], residents: ResidentView) -> None:
@@ -145,12 +146,13 @@ def plan_resources(
     A candidate is UNSERVICEABLE if its final table is wider than the pool or the supported width. Otherwise
     it is CAPACITY_DEFERRED if the row limit is reached, if it is new and committed residents plus the new
     admissions already selected fill ``max_batch_size``, or if its new blocks (or, new, its ring) exceed
-    those still free after the earlier selections. Validate the candidates with :func:`check_candidates`
-    first.
+    those still free after the earlier selections, or if it is new and no fixed-state slot is left. Validate
+    the candidates with :func:`check_candidates` first.
     """
     row_limit = min(limits.max_rows, limits.max_batch_size)
     free = limits.free_blocks
     window_free = limits.window_free_blocks
+    fixed_free = limits.fixed_free_slots
     residents_after = len(residents)
     selected: list[CacheCandidate] = []
     deferred: list[tuple[CacheCandidate, DeferReason]] = []
@@ -164,6 +166,7 @@ def plan_resources(
             or (candidate.is_new and residents_after >= limits.max_batch_size)
             or growth > free
             or ring > window_free
+            or (candidate.is_new and fixed_free is not None and fixed_free < 1)
         ):
             deferred.append((candidate, DeferReason.CAPACITY_DEFERRED))
         else:
@@ -172,6 +175,8 @@ def plan_resources(
             window_free -= ring
             if candidate.is_new:
                 residents_after += 1
+                if fixed_free is not None:
+                    fixed_free -= 1
     return ResourcePlan(
         tuple(selected), tuple(deferred), limits.free_blocks - free, limits.window_free_blocks - window_free
     )

@@ -9,6 +9,12 @@ one of two things happens:
   their window rings) and advances committed slots (possibly to fewer tokens than reserved);
 - :meth:`Reservation.discard` returns every reserved block, of both pools, to its free list (rollback).
 
+For a model with fixed conv / recurrent state the reservation is *composite*: ``fixed`` is the step's
+:class:`~pagedgen.cache.fixed_state.FixedStateReservation` over the same rows. Its target tokens must equal
+the paged commit's, so both states commit at one token boundary; :meth:`Reservation.prepare_commit` does the
+fixed state's fallible device copy, the commit publishes paged ownership first and then flips the fixed
+banks, and a discard leaves every resident's fixed state as it was.
+
 :meth:`Reservation.validate_commit` proves, without mutating anything, that committed state is exactly as the
 reservation found it (both pools' generations, every resident table's identity, generation, sizes and
 slots), so the publish step cannot fail for a reason it could have checked first.
@@ -23,6 +29,8 @@ from dataclasses import dataclass
 
 from pagedgen.cache.block_pool import BlockPool, BlockState
 from pagedgen.cache.block_table import BlockTable
+from pagedgen.cache.fixed_state import FixedStateReservation
+from pagedgen.core.step_inputs import FixedStateInputs
 from pagedgen.errors import CacheError
 
 
@@ -87,6 +95,8 @@ class Reservation:
         "_generation",
         "_window_generation",
         "_on_close",
+        "fixed",
+        "_prepared",
     )
 
     def __init__(
@@ -96,8 +106,11 @@ class Reservation:
         rows: tuple[ReservedRow, ...],
         on_close: Callable[[Reservation], None],
         window_pool: BlockPool | None = None,
+        fixed: FixedStateReservation | None = None,
     ):
         self.state = ReservationState.LIVE
+        self.fixed = fixed  # the fixed-state sub-reservation (same rows, same order), or None
+        self._prepared = False
         self._pool = pool
         self._window_pool = window_pool
         self._tables = tables
@@ -138,6 +151,11 @@ class Reservation:
     def window_ring(self, request_id: Hashable) -> tuple[int, ...]:
         """The request's window ring (committed, or reserved for a new request); empty without a pool."""
         return self.row(request_id).window_ring
+
+    @property
+    def fixed_bindings(self) -> FixedStateInputs | None:
+        """The model's fixed-state inputs and outputs for this step (None without fixed state)."""
+        return None if self.fixed is None else self.fixed.bindings
 
     def row(self, request_id: Hashable) -> ReservedRow:
         row = self._index.get(request_id)
@@ -191,17 +209,33 @@ class Reservation:
                     raise CacheError(
                         f"reserved window block {block} of request {row.request_id!r} is no longer reserved"
                     )
-        self._target_slots(advance)
+        targets = self._target_slots(advance)
+        if self.fixed is not None:  # both states commit at one token boundary
+            self.fixed.validate_commit(targets)
+
+    def prepare_commit(self, advance: Mapping[Hashable, int] | None = None) -> None:
+        """Validate, then do the commit's fallible device work: the fixed state's staged outputs are copied
+        into its inactive banks (nothing becomes visible). Raises ``CacheError`` for a failed check, or
+        the device error (the fixed pool is then unhealthy; the step is fatal). Idempotent once prepared.
+        """
+        self.validate_commit(advance)
+        if self.fixed is not None:
+            self.fixed.prepare_commit(self._target_slots(advance))
+        self._prepared = True
 
     def commit(self, advance: Mapping[Hashable, int] | None = None) -> None:
-        """Publish the reservation: reserved blocks join their tables, committed slots advance.
+        """Publish the reservation: reserved blocks join their tables, committed slots advance, then the
+        fixed state flips to the banks the step wrote.
 
         ``advance[rid]`` is the request's new committed slot count (default ``required_slots``); a narrower
         count (a partial prefill chunk, rejected drafts) still keeps every reserved block in the table.
-        Validates first (see :meth:`validate_commit`); a refused commit changes nothing. Cost: O(residents +
-        reserved blocks).
+        Prepares first unless :meth:`prepare_commit` already ran (validating again either way); a refused
+        commit changes nothing. Cost: O(residents + reserved blocks).
         """
-        self.validate_commit(advance)
+        if self._prepared:
+            self.validate_commit(advance)
+        else:
+            self.prepare_commit(advance)
         targets = self._target_slots(advance)
         self._pool.publish(self.reserved_blocks())
         if self._window_pool is not None:
@@ -214,6 +248,8 @@ class Reservation:
             else:
                 self._tables[row.request_id].advance(row.new_blocks, targets[row.request_id])
         self._pool.record_mutation()
+        if self.fixed is not None:
+            self.fixed.publish_commit()
         self._close(ReservationState.COMMITTED)
 
     def discard(self) -> None:
@@ -228,6 +264,8 @@ class Reservation:
         self._pool.return_reserved(self.reserved_blocks())
         if self._window_pool is not None:
             self._window_pool.return_reserved(self.reserved_window_blocks())
+        if self.fixed is not None:
+            self.fixed.discard()  # resident slots untouched; provisional ones freed
         self._close(ReservationState.DISCARDED)
 
     def _target_slots(self, advance: Mapping[Hashable, int] | None) -> dict[Hashable, int]:

@@ -28,6 +28,19 @@ class WindowInputs:
 
 
 @dataclass(slots=True)
+class FixedStateInputs:
+    """The step's fixed (request-indexed) state, one row per scheduled request in step order.
+
+    ``inputs[name]`` holds each row's committed state (read only: it may be the pool's visible bank);
+    the model writes each row's state after its last token of the step into ``outputs[name]``, which is
+    never visible committed state (an inactive bank or staging), so a rolled-back step changes nothing.
+    """
+
+    inputs: dict[str, torch.Tensor]  # name -> [B, *row]
+    outputs: dict[str, torch.Tensor]  # name -> [B, *row]
+
+
+@dataclass(slots=True)
 class StepInputs:
     """The packed inputs of one model call (B requests, T tokens)."""
 
@@ -43,6 +56,7 @@ class StepInputs:
     min_kv_len: int  # attention metadata: shortest past + query of the step
     block_size: int
     window: WindowInputs | None = None  # set when windowed layers keep rings (else they read block_tables)
+    fixed: FixedStateInputs | None = None  # set for models with fixed conv / recurrent state
 
     @property
     def num_tokens(self) -> int:
