@@ -148,19 +148,15 @@ class StateManifest:
     def dynamic_engine_problems(self) -> list[str]:
         """Why the dynamic engine cannot serve this manifest (empty when it can).
 
-        The engine owns one shared paged pool, so it needs exactly one paged_kv group; fixed conv/recurrent
-        state needs a fixed-state pool, which this engine does not have yet.
+        The engine owns one shared paged pool, so it needs exactly one paged_kv group. Fixed conv / recurrent
+        groups are served by the fixed-state pool; whether the model really keeps their state is checked
+        against its tensors by the engine (:mod:`pagedgen.engine.cache_layout`).
         """
         problems = []
         paged = 1 if self.is_legacy else len(self.groups_of(StateKind.PAGED_KV))
         if paged != 1:
             problems.append(
                 f"{self.source}: the engine needs exactly one paged_kv group, the manifest has {paged}"
-            )
-        for group in self.fixed_groups:
-            problems.append(
-                f"{self.source}: a {group.kind.value} group (layers {list(group.layers)}) needs a "
-                "fixed-state pool, which this engine does not implement yet"
             )
         return problems
 

@@ -1,11 +1,15 @@
 """Which cache paths the engine builds for a model, chosen from its decoder state manifest.
 
-Reference, "Decoder state manifest" and "Sliding-window paged layers". The engine never asks which family a
-model is; it reads the manifest (``model.state_manifest``, else the legacy one implied by ``model.kv_spec``)
-and decides:
+Reference, "Decoder state manifest", "Sliding-window paged layers" and "Fixed request-state pools". The engine
+never asks which family a model is; it reads the manifest (``model.state_manifest``, else the legacy one
+implied by ``model.kv_spec``) and decides:
 
-- every manifest needs exactly one paged_kv group (one shared paged pool); fixed conv / recurrent groups
-  need a fixed-state pool, which is not implemented yet, so they are refused here with a clear error;
+- every manifest needs exactly one paged_kv group (one shared paged pool);
+- fixed conv / recurrent groups get a fixed-state pool of ``max_batch_size`` slots, on the dynamic path only
+  (the static path has no request-indexed state bindings). The model must declare exactly the fixed tensors
+  the groups name (``model.fixed_state_specs``: kind and layer per tensor); a group without tensors, or
+  tensors without a group, are refused. The pool's bytes (two banks and two staging buffers per tensor)
+  come off the KV budget first;
 - sliding-window layers on the dynamic path keep a ring in a separate window pool. ``C``, the per-request
   query cap, is ``chunk_size`` capped to ``max_scheduled_tokens`` (``max_scheduled_tokens`` when unset),
   so a step never wraps a ring onto live positions; the pool holds one ring per possible resident
@@ -20,20 +24,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pagedgen.cache import WindowRingSpec
-from pagedgen.core.manifest import SlidingWindow, StateManifest
+from pagedgen.cache import FixedStatePool, WindowRingSpec
+from pagedgen.core.fixed_state import FixedStateSpec
+from pagedgen.core.manifest import SlidingWindow, StateKind, StateManifest
 from pagedgen.engine.config import EngineConfig
 from pagedgen.engine.errors import UnsupportedStateError
 
 
 @dataclass(frozen=True, slots=True)
 class CacheLayout:
-    """The engine's cache: the full pool's cost per block and, when windowed, the window-ring pool."""
+    """The engine's cache: the full pool's cost per block, the window-ring pool, the fixed-state pool."""
 
     bytes_per_block: int  # one block of the full-context pool (0 when every layer is windowed)
     window: WindowRingSpec | None  # the window-ring pool (dynamic path with sliding-window layers)
     window_bytes: int  # storage of the whole window pool, taken off the budget first
     chunk_size: int | None  # the scheduler's per-request query cap (C when there are rings)
+    fixed: tuple[FixedStateSpec, ...] = ()  # the fixed-state tensors (empty: no fixed-state pool)
+    fixed_bytes: int = 0  # storage of the fixed-state pool, taken off the budget first
 
 
 def model_manifest(model: Any) -> StateManifest:
@@ -46,11 +53,35 @@ def model_manifest(model: Any) -> StateManifest:
     return StateManifest(spec.num_layers, (), window, f"{type(model).__name__}.kv_spec")
 
 
+def fixed_state_specs(model: Any, manifest: StateManifest, dynamic: bool) -> tuple[FixedStateSpec, ...]:
+    """The model's fixed-state tensors, checked against the manifest's fixed groups.
+
+    Raises :class:`UnsupportedStateError` on the static path with fixed groups, or when the groups and the
+    model's tensors disagree (per kind, the same set of layers).
+    """
+    specs = tuple(getattr(model, "fixed_state_specs", ()) or ())
+    if manifest.fixed_groups and not dynamic:
+        raise UnsupportedStateError(
+            f"{manifest.source}: fixed conv / recurrent state needs dynamic_batching=True (the static path "
+            "has no request-indexed fixed-state bindings)"
+        )
+    for kind in (StateKind.FIXED_CONV, StateKind.FIXED_RECURRENT):
+        declared = sorted({layer for g in manifest.groups_of(kind) for layer in g.layers})
+        kept = sorted({s.layer for s in specs if s.kind is kind})
+        if declared != kept:
+            raise UnsupportedStateError(
+                f"{manifest.source}: the manifest's {kind.value} layers {declared} are not the layers the "
+                f"model keeps {kind.value} state for ({kept}); every fixed group needs the model's state "
+                "tensors and every state tensor a group"
+            )
+    return specs
+
+
 def plan_cache_layout(model: Any, config: EngineConfig) -> CacheLayout:
     """Validate the model's manifest for this engine and choose its cache paths.
 
     Raises :class:`UnsupportedStateError` for a manifest this engine cannot serve (naming the groups) or one
-    that disagrees with the model's KV geometry.
+    that disagrees with the model's KV geometry or fixed-state tensors.
     """
     manifest = model_manifest(model)
     problems = manifest.dynamic_engine_problems()
@@ -66,11 +97,13 @@ def plan_cache_layout(model: Any, config: EngineConfig) -> CacheLayout:
             f"{list(manifest.window_layers)} disagrees with the model's KV spec "
             f"({spec.window_size} on {list(spec.window_layers)})"
         )
+    fixed = fixed_state_specs(model, manifest, config.dynamic_batching)
+    fixed_bytes = FixedStatePool.bytes_for(fixed, config.max_batch_size) if fixed else 0
     block_size = config.block_size
     if not (config.dynamic_batching and spec.window_layers):
-        return CacheLayout(spec.bytes_per_block(block_size), None, 0, config.chunk_size)
+        return CacheLayout(spec.bytes_per_block(block_size), None, 0, config.chunk_size, fixed, fixed_bytes)
     chunk = min(config.chunk_size or config.max_scheduled_tokens, config.max_scheduled_tokens)
     assert spec.window_size is not None
     window = WindowRingSpec.for_residents(spec.window_size, chunk, block_size, config.max_batch_size)
     window_bytes = window.num_blocks * spec.bytes_per_window_block(block_size)
-    return CacheLayout(spec.bytes_per_full_block(block_size), window, window_bytes, chunk)
+    return CacheLayout(spec.bytes_per_full_block(block_size), window, window_bytes, chunk, fixed, fixed_bytes)

@@ -9,8 +9,9 @@
    what the workload can ever use: ``max_batch_size`` requests of ``max_context`` tokens each. A quarter
    leaves room for activations, the sampler and the rest of the process on a shared machine.
 
-Storage reserved first (``reserved_bytes``: the sliding-window ring pool) comes off the byte budget in 2 and
-3. A full pool whose blocks cost nothing (every layer windowed: it only tracks positions) is the ceiling.
+Storage reserved first (``reserved_bytes``: the sliding-window ring pool and the fixed-state pool) comes off
+the byte budget in 2 and 3. A full pool whose blocks cost nothing (every layer windowed: it only tracks
+positions) is the ceiling.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def resolve_num_blocks(
     """The block-pool size for ``config`` (rule in the module docstring).
 
     Raises ``ValueError`` if not one block fits, :class:`InvalidArgumentError` if the byte budget does not
-    even hold the reserved storage (the sliding-window rings).
+    even hold the reserved storage (the sliding-window rings, the fixed-state slots).
     """
     from pagedgen.cache import blocks_for_tokens, num_blocks_for_budget
 
@@ -111,8 +112,9 @@ def resolve_num_blocks(
         source = f"the automatic KV budget ({budget} bytes, a quarter of the free memory)"
     if reserved_bytes > budget or (reserved_bytes == budget and bytes_per_block > 0):
         raise InvalidArgumentError(
-            f"{source} does not hold the sliding-window rings ({reserved_bytes} bytes: one ring per "
-            "max_batch_size request) and a block more; lower max_batch_size or chunk_size, or raise it",
+            f"{source} does not hold the sliding-window rings and fixed-state slots ({reserved_bytes} "
+            "bytes: one of each per max_batch_size request) and a block more; lower max_batch_size or "
+            "chunk_size, or raise it",
             "kv_cache_memory_bytes",
         )
     if bytes_per_block == 0:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pagedgen.cache import PagedCacheManager, blocks_for_tokens
+from pagedgen.cache import FixedStatePool, PagedCacheManager, blocks_for_tokens
 from pagedgen.engine.cache_layout import plan_cache_layout
 from pagedgen.engine.config import EngineConfig, resolve_num_blocks
 from pagedgen.engine.consistency import request_violations
@@ -70,6 +70,8 @@ class EngineStats:
     healthy: bool = True
     window_total_blocks: int = 0  # blocks of the sliding-window ring pool (0 without one)
     window_free_blocks: int = 0  # of those, free (each resident owns one fixed ring)
+    fixed_total_slots: int = 0  # fixed conv / recurrent state slots (max_batch_size; 0 without fixed state)
+    fixed_free_slots: int = 0  # of those, free (each resident owns one)
 
 
 class Engine:
@@ -96,7 +98,11 @@ class Engine:
         device = torch.device(model.device)
         layout = plan_cache_layout(model, config)  # the manifest decides the cache paths
         self.num_blocks = resolve_num_blocks(
-            config, layout.bytes_per_block, int(model.max_context), device, layout.window_bytes
+            config,
+            layout.bytes_per_block,
+            int(model.max_context),
+            device,
+            layout.window_bytes + layout.fixed_bytes,
         )
         window_blocks = None if layout.window is None else layout.window.num_blocks
         self._runner = ModelRunner(model, self.num_blocks, config.block_size, window_blocks)
@@ -109,6 +115,7 @@ class Engine:
                 config.max_batch_size,
                 max_blocks_per_table=blocks_for_tokens(int(model.max_context), config.block_size),
                 window=layout.window,
+                fixed=FixedStatePool(layout.fixed, config.max_batch_size, device) if layout.fixed else None,
             )
             self._scheduler: Any = DynamicScheduler(
                 cache, config.max_batch_size, config.max_scheduled_tokens, layout.chunk_size
@@ -244,6 +251,7 @@ class Engine:
         self._check_owner()
         total, free = self._scheduler.block_counts()
         window_total, window_free = self._scheduler.window_block_counts()
+        fixed_total, fixed_free = self._scheduler.fixed_slot_counts()
         return EngineStats(
             total_blocks=total,
             free_blocks=free,
@@ -255,6 +263,8 @@ class Engine:
             healthy=self._fatal is None,
             window_total_blocks=window_total,
             window_free_blocks=window_free,
+            fixed_total_slots=fixed_total,
+            fixed_free_slots=fixed_free,
         )
 
     def check_invariants(self) -> list[str]:

@@ -4,7 +4,8 @@ They read state and never mutate it, so tests and ``EngineConfig(debug_invariant
 every operation. They recompute everything from the raw records (block states, free list, tables, the live
 reservation) instead of trusting the counters those records keep, which is the point: a counter corrected
 after the fact would hide exactly the bugs these checks exist to find. The full-context pool and the
-window-ring pool are validated independently, each against its own records. Cost: O(pools + residents).
+window-ring pool are validated independently, each against its own records, and so is the fixed-state pool,
+whose owners must be exactly the paged residents at the same token boundary. Cost: O(pools + residents).
 """
 
 from __future__ import annotations
@@ -35,7 +36,53 @@ def validate_cache(manager: PagedCacheManager) -> list[str]:
         )
     if len(tables) > manager.max_batch_size:
         violations.append(f"{len(tables)} residents exceed max_batch_size {manager.max_batch_size}")
-    return violations + _window_records(manager, tables)
+    return violations + _window_records(manager, tables) + _fixed_records(manager, tables)
+
+
+def _fixed_records(manager: PagedCacheManager, tables: Mapping[Hashable, BlockTable]) -> list[str]:
+    """The fixed-state pool: every slot free, provisional (held by the live reservation) or owned exactly
+    once; its owners are exactly the paged residents, each with fixed tokens equal to its committed slots
+    (reference, ValidateCompositeStateInvariants)."""
+    pool = manager.fixed
+    live = manager.live_reservation
+    if pool is None:
+        if live is not None and live.fixed is not None:
+            return ["the reservation holds fixed-state slots without a fixed-state pool"]
+        return []
+    violations = []
+    free = pool.free_slots()
+    owners = pool.owners()
+    sub = None if live is None else live.fixed
+    if sub is not pool.live_reservation:
+        violations.append("the fixed-state pool's live reservation is not the cache reservation's")
+    provisional = () if sub is None else sub.provisional_slots()
+    if list(free) != sorted(set(free)):
+        violations.append(f"fixed free list {list(free)} is not ascending and unique")
+    held = Counter([*free, *owners.values(), *provisional])
+    for index in range(pool.capacity):
+        if held[index] != 1:
+            violations.append(f"fixed-state slot {index} is free, owned or provisional {held[index]} times")
+    if sum(held.values()) != pool.capacity:
+        violations.append(f"fixed-state slots: {sum(held.values())} records for {pool.capacity} slots")
+    for rid, index in owners.items():
+        named = pool.slot(index).owner
+        if named != rid:
+            violations.append(f"fixed-state slot {index} is filed under {rid!r} but names {named!r}")
+    for index in (*free, *provisional):
+        if 0 <= index < pool.capacity and pool.slot(index).owner is not None:
+            violations.append(f"fixed-state slot {index} is not owned but names {pool.slot(index).owner!r}")
+    if set(owners) != set(tables):
+        violations.append(
+            f"fixed-state owners {sorted(map(repr, owners))} are not the paged residents "
+            f"{sorted(map(repr, tables))}"
+        )
+    for rid, table in tables.items():
+        if rid in owners and pool.committed_tokens(rid) != table.committed_slots:
+            violations.append(
+                f"request {rid!r}: fixed state holds {pool.committed_tokens(rid)} tokens, its table "
+                f"{table.committed_slots} committed slots"
+            )
+    return violations
 
 
 def _window_records(manager: PagedCacheManager, tables: Mapping[Hashable, BlockTable]) -> list[str]:

@@ -30,6 +30,7 @@ class Phase(enum.Enum):
     SAMPLE = "sample"
     STAGE = "stage"
     VALIDATE = "validate"
+    PREPARE = "prepare"  # the commit's fallible device work (fixed state into its inactive banks)
     COMMIT_REQUEST = "commit_request"
     COMMIT_CACHE = "commit_cache"
     PUBLISH = "publish"
@@ -40,7 +41,9 @@ class Phase(enum.Enum):
         return self in _FAIL_STOP_PHASES
 
 
-_FAIL_STOP_PHASES = frozenset({Phase.COMMIT_REQUEST, Phase.COMMIT_CACHE, Phase.PUBLISH, Phase.ROLLBACK})
+_FAIL_STOP_PHASES = frozenset(
+    {Phase.PREPARE, Phase.COMMIT_REQUEST, Phase.COMMIT_CACHE, Phase.PUBLISH, Phase.ROLLBACK}
+)
 _RETRYABLE_PHASES = frozenset({Phase.CHECKPOINT, Phase.PACK, Phase.SAMPLE, Phase.STAGE, Phase.VALIDATE})
 # Where a failure can name its request: per-row work after the model ran, before the commit boundary.
 _ATTRIBUTABLE_PHASES = frozenset({Phase.SAMPLE, Phase.STAGE})

@@ -99,7 +99,8 @@ class DynamicScheduler:
         self._residents[state.request_id] = state
 
     def release(self, state: RequestState) -> None:
-        """Forget ``state`` and return its committed blocks to the pool (close, abandonment, teardown)."""
+        """Forget ``state`` and return its committed blocks (and fixed-state slot) to their pools (close,
+        abandonment, teardown)."""
         self._waiting.pop(state.request_id, None)
         self._residents.pop(state.request_id, None)
         if self.cache.is_resident(state.request_id):
@@ -124,6 +125,11 @@ class DynamicScheduler:
         """``(total, free)`` blocks of the window-ring pool (``(0, 0)`` without one)."""
         stats = self.cache.stats()
         return stats.window_total_blocks, stats.window_free_blocks
+
+    def fixed_slot_counts(self) -> tuple[int, int]:
+        """``(total, free)`` slots of the fixed-state pool (``(0, 0)`` without one)."""
+        stats = self.cache.stats()
+        return stats.fixed_total_slots, stats.fixed_free_slots
 
     @property
     def residents(self) -> list[RequestState]:

@@ -82,6 +82,10 @@ class StaticScheduler:
         """The static path keeps windowed layers in its one pool (masked): no ring pool."""
         return 0, 0
 
+    def fixed_slot_counts(self) -> tuple[int, int]:
+        """The static path serves no fixed-state model: no fixed-state pool."""
+        return 0, 0
+
     # -- batch formation ------------------------------------------------------------------------------
 
     def plan(self) -> tuple[list[RequestState], list[RequestState]]:

@@ -1,6 +1,6 @@
 """One dynamic engine step as a transaction (reference, "One dynamic step in detail", steps 1-11).
 
-    plan -> reserve -> checkpoint -> pack -> execute once -> sample -> stage -> validate
+    plan -> reserve -> checkpoint -> pack -> execute once -> sample -> stage -> validate -> prepare
          -> commit (request/search, then cache + admission) -> publish events in scheduler order
 
 Nothing before the commit boundary changes committed state: the plan is read-only, the reservation holds
@@ -37,6 +37,7 @@ from pagedgen.engine.turn_output import (
     sample_row,
     stage_sampled,
 )
+from pagedgen.errors import CacheError
 from pagedgen.executor.inputs import SequenceChunk, pack_step
 from pagedgen.executor.runner import ModelRunner
 from pagedgen.sampling import RowSamplingError, SampledToken, Sampler
@@ -111,6 +112,7 @@ class DynamicStep:
             sampled = self._sample(txn, plan, logits)
             staged = self._stage(txn, plan, sampled)
             advance = self._validate(txn, plan, staged, reservation)
+            self._prepare(txn, reservation, advance)
             self._commit(txn, plan, staged, reservation, advance)
             self.isolator.on_progress()
             return StepResult(StepOutcome.COMMITTED, self._publish(txn, staged))
@@ -145,7 +147,14 @@ class DynamicStep:
 
     def _reserve(self, txn: _Transaction, plan: StepPlan) -> Reservation:
         self._enter(txn, Phase.RESERVE)
-        txn.reservation = self.cache.reserve(cache_candidates(plan.rows))
+        targets = {row.request_id: row.target_slots for row in plan.rows}  # the fixed state's boundary
+        txn.reservation = self.cache.reserve(cache_candidates(plan.rows), targets)
+        fixed = txn.reservation.fixed
+        if fixed is not None and (
+            tuple(r.request_id for r in fixed.rows) != txn.request_ids
+            or fixed.num_new != sum(row.is_new for row in plan.rows)
+        ):  # the reference proves the fixed reservation matches the plan; a mismatch is a contract failure
+            raise CacheError("the fixed-state reservation does not match the step plan")
         return txn.reservation
 
     def _checkpoint(self, txn: _Transaction, plan: StepPlan) -> None:
@@ -177,6 +186,7 @@ class DynamicStep:
             ring = reservation.window_ring(rid)
             chunks.append(SequenceChunk(tokens, row.past_len, reservation.block_table(rid), window_ring=ring))
         inputs = pack_step(chunks, self.block_size, device=self.runner.device, window=self.window)
+        inputs.fixed = reservation.fixed_bindings  # rows in step order, like the packed tokens
         sampling = [i for i, row in enumerate(plan.rows) if row.samples]
         if len(sampling) != len(plan.rows):  # partial prefills need no logits
             inputs.logits_rows = inputs.logits_rows[torch.tensor(sampling, dtype=torch.long)]
@@ -230,6 +240,12 @@ class DynamicStep:
         advance = {row.request_id: row.target_slots for row in plan.rows}
         reservation.validate_commit(advance)
         return advance
+
+    def _prepare(self, txn: _Transaction, reservation: Reservation, advance: dict[int, int]) -> None:
+        """The commit's fallible device work (fixed state into its inactive banks); fail-stop, and nothing
+        is visible yet."""
+        self._enter(txn, Phase.PREPARE)
+        reservation.prepare_commit(advance)
 
     def _commit(
         self,

@@ -290,6 +290,8 @@ class LlamaForCausalLM(nn.Module):
     checkpoint's tensors. ``forward`` runs under ``torch.inference_mode``.
     """
 
+    fixed_state_specs: tuple = ()  # no fixed conv / recurrent state: every layer attends
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.config = config

@@ -13,6 +13,16 @@ With ``window`` (>= 2) the model has a second, sliding-window layer: tokens are 
 first token is read from layer 0 (full attention) and the previous and current tokens from layer 1, through
 its window ring when the engine keeps one (``inputs.window``). The formula is unchanged, so a wrong ring slot,
 a ring wrapped onto a live position or a lost ring changes the output.
+
+With ``hybrid`` the model also keeps a fixed conv state (one more logical layer, a ``fixed_conv`` group in
+its manifest): a per-request row ``(s0, s1)`` that every token updates,
+
+    s0 += (token + 1) * (position + 1),   s1 += 1              (both mod vocab_size, from zeros)
+
+and the next token adds the state after the current token: ``next = (first + prev + current + position + s0
++ s1) % vocab_size``. The state enters only through the step's fixed-state bindings, so a lost, doubled or
+misrouted state update (a wrong slot, a rolled-back step that leaked, a chunk that did not carry its state
+to the next) changes the tokens.
 """
 
 from __future__ import annotations
@@ -22,7 +32,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedgen.core.fixed_state import FixedStateSpec
 from pagedgen.core.kv import KVSpec, PagedKVCache
+from pagedgen.core.manifest import SlidingWindow, StateGroup, StateKind, StateManifest
 from pagedgen.core.step_inputs import StepInputs
 
 
@@ -31,16 +43,31 @@ def synthetic_next_token(first: int, prev: int, current: int, position: int, voc
     return (first + prev + current + position) % vocab_size
 
 
+def synthetic_state(tokens: Sequence[int], vocab_size: int) -> tuple[int, int]:
+    """The hybrid model's fixed state ``(s0, s1)`` after ``tokens``."""
+    s0 = sum((t + 1) * (p + 1) for p, t in enumerate(tokens)) % vocab_size
+    return s0, len(tokens) % vocab_size
+
+
 def synthetic_greedy(
-    tokens: Sequence[int], max_new_tokens: int, vocab_size: int, eos_token_id: int | None = None
+    tokens: Sequence[int],
+    max_new_tokens: int,
+    vocab_size: int,
+    eos_token_id: int | None = None,
+    hybrid: bool = False,
 ) -> list[int]:
-    """Reference greedy continuation of ``tokens`` (stops before an EOS, which is never emitted)."""
+    """Reference greedy continuation of ``tokens`` (stops before an EOS, which is never emitted); ``hybrid``
+    adds the fixed state of the hybrid model."""
     seq = list(tokens)
     out: list[int] = []
+    s0, s1 = synthetic_state(seq[:-1], vocab_size) if seq else (0, 0)
     for _ in range(max_new_tokens):
         pos = len(seq) - 1
         prev = seq[pos - 1] if pos > 0 else 0
         nxt = synthetic_next_token(seq[0], prev, seq[pos], pos, vocab_size)
+        s0, s1 = (s0 + (seq[pos] + 1) * (pos + 1)) % vocab_size, (s1 + 1) % vocab_size
+        if hybrid:
+            nxt = (nxt + s0 + s1) % vocab_size
         if eos_token_id is not None and nxt == eos_token_id:
             break
         out.append(nxt)
@@ -59,21 +86,36 @@ class SyntheticModel:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     dtype: torch.dtype = torch.float32
     window: int | None = None  # a second, sliding-window layer with this window (>= 2)
+    hybrid: bool = False  # a fixed conv state too (one more layer, in its manifest's fixed_conv group)
     kv_spec: KVSpec = field(init=False)
+    fixed_state_specs: tuple[FixedStateSpec, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
         if self.vocab_size < 2 or self.vocab_size > 1 << 24:
             raise ValueError(f"vocab_size must be in [2, 2**24] (exact in float32), got {self.vocab_size}")
         if self.window is None:
             self.kv_spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=1)
-            return
-        if self.window < 2:
+        elif self.window < 2:
             raise ValueError(
                 f"the synthetic model reads the previous token, so window must be >= 2, got {self.window}"
             )
-        self.kv_spec = KVSpec(
-            num_layers=2, num_kv_heads=1, head_dim=1, window_size=self.window, window_layers=(1,)
+        else:
+            self.kv_spec = KVSpec(
+                num_layers=2, num_kv_heads=1, head_dim=1, window_size=self.window, window_layers=(1,)
+            )
+        if self.hybrid:
+            self._add_fixed_state()
+
+    def _add_fixed_state(self) -> None:
+        """One more logical layer that owns a fixed conv state row ``(s0, s1)``, declared in the manifest."""
+        paged = self.kv_spec.num_layers
+        self.fixed_state_specs = (FixedStateSpec("mix", StateKind.FIXED_CONV, paged, (2,)),)
+        window = None if self.window is None else SlidingWindow(self.window, (1,))
+        groups = (
+            StateGroup(StateKind.PAGED_KV, tuple(range(paged))),
+            StateGroup(StateKind.FIXED_CONV, (paged,)),
         )
+        self.state_manifest = StateManifest(paged + 1, groups, window, "SyntheticModel(hybrid=True)")
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -113,12 +155,33 @@ class SyntheticModel:
         prev = torch.where(pos > 0, recent[prev_slot + prev_pos % bs].long(), torch.zeros_like(pos))
         cur = recent[cur_slot].long()
         nxt = (first + prev + cur + pos) % self.vocab_size  # [T]
+        if self.hybrid:
+            nxt = (nxt + self._mix(inputs, row_of_token)) % self.vocab_size
         rows = inputs.logits_rows
         logits = torch.zeros(rows.shape[0], self.vocab_size, dtype=torch.float32, device=cache.device)
         idx = torch.arange(rows.shape[0], device=cache.device)
         logits[idx, nxt[rows]] = 8.0
         logits[idx, (nxt[rows] + 1) % self.vocab_size] = 4.0
         return logits
+
+    def _mix(self, inputs: StepInputs, row_of_token: torch.Tensor) -> torch.Tensor:
+        """``s0 + s1`` after each token from each row's committed state; writes each row's last state."""
+        fixed = inputs.fixed
+        if fixed is None:
+            raise ValueError("the hybrid synthetic model needs the step's fixed-state bindings")
+        vocab = self.vocab_size
+        state = fixed.inputs["mix"].long()  # [B, 2]
+        pos = inputs.positions
+        weight = (inputs.input_ids + 1) * (pos + 1) % vocab  # [T]
+        cum = torch.cumsum(weight, 0)
+        starts = inputs.cu_seqlens[:-1].long()  # [B]
+        before = torch.cat([cum.new_zeros(1), cum])[starts]  # [B], the sum before each row
+        local = torch.arange(pos.shape[0], device=pos.device) - starts[row_of_token]  # [T]
+        s0 = (state[row_of_token, 0] + cum - before[row_of_token]) % vocab
+        s1 = (state[row_of_token, 1] + local + 1) % vocab
+        last = inputs.cu_seqlens[1:].long() - 1  # [B]
+        fixed.outputs["mix"].copy_(torch.stack([s0[last], s1[last]], dim=1))
+        return s0 + s1
 
 
 class SyntheticTokenizer:

@@ -5,8 +5,11 @@ committed state identical to before the step, the engine healthy, and the retrie
 tokens of a run without the fault. Anything unknown, a failed rollback, or a failure at or after the commit
 boundary is fail-stop: one TURN_FINISHED|FAILED per affected turn, then every run raises.
 
-Every test runs twice: on the plain synthetic model and on its windowed variant (a sliding-window layer kept
-in rings of the window pool, window 3), so rollback and fail-stop are proven for both pools.
+Every test runs on four synthetic models: plain, windowed (a sliding-window layer kept in rings of the window
+pool, window 3), hybrid (a fixed conv state that every token changes, kept in the fixed-state pool) and both,
+so rollback and fail-stop are proven for every pool: after a rollback every fixed slot is byte-identical
+(the snapshot holds each owner's visible state), and the retry's tokens, which depend on that state, equal a
+fault-free run's.
 """
 
 from __future__ import annotations
@@ -24,9 +27,15 @@ F = pg.EngineEventFlags
 E = pg.EngineErrorCode
 
 
-@pytest.fixture(autouse=True, params=[None, 3], ids=["dense", "window3"])
-def _synthetic_window(request, monkeypatch):
-    monkeypatch.setattr(helpers, "SYNTHETIC_WINDOW", request.param)
+@pytest.fixture(
+    autouse=True,
+    params=[(None, False), (3, False), (None, True), (3, True)],
+    ids=["dense", "window3", "hybrid", "hybrid-window3"],
+)
+def _synthetic_variant(request, monkeypatch):
+    window, hybrid = request.param
+    monkeypatch.setattr(helpers, "SYNTHETIC_WINDOW", window)
+    monkeypatch.setattr(helpers, "SYNTHETIC_HYBRID", hybrid)
 
 
 def scenario() -> tuple[pg.Engine, dict[str, pg.Request]]:
@@ -113,6 +122,7 @@ FATAL = [
     ("reserve", InjectedFault("x"), E.ENGINE_CONTRACT_FAILURE),
     ("execute", InjectedFault("unknown"), E.ENGINE_EXECUTION_FAILURE),
     ("execute", ValueError("model bug"), E.ENGINE_EXECUTION_FAILURE),
+    ("prepare", InjectedFault("x"), E.ENGINE_EXECUTION_FAILURE),
     ("commit_request", InjectedFault("x"), E.ENGINE_EXECUTION_FAILURE),
     ("commit_cache", InjectedFault("x"), E.ENGINE_EXECUTION_FAILURE),
     ("publish", InjectedFault("x"), E.ENGINE_EXECUTION_FAILURE),
@@ -235,4 +245,6 @@ def assert_all_blocks_return(engine: pg.Engine, requests: dict[str, pg.Request])
     assert stats.free_blocks == stats.total_blocks and stats.resident_requests == 0
     assert stats.window_free_blocks == stats.window_total_blocks
     assert (stats.window_total_blocks > 0) == (helpers.SYNTHETIC_WINDOW is not None)
+    assert stats.fixed_free_slots == stats.fixed_total_slots
+    assert (stats.fixed_total_slots > 0) == helpers.SYNTHETIC_HYBRID
     assert engine.check_invariants() == []

@@ -8,7 +8,9 @@ event whose reason matches the limits; refused calls change nothing; at the end 
 
 Half the machines run the windowed synthetic model (a sliding-window layer, window 2..9, kept in rings of the
 window pool with chunk cap 5), so the exact-token check covers ring slots across every wrap, rollback and
-release too.
+release too. Half run the hybrid synthetic model, whose tokens also depend on a fixed conv state that every
+token changes (kept in the fixed-state pool's two banks): a lost, doubled or leaked state update, a state not
+carried from one prefill chunk to the next, or a slot reused without being reset changes the tokens.
 
 Faults are transient (each clears after one step), so a rolled-back step changes nothing, except that
 failure isolation may fail one turn (REQUEST_FAILED) once MAX_RETRIES steps in a row have rolled back without
@@ -55,9 +57,10 @@ class Expected:
 class EngineMachine(RuleBasedStateMachine):
     requests = Bundle("requests")
 
-    @initialize(window=st.none() | st.integers(2, 9))
-    def start(self, window):
-        self.model = SyntheticModel(vocab_size=VOCAB, eos_token_id=EOS, window=window)
+    @initialize(window=st.none() | st.integers(2, 9), hybrid=st.booleans())
+    def start(self, window, hybrid):
+        self.hybrid = hybrid
+        self.model = SyntheticModel(vocab_size=VOCAB, eos_token_id=EOS, window=window, hybrid=hybrid)
         self.engine = pg.Engine(
             self.model,
             pg.EngineConfig(
@@ -106,7 +109,7 @@ class EngineMachine(RuleBasedStateMachine):
         exp.max_new = max_new
         exp.emitted = []
         cap = max_new or exp.session - len(exp.seq)
-        exp.greedy = synthetic_greedy(exp.seq, min(cap, exp.session - len(exp.seq)), VOCAB, EOS)
+        exp.greedy = synthetic_greedy(exp.seq, min(cap, exp.session - len(exp.seq)), VOCAB, EOS, self.hybrid)
         exp.open = True
 
     @rule(capacity=st.sampled_from([0, 1, 2, 16]), calls=st.integers(1, 12))
@@ -222,7 +225,8 @@ class EngineMachine(RuleBasedStateMachine):
         elif reason is R.MAX_SESSION_TOKENS:
             assert len(exp.seq) + n == exp.session
         elif reason is R.EOS:
-            assert n == len(exp.greedy) and synthetic_greedy(exp.seq + exp.emitted, 1, VOCAB, EOS) == []
+            after = synthetic_greedy(exp.seq + exp.emitted, 1, VOCAB, EOS, self.hybrid)
+            assert n == len(exp.greedy) and after == []
         elif reason is R.FAILED:
             assert event.error_code is pg.EngineErrorCode.REQUEST_FAILED
         else:
@@ -259,6 +263,7 @@ class EngineMachine(RuleBasedStateMachine):
         stats = self.engine.stats()
         assert stats.free_blocks == stats.total_blocks and stats.resident_requests == 0
         assert stats.window_free_blocks == stats.window_total_blocks
+        assert stats.fixed_free_slots == stats.fixed_total_slots
         assert self.engine.check_invariants() == []
         self.engine.close()
 

@@ -2,8 +2,9 @@
 
 Reference, "Decoder state manifest": groups by state kind (paged_kv, fixed_conv, fixed_recurrent), the legacy
 dense paged group when nothing says otherwise, refusal of unknown kinds and duplicates, sliding-window layers
-inside the paged group, exactly one paged group for the engine. Fixed-state groups parse and validate, but
-this engine has no fixed-state pool yet, so it refuses them at construction.
+inside the paged group, exactly one paged group for the engine. Fixed-state groups are served by the
+fixed-state pool on the dynamic path when the model keeps exactly the tensors they name, and refused
+otherwise.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import pagedgen as pg
 from pagedgen.core.manifest import SlidingWindow, StateGroup, StateKind, StateManifest
 from pagedgen.engine.cache_layout import model_manifest, plan_cache_layout
 from pagedgen.engine.errors import UnsupportedStateError
-from pagedgen.errors import StateManifestError
+from pagedgen.errors import ModelLoadError, StateManifestError
 from pagedgen.models.config import config_from_hf
-from pagedgen.models.manifest import OVERRIDE_FILE, derived_manifest, override_path
+from pagedgen.models.manifest import OVERRIDE_FILE, apply_manifest, derived_manifest, override_path
 from pagedgen.models.synthetic import SyntheticModel
 from tests.model.tiny_checkpoints import TINY_RAW, random_state, write_hf_dir
 
@@ -121,8 +122,6 @@ def test_bad_manifests_are_refused_naming_the_source_and_the_problem(data, messa
             "exactly one paged_kv group, the manifest has 2",
         ),
         ([StateGroup(CONV, (0, 1, 2, 3))], "exactly one paged_kv group, the manifest has 0"),
-        ([StateGroup(PAGED, (0, 1, 2, 3)), StateGroup(CONV, (1,))], "fixed_conv group .* fixed-state pool"),
-        ([StateGroup(PAGED, (0, 1, 2, 3)), StateGroup(RECURRENT, (2,))], "fixed_recurrent group"),
     ],
 )
 def test_the_engine_refuses_what_it_cannot_serve(groups, problem):
@@ -131,6 +130,41 @@ def test_the_engine_refuses_what_it_cannot_serve(groups, problem):
     for dynamic in (True, False):
         with pytest.raises(UnsupportedStateError, match=f"cannot serve this model: override: .*{problem}"):
             pg.Engine(model, pg.EngineConfig(num_blocks=8, dynamic_batching=dynamic))
+
+
+@pytest.mark.parametrize(
+    ("group", "declared"),
+    [
+        (StateGroup(CONV, (1,)), "fixed_conv layers \\[1\\]"),
+        (StateGroup(RECURRENT, (2,)), "fixed_recurrent layers \\[2\\]"),
+    ],
+)
+def test_fixed_groups_need_the_models_state_tensors_and_the_dynamic_path(group, declared):
+    model = SyntheticModel()
+    model.state_manifest = StateManifest(4, (StateGroup(PAGED, (0, 1, 2, 3)), group), source="override")
+    with pytest.raises(
+        UnsupportedStateError, match=f"override: the manifest's {declared} are not the layers"
+    ):
+        pg.Engine(model, pg.EngineConfig(num_blocks=8))
+    with pytest.raises(UnsupportedStateError, match="needs dynamic_batching=True"):
+        pg.Engine(model, pg.EngineConfig(num_blocks=8, dynamic_batching=False))
+
+
+def test_state_tensors_without_a_fixed_group_are_refused():
+    model = SyntheticModel(hybrid=True)
+    model.state_manifest = StateManifest(2, (StateGroup(PAGED, (0,)),), source="override")
+    with pytest.raises(
+        UnsupportedStateError, match=r"fixed_conv layers \[\] are not the layers .* \(\[1\]\)"
+    ):
+        pg.Engine(model, pg.EngineConfig(num_blocks=8))
+
+
+def test_a_hybrid_model_gets_a_fixed_state_pool_on_the_dynamic_path():
+    model = SyntheticModel(hybrid=True)
+    layout = plan_cache_layout(model, pg.EngineConfig(block_size=4, max_batch_size=3))
+    assert [s.name for s in layout.fixed] == ["mix"] and layout.fixed_bytes == 4 * 3 * 2 * 4
+    stats = pg.Engine(model, pg.EngineConfig(num_blocks=8, max_batch_size=3)).stats()
+    assert (stats.fixed_total_slots, stats.fixed_free_slots) == (3, 3)
 
 
 def test_engine_paths_follow_the_manifest():
@@ -216,12 +250,12 @@ def test_a_broken_override_file_is_refused_at_load(tmp_path):
         pg.Model(str(path), device="cpu")
 
 
-def test_fixed_state_groups_load_but_the_engine_refuses_them(tmp_path):
+def test_fixed_state_groups_on_an_attention_only_runtime_load_but_the_engine_refuses_them(tmp_path):
     groups = [{"kind": "paged_kv", "layers": [0, 1]}, {"kind": "fixed_conv", "layers": [1]}]
     model = pg.Model(str(checkpoint(tmp_path, {"decoder": {"state_groups": groups}})), device="cpu")
     assert [g.kind for g in model.state_manifest.fixed_groups] == [CONV]
     with pytest.raises(
-        UnsupportedStateError, match="fixed_conv group \\(layers \\[1\\]\\) needs a fixed-state pool"
+        UnsupportedStateError, match=r"fixed_conv layers \[1\] are not the layers .* \(\[\]\)"
     ):
         pg.Engine(model, pg.EngineConfig(num_blocks=8))
     with pytest.raises(UnsupportedStateError):
@@ -251,3 +285,62 @@ def test_a_model_without_full_attention_layers_pays_only_for_its_rings(tmp_path)
     stats = pg.Engine(model, config).stats()
     # The full pool holds no storage: its blocks only track positions, sized for every whole context.
     assert (stats.window_total_blocks, stats.total_blocks) == (10, 2 * 256 // 4)
+
+
+# ---- LFM2: convolution layers keep fixed_conv state, attention layers paged K/V -------------------------
+
+LFM2_RAW = {
+    **{
+        k: v
+        for k, v in TINY_RAW.items()
+        if k not in ("head_dim", "rms_norm_eps", "architectures", "tie_word_embeddings")
+    },
+    "model_type": "lfm2",
+    "num_hidden_layers": 4,
+    "layer_types": ["conv", "full_attention", "conv", "conv"],
+    "conv_L_cache": 3,
+    "block_auto_adjust_ff_dim": False,
+    "norm_eps": 1e-5,
+}
+
+
+def test_an_lfm2_config_derives_a_paged_and_a_fixed_conv_group():
+    config = config_from_hf(LFM2_RAW, "c")
+    assert (config.conv_layers, config.attention_layers, config.conv_kernel) == ((0, 2, 3), (1,), 3)
+    assert config.tie_word_embeddings and config.qk_norm and config.rms_norm_eps == 1e-5
+    assert config.intermediate_size == 96 and config.head_dim == 16
+    manifest = derived_manifest(config)
+    assert [(g.kind, g.layers) for g in manifest.groups] == [(PAGED, (1,)), (CONV, (0, 2, 3))]
+    assert apply_manifest(config, manifest) == config
+    raw = {k: v for k, v in LFM2_RAW.items() if k != "layer_types"}
+    assert config_from_hf({**raw, "full_attn_idxs": [1, 3]}, "c").conv_layers == (0, 2)
+
+
+@pytest.mark.parametrize(
+    ("adjust", "inner"), [({"block_auto_adjust_ff_dim": True}, 64), ({"block_ffn_dim_multiplier": 1.0}, 256)]
+)
+def test_the_lfm2_mlp_width_follows_the_block_rule(adjust, inner):
+    raw = {**LFM2_RAW, "block_auto_adjust_ff_dim": True, "block_ffn_dim_multiplier": None, **adjust}
+    assert (
+        config_from_hf(raw, "c").intermediate_size == inner
+    )  # int(2 * 96 / 3), then up to a multiple of 256
+
+
+def test_bad_lfm2_layer_types_are_refused():
+    with pytest.raises(ModelLoadError, match="layer_types must list 4"):
+        config_from_hf({**LFM2_RAW, "layer_types": ["conv", "mamba", "conv", "conv"]}, "c")
+
+
+@pytest.mark.parametrize(
+    ("groups", "window", "message"),
+    [
+        ([StateGroup(PAGED, (0, 1)), StateGroup(CONV, (2, 3))], None, r"layers \[0\] are convolution layers"),
+        ([StateGroup(PAGED, (1,)), StateGroup(CONV, (0, 2))], None, r"convolution layers \[3\] belong to no"),
+        ([StateGroup(PAGED, (0, 2, 3)), StateGroup(CONV, (1,))], None, r"layers \[1\] attend"),
+        ([StateGroup(PAGED, (1,)), StateGroup(CONV, (0, 2, 3))], SlidingWindow(4, (1,)), "no sliding-window"),
+    ],
+)
+def test_an_lfm2_override_must_match_what_its_layers_keep(groups, window, message):
+    config = config_from_hf(LFM2_RAW, "c")
+    with pytest.raises(StateManifestError, match=message):
+        apply_manifest(config, StateManifest(4, tuple(groups), window, "override"))
