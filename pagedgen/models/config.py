@@ -1,6 +1,7 @@
 """The architecture description of a decoder, parsed from an HF ``config.json`` dict.
 
-One frozen :class:`ModelConfig` covers every family :mod:`pagedgen.models.llama` implements. The family is
+One frozen :class:`ModelConfig` covers every family :mod:`pagedgen.models.llama` implements, and LFM2
+(:mod:`pagedgen.models.lfm2`: the Llama-style fields plus its convolution layers, ``conv_*``). The family is
 chosen from the config's ``model_type`` (or, failing that, its ``architectures`` list); its traits (q/k/v
 bias, per-head q/k RMSNorm) come from :data:`FAMILY_TRAITS` and the config's own flags. Anything we do not
 implement (another family, another RoPE scaling, another activation) is refused here, before any weight is
@@ -30,7 +31,10 @@ FAMILY_TRAITS: dict[str, FamilyTraits] = {
     "mistral": FamilyTraits(qkv_bias=False, qk_norm=False),
     "qwen2": FamilyTraits(qkv_bias=True, qk_norm=False, use_sliding_window=False),
     "qwen3": FamilyTraits(qkv_bias=None, qk_norm=True, use_sliding_window=False),
+    "lfm2": FamilyTraits(qkv_bias=False, qk_norm=True, use_sliding_window=False),
 }
+
+CONV = "conv"  # LFM2's ``layer_types`` entry of a short-convolution layer
 
 SLIDING, FULL = "sliding_attention", "full_attention"  # HF ``layer_types`` entries
 
@@ -39,6 +43,7 @@ _ARCHITECTURE_CLASSES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Lfm2ForCausalLM": "lfm2",
 }
 
 # ``freq_factors``: per-frequency divisors shipped as a weight (llama.cpp's ``rope_freqs``, Llama 3.x GGUFs).
@@ -104,6 +109,9 @@ class ModelConfig:
     window_layers: tuple[int, ...] | None = None  # the windowed layers; None with a window: every layer
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    conv_layers: tuple[int, ...] = ()  # short-convolution layers (LFM2): fixed conv state, no attention
+    conv_kernel: int = 0  # taps of those convolutions (``conv_L_cache``)
+    conv_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in FAMILY_TRAITS:
@@ -136,6 +144,14 @@ class ModelConfig:
                 raise ValueError(
                     f"ModelConfig.window_layers {self.window_layers} must be layers 0..{self.num_layers - 1}"
                 )
+        if any(not 0 <= i < self.num_layers for i in self.conv_layers) or len(set(self.conv_layers)) != len(
+            self.conv_layers
+        ):
+            raise ValueError(
+                f"ModelConfig.conv_layers {self.conv_layers} must be distinct layers 0..{self.num_layers - 1}"
+            )
+        if self.conv_layers and self.conv_kernel < 2:
+            raise ValueError(f"ModelConfig.conv_kernel must be >= 2 with conv layers, got {self.conv_kernel}")
 
     @property
     def windowed_layers(self) -> tuple[int, ...]:
@@ -145,6 +161,12 @@ class ModelConfig:
         if self.window_layers is None:
             return tuple(range(self.num_layers))
         return tuple(sorted(self.window_layers))
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that attend (and own paged K/V): every layer but the convolution ones."""
+        conv = set(self.conv_layers)
+        return tuple(i for i in range(self.num_layers) if i not in conv)
 
     @property
     def max_context(self) -> int:
@@ -163,7 +185,7 @@ class ModelConfig:
                 high_freq_factor=rope.high_freq_factor,
                 original_max_position_embeddings=rope.original_max_position_embeddings,
             )
-        return {
+        data: dict[str, Any] = {
             "model_type": self.architecture,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -185,6 +207,15 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids),
         }
+        if self.architecture == "lfm2":
+            data.update(
+                layer_types=[CONV if i in self.conv_layers else FULL for i in range(self.num_layers)],
+                conv_L_cache=self.conv_kernel,
+                conv_bias=self.conv_bias,
+                norm_eps=self.rms_norm_eps,
+                block_auto_adjust_ff_dim=False,
+            )
+        return data
 
 
 def resolve_architecture(raw: Mapping[str, Any], source: str) -> str:
@@ -220,20 +251,23 @@ def config_from_hf(raw: Mapping[str, Any], source: str) -> ModelConfig:
     qkv_bias = traits.qkv_bias if traits.qkv_bias is not None else bool(raw.get("attention_bias", False))
     num_layers = _require_int(raw, "num_hidden_layers", source)
     window, window_layers = _sliding_window(raw, traits, num_layers, source)
+    family = _lfm2_fields(raw, num_layers, source) if architecture == "lfm2" else {}
+    inner = family.pop("intermediate_size", None) or _require_int(raw, "intermediate_size", source)
+    eps = family.pop("rms_norm_eps", None) or raw.get("rms_norm_eps", 1e-6)
     try:
         return ModelConfig(
             architecture=architecture,
             vocab_size=_require_int(raw, "vocab_size", source),
             hidden_size=hidden,
-            intermediate_size=_require_int(raw, "intermediate_size", source),
+            intermediate_size=inner,
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
             max_position_embeddings=_require_int(raw, "max_position_embeddings", source),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(eps),
             rope=_rope_from_hf(raw, source),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", architecture == "lfm2")),
             qkv_bias=qkv_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)),
             qk_norm=traits.qk_norm,
@@ -241,6 +275,7 @@ def config_from_hf(raw: Mapping[str, Any], source: str) -> ModelConfig:
             window_layers=window_layers,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_int_tuple(raw.get("eos_token_id")),
+            **family,
         )
     except (TypeError, ValueError) as exc:
         raise ModelLoadError(f"{source}: invalid model config: {exc}") from exc
@@ -325,3 +360,36 @@ def _rope_from_hf(raw: Mapping[str, Any], source: str) -> RopeConfig:
         )
     except (TypeError, ValueError) as exc:
         raise ModelLoadError(f"{source}: invalid rope parameters {merged}: {exc}") from exc
+
+
+def _lfm2_fields(raw: Mapping[str, Any], num_layers: int, source: str) -> dict[str, Any]:
+    """LFM2's own keys: which layers convolve (``layer_types``, else ``full_attn_idxs``), the convolution's
+    taps and bias, ``norm_eps``, and the MLP width after its ``block_*`` adjustment (transformers' rule)."""
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        attention = raw.get("full_attn_idxs")
+        attention = range(num_layers) if attention is None else attention
+        layer_types = [FULL if i in attention else CONV for i in range(num_layers)]
+    if (
+        not isinstance(layer_types, list)
+        or len(layer_types) != num_layers
+        or not set(layer_types) <= {CONV, FULL}
+    ):
+        raise ModelLoadError(
+            f"{source}: layer_types must list {num_layers} of {CONV!r} / {FULL!r}, got {layer_types!r}"
+        )
+    inner = _require_int(raw, "intermediate_size", source)
+    if raw.get("block_auto_adjust_ff_dim", True):
+        inner = int(2 * inner / 3)
+        multiplier = raw.get("block_ffn_dim_multiplier")
+        if multiplier is not None:
+            multiple_of = int(raw.get("block_multiple_of", 256))
+            inner = int(multiplier * inner)
+            inner = multiple_of * ((inner + multiple_of - 1) // multiple_of)
+    return {
+        "conv_layers": tuple(i for i, t in enumerate(layer_types) if t == CONV),
+        "conv_kernel": int(raw.get("conv_L_cache", 3)),
+        "conv_bias": bool(raw.get("conv_bias", False)),
+        "intermediate_size": inner,
+        "rms_norm_eps": float(raw.get("norm_eps", 1e-5)),
+    }

@@ -2,16 +2,18 @@
 
 The derived manifest is the legacy one (one dense paged-KV group over every layer) plus the sliding window
 the config declares (:func:`pagedgen.models.config.config_from_hf` reads ``sliding_window``,
-``use_sliding_window``, ``layer_types`` and ``max_window_layers``). A ``pagedgen.json`` beside the checkpoint
+``use_sliding_window``, ``layer_types`` and ``max_window_layers``); for a config with convolution layers
+(LFM2's ``layer_types``) it is a paged group over the attention layers plus a fixed_conv group over the
+convolution layers. A ``pagedgen.json`` beside the checkpoint
 (in an HF directory; ``<file>.pagedgen.json`` beside a GGUF file) can replace it::
 
     {"decoder": {"state_groups": [{"kind": "paged_kv", "layers": [0, 1, 2, 3]}],
                  "sliding_window": {"size": 4096, "layers": [0, 2]}}}
 
 A key the override leaves out keeps the derived value. The manifest is the truth the model follows: its
-windowed layers are the ones the runtime masks and the engine keeps in rings. Every layer of our runtimes
-attends, so every layer must own paged K/V; the engine decides separately what it can serve
-(:meth:`StateManifest.dynamic_engine_problems`).
+windowed layers are the ones the runtime masks and the engine keeps in rings. It must agree with what the
+runtime keeps: every attention layer owns paged K/V, and a convolution layer (LFM2) owns a fixed_conv state
+and no K/V. The engine decides separately what it can serve (:mod:`pagedgen.engine.cache_layout`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from pagedgen.core.manifest import SlidingWindow, StateManifest
+from pagedgen.core.manifest import SlidingWindow, StateGroup, StateKind, StateManifest
 from pagedgen.errors import ModelLoadError, StateManifestError
 from pagedgen.models.config import ModelConfig
 from pagedgen.models.hf_loader import read_json
@@ -28,11 +30,19 @@ OVERRIDE_FILE = "pagedgen.json"
 
 
 def derived_manifest(config: ModelConfig, source: str = "model config") -> StateManifest:
-    """The manifest the config implies: the legacy paged group and the config's sliding window."""
+    """The manifest the config implies: the legacy paged group and the config's sliding window, or, for a
+    config with convolution layers (LFM2), a paged group over the attention layers and a fixed_conv group
+    over the convolution layers."""
     window = None
     if config.sliding_window is not None:
         window = SlidingWindow(config.sliding_window, config.windowed_layers)
-    return StateManifest(config.num_layers, (), window, source)
+    groups: tuple[StateGroup, ...] = ()
+    if config.conv_layers:
+        groups = (
+            StateGroup(StateKind.PAGED_KV, config.attention_layers, "attention"),
+            StateGroup(StateKind.FIXED_CONV, config.conv_layers, "conv"),
+        )
+    return StateManifest(config.num_layers, groups, window, source)
 
 
 def override_path(source: Path) -> Path:
@@ -62,14 +72,33 @@ def load_manifest(source: Path, config: ModelConfig) -> StateManifest:
 
 
 def apply_manifest(config: ModelConfig, manifest: StateManifest) -> ModelConfig:
-    """``config`` with the manifest's sliding window; refuses a manifest that leaves a layer without K/V."""
-    missing = sorted(set(range(config.num_layers)) - set(manifest.paged_layers))
+    """``config`` with the manifest's sliding window; refuses a manifest that leaves an attention layer
+    without K/V, gives K/V to a convolution layer, or moves a convolution layer's state out of fixed_conv.
+    """
+    attention, conv = set(config.attention_layers), set(config.conv_layers)
+    paged = set(manifest.paged_layers)
+    missing = sorted(attention - paged)
     if missing:
         raise StateManifestError(
             f"{manifest.source}: layers {missing} attend but belong to no paged_kv group "
-            f"(this {config.architecture} runtime keeps paged K/V in every layer)"
+            f"(this {config.architecture} runtime keeps paged K/V in every attention layer)"
+        )
+    if paged & conv:
+        raise StateManifestError(
+            f"{manifest.source}: layers {sorted(paged & conv)} are convolution layers of this "
+            f"{config.architecture} runtime; they keep no paged K/V"
+        )
+    fixed_conv = {layer for g in manifest.groups_of(StateKind.FIXED_CONV) for layer in g.layers}
+    if conv - fixed_conv:
+        raise StateManifestError(
+            f"{manifest.source}: convolution layers {sorted(conv - fixed_conv)} belong to no fixed_conv group"
         )
     layers = manifest.window_layers
+    if layers and conv:
+        raise StateManifestError(
+            f"{manifest.source}: this {config.architecture} runtime has no sliding-window attention "
+            f"(layers {list(layers)})"
+        )
     return dataclasses.replace(
         config,
         sliding_window=manifest.window_size,

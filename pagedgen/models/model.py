@@ -14,6 +14,7 @@ from functools import cached_property
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from pagedgen.core.kv import KVSpec
 from pagedgen.core.manifest import StateManifest
@@ -21,6 +22,7 @@ from pagedgen.errors import ModelLoadError, TokenizerError
 from pagedgen.models.checkpoint import Checkpoint, CheckpointKind, resolve_checkpoint
 from pagedgen.models.config import ModelConfig
 from pagedgen.models.hf_loader import read_hf_config, read_hf_weights
+from pagedgen.models.lfm2 import Lfm2ForCausalLM
 from pagedgen.models.llama import LlamaForCausalLM
 from pagedgen.models.manifest import apply_manifest, load_manifest
 from pagedgen.models.native_weights import (
@@ -32,12 +34,13 @@ from pagedgen.models.native_weights import (
 from pagedgen.models.tokenizer import Tokenizer
 from pagedgen.models.weights import load_weights
 
-# Family key (ModelConfig.architecture) -> runtime class. All current families share one implementation.
-RUNTIMES: dict[str, type[LlamaForCausalLM]] = {
+# Family key (ModelConfig.architecture) -> runtime class. The Llama families share one implementation.
+RUNTIMES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "lfm2": Lfm2ForCausalLM,
 }
 
 _DTYPE_NAMES = {
@@ -105,7 +108,7 @@ class Model:
         self.checkpoint = checkpoint
         self.name = checkpoint.name
 
-    def _load(self, checkpoint: Checkpoint) -> tuple[ModelConfig, LlamaForCausalLM]:
+    def _load(self, checkpoint: Checkpoint) -> tuple[ModelConfig, nn.Module]:
         config = read_hf_config(checkpoint.directory)
         self.state_manifest: StateManifest = load_manifest(checkpoint.source, config)
         config = apply_manifest(config, self.state_manifest)
@@ -128,6 +131,11 @@ class Model:
     @property
     def kv_spec(self) -> KVSpec:
         return self.runtime.kv_spec
+
+    @property
+    def fixed_state_specs(self) -> tuple:
+        """The runtime's fixed conv / recurrent state tensors (empty for pure attention models)."""
+        return tuple(self.runtime.fixed_state_specs)
 
     @property
     def vocab_size(self) -> int:

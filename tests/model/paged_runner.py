@@ -3,7 +3,9 @@
 It owns a :class:`PagedKVCache`, hands out physical blocks in a shuffled order (so a test that passes cannot
 be relying on blocks being contiguous or in logical order) and runs packed steps with ``pack_step``. With
 ``ring_chunk`` a model's sliding-window layers keep rings (:mod:`pagedgen.core.window`) sized for steps of at
-most that many tokens per sequence, from a separate, likewise shuffled pool.
+most that many tokens per sequence, from a separate, likewise shuffled pool. A model with fixed conv /
+recurrent state gets each sequence's state as its step input, and the state after the step is kept for
+the next.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedgen.core.kv import PagedKVCache
+from pagedgen.core.step_inputs import FixedStateInputs
 from pagedgen.core.window import ring_blocks
 from pagedgen.executor.inputs import SequenceChunk, pack_step
 
@@ -29,6 +32,7 @@ class PagedSequence:
     ring: list[int] = field(
         default_factory=list
     )  # window ring (sliding-window layers), when the runner keeps one
+    state: dict[str, torch.Tensor] = field(default_factory=dict)  # fixed conv / recurrent state, per tensor
 
 
 class PagedRunner:
@@ -80,10 +84,23 @@ class PagedRunner:
                 )
             )
         inputs = pack_step(chunks, self.block_size, device=self.model.device, window=self.window)
+        specs = tuple(getattr(self.model, "fixed_state_specs", ()))
+        if specs:  # each sequence's fixed state in, the state after the step out (zeros to start)
+            for seq in seqs:
+                for s in specs:
+                    seq.state.setdefault(
+                        s.name, torch.zeros(s.row_shape, dtype=s.dtype, device=self.model.device)
+                    )
+            inputs.fixed = FixedStateInputs(
+                {s.name: torch.stack([seq.state[s.name] for seq in seqs]) for s in specs},
+                {s.name: torch.full((len(seqs), *s.row_shape), float("nan"), dtype=s.dtype) for s in specs},
+            )
         logits = self.model.runtime.forward(inputs, self.cache)
-        for seq, toks in zip(seqs, new_tokens, strict=True):
+        for i, (seq, toks) in enumerate(zip(seqs, new_tokens, strict=True)):
             seq.tokens.extend(toks)
             seq.past_len += len(toks)
+            for s in specs:
+                seq.state[s.name] = inputs.fixed.outputs[s.name][i].clone()
         return logits
 
 

@@ -83,10 +83,19 @@ def llama_cpp_rope_factors(rope: Mapping[str, Any], head_dim: int) -> np.ndarray
 
 
 def tiny_config(kind: str, **overrides: Any):
-    """A transformers config of a family: ``llama``, ``llama3``, ``mistral``, ``qwen2``, ``qwen3``."""
+    """A transformers config: ``llama``, ``llama3``, ``mistral``, ``qwen2``, ``qwen3`` or ``lfm2``."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     args = {**TINY, **overrides}
+    if kind == "lfm2":  # short convolutions mixed with attention; the MLP width is taken as given
+        from transformers import Lfm2Config
+
+        base = {k: v for k, v in TINY.items() if k != "head_dim"}  # hidden / heads, as LFM2 derives it
+        layers = ["conv", "full_attention", "conv", "conv"]
+        defaults = dict(
+            num_hidden_layers=4, layer_types=layers, conv_L_cache=3, block_auto_adjust_ff_dim=False
+        )
+        return Lfm2Config(**{**base, **defaults, **overrides})
     if kind == "llama":
         return LlamaConfig(**args)
     if kind == "llama3":

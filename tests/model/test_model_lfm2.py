@@ -1,0 +1,236 @@
+"""LFM2 (gated short convolutions + attention; conv state in the fixed-state pool) against transformers.
+
+A tiny random-weight ``Lfm2ForCausalLM`` written by transformers (layers conv, attention, conv, conv;
+3-tap convolutions): fp32 logits within 1e-4 at every position on every path (one prefill, chunked prefill
+whose chunks carry the conv state, one token per step, a prefill then decode steps, several sequences in one
+step); through the engine, greedy tokens equal transformers'; a mixed batch equals each request alone; chunked
+prefill equals unchunked; a rolled-back step at every phase leaves every fixed slot byte-identical and the
+retry's tokens exact; the conv slots return with the blocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pagedgen as pg
+from pagedgen.core.manifest import StateKind
+from pagedgen.engine.faults import InjectedFault
+from pagedgen.executor.runner import ExecutionCapacityError, RetryableExecutionError
+from tests.helpers import drain, engine_snapshot, event_key, record_steps, tokens_of
+from tests.model.paged_runner import (
+    PagedRunner,
+    PagedSequence,
+    chunked_logits,
+    prompt_logits,
+    stepwise_logits,
+)
+from tests.model.tiny_checkpoints import tiny_hf_model
+
+pytestmark = pytest.mark.model
+
+TOL = 1e-4
+INIT = 0.3  # engine tests: weights large enough that greedy continuations do not collapse into a repeat
+LOGITS_INIT = 0.1  # logits tests: the other tiny checkpoints' scale, where 1e-4 is fp32 noise
+
+
+class Case:
+    def __init__(self, tmp_path_factory, init):
+        self.hf = tiny_hf_model("lfm2", initializer_range=init)
+        path = tmp_path_factory.mktemp("lfm2")
+        self.hf.save_pretrained(path)
+        self.model = pg.Model(str(path), device="cpu")
+
+    def reference(self, ids):
+        with torch.no_grad():
+            return self.hf(torch.tensor([ids])).logits[0].float()
+
+    def greedy(self, ids, n):
+        """Greedy continuation by whole-sequence forwards (no cache: the oracle of every step)."""
+        seq = list(ids)
+        with torch.no_grad():
+            for _ in range(n):
+                seq.append(int(self.hf(torch.tensor([seq])).logits[0, -1].argmax()))
+        return seq[len(ids) :]
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory) -> Case:
+    return Case(tmp_path_factory, INIT)
+
+
+@pytest.fixture(scope="module")
+def logits_case(tmp_path_factory) -> Case:
+    return Case(tmp_path_factory, LOGITS_INIT)
+
+
+def ids_of(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(0, 260, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def engine(case: Case, **config) -> pg.Engine:
+    config = {"block_size": 4, "num_blocks": 96, "chunk_size": 5, "max_batch_size": 4, **config}
+    return pg.Engine(case.model, pg.EngineConfig(debug_invariants=True, **config))
+
+
+def submit(eng: pg.Engine, case: Case, prompt: list[int], n: int) -> pg.Request:
+    params = pg.GeneratorParams(case.model)
+    params.set_search_options(ignore_eos=True)
+    request = eng.create_request(params)
+    options = pg.TurnOptions(request)
+    options.set_max_generated_tokens(n)
+    request.begin_turn(prompt, options)
+    return request
+
+
+def test_the_manifest_puts_attention_in_the_paged_group_and_convolutions_in_fixed_conv(case):
+    manifest = case.model.state_manifest
+    assert [(g.kind, g.layers) for g in manifest.groups] == [
+        (StateKind.PAGED_KV, (1,)),
+        (StateKind.FIXED_CONV, (0, 2, 3)),
+    ]
+    assert case.model.kv_spec.num_layers == 1
+    specs = case.model.fixed_state_specs
+    assert [(s.name, s.layer, s.row_shape) for s in specs] == [
+        ("conv.0", 0, (2, 64)),
+        ("conv.2", 2, (2, 64)),
+        ("conv.3", 3, (2, 64)),
+    ]
+
+
+def test_logits_match_transformers_on_every_path(logits_case):
+    case = logits_case
+    ids = ids_of(60)
+    ref = case.reference(ids)
+    for logits in (
+        prompt_logits(case.model, ids),  # one prefill: every conv window starts from zeros
+        chunked_logits(case.model, ids, chunk=5),  # each chunk continues the previous chunk's state
+        chunked_logits(case.model, ids, chunk=2),  # chunks shorter than the conv window
+        chunked_logits(case.model, ids, chunk=1),  # one token per step
+        stepwise_logits(case.model, ids, prefill=13),
+    ):
+        assert (logits - ref).abs().max().item() <= TOL
+
+
+def test_several_sequences_in_one_step_each_match_transformers(logits_case):
+    case = logits_case
+    prompts = [ids_of(n, seed=20 + n) for n in (1, 7, 19)]
+    runner = PagedRunner(case.model, num_blocks=64, block_size=4, seed=3)
+    seqs = [PagedSequence(tokens=[]) for _ in prompts]
+    first = runner.step(seqs, [prompts[0], prompts[1][:4], prompts[2][:9]])
+    second = runner.step(seqs[1:], [prompts[1][4:], prompts[2][9:]])  # a prefill continued in a batch
+    assert (first[0] - case.reference(prompts[0])[-1]).abs().max().item() <= TOL
+    assert (second[0] - case.reference(prompts[1])[-1]).abs().max().item() <= TOL
+    assert (second[1] - case.reference(prompts[2])[-1]).abs().max().item() <= TOL
+
+
+def test_engine_greedy_equals_transformers_and_the_slot_returns_on_close(case):
+    prompt, n = ids_of(24, seed=1), 40
+    eng = engine(case)
+    request = submit(eng, case, prompt, n)
+    assert tokens_of(drain(eng))[request] == case.greedy(prompt, n)
+    stats = eng.stats()
+    assert (stats.fixed_total_slots, stats.fixed_free_slots) == (4, 3)
+    assert eng._scheduler.cache.fixed.committed_tokens(request.id) == request.processed_length
+    request.close()
+    stats = eng.stats()
+    assert stats.fixed_free_slots == 4 and stats.free_blocks == stats.total_blocks
+
+
+PROMPTS = [(3, 30), (17, 20), (41, 10)]  # (prompt length, generated tokens)
+
+
+def test_a_mixed_batch_equals_each_request_alone(case):
+    prompts = [ids_of(length, seed=10 + i) for i, (length, _) in enumerate(PROMPTS)]
+    alone = []
+    for prompt, (_, n) in zip(prompts, PROMPTS, strict=True):
+        eng = engine(case)
+        request = submit(eng, case, prompt, n)
+        alone.append(tokens_of(drain(eng))[request])
+    eng = engine(case, max_scheduled_tokens=12)  # chunked, mixed prefill + decode steps
+    steps = record_steps(eng)
+    requests = [submit(eng, case, p, n) for p, (_, n) in zip(prompts, PROMPTS, strict=True)]
+    together = tokens_of(drain(eng))
+    assert [together[r] for r in requests] == alone
+    assert any(len(q_lens) == 3 and max(q_lens) > 1 and min(q_lens) == 1 for q_lens, _ in steps)
+    assert alone[2] == case.greedy(prompts[2], PROMPTS[2][1])
+
+
+def test_chunked_prefill_equals_unchunked(case):
+    prompt = ids_of(50, seed=3)
+    outputs = []
+    for chunk in (3, None):
+        eng = engine(case, chunk_size=chunk, max_batch_size=2)
+        steps = record_steps(eng)
+        request = submit(eng, case, prompt, 20)
+        outputs.append(tokens_of(drain(eng))[request])
+        assert steps[0][0] == [3 if chunk else 50]
+    assert outputs[0] == outputs[1] == case.greedy(prompt, 20)
+
+
+def test_a_second_turn_continues_the_conv_state(case):
+    first, second = ids_of(9, seed=6), ids_of(5, seed=7)
+    eng = engine(case)
+    request = submit(eng, case, first, 6)
+    out = tokens_of(drain(eng))[request]
+    options = pg.TurnOptions(request)
+    options.set_max_generated_tokens(8)
+    request.begin_turn(second, options)
+    assert tokens_of(drain(eng))[request] == case.greedy(first + out + second, 8)
+
+
+def scenario(case: Case) -> tuple[pg.Engine, list[pg.Request]]:
+    """A decoding request and a partial prefill, both resident (their conv state mid-stream)."""
+    eng = engine(case, max_scheduled_tokens=8)
+    requests = [submit(eng, case, ids_of(10, seed=4), 20)]
+    for _ in range(6):
+        eng.run(max_events=64)
+    requests.append(submit(eng, case, ids_of(23, seed=5), 6))
+    eng.run(max_events=64)
+    assert 0 < requests[1].processed_length < 23 and requests[0].processed_length > 10
+    return eng, requests
+
+
+RECOVERABLE = [
+    ("checkpoint", InjectedFault("x")),
+    ("pack", InjectedFault("x")),
+    ("execute", RetryableExecutionError("transient")),
+    ("execute", ExecutionCapacityError("oom")),
+    ("sample", InjectedFault("x")),
+    ("stage", InjectedFault("x")),
+    ("validate", InjectedFault("x")),
+]
+
+
+@pytest.mark.parametrize("phase, error", RECOVERABLE, ids=[f"{p}-{type(e).__name__}" for p, e in RECOVERABLE])
+def test_a_rollback_at_every_phase_leaves_the_state_exact(case, phase, error):
+    reference, _ = scenario(case)
+    expected = [event_key(e) for e in drain(reference)]
+    eng, requests = scenario(case)
+    before = engine_snapshot(eng)
+    assert len(before["fixed"]["owners"]) == 2
+    eng._faults.arm(phase, error)
+    (event,) = eng.run(max_events=64)
+    assert event.request is None and event.flags & (
+        pg.EngineEventFlags.RETRYABLE | pg.EngineEventFlags.CAPACITY_BLOCKED
+    )
+    assert engine_snapshot(eng) == before and eng.check_invariants() == []
+    assert [event_key(e) for e in drain(eng)] == expected  # the retry starts from exactly the same state
+
+
+@pytest.mark.parametrize("phase", ["execute", "prepare", "commit_cache"])
+def test_a_fatal_step_fails_every_turn_and_the_slots_return_on_close(case, phase):
+    eng, requests = scenario(case)
+    eng._faults.arm(phase)
+    drain(eng)
+    assert not eng.stats().healthy
+    assert all(r.status is pg.RequestStatus.TURN_COMPLETE for r in requests)
+    for request in requests:
+        request.close()
+    stats = eng.stats()
+    assert (stats.free_blocks, stats.fixed_free_slots) == (stats.total_blocks, stats.fixed_total_slots)
+
+
+def test_the_static_path_refuses_a_fixed_state_model(case):
+    with pytest.raises(pg.EngineError, match="needs dynamic_batching=True"):
+        pg.Engine(case.model, pg.EngineConfig(num_blocks=16, dynamic_batching=False))
