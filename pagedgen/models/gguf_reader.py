@@ -8,6 +8,9 @@ things llama.cpp does differently from an HF checkpoint are undone here:
   from HF's "rotate half" layout to interleaved pairs, see :func:`permute_qk`),
 * the config, which lives in ``{arch}.*`` metadata keys instead of a ``config.json``.
 
+LFM2 (llama.cpp's ``lfm2``) has its own name table, a per-layer KV-head array (0 marks a short-convolution
+layer) and its convolution weight squeezed to ``[hidden, L]``; both are mapped back to HF's.
+
 Llama 3.x rope scaling is stored by llama.cpp as a ``rope_freqs`` tensor of per-frequency divisors; we keep
 it as ``model.rotary_emb.freq_factors`` and mark the rope as ``freq_factors``.
 """
@@ -30,7 +33,7 @@ GGUF_MAGIC = b"GGUF"
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 # GGUF ``general.architecture`` -> our family key. llama.cpp writes Mistral 1-2 models as ``llama``.
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "lfm2": "lfm2"}
 
 FREQ_FACTORS_NAME = "model.rotary_emb.freq_factors"
 
@@ -55,7 +58,27 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 
-_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# LFM2 (llama.cpp's ``lfm2``): its own HF names for the shared llama.cpp parts, plus the short convolution.
+_LFM2_GLOBAL_NAMES = {**_GLOBAL_NAMES, "token_embd_norm.weight": "model.embedding_norm.weight"}
+_LFM2_BLOCK_NAMES = {
+    "attn_norm": "operator_norm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.out_proj",
+    "attn_q_norm": "self_attn.q_layernorm",
+    "attn_k_norm": "self_attn.k_layernorm",
+    "ffn_norm": "ffn_norm",
+    "ffn_gate": "feed_forward.w1",
+    "ffn_up": "feed_forward.w3",
+    "ffn_down": "feed_forward.w2",
+    "shortconv.conv": "conv.conv",
+    "shortconv.in_proj": "conv.in_proj",
+    "shortconv.out_proj": "conv.out_proj",
+}
+_LFM2_CONV = "conv.conv.weight"  # llama.cpp stores it squeezed, [hidden, L]; HF as [hidden, 1, L]
+
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_.]+)\.(weight|bias)$")
 
 
 @dataclass(slots=True)
@@ -142,7 +165,25 @@ def gguf_config(file: GGUFFile) -> ModelConfig:
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }
+    if family == "lfm2":
+        raw.update(_lfm2_gguf_config(file, get))
     return config_from_hf(raw, str(file.path))
+
+
+def _lfm2_gguf_config(file: GGUFFile, get: Any) -> dict[str, Any]:
+    """LFM2's keys, as llama.cpp's converter writes them: a per-layer KV-head array (0 for a convolution
+    layer), ``shortconv.l_cache``, and the MLP width already adjusted."""
+    kv_heads = file.array(f"{file.architecture}.attention.head_count_kv")
+    if kv_heads is None:
+        kv_heads = [get("attention.head_count_kv")] * int(get("block_count") or 0)
+    kv_heads = [int(n) for n in kv_heads]
+    return {
+        "layer_types": ["full_attention" if n else "conv" for n in kv_heads],
+        "num_key_value_heads": max(kv_heads, default=0) or None,
+        "conv_L_cache": get("shortconv.l_cache"),
+        "norm_eps": get("attention.layer_norm_rms_epsilon", 1e-5),
+        "block_auto_adjust_ff_dim": False,
+    }
 
 
 def _gguf_rope(file: GGUFFile, names: set[str]) -> dict[str, Any]:
@@ -163,15 +204,19 @@ def _gguf_rope(file: GGUFFile, names: set[str]) -> dict[str, Any]:
     return {"rope_type": str(scaling), "rope_theta": theta}  # refused by config_from_hf, naming it
 
 
-def our_tensor_name(gguf_name: str, source: Path) -> str:
-    """Map a llama.cpp tensor name to our (HF) name; raises :class:`ModelLoadError` for an unknown one."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
+def our_tensor_name(gguf_name: str, source: Path | str, family: str = "llama") -> str:
+    """Map a llama.cpp tensor name to our (HF) name for ``family``; raises :class:`ModelLoadError` for an
+    unknown one."""
+    lfm2 = family == "lfm2"
+    global_names = _LFM2_GLOBAL_NAMES if lfm2 else _GLOBAL_NAMES
+    block_names = _LFM2_BLOCK_NAMES if lfm2 else _BLOCK_NAMES
+    if gguf_name in global_names:
+        return global_names[gguf_name]
     match = _BLOCK_RE.match(gguf_name)
-    if match and match.group(2) in _BLOCK_NAMES:
+    if match and match.group(2) in block_names:
         layer, part, kind = match.groups()
-        return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
-    raise ModelLoadError(f"{source}: unknown GGUF tensor {gguf_name!r} (not a Llama-family weight)")
+        return f"model.layers.{layer}.{block_names[part]}.{kind}"
+    raise ModelLoadError(f"{source}: unknown GGUF tensor {gguf_name!r} (not a {family}-family weight)")
 
 
 def permute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -213,6 +258,7 @@ def plan_weights(file: GGUFFile) -> list[WeightPlan]:
     """
     import gguf
 
+    family = family_of(file)
     plans = []
     for index, tensor in enumerate(file.reader.tensors):
         qtype = gguf.GGMLQuantizationType(tensor.tensor_type).name
@@ -222,7 +268,10 @@ def plan_weights(file: GGUFFile) -> list[WeightPlan]:
                 f"dequantise (supported: {', '.join(SUPPORTED_TYPES)})"
             )
         shape = tuple(int(d) for d in reversed(tensor.shape))  # ggml lists the innermost dimension first
-        plans.append(WeightPlan(our_tensor_name(tensor.name, file.path), tensor.name, shape, qtype, index))
+        name = our_tensor_name(tensor.name, file.path, family)
+        if name.endswith(_LFM2_CONV) and len(shape) == 2:
+            shape = (shape[0], 1, shape[1])
+        plans.append(WeightPlan(name, tensor.name, shape, qtype, index))
     return plans
 
 

@@ -234,3 +234,61 @@ def test_a_fatal_step_fails_every_turn_and_the_slots_return_on_close(case, phase
 def test_the_static_path_refuses_a_fixed_state_model(case):
     with pytest.raises(pg.EngineError, match="needs dynamic_batching=True"):
         pg.Engine(case.model, pg.EngineConfig(num_blocks=16, dynamic_batching=False))
+
+
+# ---- GGUF: a file written the way llama.cpp's converter writes LFM2 ------------------------------------
+
+
+def write_lfm2_gguf(path, hf) -> None:
+    """LFM2 as ``convert_hf_to_gguf.py`` writes it: arch ``lfm2``, a per-layer KV-head array (0 for a
+    convolution layer), ``shortconv.l_cache``, the conv weight squeezed to ``[hidden, L]``, names from gguf's
+    own tensor map (so pagedgen's reader is checked against llama.cpp's names, not against itself)."""
+    import gguf
+
+    from tests.model.tiny_checkpoints import add_tensor, byte_level_vocab, hf_state
+
+    c = hf.config
+    writer = gguf.GGUFWriter(str(path), "lfm2")
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)  # the tiny config takes it as given (no block rule)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv([c.num_key_value_heads if t == "full_attention" else 0 for t in c.layer_types])
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(c.norm_eps)
+    writer.add_vocab_size(c.vocab_size)
+    writer.add_shortconv_l_cache(c.conv_L_cache)
+    tokens, types = byte_level_vocab()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(["h e"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2, c.num_hidden_layers)
+    f32 = gguf.GGMLQuantizationType.F32
+    for name, array in hf_state(hf).items():
+        if "conv.conv" in name:
+            array = array.squeeze(1)  # the converter's modify_tensors: the conv op wants a 2-D tensor
+        add_tensor(writer, names.get_name(name, try_suffixes=(".weight", ".bias")), array, f32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("weights", ["native", "float32"])
+def test_a_gguf_file_loads_and_matches_transformers(logits_case, tmp_path, monkeypatch, weights):
+    monkeypatch.setenv("PAGEDGEN_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "lfm2.gguf"
+    write_lfm2_gguf(path, logits_case.hf)
+    model = pg.Model(str(path), device="cpu", weights=weights)
+    assert model.config.conv_layers == (0, 2, 3) and model.kv_spec.num_layers == 1
+    assert [(g.kind, g.layers) for g in model.state_manifest.groups] == [
+        (StateKind.PAGED_KV, (1,)),
+        (StateKind.FIXED_CONV, (0, 2, 3)),
+    ]
+    ids = ids_of(40, seed=8)
+    ref = logits_case.reference(ids)
+    for logits in (prompt_logits(model, ids), chunked_logits(model, ids, chunk=3)):
+        assert (logits - ref).abs().max().item() <= TOL

@@ -242,3 +242,20 @@ def test_truncated_and_foreign_files_are_refused(tmp_path):
         open_gguf(tmp_path / "junk.gguf")
     with pytest.raises(ModelLoadError, match=r"missing\.gguf: GGUF file not found"):
         open_gguf(tmp_path / "missing.gguf")
+
+
+def test_lfm2_tensor_names_follow_llama_cpps_lfm2_table():
+    names = {
+        "token_embd_norm.weight": "model.embedding_norm.weight",
+        "blk.2.shortconv.conv.weight": "model.layers.2.conv.conv.weight",
+        "blk.2.shortconv.in_proj.weight": "model.layers.2.conv.in_proj.weight",
+        "blk.1.attn_norm.weight": "model.layers.1.operator_norm.weight",
+        "blk.1.attn_output.weight": "model.layers.1.self_attn.out_proj.weight",
+        "blk.1.attn_q_norm.weight": "model.layers.1.self_attn.q_layernorm.weight",
+        "blk.1.ffn_gate.weight": "model.layers.1.feed_forward.w1.weight",
+        "blk.1.ffn_up.weight": "model.layers.1.feed_forward.w3.weight",
+    }
+    for gguf_tensor, ours in names.items():
+        assert our_tensor_name(gguf_tensor, "x.gguf", "lfm2") == ours
+    with pytest.raises(ModelLoadError, match="not a llama-family weight"):
+        our_tensor_name("blk.2.shortconv.conv.weight", "x.gguf")
