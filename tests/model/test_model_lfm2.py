@@ -15,9 +15,8 @@ import torch
 
 import pagedgen as pg
 from pagedgen.core.manifest import StateKind
-from pagedgen.engine.faults import InjectedFault
-from pagedgen.executor.runner import ExecutionCapacityError, RetryableExecutionError
-from tests.helpers import drain, engine_snapshot, event_key, record_steps, tokens_of
+from tests.helpers import drain, engine_snapshot, event_key, record_steps, submit, tokens_of
+from tests.model.hf_cases import RECOVERABLE, RECOVERABLE_IDS, greedy_by_forwards, ids_of, small_engine
 from tests.model.paged_runner import (
     PagedRunner,
     PagedSequence,
@@ -47,11 +46,7 @@ class Case:
 
     def greedy(self, ids, n):
         """Greedy continuation by whole-sequence forwards (no cache: the oracle of every step)."""
-        seq = list(ids)
-        with torch.no_grad():
-            for _ in range(n):
-                seq.append(int(self.hf(torch.tensor([seq])).logits[0, -1].argmax()))
-        return seq[len(ids) :]
+        return greedy_by_forwards(self.hf, ids, n)
 
 
 @pytest.fixture(scope="module")
@@ -62,25 +57,6 @@ def case(tmp_path_factory) -> Case:
 @pytest.fixture(scope="module")
 def logits_case(tmp_path_factory) -> Case:
     return Case(tmp_path_factory, LOGITS_INIT)
-
-
-def ids_of(n: int, seed: int = 0) -> list[int]:
-    return torch.randint(0, 260, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def engine(case: Case, **config) -> pg.Engine:
-    config = {"block_size": 4, "num_blocks": 96, "chunk_size": 5, "max_batch_size": 4, **config}
-    return pg.Engine(case.model, pg.EngineConfig(debug_invariants=True, **config))
-
-
-def submit(eng: pg.Engine, case: Case, prompt: list[int], n: int) -> pg.Request:
-    params = pg.GeneratorParams(case.model)
-    params.set_search_options(ignore_eos=True)
-    request = eng.create_request(params)
-    options = pg.TurnOptions(request)
-    options.set_max_generated_tokens(n)
-    request.begin_turn(prompt, options)
-    return request
 
 
 def test_the_manifest_puts_attention_in_the_paged_group_and_convolutions_in_fixed_conv(case):
@@ -126,8 +102,8 @@ def test_several_sequences_in_one_step_each_match_transformers(logits_case):
 
 def test_engine_greedy_equals_transformers_and_the_slot_returns_on_close(case):
     prompt, n = ids_of(24, seed=1), 40
-    eng = engine(case)
-    request = submit(eng, case, prompt, n)
+    eng = small_engine(case.model)
+    request = submit(eng, prompt, n, ignore_eos=True)
     assert tokens_of(drain(eng))[request] == case.greedy(prompt, n)
     stats = eng.stats()
     assert (stats.fixed_total_slots, stats.fixed_free_slots) == (4, 3)
@@ -144,12 +120,12 @@ def test_a_mixed_batch_equals_each_request_alone(case):
     prompts = [ids_of(length, seed=10 + i) for i, (length, _) in enumerate(PROMPTS)]
     alone = []
     for prompt, (_, n) in zip(prompts, PROMPTS, strict=True):
-        eng = engine(case)
-        request = submit(eng, case, prompt, n)
+        eng = small_engine(case.model)
+        request = submit(eng, prompt, n, ignore_eos=True)
         alone.append(tokens_of(drain(eng))[request])
-    eng = engine(case, max_scheduled_tokens=12)  # chunked, mixed prefill + decode steps
+    eng = small_engine(case.model, max_scheduled_tokens=12)  # chunked, mixed prefill + decode steps
     steps = record_steps(eng)
-    requests = [submit(eng, case, p, n) for p, (_, n) in zip(prompts, PROMPTS, strict=True)]
+    requests = [submit(eng, p, n, ignore_eos=True) for p, (_, n) in zip(prompts, PROMPTS, strict=True)]
     together = tokens_of(drain(eng))
     assert [together[r] for r in requests] == alone
     assert any(len(q_lens) == 3 and max(q_lens) > 1 and min(q_lens) == 1 for q_lens, _ in steps)
@@ -160,9 +136,9 @@ def test_chunked_prefill_equals_unchunked(case):
     prompt = ids_of(50, seed=3)
     outputs = []
     for chunk in (3, None):
-        eng = engine(case, chunk_size=chunk, max_batch_size=2)
+        eng = small_engine(case.model, chunk_size=chunk, max_batch_size=2)
         steps = record_steps(eng)
-        request = submit(eng, case, prompt, 20)
+        request = submit(eng, prompt, 20, ignore_eos=True)
         outputs.append(tokens_of(drain(eng))[request])
         assert steps[0][0] == [3 if chunk else 50]
     assert outputs[0] == outputs[1] == case.greedy(prompt, 20)
@@ -170,8 +146,8 @@ def test_chunked_prefill_equals_unchunked(case):
 
 def test_a_second_turn_continues_the_conv_state(case):
     first, second = ids_of(9, seed=6), ids_of(5, seed=7)
-    eng = engine(case)
-    request = submit(eng, case, first, 6)
+    eng = small_engine(case.model)
+    request = submit(eng, first, 6, ignore_eos=True)
     out = tokens_of(drain(eng))[request]
     options = pg.TurnOptions(request)
     options.set_max_generated_tokens(8)
@@ -181,28 +157,17 @@ def test_a_second_turn_continues_the_conv_state(case):
 
 def scenario(case: Case) -> tuple[pg.Engine, list[pg.Request]]:
     """A decoding request and a partial prefill, both resident (their conv state mid-stream)."""
-    eng = engine(case, max_scheduled_tokens=8)
-    requests = [submit(eng, case, ids_of(10, seed=4), 20)]
+    eng = small_engine(case.model, max_scheduled_tokens=8)
+    requests = [submit(eng, ids_of(10, seed=4), 20, ignore_eos=True)]
     for _ in range(6):
         eng.run(max_events=64)
-    requests.append(submit(eng, case, ids_of(23, seed=5), 6))
+    requests.append(submit(eng, ids_of(23, seed=5), 6, ignore_eos=True))
     eng.run(max_events=64)
     assert 0 < requests[1].processed_length < 23 and requests[0].processed_length > 10
     return eng, requests
 
 
-RECOVERABLE = [
-    ("checkpoint", InjectedFault("x")),
-    ("pack", InjectedFault("x")),
-    ("execute", RetryableExecutionError("transient")),
-    ("execute", ExecutionCapacityError("oom")),
-    ("sample", InjectedFault("x")),
-    ("stage", InjectedFault("x")),
-    ("validate", InjectedFault("x")),
-]
-
-
-@pytest.mark.parametrize("phase, error", RECOVERABLE, ids=[f"{p}-{type(e).__name__}" for p, e in RECOVERABLE])
+@pytest.mark.parametrize("phase, error", RECOVERABLE, ids=RECOVERABLE_IDS)
 def test_a_rollback_at_every_phase_leaves_the_state_exact(case, phase, error):
     reference, _ = scenario(case)
     expected = [event_key(e) for e in drain(reference)]

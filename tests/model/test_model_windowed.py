@@ -14,9 +14,8 @@ import torch
 
 import pagedgen as pg
 from pagedgen.core.window import ring_blocks
-from pagedgen.engine.faults import InjectedFault
-from pagedgen.executor.runner import ExecutionCapacityError, RetryableExecutionError
-from tests.helpers import drain, engine_snapshot, event_key, record_steps, tokens_of
+from tests.helpers import drain, engine_snapshot, event_key, record_steps, submit, tokens_of
+from tests.model.hf_cases import RECOVERABLE, RECOVERABLE_IDS, greedy_by_forwards, ids_of, small_engine
 from tests.model.paged_runner import chunked_logits, prompt_logits, stepwise_logits
 from tests.model.tiny_checkpoints import tiny_hf_model
 
@@ -66,11 +65,7 @@ class Case:
         """Greedy continuation by whole-sequence forwards (no cache). Not ``generate()``: on the Qwen2 mix of
         full and sliding layers transformers 5.24's ``generate`` returns first-step logits that differ from
         its own forward over the same prompt, while every forward agrees with ours."""
-        seq = list(ids)
-        with torch.no_grad():
-            for _ in range(n):
-                seq.append(int(self.hf(torch.tensor([seq])).logits[0, -1].argmax()))
-        return seq[len(ids) :]
+        return greedy_by_forwards(self.hf, ids, n)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -81,25 +76,6 @@ def case(request, tmp_path_factory) -> Case:
 @pytest.fixture(params=list(CASES))
 def logits_case(request, tmp_path_factory) -> Case:
     return Case(request.param, tmp_path_factory, init=LOGITS_INIT)
-
-
-def ids_of(n: int, seed: int = 0) -> list[int]:
-    return torch.randint(0, 260, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def engine(case: Case, **config) -> pg.Engine:
-    config = {"block_size": 4, "num_blocks": 96, "chunk_size": 5, "max_batch_size": 4, **config}
-    return pg.Engine(case.model, pg.EngineConfig(debug_invariants=True, **config))
-
-
-def submit(eng: pg.Engine, case: Case, prompt: list[int], n: int) -> pg.Request:
-    params = pg.GeneratorParams(case.model)
-    params.set_search_options(ignore_eos=True)
-    request = eng.create_request(params)
-    options = pg.TurnOptions(request)
-    options.set_max_generated_tokens(n)
-    request.begin_turn(prompt, options)
-    return request
 
 
 def test_the_manifest_names_the_configs_windowed_layers(case):
@@ -126,8 +102,8 @@ def test_logits_match_transformers_far_past_the_window(logits_case):
 
 def test_engine_greedy_equals_transformers_and_window_blocks_stay_flat(case):
     prompt, n = ids_of(24, seed=1), 96
-    eng = engine(case)
-    request = submit(eng, case, prompt, n)
+    eng = small_engine(case.model)
+    request = submit(eng, prompt, n, ignore_eos=True)
     cache = eng._scheduler.cache
     rings, window_free, full_blocks, tokens = [], [], [], []
     buffer = eng.create_event_buffer(16)
@@ -155,12 +131,12 @@ def test_a_mixed_batch_equals_each_request_alone(case):
     prompts = [ids_of(length, seed=10 + i) for i, (length, _) in enumerate(PROMPTS)]
     alone = []
     for prompt, (_, n) in zip(prompts, PROMPTS, strict=True):
-        eng = engine(case)
-        request = submit(eng, case, prompt, n)
+        eng = small_engine(case.model)
+        request = submit(eng, prompt, n, ignore_eos=True)
         alone.append(tokens_of(drain(eng))[request])
-    eng = engine(case, max_scheduled_tokens=12)  # chunked, mixed prefill + decode steps
+    eng = small_engine(case.model, max_scheduled_tokens=12)  # chunked, mixed prefill + decode steps
     steps = record_steps(eng)
-    requests = [submit(eng, case, p, n) for p, (_, n) in zip(prompts, PROMPTS, strict=True)]
+    requests = [submit(eng, p, n, ignore_eos=True) for p, (_, n) in zip(prompts, PROMPTS, strict=True)]
     together = tokens_of(drain(eng))
     assert [together[r] for r in requests] == alone
     assert any(len(q_lens) == 3 and max(q_lens) > 1 and min(q_lens) == 1 for q_lens, _ in steps)
@@ -171,9 +147,9 @@ def test_chunked_prefill_equals_unchunked(case):
     prompt = ids_of(50, seed=3)
     outputs = []
     for chunk in (3, None):  # None: C is the token budget, the prompt runs in one step
-        eng = engine(case, chunk_size=chunk, max_batch_size=2)
+        eng = small_engine(case.model, chunk_size=chunk, max_batch_size=2)
         steps = record_steps(eng)
-        request = submit(eng, case, prompt, 20)
+        request = submit(eng, prompt, 20, ignore_eos=True)
         outputs.append(tokens_of(drain(eng))[request])
         assert steps[0][0] == [3 if chunk else 50]
     assert outputs[0] == outputs[1] == case.greedy(prompt, 20)
@@ -181,28 +157,17 @@ def test_chunked_prefill_equals_unchunked(case):
 
 def scenario(case: Case) -> tuple[pg.Engine, list[pg.Request]]:
     """A decoding request well past its window and a partial prefill, both resident."""
-    eng = engine(case, max_scheduled_tokens=8)
-    requests = [submit(eng, case, ids_of(10, seed=4), 30)]
+    eng = small_engine(case.model, max_scheduled_tokens=8)
+    requests = [submit(eng, ids_of(10, seed=4), 30, ignore_eos=True)]
     for _ in range(12):
         eng.run(max_events=64)
-    requests.append(submit(eng, case, ids_of(23, seed=5), 6))
+    requests.append(submit(eng, ids_of(23, seed=5), 6, ignore_eos=True))
     eng.run(max_events=64)
     assert 0 < requests[1].processed_length < 23 and requests[0].processed_length > 2 * case.window
     return eng, requests
 
 
-RECOVERABLE = [
-    ("checkpoint", InjectedFault("x")),
-    ("pack", InjectedFault("x")),
-    ("execute", RetryableExecutionError("transient")),
-    ("execute", ExecutionCapacityError("oom")),
-    ("sample", InjectedFault("x")),
-    ("stage", InjectedFault("x")),
-    ("validate", InjectedFault("x")),
-]
-
-
-@pytest.mark.parametrize("phase, error", RECOVERABLE, ids=[f"{p}-{type(e).__name__}" for p, e in RECOVERABLE])
+@pytest.mark.parametrize("phase, error", RECOVERABLE, ids=RECOVERABLE_IDS)
 def test_a_rollback_at_every_phase_leaves_the_state_exact(case, phase, error):
     reference, _ = scenario(case)
     expected = [event_key(e) for e in drain(reference)]
@@ -233,7 +198,7 @@ def test_a_fatal_step_fails_every_turn_and_every_block_of_both_pools_returns(cas
 
 def test_the_static_path_keeps_windowed_layers_in_its_one_pool_and_masks_them(case):
     prompt = ids_of(30, seed=6)
-    eng = engine(case, dynamic_batching=False, num_blocks=64)
-    request = submit(eng, case, prompt, 40)
+    eng = small_engine(case.model, dynamic_batching=False, num_blocks=64)
+    request = submit(eng, prompt, 40, ignore_eos=True)
     assert tokens_of(drain(eng))[request] == case.greedy(prompt, 40)
     assert eng.stats().window_total_blocks == 0
