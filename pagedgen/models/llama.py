@@ -354,7 +354,7 @@ class LlamaForCausalLM(nn.Module):
             head_dim=config.head_dim,
             inner=config.intermediate_size,
             eps=config.rms_norm_eps,
-            scale=config.head_dim**-0.5,
+            scale=self.model.layers[0].self_attn.scale,  # the per-layer path's own
         )
         return FusedDecoder.build(layers, dims)
 

@@ -152,7 +152,7 @@ class FusedDecoder:
                 return None
             vectors = ((w.input_norm, dims.hidden), (w.post_norm, dims.hidden), (w.qkv_bias, q + 2 * kv))
             vectors += ((w.gate_up_bias, 2 * dims.inner), (w.down_bias, dims.hidden))
-            if w.input_norm is None or not all(_fp32_vector(t, n) for t, n in vectors):
+            if not all(_fp32_vector(t, n) for t, n in vectors):
                 return None
         if d % 2 or dims.q_heads % dims.kv_heads:
             return None
