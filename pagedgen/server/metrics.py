@@ -38,6 +38,10 @@ _GAUGES = {
     "kv_cache_blocks_used": "KV-cache blocks owned or reserved.",
     "kv_cache_blocks_free": "KV-cache blocks free.",
     "kv_cache_usage_perc": "Fraction of KV-cache blocks in use (0..1).",
+    "window_cache_blocks_total": "Sliding-window ring blocks in their pool (0 for a model without windows).",
+    "window_cache_blocks_free": "Sliding-window ring blocks free (each resident owns one ring).",
+    "fixed_state_slots_total": "Fixed conv/recurrent state slots (0 for a model without fixed state).",
+    "fixed_state_slots_free": "Fixed conv/recurrent state slots free (each resident owns one).",
     "healthy": "1 while the engine is healthy, 0 once it failed.",
 }
 _COUNTERS = {
@@ -64,6 +68,10 @@ class _EngineCollector(Collector):
             "kv_cache_blocks_used": snap.used_blocks,
             "kv_cache_blocks_free": snap.free_blocks,
             "kv_cache_usage_perc": snap.used_blocks / snap.total_blocks if snap.total_blocks else 0.0,
+            "window_cache_blocks_total": snap.window_total_blocks,
+            "window_cache_blocks_free": snap.window_free_blocks,
+            "fixed_state_slots_total": snap.fixed_total_slots,
+            "fixed_state_slots_free": snap.fixed_free_slots,
             "healthy": int(snap.healthy),
         }
         for name, value in levels.items():

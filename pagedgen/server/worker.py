@@ -98,6 +98,10 @@ class EngineSnapshot:
     rollbacks: int = 0
     jobs: int = 0
     healthy: bool = True
+    window_total_blocks: int = 0  # the sliding-window ring pool (0 without one)
+    window_free_blocks: int = 0
+    fixed_total_slots: int = 0  # fixed conv / recurrent state slots (0 without fixed state)
+    fixed_free_slots: int = 0
 
     @property
     def used_blocks(self) -> int:
@@ -407,6 +411,10 @@ class EngineWorker:
             self._snapshot = EngineSnapshot(
                 total_blocks=self._snapshot.total_blocks,
                 free_blocks=self._snapshot.free_blocks,
+                window_total_blocks=self._snapshot.window_total_blocks,
+                window_free_blocks=self._snapshot.window_free_blocks,
+                fixed_total_slots=self._snapshot.fixed_total_slots,
+                fixed_free_slots=self._snapshot.fixed_free_slots,
                 steps=self._snapshot.steps,
                 rollbacks=self._snapshot.rollbacks,
                 healthy=False,
@@ -421,6 +429,10 @@ class EngineWorker:
             steps=stats.steps,
             rollbacks=stats.rollbacks,
             jobs=len(self._jobs),
+            window_total_blocks=stats.window_total_blocks,
+            window_free_blocks=stats.window_free_blocks,
+            fixed_total_slots=stats.fixed_total_slots,
+            fixed_free_slots=stats.fixed_free_slots,
         )
 
     def _teardown(self) -> None:

@@ -152,3 +152,29 @@ def test_client_that_leaves_has_its_turn_cancelled_and_blocks_freed(gated, strea
     assert metric(metrics, "pagedgen:num_requests_running", model_name="synthetic") == 0
     ok = _client(server).completions.create(model="synthetic", prompt=[4, 5], max_tokens=3, temperature=0)
     assert ok.choices[0].text == SyntheticTokenizer(VOCAB).decode(synthetic_greedy([4, 5], 3, VOCAB))
+
+
+def test_metrics_report_the_window_ring_pool_and_the_fixed_state_slots():
+    """A windowed hybrid model's two extra pools are scraped: full while idle, returned after a request."""
+    server = serve(SyntheticModel(vocab_size=VOCAB, window=4, hybrid=True), max_batch_size=8)
+    try:
+        before = settled_metrics(server)
+        window_total = metric(before, "pagedgen:window_cache_blocks_total", model_name="synthetic")
+        assert window_total > 0
+        assert metric(before, "pagedgen:window_cache_blocks_free", model_name="synthetic") == window_total
+        assert metric(before, "pagedgen:fixed_state_slots_total", model_name="synthetic") == 8
+        assert metric(before, "pagedgen:fixed_state_slots_free", model_name="synthetic") == 8
+        prompt = [5, 6, 7, 8, 9, 10, 11]
+        out = _client(server).completions.create(model="synthetic", prompt=prompt, max_tokens=12)
+        assert out.usage.completion_tokens == 12
+        after = settled_metrics(server)
+        assert metric(after, "pagedgen:window_cache_blocks_free", model_name="synthetic") == window_total
+        assert metric(after, "pagedgen:fixed_state_slots_free", model_name="synthetic") == 8
+    finally:
+        server.stop()
+
+
+def test_metrics_report_empty_extra_pools_for_a_full_attention_model(synthetic_server):
+    text = settled_metrics(synthetic_server)
+    for name in ("window_cache_blocks_total", "window_cache_blocks_free", "fixed_state_slots_total"):
+        assert metric(text, f"pagedgen:{name}", model_name="synthetic") == 0
