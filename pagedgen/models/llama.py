@@ -327,10 +327,10 @@ class LlamaForCausalLM(nn.Module):
     def _build_fused_decoder(self) -> FusedDecoder | None:
         """``None`` unless every layer is the plain pre-norm block with fused, stored-format projections."""
         config = self.config
-        if self.dtype is not torch.float32 or config.qk_norm or self.windowed:
-            return None  # q/k norms and sliding windows are not in the fused kernel
+        if self.dtype is not torch.float32 or config.qk_norm:
+            return None  # q/k norms are not in the fused kernel
         layers = []
-        for layer in self.model.layers:
+        for i, layer in enumerate(self.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             if attn.qkv is None or mlp.gate_up is None:
                 return None
@@ -345,6 +345,7 @@ class LlamaForCausalLM(nn.Module):
                     gate_up_bias=mlp.gate_up.bias,
                     down=mlp.down_proj.weight,
                     down_bias=mlp.down_proj.bias,
+                    windowed=i in self.windowed,
                 )
             )
         dims = DecoderDims(
@@ -378,11 +379,11 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(inputs.input_ids)  # [T, hidden]
         rope = self.model.rotary_emb(inputs.positions, x.dtype)  # 2 x [T, head_dim]
         plan = plan_attention(inputs, kv_cache.keys[0])  # once per step, shared by every layer
+        window_plan = self._window_plan(inputs, kv_cache)  # the sliding-window layers' (None without)
         fused = self.fused_decoder
-        if fused is not None and fused.supports(x, inputs, plan):
-            x, delta = fused.run(x, rope, inputs, plan, kv_cache.keys, kv_cache.values)
+        if fused is not None and fused.supports(x, inputs, plan, window_plan):
+            x, delta = fused.run(x, rope, inputs, plan, kv_cache.keys, kv_cache.values, window_plan)
         else:
-            window_plan = self._window_plan(inputs, kv_cache)
             delta = None
             for layer, k_cache, v_cache in zip(
                 self.model.layers, kv_cache.keys, kv_cache.values, strict=True

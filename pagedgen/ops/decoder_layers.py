@@ -45,6 +45,7 @@ class _Layer(ctypes.Structure):
         ("down", _PackedWeight),
         ("k_cache", _P),
         ("v_cache", _P),
+        ("windowed", _I64),
     ]
 
 
@@ -60,16 +61,24 @@ class _Dims(ctypes.Structure):
     ]
 
 
-class _Step(ctypes.Structure):
+class _KVView(ctypes.Structure):
     _fields_ = [
-        ("tokens", _I64),
-        ("cos", _P),
-        ("sin", _P),
         ("slots", _P),
         ("num_slots", _I64),
         ("tables", _P),
         ("table_stride", _I64),
         ("kv_lens", _P),
+        ("kv_starts", _P),
+    ]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        ("tokens", _I64),
+        ("cos", _P),
+        ("sin", _P),
+        ("full", _KVView),
+        ("window", _KVView),
         ("token_rows", _P),
         ("block_size", _I64),
         *((name, _P) for name in ("x", "delta", "h", "qkv", "q", "attn", "o", "gate_up", "act")),
@@ -89,6 +98,7 @@ class LayerWeights:
     gate_up_bias: torch.Tensor | None
     down: QuantizedWeight  # [hidden, inner]
     down_bias: torch.Tensor | None
+    windowed: bool = False  # a sliding-window layer: writes and reads through the step's window plan
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +115,29 @@ class DecoderDims:
 def _fp32_vector(t: torch.Tensor | None, size: int) -> bool:
     return t is None or (
         t.dtype is torch.float32 and t.device.type == "cpu" and t.is_contiguous() and t.shape == (size,)
+    )
+
+
+def _native_decode_only(plan: AttentionPlan | None, tokens: int) -> bool:
+    """The plan reads every one of the step's ``tokens`` rows as a decode on the native kernel."""
+    return (
+        plan is not None
+        and plan.kernel is not None
+        and not plan.prefill
+        and plan.decode_token_rows.shape[0] == tokens
+    )
+
+
+def _view(plan: AttentionPlan, slots: torch.Tensor, cache: torch.Tensor) -> _KVView:
+    """Where the plan's layers write (``slots``, contiguous int64) and read the step's keys."""
+    starts = plan.decode_starts
+    return _KVView(
+        slots.data_ptr(),
+        cache.shape[0] * cache.shape[1],
+        plan.decode_tables.data_ptr(),
+        plan.decode_tables.shape[1],
+        plan.decode_kv_lens.data_ptr(),
+        None if starts is None else starts.data_ptr(),
     )
 
 
@@ -132,9 +165,15 @@ class FusedDecoder:
             c.input_norm, c.post_norm = w.input_norm.data_ptr(), w.post_norm.data_ptr()
             c.qkv, c.o = _packed(w.qkv, w.qkv_bias), _packed(w.o, None)
             c.gate_up, c.down = _packed(w.gate_up, w.gate_up_bias), _packed(w.down, w.down_bias)
+            c.windowed = int(w.windowed)
+        self._windowed = any(w.windowed for w in layers)
         # one weight per (format, shape): the quant kernel's use is decided per format and shape
         every = (w for lw in layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down))
         self._distinct = tuple({(w.qtype, w.shape): w for w in every}.values())
+
+    def _cache_of(self, keys: Sequence[torch.Tensor], windowed: bool) -> torch.Tensor:
+        """A cache of the full-attention (or sliding-window) layers; the first layer's when none is."""
+        return next((k for k, w in zip(keys, self._weights, strict=True) if w.windowed == windowed), keys[0])
 
     @staticmethod
     def build(layers: Sequence[LayerWeights], dims: DecoderDims) -> FusedDecoder | None:
@@ -162,13 +201,21 @@ class FusedDecoder:
         function.restype = ctypes.c_int
         return FusedDecoder(function, layers, dims)
 
-    def supports(self, x: torch.Tensor, inputs: StepInputs, plan: AttentionPlan) -> bool:
-        """Whether the per-layer path would run this step on exactly the kernels :meth:`run` calls."""
+    def supports(
+        self,
+        x: torch.Tensor,
+        inputs: StepInputs,
+        plan: AttentionPlan,
+        window_plan: AttentionPlan | None = None,
+    ) -> bool:
+        """Whether the per-layer path would run this step on exactly the kernels :meth:`run` calls.
+
+        ``window_plan`` is the sliding-window layers' plan (required when the model has such layers).
+        """
         tokens = inputs.num_tokens
+        plans = (plan, window_plan) if self._windowed else (plan,)
         return (
-            plan.kernel is not None
-            and not plan.prefill
-            and plan.decode_token_rows.shape[0] == tokens
+            all(_native_decode_only(p, tokens) for p in plans)
             and x.dtype is torch.float32
             and x.device.type == "cpu"
             and all(use_quant_kernel(w, tokens) for w in self._distinct)
@@ -182,12 +229,15 @@ class FusedDecoder:
         plan: AttentionPlan,
         keys: Sequence[torch.Tensor],
         values: Sequence[torch.Tensor],
+        window_plan: AttentionPlan | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer over the step: ``(x, delta)`` as the per-layer loop leaves them (``x`` in place).
 
         Writes each layer's new K/V into ``keys``/``values`` (``[num_blocks, block_size, Hkv, D]`` fp32,
-        contiguous; checked by :meth:`supports` through the plan). Raises ``IndexError`` for a slot outside
-        the cache (nothing written), ``MemoryError`` when a kernel could not allocate.
+        contiguous; checked by :meth:`supports` through the plan): a full-attention layer through the
+        step's slots and ``plan``, a sliding-window layer through ``window_plan`` (its ring's slots and its
+        window). Raises ``IndexError`` for a slot outside its cache (nothing written), ``MemoryError`` when
+        a kernel could not allocate.
         """
         dims, tokens = self._dims, inputs.num_tokens
         if len(keys) != len(self._c_layers) or len(values) != len(self._c_layers):
@@ -197,6 +247,14 @@ class FusedDecoder:
         x = x.contiguous()
         cos, sin = (t.contiguous() for t in rope)
         slots = inputs.slot_mapping.to(torch.int64).contiguous()
+        full = _view(plan, slots, self._cache_of(keys, windowed=False))
+        window_slots, window = slots, _KVView()
+        if self._windowed:
+            if window_plan is None:
+                raise ValueError("the model has sliding-window layers: run() needs their window_plan")
+            ring_slots = inputs.slot_mapping if window_plan.slot_mapping is None else window_plan.slot_mapping
+            window_slots = ring_slots.to(torch.int64).contiguous()
+            window = _view(window_plan, window_slots, self._cache_of(keys, windowed=True))
         q_width, kv_width = dims.q_heads * dims.head_dim, dims.kv_heads * dims.head_dim
 
         def buffer(width: int) -> torch.Tensor:
@@ -205,24 +263,21 @@ class FusedDecoder:
         delta, h, o = buffer(dims.hidden), buffer(dims.hidden), buffer(dims.hidden)
         qkv, q, attn = buffer(q_width + 2 * kv_width), buffer(q_width), buffer(q_width)
         gate_up, act = buffer(2 * dims.inner), buffer(dims.inner)
-        cache = keys[0]
         step = _Step(
             tokens,
             cos.data_ptr(),
             sin.data_ptr(),
-            slots.data_ptr(),
-            cache.shape[0] * cache.shape[1],
-            plan.decode_tables.data_ptr(),
-            plan.decode_tables.shape[1],
-            plan.decode_kv_lens.data_ptr(),
+            full,
+            window,
             plan.decode_token_rows.data_ptr(),
-            cache.shape[1],
+            keys[0].shape[1],
             *(t.data_ptr() for t in (x, delta, h, qkv, q, attn, o, gate_up, act)),
         )
         torch_pool.restore()
         failed = self._fn(self._c_layers, len(self._c_layers), self._c_dims, step, torch.get_num_threads())
         if failed == -3:
-            raise IndexError(f"write_kv: a slot of {slots.tolist()} is outside the cache")
+            rings = f"; the window layers' ring slots: {window_slots.tolist()}" if self._windowed else ""
+            raise IndexError(f"write_kv: a slot of {slots.tolist()} is outside the cache{rings}")
         if failed:
             raise MemoryError(f"decoder_layers_f32 failed ({failed})")
         return x, delta

@@ -22,6 +22,7 @@ from pagedgen.executor.inputs import SequenceChunk, pack_step
 from pagedgen.models.model import Model
 from pagedgen.ops import native
 from pagedgen.ops.attention import plan_attention
+from tests.model.paged_runner import PagedRunner, PagedSequence
 from tests.model.tiny_checkpoints import TINY_RAW, random_state, write_gguf
 
 BLOCK = 4  # small blocks: the tables of the rows below span several, partly filled
@@ -172,12 +173,91 @@ def test_a_slot_outside_the_cache_raises_and_writes_nothing(tmp_path, need_kerne
     assert all(torch.equal(a, b) for a, b in zip(before, cache.keys + cache.values, strict=True))
 
 
-def test_a_sliding_window_model_keeps_the_per_layer_path(tmp_path, need_kernels):
-    raw = {**TINY_RAW, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 6}
+def _windowed_model(tmp_path, extra: dict) -> Model:
+    """A bf16 safetensors model with sliding-window layers (``extra``: the config keys that say which)."""
+    raw = {**TINY_RAW, "num_hidden_layers": 3, **extra}
     directory = tmp_path / "hf-window"
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps(raw))
-    state = {k: torch.from_numpy(v).to(torch.bfloat16) for k, v in random_state(raw, seed=8).items()}
-    save_file(state, str(directory / "model.safetensors"))
-    model = Model(str(directory))
-    assert model.runtime.windowed and model.runtime.fused_decoder is None
+    qkv_bias = raw["model_type"] == "qwen2"
+    state = random_state(raw, seed=8, qkv_bias=qkv_bias)
+    save_file(
+        {k: torch.from_numpy(v).to(torch.bfloat16) for k, v in state.items()},
+        str(directory / "model.safetensors"),
+    )
+    return Model(str(directory))
+
+
+def _run_rings(model: Model, fused: bool, prompts: list[list[int]], ring_chunk: int | None, steps: int = 12):
+    """Like :func:`_run` through :class:`PagedRunner` (shuffled blocks; window rings when ``ring_chunk``)."""
+    runtime = model.runtime
+    kept = runtime.fused_decoder
+    runtime.fused_decoder = kept if fused else None
+    try:
+        runner = PagedRunner(model, num_blocks=64, block_size=BLOCK, seed=3, ring_chunk=ring_chunk)
+        seqs = [PagedSequence(tokens=[]) for _ in prompts]
+        outputs = [runner.step(seqs, prompts)]
+        for _ in range(steps):
+            outputs.append(runner.step(seqs, [[t] for t in outputs[-1].argmax(-1).tolist()]))
+        return outputs, runner.cache
+    finally:
+        runtime.fused_decoder = kept
+
+
+WINDOWED = {
+    "mistral, every layer windowed": {"architectures": ["MistralForCausalLM"], "model_type": "mistral"},
+    "qwen2, layers 1 and 2 windowed": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "use_sliding_window": True,
+        "max_window_layers": 1,
+    },
+}
+
+
+@pytest.mark.parametrize("ring_chunk", [None, 8], ids=["block-tables", "rings"])
+@pytest.mark.parametrize("family", sorted(WINDOWED))
+def test_sliding_window_layers_decode_fused_as_the_per_layer_loop_does(
+    tmp_path, need_kernels, monkeypatch, family, ring_chunk
+):
+    """Decodes run well past the window (6), in rings or masked block tables, each layer kind in its view."""
+    model = _windowed_model(tmp_path, {"sliding_window": 6, **WINDOWED[family]})
+    runtime = model.runtime
+    assert runtime.windowed and runtime.fused_decoder is not None
+    calls = []
+    run = decoder_layers.FusedDecoder.run
+    monkeypatch.setattr(decoder_layers.FusedDecoder, "run", lambda self, *a: calls.append(1) or run(self, *a))
+    prompts = PROMPTS[:3]
+    fused_logits, fused_cache = _run_rings(model, True, prompts, ring_chunk)
+    assert len(calls) == 12  # every decode step, no prefill
+    plain_logits, plain_cache = _run_rings(model, False, prompts, ring_chunk)
+    for got, expected in zip(fused_logits, plain_logits, strict=True):
+        assert torch.equal(got, expected)
+    for got, expected in zip(
+        fused_cache.keys + fused_cache.values, plain_cache.keys + plain_cache.values, strict=True
+    ):
+        assert torch.equal(got, expected)
+
+
+def test_a_ring_slot_outside_the_window_pool_raises_and_writes_nothing(tmp_path, need_kernels):
+    model = _windowed_model(tmp_path, {"sliding_window": 6, **WINDOWED["mistral, every layer windowed"]})
+    runner = PagedRunner(model, num_blocks=16, block_size=BLOCK, seed=3, ring_chunk=4)
+    seq = PagedSequence(tokens=[])
+    runner.step([seq], [[1, 2, 3]])
+    before = [t.clone() for t in runner.cache.keys + runner.cache.values]
+    runner.reserve(seq, 4)
+    step = pack_step(
+        [SequenceChunk([4], 3, list(seq.blocks), window_ring=seq.ring)],
+        block_size=BLOCK,
+        window=runner.window,
+    )
+    plan = model.runtime._window_plan(step, runner.cache)
+    plan.slot_mapping[0] = runner.cache.keys[0].shape[0] * BLOCK  # one past the ring pool's last slot
+    full = plan_attention(step, runner.cache.keys[0])
+    x = torch.zeros(1, TINY_RAW["hidden_size"])
+    rope = model.runtime.model.rotary_emb(step.positions, x.dtype)
+    with pytest.raises(IndexError, match="outside"):
+        model.runtime.fused_decoder.run(x, rope, step, full, runner.cache.keys, runner.cache.values, plan)
+    assert all(
+        torch.equal(a, b) for a, b in zip(before, runner.cache.keys + runner.cache.values, strict=True)
+    )
