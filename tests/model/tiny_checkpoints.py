@@ -83,7 +83,8 @@ def llama_cpp_rope_factors(rope: Mapping[str, Any], head_dim: int) -> np.ndarray
 
 
 def tiny_config(kind: str, **overrides: Any):
-    """A transformers config: ``llama``, ``llama3``, ``mistral``, ``qwen2``, ``qwen3`` or ``lfm2``."""
+    """A transformers config: ``llama``, ``llama3``, ``mistral``, ``qwen2``, ``qwen3``, ``lfm2``, ``gemma2``
+    or ``gemma3`` (Gemma 3 text)."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     args = {**TINY, **overrides}
@@ -96,6 +97,8 @@ def tiny_config(kind: str, **overrides: Any):
             num_hidden_layers=4, layer_types=layers, conv_L_cache=3, block_auto_adjust_ff_dim=False
         )
         return Lfm2Config(**{**base, **defaults, **overrides})
+    if kind in ("gemma2", "gemma3"):
+        return _tiny_gemma_config(kind, overrides)
     if kind == "llama":
         return LlamaConfig(**args)
     if kind == "llama3":
@@ -113,8 +116,35 @@ def tiny_config(kind: str, **overrides: Any):
     raise ValueError(kind)
 
 
+def _tiny_gemma_config(kind: str, overrides: dict[str, Any]):
+    """Gemma 2 / Gemma 3 text with every trait visible at this size: a window of 8 over four layers mixing
+    local and global, a query scale other than the head size, soft-caps that bend the scores and logits,
+    and (Gemma 3) a local RoPE base apart from the global layers' linearly scaled one."""
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    base = dict(
+        TINY,
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+        sliding_window=8,
+        query_pre_attn_scalar=24,
+        final_logit_softcapping=5.0,
+    )
+    if kind == "gemma2":
+        return Gemma2Config(**{**base, "attn_logit_softcapping": 1.0, **overrides})
+    rope = {
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1_000.0},
+    }
+    return Gemma3TextConfig(**{**base, "rope_parameters": rope, **overrides})
+
+
 def tiny_hf_model(kind: str, seed: int = 0, **overrides: Any):
-    """A random float32 transformers model; norms and biases randomised too, so a comparison sees them."""
+    """A random float32 transformers model; norms and biases randomised too, so a comparison sees them.
+
+    Norm scales land in [0.5, 1.5] for every family: Gemma's RMSNorm scales by ``1 + weight``, so its
+    weights are drawn around 0.
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -123,7 +153,8 @@ def tiny_hf_model(kind: str, seed: int = 0, **overrides: Any):
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
-                param.uniform_(0.5, 1.5)
+                low = -0.5 if kind.startswith("gemma") else 0.5
+                param.uniform_(low, low + 1.0)
             elif name.endswith(".bias"):
                 param.normal_(0.0, 0.2)
     return model
