@@ -7,7 +7,8 @@ layers with linear scaling. Sequences of 40-120 tokens cross the window many tim
 at every position on every path (one prefill, chunked prefill through rings, one token per step, prefill
 then decode over block tables, several sequences in one step); through the engine, greedy tokens equal
 transformers' while the local layers' blocks stay flat; a mixed batch equals each request alone; chunked
-prefill equals unchunked; a rolled-back step at every phase leaves the state exact.
+prefill equals unchunked; a rolled-back step at every phase leaves the state exact. GGUF files written the
+way llama.cpp's converter writes them load and give the same logits.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import torch
 
 import pagedgen as pg
 from pagedgen.core.window import ring_blocks
+from pagedgen.errors import ModelLoadError
+from pagedgen.models.gguf_reader import gguf_config, open_gguf
 from tests.helpers import drain, engine_snapshot, event_key, record_steps, submit, tokens_of
 from tests.model.hf_cases import RECOVERABLE, RECOVERABLE_IDS, greedy_by_forwards, ids_of, small_engine
 from tests.model.paged_runner import (
@@ -26,7 +29,7 @@ from tests.model.paged_runner import (
     prompt_logits,
     stepwise_logits,
 )
-from tests.model.tiny_checkpoints import tiny_hf_model
+from tests.model.tiny_checkpoints import tiny_hf_model, write_gemma_gguf
 
 pytestmark = pytest.mark.model
 
@@ -219,3 +222,74 @@ def test_a_rollback_at_every_phase_leaves_the_state_exact(case, phase, error):
     )
     assert engine_snapshot(eng) == before and eng.check_invariants() == []
     assert [event_key(e) for e in drain(eng)] == expected  # the retry writes the rings exactly as before
+
+
+# ---- GGUF: files written the way llama.cpp's converter writes Gemma 2 / Gemma 3 ---------------------------
+# The oracle is transformers on the same weights from safetensors. Its own GGUF loader is no oracle here: on
+# these files it takes query_pre_attn_scalar 256 and its default soft-caps and drops the linear RoPE scaling
+# (transformers 5.24: logits off by 1-3).
+
+
+def llama_cpp_shaped(kind: str):
+    """A tiny model whose config is what llama.cpp derives from a Gemma GGUF file, so the file holds it
+    exactly: the architecture's layer pattern (every 2nd / 6th layer global), queries scaled by the head size
+    (``query_pre_attn_scalar`` is not stored; llama.cpp uses the head size below 27B), and Gemma 3's local
+    layers at RoPE base 10000 (llama.cpp's fixed base when the file names none)."""
+    overrides = {"layer_types": None, "query_pre_attn_scalar": 16}
+    if kind == "gemma3":
+        rope = {
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        }
+        overrides.update(num_hidden_layers=6, rope_parameters=rope)
+    return tiny_hf_model(kind, initializer_range=LOGITS_INIT, **overrides)
+
+
+@pytest.mark.parametrize("weights", ["native", "float32"])
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_a_gguf_file_loads_and_matches_transformers(kind, weights, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDGEN_CACHE_DIR", str(tmp_path / "cache"))
+    hf = llama_cpp_shaped(kind)
+    path = tmp_path / f"{kind}.gguf"
+    write_gemma_gguf(path, hf)
+    model = pg.Model(str(path), device="cpu", weights=weights)
+    local = (0, 2) if kind == "gemma2" else (0, 1, 2, 3, 4)
+    assert model.state_manifest.window_layers == local and model.config.sliding_window == WINDOW
+    assert model.config.query_scale == 16.0
+    ids = ids_of(40, seed=8)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    for logits in (prompt_logits(model, ids, block_size=4), chunked_logits(model, ids, chunk=3)):
+        assert (logits - ref).abs().max().item() <= TOL
+
+
+def test_a_gguf_pattern_array_and_local_base_are_read(logits_case, tmp_path):
+    """Newer writers may spell the sliding layers per layer and the local RoPE base; both are honoured."""
+    case = logits_case
+    path = tmp_path / "pattern.gguf"
+    write_gemma_gguf(path, case.hf, pattern=[True, False, True, True], local_base=1_000.0)
+    config = gguf_config(open_gguf(path))
+    assert config.windowed_layers == LOCAL and config.sliding_window == WINDOW
+    if case.kind == "gemma3":
+        assert config.local_rope.theta == 1_000.0 and config.rope.rope_type == "linear"
+
+
+@pytest.mark.parametrize(
+    ("kind", "replace", "message"),
+    [
+        ("gemma3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping 50.0 is not part of Gemma 3"),
+        (
+            "gemma2",
+            {"attention.sliding_window_pattern": [True, False, True]},
+            "lists 3 layers, the model has 4",
+        ),
+        ("gemma2", {"attention.sliding_window_pattern": 0}, "must be a positive period, got 0"),
+        ("gemma3", {"attention.sliding_window": 0}, "sliding_window must be a positive integer, got 0"),
+    ],
+)
+def test_bad_gguf_metadata_is_refused_naming_the_key(kind, replace, message, tmp_path):
+    hf = llama_cpp_shaped(kind)
+    path = tmp_path / "bad.gguf"
+    write_gemma_gguf(path, hf, replace=replace)
+    with pytest.raises(ModelLoadError, match=message):
+        gguf_config(open_gguf(path))

@@ -322,3 +322,77 @@ def write_hf_dir(path: Path, raw: Mapping[str, Any], state: Mapping[str, np.ndar
     (path / "config.json").write_text(json.dumps(dict(raw)))
     save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, str(path / "model.safetensors"))
     return path
+
+
+def write_gemma_gguf(
+    path: Path,
+    model,
+    pattern: list[bool] | None = None,
+    local_base: float | None = None,
+    replace: Mapping[str, Any] | None = None,
+) -> None:
+    """Gemma 2 / Gemma 3 text as llama.cpp's ``convert_hf_to_gguf.py`` (``Gemma2Model``, ``Gemma3Model``)
+    writes them: arch ``gemma2`` / ``gemma3``, names from gguf's own tensor map, every ``*norm.weight`` stored
+    plus one, no Q/K permutation, the tied head left out. Gemma 2 writes its soft-caps and window but no RoPE
+    base; Gemma 3 writes the global layers' RoPE base and linear scaling, its final soft-cap when set and the
+    window. The layer pattern and the local RoPE base are llama.cpp's rules unless ``pattern`` (one flag per
+    layer, True = sliding) or ``local_base`` (``rope.freq_base_swa``) are given. ``replace`` sets
+    ``<arch>.<key>`` metadata (ints as uint32, floats as float32, lists as arrays) for refusal tests."""
+    import gguf
+
+    c = model.config
+    arch = "gemma2" if c.model_type == "gemma2" else "gemma3"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_vocab_size(c.vocab_size)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(c.final_logit_softcapping)
+    else:
+        rope = c.rope_parameters["full_attention"]
+        writer.add_rope_freq_base(rope["rope_theta"])
+        if rope.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(rope["factor"])
+        if c.final_logit_softcapping:
+            writer.add_final_logit_softcapping(c.final_logit_softcapping)
+    writer.add_sliding_window(c.sliding_window)
+    if pattern is not None:
+        writer.add_sliding_window_pattern(pattern)
+    if local_base is not None:
+        writer.add_rope_freq_base_swa(local_base)
+    for key, value in (replace or {}).items():
+        name = f"{arch}.{key}"
+        writer.kv_data[0].pop(name, None)
+        if isinstance(value, list):
+            writer.add_array(name, value)
+        elif isinstance(value, float):
+            writer.add_float32(name, value)
+        else:
+            writer.add_uint32(name, value)
+    tokens, types = byte_level_vocab()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(["h e"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
+    for name, array in hf_state(model).items():
+        if name == "lm_head.weight":
+            continue  # the converter skips it: Gemma ties its head
+        if name.endswith("norm.weight"):
+            array = array + np.float32(1.0)  # Gemma's RMSNorm scales by 1 + weight
+        gguf_tensor = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        add_tensor(writer, gguf_tensor, array, gguf.GGMLQuantizationType.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
