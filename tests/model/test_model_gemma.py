@@ -224,6 +224,14 @@ def test_a_rollback_at_every_phase_leaves_the_state_exact(case, phase, error):
     assert [event_key(e) for e in drain(eng)] == expected  # the retry writes the rings exactly as before
 
 
+def test_the_static_path_keeps_local_layers_in_its_one_pool_and_masks_them(case):
+    prompt = ids_of(30, seed=6)
+    eng = small_engine(case.model, dynamic_batching=False, num_blocks=64)
+    request = submit(eng, prompt, 40, ignore_eos=True)
+    assert tokens_of(drain(eng))[request] == case.greedy(prompt, 40)
+    assert eng.stats().window_total_blocks == 0
+
+
 # ---- GGUF: files written the way llama.cpp's converter writes Gemma 2 / Gemma 3 ---------------------------
 # The oracle is transformers on the same weights from safetensors. Its own GGUF loader is no oracle here: on
 # these files it takes query_pre_attn_scalar 256 and its default soft-caps and drops the linear RoPE scaling
