@@ -1,7 +1,8 @@
 """The architecture description of a decoder, parsed from an HF ``config.json`` dict.
 
-One frozen :class:`ModelConfig` covers every family :mod:`pagedgen.models.llama` implements, and LFM2
-(:mod:`pagedgen.models.lfm2`: the Llama-style fields plus its convolution layers, ``conv_*``). The family is
+One frozen :class:`ModelConfig` covers every family :mod:`pagedgen.models.llama` implements, LFM2
+(:mod:`pagedgen.models.lfm2`: the Llama-style fields plus its convolution layers, ``conv_*``) and Gemma 2 / 3
+(:mod:`pagedgen.models.gemma`: the query scale, soft-capping and Gemma 3's local RoPE). The family is
 chosen from the config's ``model_type`` (or, failing that, its ``architectures`` list); its traits (q/k/v
 bias, per-head q/k RMSNorm) come from :data:`FAMILY_TRAITS` and the config's own flags. Anything we do not
 implement (another family, another RoPE scaling, another activation) is refused here, before any weight is
@@ -16,6 +17,8 @@ from typing import Any
 
 from pagedgen.errors import ModelLoadError, UnsupportedArchitectureError
 
+GELU_TANH = "gelu_pytorch_tanh"  # Gemma's MLP activation (GELU, tanh approximation)
+
 
 @dataclass(frozen=True, slots=True)
 class FamilyTraits:
@@ -24,6 +27,8 @@ class FamilyTraits:
     qkv_bias: bool | None  # None: read the config's ``attention_bias`` flag
     qk_norm: bool
     use_sliding_window: bool = True  # what an absent ``use_sliding_window`` key means (transformers' default)
+    hidden_act: str = "silu"  # the MLP gate activation the family's runtime implements
+    local_rope: bool = False  # sliding-window layers rotate with their own RoPE (Gemma 3)
 
 
 FAMILY_TRAITS: dict[str, FamilyTraits] = {
@@ -32,6 +37,33 @@ FAMILY_TRAITS: dict[str, FamilyTraits] = {
     "qwen2": FamilyTraits(qkv_bias=True, qk_norm=False, use_sliding_window=False),
     "qwen3": FamilyTraits(qkv_bias=None, qk_norm=True, use_sliding_window=False),
     "lfm2": FamilyTraits(qkv_bias=False, qk_norm=True, use_sliding_window=False),
+    "gemma2": FamilyTraits(qkv_bias=None, qk_norm=False, hidden_act=GELU_TANH),
+    "gemma3_text": FamilyTraits(qkv_bias=None, qk_norm=True, hidden_act=GELU_TANH, local_rope=True),
+}
+GEMMA_FAMILIES = ("gemma2", "gemma3_text")
+
+# What an absent key means in each Gemma config (transformers' Gemma2Config / Gemma3TextConfig defaults).
+# ``sliding_window_pattern``: every n-th layer attends fully, the others within the window.
+_GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma2": {
+        "sliding_window": 4096,
+        "sliding_window_pattern": 2,
+        "query_pre_attn_scalar": 256,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "rope_theta": 10_000.0,
+        "tie_word_embeddings": True,
+    },
+    "gemma3_text": {
+        "sliding_window": 4096,
+        "sliding_window_pattern": 6,
+        "query_pre_attn_scalar": 256,
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+        "tie_word_embeddings": True,
+    },
 }
 
 CONV = "conv"  # LFM2's ``layer_types`` entry of a short-convolution layer
@@ -44,6 +76,8 @@ _ARCHITECTURE_CLASSES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Lfm2ForCausalLM": "lfm2",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 
 # ``freq_factors``: per-frequency divisors shipped as a weight (llama.cpp's ``rope_freqs``, Llama 3.x GGUFs).
@@ -112,6 +146,10 @@ class ModelConfig:
     conv_layers: tuple[int, ...] = ()  # short-convolution layers (LFM2): fixed conv state, no attention
     conv_kernel: int = 0  # taps of those convolutions (``conv_L_cache``)
     conv_bias: bool = False
+    query_scale: float | None = None  # scores scaled by query_scale ** -0.5 (Gemma); None: head_dim ** -0.5
+    attn_softcap: float | None = None  # attention scores soft-capped: cap * tanh(s / cap) (Gemma 2)
+    final_softcap: float | None = None  # logits soft-capped likewise (Gemma 2 / 3)
+    local_rope: RopeConfig | None = None  # the sliding-window layers' own RoPE (Gemma 3); None: ``rope``
 
     def __post_init__(self) -> None:
         if self.architecture not in FAMILY_TRAITS:
@@ -152,6 +190,10 @@ class ModelConfig:
             )
         if self.conv_layers and self.conv_kernel < 2:
             raise ValueError(f"ModelConfig.conv_kernel must be >= 2 with conv layers, got {self.conv_kernel}")
+        for name in ("query_scale", "attn_softcap", "final_softcap"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"ModelConfig.{name} must be positive or None, got {value!r}")
 
     @property
     def windowed_layers(self) -> tuple[int, ...]:
@@ -175,16 +217,7 @@ class ModelConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """An HF-style ``config.json`` dict that :func:`config_from_hf` parses back to an equal config."""
-        rope = self.rope
-        rope_parameters: dict[str, Any] = {"rope_type": rope.rope_type, "rope_theta": rope.theta}
-        if rope.rope_type != "default":
-            rope_parameters["factor"] = rope.factor
-        if rope.rope_type == "llama3":
-            rope_parameters.update(
-                low_freq_factor=rope.low_freq_factor,
-                high_freq_factor=rope.high_freq_factor,
-                original_max_position_embeddings=rope.original_max_position_embeddings,
-            )
+        rope_parameters = _rope_dict(self.rope)
         data: dict[str, Any] = {
             "model_type": self.architecture,
             "vocab_size": self.vocab_size,
@@ -200,7 +233,7 @@ class ModelConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             "attention_bias": self.qkv_bias,
             "mlp_bias": self.mlp_bias,
-            "hidden_act": "silu",
+            "hidden_act": FAMILY_TRAITS[self.architecture].hidden_act,
             "sliding_window": self.sliding_window,
             "use_sliding_window": self.sliding_window is not None,
             "layer_types": [SLIDING if i in self.windowed_layers else FULL for i in range(self.num_layers)],
@@ -215,7 +248,29 @@ class ModelConfig:
                 norm_eps=self.rms_norm_eps,
                 block_auto_adjust_ff_dim=False,
             )
+        if self.architecture in GEMMA_FAMILIES:
+            data.update(
+                query_pre_attn_scalar=self.query_scale,
+                attn_logit_softcapping=self.attn_softcap,
+                final_logit_softcapping=self.final_softcap,
+            )
+            if self.local_rope is not None:
+                data["rope_parameters"] = {FULL: rope_parameters, SLIDING: _rope_dict(self.local_rope)}
         return data
+
+
+def _rope_dict(rope: RopeConfig) -> dict[str, Any]:
+    """``rope`` as transformers 5's ``rope_parameters``."""
+    params: dict[str, Any] = {"rope_type": rope.rope_type, "rope_theta": rope.theta}
+    if rope.rope_type != "default":
+        params["factor"] = rope.factor
+    if rope.rope_type == "llama3":
+        params.update(
+            low_freq_factor=rope.low_freq_factor,
+            high_freq_factor=rope.high_freq_factor,
+            original_max_position_embeddings=rope.original_max_position_embeddings,
+        )
+    return params
 
 
 def resolve_architecture(raw: Mapping[str, Any], source: str) -> str:
@@ -240,18 +295,28 @@ def config_from_hf(raw: Mapping[str, Any], source: str) -> ModelConfig:
     Raises :class:`UnsupportedArchitectureError` for a family we do not implement and
     :class:`ModelLoadError` naming ``source`` and the field for a missing or unsupported value.
     """
+    _refuse_multimodal(raw, source)
     architecture = resolve_architecture(raw, source)
     traits = FAMILY_TRAITS[architecture]
+    gemma = architecture in GEMMA_FAMILIES
+    if gemma:
+        raw = _gemma_defaults(raw, architecture, source)
     act = raw.get("hidden_act", raw.get("hidden_activation", "silu"))
-    if act != "silu":
-        raise ModelLoadError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
+    if gemma:  # transformers' Gemma reads ``hidden_activation``; ``hidden_act`` is Gemma 1's leftover
+        act = raw.get("hidden_activation") or raw.get("hidden_act") or GELU_TANH
+    if act != traits.hidden_act:
+        raise ModelLoadError(f"{source}: hidden_act {act!r} is not supported (only {traits.hidden_act!r})")
     hidden = _require_int(raw, "hidden_size", source)
     num_heads = _require_int(raw, "num_attention_heads", source)
     head_dim = raw.get("head_dim") or hidden // num_heads
     qkv_bias = traits.qkv_bias if traits.qkv_bias is not None else bool(raw.get("attention_bias", False))
     num_layers = _require_int(raw, "num_hidden_layers", source)
     window, window_layers = _sliding_window(raw, traits, num_layers, source)
-    family = _lfm2_fields(raw, num_layers, source) if architecture == "lfm2" else {}
+    family: dict[str, Any] = {}
+    if architecture == "lfm2":
+        family = _lfm2_fields(raw, num_layers, source)
+    elif gemma:
+        family = _gemma_fields(raw, architecture, source)
     inner = family.pop("intermediate_size", None) or _require_int(raw, "intermediate_size", source)
     eps = family.pop("rms_norm_eps", None) or raw.get("rms_norm_eps", 1e-6)
     try:
@@ -266,7 +331,7 @@ def config_from_hf(raw: Mapping[str, Any], source: str) -> ModelConfig:
             head_dim=int(head_dim),
             max_position_embeddings=_require_int(raw, "max_position_embeddings", source),
             rms_norm_eps=float(eps),
-            rope=_rope_from_hf(raw, source),
+            rope=family.pop("rope", None) or _rope_from_hf(raw, source),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", architecture == "lfm2")),
             qkv_bias=qkv_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)),
@@ -328,8 +393,8 @@ def _sliding_window(
         layers = tuple(range(min(int(raw["max_window_layers"]), num_layers), num_layers))
     else:
         layers = tuple(range(num_layers))
-    if not layers or window >= int(raw.get("max_position_embeddings") or 0):
-        return None, None
+    if not layers or (window >= int(raw.get("max_position_embeddings") or 0) and not traits.local_rope):
+        return None, None  # (layers with their own RoPE stay marked, whatever their window)
     return window, None if len(layers) == num_layers else layers
 
 
@@ -393,3 +458,75 @@ def _lfm2_fields(raw: Mapping[str, Any], num_layers: int, source: str) -> dict[s
         "intermediate_size": inner,
         "rms_norm_eps": float(raw.get("norm_eps", 1e-5)),
     }
+
+
+def _refuse_multimodal(raw: Mapping[str, Any], source: str) -> None:
+    """Gemma 3's multimodal wrapper (``gemma3``: a ``text_config`` inside, weights under
+    ``model.language_model``) is not the text model we run; say so rather than fail on weight names."""
+    classes = raw.get("architectures") or ()
+    if raw.get("model_type") == "gemma3" or "Gemma3ForConditionalGeneration" in classes:
+        raise UnsupportedArchitectureError(
+            f"{source}: model_type 'gemma3' (Gemma3ForConditionalGeneration, image + text) is not supported; "
+            "only the text model 'gemma3_text' (Gemma3ForCausalLM) is"
+        )
+
+
+def _gemma_defaults(raw: Mapping[str, Any], architecture: str, source: str) -> dict[str, Any]:
+    """``raw`` with transformers' Gemma defaults for absent keys and ``layer_types`` spelled out from the
+    family's pattern (every ``sliding_window_pattern``-th layer full, the others sliding) when absent."""
+    defaults = _GEMMA_DEFAULTS[architecture]
+    full = {**defaults, **raw}
+    for key in ("sliding_window_pattern", "rope_theta", "rope_local_base_freq"):  # null means the default
+        if full.get(key) is None and key in defaults:
+            full[key] = defaults[key]
+    if full.get("use_bidirectional_attention"):
+        raise ModelLoadError(
+            f"{source}: use_bidirectional_attention is not supported (a causal decoder only)"
+        )
+    if full.get("layer_types") is None:
+        pattern = full["sliding_window_pattern"]
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern <= 0:
+            raise ModelLoadError(
+                f"{source}: sliding_window_pattern must be a positive integer, got {pattern!r}"
+            )
+        layers = _require_int(full, "num_hidden_layers", source)
+        full["layer_types"] = [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
+    return full
+
+
+def _gemma_fields(raw: Mapping[str, Any], architecture: str, source: str) -> dict[str, Any]:
+    """Gemma's own keys: the query scale, the soft-caps, and (Gemma 3) a RoPE per layer type: transformers
+    5's ``rope_parameters`` keyed by ``full_attention`` / ``sliding_attention``, or 4.x's ``rope_theta`` +
+    ``rope_scaling`` (global layers) and ``rope_local_base_freq`` (sliding layers)."""
+    attn_softcap = raw.get("attn_logit_softcapping")
+    if architecture == "gemma3_text" and attn_softcap is not None:
+        raise ModelLoadError(
+            f"{source}: attn_logit_softcapping {attn_softcap!r} is not part of Gemma 3 (transformers "
+            "ignores it, llama.cpp refuses it); expected null"
+        )
+    fields: dict[str, Any] = {
+        "query_scale": _optional_float(raw, "query_pre_attn_scalar", source),
+        "attn_softcap": _optional_float(raw, "attn_logit_softcapping", source),
+        "final_softcap": _optional_float(raw, "final_logit_softcapping", source),
+    }
+    if architecture == "gemma3_text":
+        params = raw.get("rope_parameters") or {}
+        if FULL in params or SLIDING in params:  # a type without rope_theta gets the family's base
+            full = {"rope_theta": raw["rope_theta"], **(params.get(FULL) or {})}
+            local = {"rope_theta": raw["rope_local_base_freq"], **(params.get(SLIDING) or {})}
+            fields["rope"] = _rope_from_hf({"rope_parameters": full}, source)
+            fields["local_rope"] = _rope_from_hf({"rope_parameters": local}, source)
+        else:
+            fields["local_rope"] = RopeConfig(theta=float(raw["rope_local_base_freq"]))
+    return fields
+
+
+def _optional_float(raw: Mapping[str, Any], key: str, source: str) -> float | None:
+    value = raw.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ModelLoadError(
+            f"{source}: config field {key!r} must be a positive number or null, got {value!r}"
+        )
+    return float(value)

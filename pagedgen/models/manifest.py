@@ -12,8 +12,9 @@ convolution layers. A ``pagedgen.json`` beside the checkpoint
 
 A key the override leaves out keeps the derived value. The manifest is the truth the model follows: its
 windowed layers are the ones the runtime masks and the engine keeps in rings. It must agree with what the
-runtime keeps: every attention layer owns paged K/V, and a convolution layer (LFM2) owns a fixed_conv state
-and no K/V. The engine decides separately what it can serve (:mod:`pagedgen.engine.cache_layout`).
+runtime keeps: every attention layer owns paged K/V, a convolution layer (LFM2) owns a fixed_conv state
+and no K/V, and where the windowed layers also have their own RoPE (Gemma 3's local layers) it cannot move
+them. The engine decides separately what it can serve (:mod:`pagedgen.engine.cache_layout`).
 """
 
 from __future__ import annotations
@@ -94,6 +95,12 @@ def apply_manifest(config: ModelConfig, manifest: StateManifest) -> ModelConfig:
             f"{manifest.source}: convolution layers {sorted(conv - fixed_conv)} belong to no fixed_conv group"
         )
     layers = manifest.window_layers
+    if config.local_rope is not None and tuple(layers) != config.windowed_layers:
+        raise StateManifestError(
+            f"{manifest.source}: sliding-window layers {list(layers)} differ from the config's "
+            f"{list(config.windowed_layers)}; this {config.architecture} runtime also rotates those layers "
+            "with their own RoPE, so a manifest cannot move them"
+        )
     if layers and conv:
         raise StateManifestError(
             f"{manifest.source}: this {config.architecture} runtime has no sliding-window attention "

@@ -344,3 +344,27 @@ def test_an_lfm2_override_must_match_what_its_layers_keep(groups, window, messag
     config = config_from_hf(LFM2_RAW, "c")
     with pytest.raises(StateManifestError, match=message):
         apply_manifest(config, StateManifest(4, tuple(groups), window, "override"))
+
+
+GEMMA3_RAW = {
+    **TINY_RAW,
+    "model_type": "gemma3_text",
+    "hidden_activation": "gelu_pytorch_tanh",
+    "num_hidden_layers": 4,
+    "sliding_window": 8,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+}
+
+
+def test_gemma3s_local_layers_are_the_window_layers_and_cannot_be_moved():
+    """The derived manifest windows Gemma 3's local layers; an override may resize the window but not move
+    it, since those layers also rotate with their own RoPE base."""
+    config = config_from_hf(GEMMA3_RAW, "c")
+    manifest = derived_manifest(config)
+    assert manifest.window_layers == (0, 2, 3) and manifest.window_size == 8
+    assert apply_manifest(config, manifest) == config
+    resized = apply_manifest(config, StateManifest(4, (), SlidingWindow(16, (0, 2, 3)), "override"))
+    assert resized.sliding_window == 16 and resized.windowed_layers == (0, 2, 3)
+    for moved in (SlidingWindow(8, (0, 1)), None):
+        with pytest.raises(StateManifestError, match="cannot move them"):
+            apply_manifest(config, StateManifest(4, (), moved, "override"))
