@@ -195,11 +195,14 @@ def write_gguf(
     qtype: Any = None,
     tokenizer: bool = True,
     rope_freqs: np.ndarray | None = None,
+    sliding_window: int | None = None,
 ) -> None:
     """Write a GGUF file like llama.cpp's converter: metadata, byte-level tokenizer, named tensors.
 
     ``tensors`` use HF names; q/k rows are permuted for the ``llama`` arch. 2-D weights are stored as
-    ``qtype`` (default F32); 1-D tensors stay F32, as llama.cpp keeps norms and biases.
+    ``qtype`` (default F32); 1-D tensors stay F32, as llama.cpp keeps norms and biases. ``sliding_window``
+    writes ``{arch}.attention.sliding_window`` (llama.cpp's key; its converter writes it for the families
+    it runs windowed).
     """
     import gguf
 
@@ -216,6 +219,8 @@ def write_gguf(
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
     writer.add_vocab_size(config["vocab_size"])
+    if sliding_window is not None:
+        writer.add_sliding_window(sliding_window)
     if tokenizer:
         tokens, types = byte_level_vocab()
         writer.add_tokenizer_model("gpt2")
