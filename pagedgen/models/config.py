@@ -1,15 +1,17 @@
 """The architecture description of a decoder, parsed from an HF ``config.json`` dict.
 
-One frozen :class:`ModelConfig` covers every family :mod:`pagedgen.models.llama` implements, and LFM2
-(:mod:`pagedgen.models.lfm2`: the Llama-style fields plus its convolution layers, ``conv_*``). The family is
-chosen from the config's ``model_type`` (or, failing that, its ``architectures`` list); its traits (q/k/v
-bias, per-head q/k RMSNorm) come from :data:`FAMILY_TRAITS` and the config's own flags. Anything we do not
-implement (another family, another RoPE scaling, another activation) is refused here, before any weight is
-read, with an error that names the file and the field.
+One frozen :class:`ModelConfig` covers every family :mod:`pagedgen.models.llama` implements, LFM2
+(:mod:`pagedgen.models.lfm2`: the Llama-style fields plus its convolution layers, ``conv_*``) and Bamba
+(:mod:`pagedgen.models.bamba`: the Llama-style fields plus its Mamba-2 mixer layers, ``mamba_*``). The
+family is chosen from the config's ``model_type`` (or, failing that, its ``architectures`` list); its
+traits (q/k/v bias, per-head q/k RMSNorm) come from :data:`FAMILY_TRAITS` and the config's own flags.
+Anything we do not implement (another family, another RoPE scaling, another activation) is refused here,
+before any weight is read, with an error that names the file and the field.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +34,7 @@ FAMILY_TRAITS: dict[str, FamilyTraits] = {
     "qwen2": FamilyTraits(qkv_bias=True, qk_norm=False, use_sliding_window=False),
     "qwen3": FamilyTraits(qkv_bias=None, qk_norm=True, use_sliding_window=False),
     "lfm2": FamilyTraits(qkv_bias=False, qk_norm=True, use_sliding_window=False),
+    "bamba": FamilyTraits(qkv_bias=None, qk_norm=False, use_sliding_window=False),
 }
 
 CONV = "conv"  # LFM2's ``layer_types`` entry of a short-convolution layer
@@ -44,6 +47,7 @@ _ARCHITECTURE_CLASSES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Lfm2ForCausalLM": "lfm2",
+    "BambaForCausalLM": "bamba",
 }
 
 # ``freq_factors``: per-frequency divisors shipped as a weight (llama.cpp's ``rope_freqs``, Llama 3.x GGUFs).
@@ -112,6 +116,16 @@ class ModelConfig:
     conv_layers: tuple[int, ...] = ()  # short-convolution layers (LFM2): fixed conv state, no attention
     conv_kernel: int = 0  # taps of those convolutions (``conv_L_cache``)
     conv_bias: bool = False
+    mamba_layers: tuple[int, ...] = ()  # Mamba-2 mixer layers (Bamba): fixed conv + recurrent state, no K/V
+    mamba_heads: int = 0  # SSM heads (``mamba_n_heads``)
+    mamba_head_dim: int = 0  # channels per SSM head (``mamba_d_head``); heads x head_dim = expand x hidden
+    mamba_state: int = 0  # N, the state size per channel (``mamba_d_state``)
+    mamba_groups: int = 1  # B/C groups; the heads of a group share B and C (``mamba_n_groups``)
+    mamba_conv_kernel: int = 0  # taps of the mixer's causal convolution (``mamba_d_conv``)
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    time_step_limit: tuple[float, float] = (0.0, math.inf)  # clamp of softplus(dt + dt_bias)
+    partial_rotary_factor: float = 1.0  # fraction of each head's dims that RoPE rotates (Bamba: 0.5)
 
     def __post_init__(self) -> None:
         if self.architecture not in FAMILY_TRAITS:
@@ -152,6 +166,42 @@ class ModelConfig:
             )
         if self.conv_layers and self.conv_kernel < 2:
             raise ValueError(f"ModelConfig.conv_kernel must be >= 2 with conv layers, got {self.conv_kernel}")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+            raise ValueError(
+                f"ModelConfig.partial_rotary_factor must be in (0, 1] and rotate an even number of dims, got "
+                f"{self.partial_rotary_factor} ({self.rotary_dim} of {self.head_dim})"
+            )
+        if self.mamba_layers:
+            self._check_mamba()
+
+    def _check_mamba(self) -> None:
+        layers = self.mamba_layers
+        if any(not 0 <= i < self.num_layers for i in layers) or len(set(layers)) != len(layers):
+            raise ValueError(
+                f"ModelConfig.mamba_layers {layers} must be distinct layers 0..{self.num_layers - 1}"
+            )
+        if set(layers) & set(self.conv_layers):
+            raise ValueError(f"ModelConfig.mamba_layers {layers} overlap conv_layers {self.conv_layers}")
+        for name in ("mamba_heads", "mamba_head_dim", "mamba_state", "mamba_groups"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(
+                    f"ModelConfig.{name} must be a positive int with Mamba layers, got {value!r}"
+                )
+        if self.mamba_heads % self.mamba_groups:
+            raise ValueError(
+                f"ModelConfig.mamba_heads ({self.mamba_heads}) must be a multiple of "
+                f"mamba_groups ({self.mamba_groups})"
+            )
+        if self.mamba_conv_kernel < 2:
+            raise ValueError(
+                f"ModelConfig.mamba_conv_kernel must be >= 2 with Mamba layers, got {self.mamba_conv_kernel}"
+            )
+        low, high = self.time_step_limit
+        if not 0 <= low <= high:
+            raise ValueError(
+                f"ModelConfig.time_step_limit must be 0 <= low <= high, got {self.time_step_limit}"
+            )
 
     @property
     def windowed_layers(self) -> tuple[int, ...]:
@@ -164,9 +214,34 @@ class ModelConfig:
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
-        """The layers that attend (and own paged K/V): every layer but the convolution ones."""
-        conv = set(self.conv_layers)
-        return tuple(i for i in range(self.num_layers) if i not in conv)
+        """The layers that attend (and own paged K/V): every layer but the convolution and Mamba ones."""
+        other = set(self.conv_layers) | set(self.mamba_layers)
+        return tuple(i for i in range(self.num_layers) if i not in other)
+
+    @property
+    def conv_state_layers(self) -> tuple[int, ...]:
+        """The layers that keep a convolution window as fixed_conv state: LFM2 conv and Mamba layers."""
+        return tuple(sorted({*self.conv_layers, *self.mamba_layers}))
+
+    @property
+    def recurrent_state_layers(self) -> tuple[int, ...]:
+        """The layers that keep a recurrent (SSM) state as fixed_recurrent state: the Mamba layers."""
+        return tuple(sorted(self.mamba_layers))
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each head that RoPE rotates (the rest pass through), as transformers rounds."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def mamba_inner(self) -> int:
+        """Channels of a Mamba layer's SSM input, gate and gated-norm output: heads x head_dim."""
+        return self.mamba_heads * self.mamba_head_dim
+
+    @property
+    def mamba_conv_dim(self) -> int:
+        """Channels of the mixer's convolution (its fixed_conv row width): x, then B and C of every group."""
+        return self.mamba_inner + 2 * self.mamba_groups * self.mamba_state
 
     @property
     def max_context(self) -> int:
@@ -251,7 +326,7 @@ def config_from_hf(raw: Mapping[str, Any], source: str) -> ModelConfig:
     qkv_bias = traits.qkv_bias if traits.qkv_bias is not None else bool(raw.get("attention_bias", False))
     num_layers = _require_int(raw, "num_hidden_layers", source)
     window, window_layers = _sliding_window(raw, traits, num_layers, source)
-    family = _lfm2_fields(raw, num_layers, source) if architecture == "lfm2" else {}
+    family = _FAMILY_FIELDS[architecture](raw, num_layers, source) if architecture in _FAMILY_FIELDS else {}
     inner = family.pop("intermediate_size", None) or _require_int(raw, "intermediate_size", source)
     eps = family.pop("rms_norm_eps", None) or raw.get("rms_norm_eps", 1e-6)
     try:
@@ -393,3 +468,81 @@ def _lfm2_fields(raw: Mapping[str, Any], num_layers: int, source: str) -> dict[s
         "intermediate_size": inner,
         "rms_norm_eps": float(raw.get("norm_eps", 1e-5)),
     }
+
+
+def _bamba_fields(raw: Mapping[str, Any], num_layers: int, source: str) -> dict[str, Any]:
+    """Bamba's own keys: which layers attend (``attn_layer_indices``; every other layer is a Mamba-2 mixer),
+    the mixer's sizes, ``time_step_limit`` and the RoPE fraction (transformers' Bamba default is 0.5).
+
+    Absent mixer keys take transformers' ``BambaConfig`` defaults; inconsistent ones are refused naming the
+    field, before any weight is read.
+    """
+    attention = raw.get("attn_layer_indices") or []
+    if not isinstance(attention, list) or any(
+        isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers for i in attention
+    ):
+        raise ModelLoadError(
+            f"{source}: attn_layer_indices must list layer ids 0..{num_layers - 1}, got {attention!r}"
+        )
+    if not attention:
+        raise ModelLoadError(
+            f"{source}: attn_layer_indices is empty: a Mamba-only model is not supported (the engine keeps "
+            "one paged K/V group, so a hybrid needs at least one attention layer)"
+        )
+    hidden = _require_int(raw, "hidden_size", source)
+    heads = _int_field(raw, "mamba_n_heads", 128, source)
+    if heads <= 0:
+        raise ModelLoadError(f"{source}: mamba_n_heads must be positive, got {heads}")
+    expand = _int_field(raw, "mamba_expand", 2, source)
+    head_dim = raw.get("mamba_d_head", "auto")
+    head_dim = expand * hidden // heads if head_dim == "auto" else _int_field(raw, "mamba_d_head", 0, source)
+    if heads * head_dim != expand * hidden:
+        raise ModelLoadError(
+            f"{source}: mamba_n_heads ({heads}) x mamba_d_head ({head_dim}) must equal mamba_expand x "
+            f"hidden_size ({expand} x {hidden})"
+        )
+    groups = _int_field(raw, "mamba_n_groups", 1, source)
+    if heads % groups:
+        raise ModelLoadError(
+            f"{source}: mamba_n_heads ({heads}) must be a multiple of mamba_n_groups ({groups})"
+        )
+    rope = raw.get("rope_parameters") or {}
+    return {
+        "mamba_layers": tuple(i for i in range(num_layers) if i not in attention),
+        "mamba_heads": heads,
+        "mamba_head_dim": head_dim,
+        "mamba_state": _int_field(raw, "mamba_d_state", 256, source),
+        "mamba_groups": groups,
+        "mamba_conv_kernel": _int_field(raw, "mamba_d_conv", 4, source),
+        "mamba_conv_bias": bool(raw.get("mamba_conv_bias", True)),
+        "mamba_proj_bias": bool(raw.get("mamba_proj_bias", False)),
+        "time_step_limit": _time_step_limit(raw.get("time_step_limit", (0.0, math.inf)), source),
+        "partial_rotary_factor": float(
+            rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.5))
+        ),
+    }
+
+
+def _int_field(raw: Mapping[str, Any], key: str, default: int, source: str) -> int:
+    """``raw[key]`` as an int (``default`` when absent); raises :class:`ModelLoadError` naming the key."""
+    return default if raw.get(key) is None else _require_int(raw, key, source)
+
+
+def _time_step_limit(value: Any, source: str) -> tuple[float, float]:
+    """``(low, high)`` from a 2-list (``null``: no clamp); transformers 5 writes an infinite bound as
+    ``{"__float__": "Infinity"}``."""
+    if value is None:
+        return (0.0, math.inf)
+    bounds = (
+        [v.get("__float__") if isinstance(v, Mapping) else v for v in value]
+        if isinstance(value, list | tuple)
+        else []
+    )
+    try:
+        low, high = (float(v) for v in bounds)
+    except (TypeError, ValueError):
+        raise ModelLoadError(f"{source}: time_step_limit must be [low, high], got {value!r}") from None
+    return (low, high)
+
+
+_FAMILY_FIELDS = {"lfm2": _lfm2_fields, "bamba": _bamba_fields}

@@ -19,6 +19,7 @@ from torch import nn
 from pagedgen.core.kv import KVSpec
 from pagedgen.core.manifest import StateManifest
 from pagedgen.errors import ModelLoadError, TokenizerError
+from pagedgen.models.bamba import BambaForCausalLM
 from pagedgen.models.checkpoint import Checkpoint, CheckpointKind, resolve_checkpoint
 from pagedgen.models.config import ModelConfig
 from pagedgen.models.hf_loader import read_hf_config, read_hf_weights
@@ -41,6 +42,7 @@ RUNTIMES: dict[str, type[nn.Module]] = {
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
     "lfm2": Lfm2ForCausalLM,
+    "bamba": BambaForCausalLM,
 }
 
 _DTYPE_NAMES = {

@@ -83,7 +83,7 @@ def llama_cpp_rope_factors(rope: Mapping[str, Any], head_dim: int) -> np.ndarray
 
 
 def tiny_config(kind: str, **overrides: Any):
-    """A transformers config: ``llama``, ``llama3``, ``mistral``, ``qwen2``, ``qwen3`` or ``lfm2``."""
+    """A transformers config: ``llama``, ``llama3``, ``mistral``, ``qwen2``, ``qwen3``, ``lfm2`` or ``bamba``."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     args = {**TINY, **overrides}
@@ -96,6 +96,20 @@ def tiny_config(kind: str, **overrides: Any):
             num_hidden_layers=4, layer_types=layers, conv_L_cache=3, block_auto_adjust_ff_dim=False
         )
         return Lfm2Config(**{**base, **defaults, **overrides})
+    if kind == "bamba":  # Mamba-2 mixers mixed with attention; two B/C groups, a 4-tap convolution
+        from transformers import BambaConfig
+
+        base = {k: v for k, v in TINY.items() if k != "head_dim"}  # hidden / heads, as Bamba derives it
+        defaults = dict(
+            num_hidden_layers=4,
+            attn_layer_indices=[1],
+            mamba_n_heads=8,
+            mamba_d_state=16,
+            mamba_n_groups=2,
+            mamba_d_conv=4,
+            mamba_expand=2,
+        )
+        return BambaConfig(**{**base, **defaults, **overrides})
     if kind == "llama":
         return LlamaConfig(**args)
     if kind == "llama3":
@@ -126,6 +140,8 @@ def tiny_hf_model(kind: str, seed: int = 0, **overrides: Any):
                 param.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 param.normal_(0.0, 0.2)
+            elif name.endswith((".D", ".dt_bias")):  # Mamba-2's: transformers initialises them to ones
+                param.uniform_(0.5, 1.5)
     return model
 
 
