@@ -98,7 +98,7 @@ def test_a_half_precision_model_keeps_its_conv_window_in_its_dtype_and_the_ssm_s
 
 def test_logits_match_transformers_on_every_path(logits_case):
     case = logits_case
-    ids = ids_of(60)
+    ids = ids_of(80)  # longer than the scan's chunk (pagedgen.ops.ssm.CHUNK): a prefill carries state inside
     ref = case.reference(ids)
     for logits in (
         prompt_logits(case.model, ids),  # one prefill: every state starts from zeros
