@@ -13,6 +13,13 @@ and that of the ``attn_layer_indices`` layers is attention with RoPE on the firs
 of each head's dims. Module and parameter names follow HF's ``BambaForCausalLM``, so a state dict loads by
 name.
 
+GraniteMoeHybrid with a dense MLP (``num_local_experts: 0``) is the same network under other names
+(``post_attention_layernorm``, ``shared_mlp.input_linear`` / ``output_linear``, final ``norm``) with Granite's
+multipliers: the embedding is scaled by ``embedding_multiplier``, each mixer and MLP output by
+``residual_multiplier`` before its residual add, the attention scores by ``attention_multiplier`` (instead of
+``head_dim ** -0.5``), and the logits are divided by ``logits_scaling``; its attention has RoPE over the
+whole head (``position_embedding_type: rope``) or none (``nope``, as in Granite 4.0).
+
 State: attention layers keep paged K/V (KV-spec layer ``j`` is the ``j``-th attention layer); each Mamba layer
 keeps two fixed states per request (:class:`~pagedgen.core.fixed_state.FixedStateSpec`):
 
@@ -41,7 +48,7 @@ from pagedgen.models.lfm2 import CausalConv1d
 from pagedgen.models.llama import MLP, Embedding, Linear, RMSNorm, RotaryEmbedding, _param
 from pagedgen.ops.attention import AttentionPlan, paged_attention, plan_attention, write_kv
 from pagedgen.ops.conv import packed_causal_conv
-from pagedgen.ops.layer_ops import apply_rotary_
+from pagedgen.ops.layer_ops import apply_rotary_, silu_and_mul
 from pagedgen.ops.linear import linear
 from pagedgen.ops.qweight import QuantizedWeight
 from pagedgen.ops.ssm import packed_selective_scan
@@ -132,7 +139,7 @@ class Attention(nn.Module):
         hidden, d, bias = config.hidden_size, config.head_dim, config.qkv_bias
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
         self.rotary_dim = config.rotary_dim
-        self.scale = d**-0.5
+        self.scale = d**-0.5 if config.attention_scale is None else config.attention_scale
         self.q_proj = Linear(hidden, self.num_heads * d, bias, dtype)
         self.k_proj = Linear(hidden, self.num_kv_heads * d, bias, dtype)
         self.v_proj = Linear(hidden, self.num_kv_heads * d, bias, dtype)
@@ -141,42 +148,73 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
         inputs: StepInputs,
         plan: AttentionPlan,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
-        """Mutates ``k_cache``/``v_cache`` at the step's slots; returns ``[T, hidden]``."""
+        """Mutates ``k_cache``/``v_cache`` at the step's slots; returns ``[T, hidden]``. ``rope`` is None for
+        attention without positional encoding."""
         tokens, d, rot = x.shape[0], self.head_dim, self.rotary_dim
         q = self.q_proj(x).view(tokens, -1, d)  # [T, Hq, D]
         k = self.k_proj(x).view(tokens, -1, d)  # [T, Hkv, D]
         v = self.v_proj(x).view(tokens, -1, d)
-        cos, sin = rope  # [T, rot]
-        apply_rotary_(q[..., :rot], cos, sin)  # in place on the rotated dims
-        apply_rotary_(k[..., :rot], cos, sin)
+        if rope is not None:
+            cos, sin = rope  # [T, rot]
+            apply_rotary_(q[..., :rot], cos, sin)  # in place on the rotated dims
+            apply_rotary_(k[..., :rot], cos, sin)
         write_kv(k, v, k_cache, v_cache, inputs.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, inputs, self.scale, plan)  # [T, Hq, D]
         return self.o_proj(out.reshape(tokens, self.num_heads * d))
 
 
+class SharedMLP(nn.Module):
+    """GraniteMoeHybrid's dense MLP: ``output_linear(silu(gate) * up)`` with gate and up stacked in
+    ``input_linear`` (gate first)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        hidden, inner = config.hidden_size, config.intermediate_size
+        self.input_linear = Linear(hidden, 2 * inner, False, dtype)
+        self.output_linear = Linear(inner, hidden, False, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output_linear(silu_and_mul(self.input_linear(x)))
+
+
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``x + mixer(norm(x))`` then ``x + mlp(norm(x))``; the mixer is attention or Mamba-2."""
+    """Pre-norm block: ``x + mixer(norm(x))`` then ``x + mlp(norm(x))``; the mixer is attention or Mamba-2.
+
+    The MLP and its norm carry the checkpoint's names: Bamba's ``pre_ff_layernorm`` / ``feed_forward``, or
+    GraniteMoeHybrid's ``post_attention_layernorm`` / ``shared_mlp``.
+    """
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, is_attention: bool):
         super().__init__()
         self.is_attention = is_attention
+        self.granite = config.architecture == "granitemoehybrid"
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         if is_attention:
             self.self_attn = Attention(config, dtype)
         else:
             self.mamba = Mamba2Mixer(config, dtype)
-        self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.feed_forward = MLP(config, dtype)
+        if self.granite:
+            self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+            self.shared_mlp = SharedMLP(config, dtype)
+        else:
+            self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+            self.feed_forward = MLP(config, dtype)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP of the normed residual stream ``x [T, hidden]``."""
+        if self.granite:
+            return self.shared_mlp(self.post_attention_layernorm(x))
+        return self.feed_forward(self.pre_ff_layernorm(x))
 
 
 class BambaModel(nn.Module):
-    """The decoder trunk (``model.*`` in HF checkpoints)."""
+    """The decoder trunk (``model.*`` in HF checkpoints; the final norm is Granite's ``norm``)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -185,8 +223,18 @@ class BambaModel(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, dtype, i not in mamba) for i in range(config.num_layers)
         )
-        self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.rotary_emb = RotaryEmbedding(config.rope, config.rotary_dim, device)
+        self.granite = config.architecture == "granitemoehybrid"
+        final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        if self.granite:
+            self.norm = final_norm
+        else:
+            self.final_layernorm = final_norm
+        self.rotary_emb = (
+            RotaryEmbedding(config.rope, config.rotary_dim, device) if config.rotary_dim else None
+        )
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x) if self.granite else self.final_layernorm(x)
 
 
 def fixed_state_specs(config: ModelConfig, dtype: torch.dtype) -> tuple[FixedStateSpec, ...]:
@@ -208,8 +256,8 @@ class BambaForCausalLM(nn.Module):
         attention = config.attention_layers
         if not attention or not config.mamba_layers:
             raise ValueError(
-                f"a Bamba runtime needs an attention layer and a Mamba layer, got attention layers "
-                f"{list(attention)} and Mamba layers {list(config.mamba_layers)}"
+                f"a Bamba / GraniteMoeHybrid runtime needs an attention layer and a Mamba layer, got "
+                f"attention layers {list(attention)} and Mamba layers {list(config.mamba_layers)}"
             )
         self.config = config
         self.dtype = dtype
@@ -225,9 +273,11 @@ class BambaForCausalLM(nn.Module):
         self.fused_decoder = None  # the fused native decode path is for plain Llama layers only
 
     def fuse_projections(self) -> None:
-        """One GEMM for each MLP's gate and up projections (the mixers and attention run as written)."""
+        """One GEMM for each Bamba MLP's gate and up projections (Granite's are stored as one; the mixers and
+        attention run as written)."""
         for layer in self.model.layers:
-            layer.feed_forward.fuse_gate_up()
+            if not layer.granite:
+                layer.feed_forward.fuse_gate_up()
 
     @property
     def head_weight(self) -> torch.Tensor | QuantizedWeight:
@@ -243,8 +293,10 @@ class BambaForCausalLM(nn.Module):
         fixed = inputs.fixed
         if fixed is None:
             raise ValueError("a Bamba step needs its fixed conv / recurrent state bindings (inputs.fixed)")
-        x = self.model.embed_tokens(inputs.input_ids)  # [T, hidden]
-        rope = self.model.rotary_emb(inputs.positions, x.dtype)  # 2 x [T, rotary_dim]
+        config = self.config
+        x = self.model.embed_tokens(inputs.input_ids) * config.embedding_multiplier  # [T, hidden]
+        rotary = self.model.rotary_emb
+        rope = None if rotary is None else rotary(inputs.positions, x.dtype)  # 2 x [T, rotary_dim]
         plan = plan_attention(inputs, kv_cache.keys[0])  # once per step, shared by every attention layer
         caches = iter(zip(kv_cache.keys, kv_cache.values, strict=True))
         for i, layer in enumerate(self.model.layers):
@@ -254,7 +306,7 @@ class BambaForCausalLM(nn.Module):
                 h = layer.self_attn(h, rope, inputs, plan, k_cache, v_cache)
             else:
                 h = layer.mamba(h, inputs.cu_seqlens, fixed, i)
-            x = x + h
-            x = x + layer.feed_forward(layer.pre_ff_layernorm(x))
-        x = self.model.final_layernorm(x[inputs.logits_rows])  # [R, hidden]
-        return linear(x, self.head_weight).float()  # [R, vocab]
+            x = x + h * config.residual_multiplier
+            x = x + layer.mlp(x) * config.residual_multiplier
+        x = self.model.final_norm(x[inputs.logits_rows])  # [R, hidden]
+        return linear(x, self.head_weight).float() / config.logits_scaling  # [R, vocab]

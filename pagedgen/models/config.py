@@ -2,11 +2,12 @@
 
 One frozen :class:`ModelConfig` covers every family :mod:`pagedgen.models.llama` implements, LFM2
 (:mod:`pagedgen.models.lfm2`: the Llama-style fields plus its convolution layers, ``conv_*``) and Bamba
-(:mod:`pagedgen.models.bamba`: the Llama-style fields plus its Mamba-2 mixer layers, ``mamba_*``). The
-family is chosen from the config's ``model_type`` (or, failing that, its ``architectures`` list); its
-traits (q/k/v bias, per-head q/k RMSNorm) come from :data:`FAMILY_TRAITS` and the config's own flags.
-Anything we do not implement (another family, another RoPE scaling, another activation) is refused here,
-before any weight is read, with an error that names the file and the field.
+(:mod:`pagedgen.models.bamba`: the Llama-style fields plus its Mamba-2 mixer layers, ``mamba_*``; also
+GraniteMoeHybrid with a dense MLP, which adds Granite's multipliers). The family is chosen from the
+config's ``model_type`` (or, failing that, its ``architectures`` list); its traits (q/k/v bias, per-head
+q/k RMSNorm) come from :data:`FAMILY_TRAITS` and the config's own flags. Anything we do not implement
+(another family, another RoPE scaling, another activation) is refused here, before any weight is read, with
+an error that names the file and the field.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ FAMILY_TRAITS: dict[str, FamilyTraits] = {
     "qwen3": FamilyTraits(qkv_bias=None, qk_norm=True, use_sliding_window=False),
     "lfm2": FamilyTraits(qkv_bias=False, qk_norm=True, use_sliding_window=False),
     "bamba": FamilyTraits(qkv_bias=None, qk_norm=False, use_sliding_window=False),
+    "granitemoehybrid": FamilyTraits(qkv_bias=None, qk_norm=False, use_sliding_window=False),
 }
 
 CONV = "conv"  # LFM2's ``layer_types`` entry of a short-convolution layer
@@ -48,6 +50,7 @@ _ARCHITECTURE_CLASSES = {
     "Qwen3ForCausalLM": "qwen3",
     "Lfm2ForCausalLM": "lfm2",
     "BambaForCausalLM": "bamba",
+    "GraniteMoeHybridForCausalLM": "granitemoehybrid",
 }
 
 # ``freq_factors``: per-frequency divisors shipped as a weight (llama.cpp's ``rope_freqs``, Llama 3.x GGUFs).
@@ -125,7 +128,15 @@ class ModelConfig:
     mamba_conv_bias: bool = True
     mamba_proj_bias: bool = False
     time_step_limit: tuple[float, float] = (0.0, math.inf)  # clamp of softplus(dt + dt_bias)
-    partial_rotary_factor: float = 1.0  # fraction of each head's dims that RoPE rotates (Bamba: 0.5)
+    partial_rotary_factor: float = (
+        1.0  # fraction of each head's dims that RoPE rotates (Bamba: 0.5; 0: no RoPE)
+    )
+    embedding_multiplier: float = 1.0  # scales the token embedding (Granite)
+    residual_multiplier: float = 1.0  # scales each mixer / MLP output before its residual add (Granite)
+    attention_scale: float | None = (
+        None  # the softmax scale; None: head_dim ** -0.5 (Granite's attention_multiplier)
+    )
+    logits_scaling: float = 1.0  # the logits are divided by it (Granite)
 
     def __post_init__(self) -> None:
         if self.architecture not in FAMILY_TRAITS:
@@ -166,11 +177,15 @@ class ModelConfig:
             )
         if self.conv_layers and self.conv_kernel < 2:
             raise ValueError(f"ModelConfig.conv_kernel must be >= 2 with conv layers, got {self.conv_kernel}")
-        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+        if not 0 <= self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
             raise ValueError(
-                f"ModelConfig.partial_rotary_factor must be in (0, 1] and rotate an even number of dims, got "
+                f"ModelConfig.partial_rotary_factor must be in [0, 1] and rotate an even number of dims, got "
                 f"{self.partial_rotary_factor} ({self.rotary_dim} of {self.head_dim})"
             )
+        for name in ("embedding_multiplier", "residual_multiplier", "attention_scale", "logits_scaling"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"ModelConfig.{name} must be positive, got {value!r}")
         if self.mamba_layers:
             self._check_mamba()
 
@@ -472,11 +487,7 @@ def _lfm2_fields(raw: Mapping[str, Any], num_layers: int, source: str) -> dict[s
 
 def _bamba_fields(raw: Mapping[str, Any], num_layers: int, source: str) -> dict[str, Any]:
     """Bamba's own keys: which layers attend (``attn_layer_indices``; every other layer is a Mamba-2 mixer),
-    the mixer's sizes, ``time_step_limit`` and the RoPE fraction (transformers' Bamba default is 0.5).
-
-    Absent mixer keys take transformers' ``BambaConfig`` defaults; inconsistent ones are refused naming the
-    field, before any weight is read.
-    """
+    the mixer's (:func:`_mamba_fields`) and the RoPE fraction (transformers' Bamba default is 0.5)."""
     attention = raw.get("attn_layer_indices") or []
     if not isinstance(attention, list) or any(
         isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers for i in attention
@@ -484,10 +495,73 @@ def _bamba_fields(raw: Mapping[str, Any], num_layers: int, source: str) -> dict[
         raise ModelLoadError(
             f"{source}: attn_layer_indices must list layer ids 0..{num_layers - 1}, got {attention!r}"
         )
+    rope = raw.get("rope_parameters") or {}
+    return {
+        **_mamba_fields(raw, attention, num_layers, "attn_layer_indices", source),
+        "partial_rotary_factor": float(
+            rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.5))
+        ),
+    }
+
+
+_GRANITE_LAYER_TYPES = {"mamba": False, "linear_attention": False, "attention": True, "full_attention": True}
+
+
+def _granite_hybrid_fields(raw: Mapping[str, Any], num_layers: int, source: str) -> dict[str, Any]:
+    """GraniteMoeHybrid's keys, dense-MLP variant only: ``layer_types`` (``mamba`` / ``attention``, or
+    transformers 5's ``linear_attention`` / ``full_attention``), the mixer's (:func:`_mamba_fields`), the MLP
+    width ``shared_intermediate_size``, Granite's multipliers, and RoPE only when ``position_embedding_type``
+    is ``rope`` (Granite 4.0's ``nope`` attention has no positional encoding).
+
+    A mixture-of-experts config (``num_local_experts`` > 0; transformers' default is 8) is refused: only the
+    shared MLP is implemented.
+    """
+    experts = raw.get("num_local_experts", 8)
+    if experts != 0 or isinstance(experts, bool):  # absent or null is not dense either
+        raise ModelLoadError(
+            f"{source}: num_local_experts is {experts!r}: GraniteMoeHybrid's mixture-of-experts MLP is not "
+            "supported (only the dense variant, num_local_experts 0, whose MLP is shared_mlp)"
+        )
+    layer_types = raw.get("layer_types") or ["mamba"] * num_layers
+    if (
+        not isinstance(layer_types, list)
+        or len(layer_types) != num_layers
+        or not set(layer_types) <= set(_GRANITE_LAYER_TYPES)
+    ):
+        raise ModelLoadError(
+            f"{source}: layer_types must list {num_layers} of {sorted(_GRANITE_LAYER_TYPES)}, "
+            f"got {layer_types!r}"
+        )
+    position = raw.get("position_embedding_type")
+    if position not in (None, "nope", "rope"):
+        raise ModelLoadError(
+            f"{source}: position_embedding_type {position!r} is not supported (only 'rope', 'nope' or null)"
+        )
+    attention = [i for i, t in enumerate(layer_types) if _GRANITE_LAYER_TYPES[t]]
+    return {
+        **_mamba_fields(raw, attention, num_layers, "layer_types", source),
+        "intermediate_size": _require_int(raw, "shared_intermediate_size", source),
+        "partial_rotary_factor": 1.0 if position == "rope" else 0.0,
+        "embedding_multiplier": _float_field(raw, "embedding_multiplier", source),
+        "residual_multiplier": _float_field(raw, "residual_multiplier", source),
+        "attention_scale": _float_field(raw, "attention_multiplier", source),
+        "logits_scaling": _float_field(raw, "logits_scaling", source),
+    }
+
+
+def _mamba_fields(
+    raw: Mapping[str, Any], attention: list[int], num_layers: int, key: str, source: str
+) -> dict[str, Any]:
+    """The Mamba-2 mixer's keys (``mamba_*``, ``time_step_limit``), shared by Bamba and GraniteMoeHybrid;
+    every layer outside ``attention`` (named by the config's ``key``) is a mixer.
+
+    Absent mixer keys take transformers' defaults; inconsistent ones are refused naming the field, before
+    any weight is read.
+    """
     if not attention:
         raise ModelLoadError(
-            f"{source}: attn_layer_indices is empty: a Mamba-only model is not supported (the engine keeps "
-            "one paged K/V group, so a hybrid needs at least one attention layer)"
+            f"{source}: {key} names no attention layer: a Mamba-only model is not supported (the engine "
+            "keeps one paged K/V group, so a hybrid needs at least one attention layer)"
         )
     hidden = _require_int(raw, "hidden_size", source)
     heads = _int_field(raw, "mamba_n_heads", 128, source)
@@ -506,7 +580,6 @@ def _bamba_fields(raw: Mapping[str, Any], num_layers: int, source: str) -> dict[
         raise ModelLoadError(
             f"{source}: mamba_n_heads ({heads}) must be a multiple of mamba_n_groups ({groups})"
         )
-    rope = raw.get("rope_parameters") or {}
     return {
         "mamba_layers": tuple(i for i in range(num_layers) if i not in attention),
         "mamba_heads": heads,
@@ -517,15 +590,22 @@ def _bamba_fields(raw: Mapping[str, Any], num_layers: int, source: str) -> dict[
         "mamba_conv_bias": bool(raw.get("mamba_conv_bias", True)),
         "mamba_proj_bias": bool(raw.get("mamba_proj_bias", False)),
         "time_step_limit": _time_step_limit(raw.get("time_step_limit", (0.0, math.inf)), source),
-        "partial_rotary_factor": float(
-            rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.5))
-        ),
     }
 
 
 def _int_field(raw: Mapping[str, Any], key: str, default: int, source: str) -> int:
     """``raw[key]`` as an int (``default`` when absent); raises :class:`ModelLoadError` naming the key."""
     return default if raw.get(key) is None else _require_int(raw, key, source)
+
+
+def _float_field(raw: Mapping[str, Any], key: str, source: str) -> float:
+    """``raw[key]`` as a float, 1.0 when absent or null (Granite's multipliers' default)."""
+    value = raw.get(key)
+    if value is None:
+        return 1.0
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ModelLoadError(f"{source}: config field {key!r} must be a number, got {value!r}")
+    return float(value)
 
 
 def _time_step_limit(value: Any, source: str) -> tuple[float, float]:
@@ -545,4 +625,4 @@ def _time_step_limit(value: Any, source: str) -> tuple[float, float]:
     return (low, high)
 
 
-_FAMILY_FIELDS = {"lfm2": _lfm2_fields, "bamba": _bamba_fields}
+_FAMILY_FIELDS = {"lfm2": _lfm2_fields, "bamba": _bamba_fields, "granitemoehybrid": _granite_hybrid_fields}

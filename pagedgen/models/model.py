@@ -43,6 +43,7 @@ RUNTIMES: dict[str, type[nn.Module]] = {
     "qwen3": LlamaForCausalLM,
     "lfm2": Lfm2ForCausalLM,
     "bamba": BambaForCausalLM,
+    "granitemoehybrid": BambaForCausalLM,  # its dense-MLP variant: the same mixers under Granite's names
 }
 
 _DTYPE_NAMES = {

@@ -9,6 +9,10 @@ tokens equal transformers'; a mixed batch equals each request alone; chunked pre
 second turn continues the state; a rolled-back step at every phase leaves every fixed slot byte-identical
 and the retry's tokens exact; the slots return with the blocks. Configs the runtime does not implement are
 refused by name.
+
+GraniteMoeHybrid with a dense MLP (``num_local_experts: 0``) runs on the same runtime: a tiny one (same
+layers, Granite's multipliers all different from 1, attention without RoPE as in Granite 4.0, or with it)
+matches transformers on every path and through the engine; its mixture-of-experts variant is refused.
 """
 
 from __future__ import annotations
@@ -258,7 +262,7 @@ def raw_config(case: Case) -> dict:
     [
         ({"mamba_d_head": 12}, r"mamba_n_heads \(8\) x mamba_d_head \(12\) must equal mamba_expand"),
         ({"mamba_n_groups": 3}, r"mamba_n_heads \(8\) must be a multiple of mamba_n_groups \(3\)"),
-        ({"attn_layer_indices": []}, "attn_layer_indices is empty: a Mamba-only model"),
+        ({"attn_layer_indices": []}, "attn_layer_indices names no attention layer: a Mamba-only model"),
         ({"attn_layer_indices": [4]}, r"attn_layer_indices must list layer ids 0\.\.3"),
         ({"time_step_limit": [0.0]}, "time_step_limit must be"),
         ({"time_step_limit": [0.5, 0.1]}, "time_step_limit must be 0 <= low <= high"),
@@ -283,4 +287,87 @@ def test_a_manifest_override_that_drops_the_recurrent_group_is_refused(case, tmp
     with pytest.raises(
         StateManifestError, match=r"recurrent layers \[3\] belong to no fixed_recurrent group"
     ):
+        pg.Model(str(tmp_path), device="cpu")
+
+
+# ---- GraniteMoeHybrid, dense MLP: the same mixers under Granite's names and multipliers -----------------
+
+
+class GraniteCase(Case):
+    def __init__(self, tmp_path_factory, init, **overrides):
+        self.hf = tiny_hf_model("granitemoehybrid", initializer_range=init, **overrides)
+        self.path = tmp_path_factory.mktemp("granite")
+        self.hf.save_pretrained(self.path)
+        self.model = pg.Model(str(self.path), device="cpu")
+
+
+@pytest.fixture(scope="module", params=["nope", "rope"])
+def granite_logits_case(request, tmp_path_factory) -> GraniteCase:
+    return GraniteCase(tmp_path_factory, LOGITS_INIT, position_embedding_type=request.param)
+
+
+def test_granite_hybrid_logits_match_transformers_on_every_path(granite_logits_case):
+    case = granite_logits_case
+    config = case.model.config
+    assert (config.architecture, config.mamba_layers, config.intermediate_size) == (
+        "granitemoehybrid",
+        MAMBA,
+        96,
+    )
+    assert (config.embedding_multiplier, config.residual_multiplier) == (1.5, 0.7)
+    assert (config.attention_scale, config.logits_scaling) == (0.2, 2.5)
+    assert config.rotary_dim == (16 if case.hf.config.position_embedding_type == "rope" else 0)
+    assert [(g.kind, g.layers) for g in case.model.state_manifest.groups] == [
+        (StateKind.PAGED_KV, ATTENTION),
+        (StateKind.FIXED_CONV, MAMBA),
+        (StateKind.FIXED_RECURRENT, MAMBA),
+    ]
+    ids = ids_of(80, seed=12)
+    ref = case.reference(ids)
+    for logits in (
+        prompt_logits(case.model, ids),
+        chunked_logits(case.model, ids, chunk=5),
+        stepwise_logits(case.model, ids, prefill=13),
+    ):
+        assert (logits - ref).abs().max().item() <= TOL
+
+
+def test_granite_hybrid_engine_greedy_equals_transformers(tmp_path_factory):
+    case = GraniteCase(tmp_path_factory, INIT)
+    prompts = [ids_of(24, seed=1), ids_of(9, seed=2)]
+    eng = small_engine(case.model, max_scheduled_tokens=12)
+    requests = [submit(eng, p, 25, ignore_eos=True) for p in prompts]
+    tokens = tokens_of(drain(eng))
+    assert [tokens[r] for r in requests] == [case.greedy(p, 25) for p in prompts]
+
+
+def test_granite_hybrid_reads_the_legacy_layer_type_names(granite_logits_case):
+    raw = raw_config(granite_logits_case)
+    legacy = {**raw, "layer_types": ["mamba", "attention", "mamba", "mamba"]}
+    assert config_from_hf(legacy, "config.json") == config_from_hf(raw, "config.json")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"num_local_experts": 8}, "num_local_experts is 8: GraniteMoeHybrid's mixture-of-experts MLP"),
+        ({"num_local_experts": None}, "num_local_experts is None"),
+        ({"position_embedding_type": "alibi"}, "position_embedding_type 'alibi' is not supported"),
+        ({"layer_types": ["mamba"] * 4}, "layer_types names no attention layer"),
+        ({"layer_types": ["mamba", "moe", "mamba", "mamba"]}, "layer_types must list 4 of"),
+        ({"residual_multiplier": "big"}, "'residual_multiplier' must be a number"),
+        ({"logits_scaling": 0}, "logits_scaling must be positive"),
+    ],
+)
+def test_an_unsupported_granite_hybrid_config_is_refused_naming_the_field(
+    granite_logits_case, change, message
+):
+    with pytest.raises(ModelLoadError, match=message):
+        config_from_hf({**raw_config(granite_logits_case), **change}, "config.json")
+
+
+def test_a_granite_hybrid_moe_checkpoint_is_refused_at_load(tmp_path):
+    hf = tiny_hf_model("granitemoehybrid", num_local_experts=4, num_experts_per_tok=2)
+    hf.save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="num_local_experts is 4"):
         pg.Model(str(tmp_path), device="cpu")
