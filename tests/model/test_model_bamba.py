@@ -100,6 +100,14 @@ def test_a_half_precision_model_keeps_its_conv_window_in_its_dtype_and_the_ssm_s
     }
 
 
+def test_a_bfloat16_model_runs_every_path_near_the_float32_logits(logits_case):
+    model = pg.Model(str(logits_case.path), device="cpu", dtype="bf16")
+    ids = ids_of(40, seed=13)
+    ref = prompt_logits(logits_case.model, ids)
+    for logits in (prompt_logits(model, ids), chunked_logits(model, ids, chunk=3)):
+        assert (logits - ref).abs().max().item() <= 0.2  # bf16 rounding of weights and activations
+
+
 def test_logits_match_transformers_on_every_path(logits_case):
     case = logits_case
     ids = ids_of(80)  # longer than the scan's chunk (pagedgen.ops.ssm.CHUNK): a prefill carries state inside
