@@ -128,14 +128,10 @@ class ModelConfig:
     mamba_conv_bias: bool = True
     mamba_proj_bias: bool = False
     time_step_limit: tuple[float, float] = (0.0, math.inf)  # clamp of softplus(dt + dt_bias)
-    partial_rotary_factor: float = (
-        1.0  # fraction of each head's dims that RoPE rotates (Bamba: 0.5; 0: no RoPE)
-    )
+    partial_rotary_factor: float = 1.0  # share of each head's dims RoPE rotates (Bamba 0.5; 0: no RoPE)
     embedding_multiplier: float = 1.0  # scales the token embedding (Granite)
     residual_multiplier: float = 1.0  # scales each mixer / MLP output before its residual add (Granite)
-    attention_scale: float | None = (
-        None  # the softmax scale; None: head_dim ** -0.5 (Granite's attention_multiplier)
-    )
+    attention_scale: float | None = None  # softmax scale; None: head_dim ** -0.5 (Granite: its own)
     logits_scaling: float = 1.0  # the logits are divided by it (Granite)
 
     def __post_init__(self) -> None:
