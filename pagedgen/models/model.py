@@ -19,6 +19,7 @@ from torch import nn
 from pagedgen.core.kv import KVSpec
 from pagedgen.core.manifest import StateManifest
 from pagedgen.errors import ModelLoadError, TokenizerError
+from pagedgen.models.bamba import BambaForCausalLM
 from pagedgen.models.checkpoint import Checkpoint, CheckpointKind, resolve_checkpoint
 from pagedgen.models.config import ModelConfig
 from pagedgen.models.gemma import GemmaForCausalLM
@@ -45,6 +46,8 @@ RUNTIMES: dict[str, type[nn.Module]] = {
     "lfm2": Lfm2ForCausalLM,
     "gemma2": GemmaForCausalLM,
     "gemma3_text": GemmaForCausalLM,
+    "bamba": BambaForCausalLM,
+    "granitemoehybrid": BambaForCausalLM,  # its dense-MLP variant: the same mixers under Granite's names
 }
 
 _DTYPE_NAMES = {

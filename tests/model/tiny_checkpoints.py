@@ -83,8 +83,8 @@ def llama_cpp_rope_factors(rope: Mapping[str, Any], head_dim: int) -> np.ndarray
 
 
 def tiny_config(kind: str, **overrides: Any):
-    """A transformers config: ``llama``, ``llama3``, ``mistral``, ``qwen2``, ``qwen3``, ``lfm2``, ``gemma2``
-    or ``gemma3`` (Gemma 3 text)."""
+    """A transformers config: ``llama``, ``llama3``, ``mistral``, ``qwen2``, ``qwen3``, ``lfm2``, ``gemma2``,
+    ``gemma3`` (Gemma 3 text), ``bamba`` or ``granitemoehybrid``."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     args = {**TINY, **overrides}
@@ -99,6 +99,43 @@ def tiny_config(kind: str, **overrides: Any):
         return Lfm2Config(**{**base, **defaults, **overrides})
     if kind in ("gemma2", "gemma3"):
         return _tiny_gemma_config(kind, overrides)
+    if kind == "bamba":  # Mamba-2 mixers mixed with attention; two B/C groups, a 4-tap convolution
+        from transformers import BambaConfig
+
+        base = {k: v for k, v in TINY.items() if k != "head_dim"}  # hidden / heads, as Bamba derives it
+        defaults = dict(
+            num_hidden_layers=4,
+            attn_layer_indices=[1],
+            mamba_n_heads=8,
+            mamba_d_state=16,
+            mamba_n_groups=2,
+            mamba_d_conv=4,
+            mamba_expand=2,
+        )
+        return BambaConfig(**{**base, **defaults, **overrides})
+    if (
+        kind == "granitemoehybrid"
+    ):  # the same mixers, dense MLP, Granite's multipliers, attention without RoPE
+        from transformers import GraniteMoeHybridConfig
+
+        base = {k: v for k, v in TINY.items() if k not in ("head_dim", "intermediate_size")}
+        defaults = dict(
+            num_hidden_layers=4,
+            layer_types=["mamba", "attention", "mamba", "mamba"],
+            num_local_experts=0,
+            shared_intermediate_size=96,
+            mamba_n_heads=8,
+            mamba_d_state=16,
+            mamba_n_groups=2,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            embedding_multiplier=1.5,
+            residual_multiplier=0.7,
+            attention_multiplier=0.2,
+            logits_scaling=2.5,
+            position_embedding_type="nope",
+        )
+        return GraniteMoeHybridConfig(**{**base, **defaults, **overrides})
     if kind == "llama":
         return LlamaConfig(**args)
     if kind == "llama3":
@@ -157,6 +194,8 @@ def tiny_hf_model(kind: str, seed: int = 0, **overrides: Any):
                 param.uniform_(low, low + 1.0)
             elif name.endswith(".bias"):
                 param.normal_(0.0, 0.2)
+            elif name.endswith((".D", ".dt_bias")):  # Mamba-2's: transformers initialises them to ones
+                param.uniform_(0.5, 1.5)
     return model
 
 
