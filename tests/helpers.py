@@ -165,9 +165,21 @@ def engine_snapshot(engine: pg.Engine) -> dict[str, Any]:
             snap["free_window_blocks"] = sorted(cache.window_pool.free_list())
         if cache.fixed is not None:
             snap["fixed"] = fixed_snapshot(cache.fixed)
+        if cache.prefix is not None:
+            snap["prefix"] = prefix_snapshot(cache)
         snap["waiting"] = [s.request_id for s in scheduler.waiting]
         snap["resident_order"] = [s.request_id for s in scheduler.residents]
     return snap
+
+
+def prefix_snapshot(cache) -> dict[str, Any]:
+    """A prefix-caching manager's cache state: the name table, the LRU list with its stamps (eviction order)
+    and every block's reference count."""
+    return {
+        "names": cache.prefix.entries(),
+        "lru": cache.pool.cached_stamps(),
+        "refs": cache.pool.refcounts(),
+    }
 
 
 def record_steps(engine: pg.Engine) -> list[tuple[list[int], list[int]]]:

@@ -50,7 +50,9 @@ class Usage:
     """Per-turn token accounting, reported with the terminal event.
 
     ``prompt_tokens`` counts the turn's accepted input, ``generated_tokens`` the output tokens the turn
-    appended, ``cached_prompt_tokens`` the input served from a prefix cache (always 0 until prefix caching).
+    appended, ``cached_prompt_tokens`` how many of the ``prompt_tokens`` were not computed because the
+    admission found them in the prefix cache (0 for a resident continuation, which recomputes nothing
+    before its input either, and whenever prefix caching is off).
     """
 
     prompt_tokens: int = 0

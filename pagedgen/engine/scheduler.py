@@ -16,6 +16,10 @@ Policy (reference, "Backpressure and fairness" and "One dynamic step in detail",
 
 Admitting a prefill reserves cache for its whole remaining input (``required_slots = len(tokens)``), so a
 partial prefill can always finish: nobody can take the capacity it needs.
+
+With prefix caching an admission starts after the longest cached prefix of its full blocks (never its last
+token, whose logits are needed): the cache plan says how many blocks it found, and the row's past length
+starts there (``cached_len``), so the step computes only the rest.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pagedgen.cache import CacheCandidate, DeferReason, PagedCacheManager
-from pagedgen.engine.invariants import validate_cache, validate_residents
+from pagedgen.engine.invariants import validate_cache, validate_prefix_content, validate_residents
 from pagedgen.engine.request import RequestState, RequestStatus
 
 
@@ -39,6 +43,7 @@ class RequestStepPlan:
     is_prefill: bool  # input still being prefilled (not the one token sampled by the previous step)
     is_new: bool  # not cache-resident: admitted by this step
     packed_offset: int = 0  # first row of this request in the flat token input
+    cached_len: int = 0  # an admission's tokens found in the prefix cache (past_len includes them)
 
     @property
     def request_id(self) -> int:
@@ -145,6 +150,9 @@ class DynamicScheduler:
         problems += validate_residents(
             self.cache, {rid: s.processed_len for rid, s in self._residents.items()}
         )
+        problems += validate_prefix_content(
+            self.cache, {rid: s.block_hashes for rid, s in self._residents.items() if s.block_hashes}
+        )
         if self.cache.live_reservation is not None:
             problems.append("a cache reservation is still live between steps")
         for rid, state in self._residents.items():
@@ -178,6 +186,10 @@ class DynamicScheduler:
         )
         by_id = {row.request_id: row for row in candidates}
         plan = StepPlan(rows=[by_id[c.request_id] for c in resources.selected])
+        for rid, num_blocks in resources.hit_blocks.items():
+            row = by_id[rid]
+            row.cached_len = num_blocks * self.cache.block_size
+            row.past_len += row.cached_len
         for candidate, reason in resources.deferred:
             state = by_id[candidate.request_id].state
             if reason is DeferReason.UNSERVICEABLE:
@@ -217,7 +229,7 @@ class DynamicScheduler:
 
 def cache_candidates(rows: list[RequestStepPlan]) -> list[CacheCandidate]:
     """The cache's view of rows: each must be able to hold its whole sequence (a prefill's whole input)."""
-    return [CacheCandidate(row.request_id, row.seq_len, row.is_new) for row in rows]
+    return [CacheCandidate(row.request_id, row.seq_len, row.is_new, row.state.block_hashes) for row in rows]
 
 
 def _provisional_row(state: RequestState, *, is_new: bool) -> RequestStepPlan:

@@ -29,7 +29,7 @@ from pagedgen.engine.faults import FaultInjector
 from pagedgen.engine.isolation import FailureIsolator
 from pagedgen.engine.outcomes import ENGINE_EVENT_OF, Phase, RequestFailure, StepOutcome, classify_failure
 from pagedgen.engine.request import RequestState
-from pagedgen.engine.scheduler import DynamicScheduler, StepPlan, cache_candidates
+from pagedgen.engine.scheduler import DynamicScheduler, RequestStepPlan, StepPlan, cache_candidates
 from pagedgen.engine.turn_output import (
     StagedResult,
     commit_staged,
@@ -74,6 +74,17 @@ class _Transaction:
     reservation: Reservation | None = None
     checkpoints: list[_Checkpoint] = field(default_factory=list)
     early_events: list[EngineEvent] = field(default_factory=list)  # unserviceable turns, published first
+    failed_in: Phase | None = None  # where a failed step failed (decides what its rollback can restore)
+
+
+_BEFORE_EXECUTION = frozenset({Phase.RESERVE, Phase.CHECKPOINT, Phase.PACK})
+
+
+def _cached_tokens(row: RequestStepPlan) -> int | None:
+    """For the first admission of a turn, its input tokens the prefix cache served; None otherwise."""
+    if not row.is_new or row.state.turn_generated_tokens:
+        return None
+    return row.state.cached_prompt_tokens(row.cached_len)
 
 
 class DynamicStep:
@@ -213,11 +224,11 @@ class DynamicStep:
         staged = []
         for row in plan.rows:
             if not row.samples:
-                staged.append(StagedResult(row.state, target_processed=row.target_slots))
+                staged.append(StagedResult(row.state, row.target_slots, cached_tokens=_cached_tokens(row)))
                 continue
             token = next(tokens)
             try:
-                staged.append(stage_sampled(row.state, token, row.seq_len))
+                staged.append(stage_sampled(row.state, token, row.seq_len, _cached_tokens(row)))
             except Exception as error:
                 raise RequestFailure(row.request_id, error) from error
         return staged
@@ -232,7 +243,7 @@ class DynamicStep:
             if (
                 not state.status.executable
                 or len(state.tokens) != row.seq_len
-                or state.processed_len != row.past_len
+                or state.processed_len != row.past_len - row.cached_len
             ):
                 raise ValueError(f"request {state.request_id} changed during the step")
             if result.target_processed != row.target_slots:
@@ -286,6 +297,7 @@ class DynamicStep:
     def _fail(self, txn: _Transaction, error: BaseException) -> StepResult:
         """Classify ``error`` by phase; roll back a recoverable step, otherwise report it as fatal."""
         outcome = classify_failure(txn.phase, error)
+        txn.failed_in = txn.phase
         if not isinstance(error, Exception) or (txn.phase is Phase.PLAN and isinstance(error, MemoryError)):
             # An interrupt, or a planning allocation failure: undo what is undoable and let it propagate.
             if not txn.phase.fail_stop:
@@ -330,7 +342,8 @@ class DynamicStep:
             cp.state.held_logprobs = cp.held_logprobs
         txn.checkpoints.clear()
         if txn.reservation is not None:
-            txn.reservation.discard()
+            # Cached blocks evicted to make room are intact only if the model never ran (docs/cache.md).
+            txn.reservation.discard(restore_evicted=txn.failed_in in _BEFORE_EXECUTION)
 
     def _fatal(self, txn: _Transaction, outcome: StepOutcome, error: BaseException) -> StepResult:
         """Fail-stop: nothing is rolled back; an unpublished reservation just returns its blocks."""

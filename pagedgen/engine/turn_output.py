@@ -35,6 +35,7 @@ class StagedResult:
     token: int | None = None  # appended to the sequence (None: partial prefill, or EOS)
     finish: FinishReason = FinishReason.NONE
     events: list[EngineEvent] = field(default_factory=list)
+    cached_tokens: int | None = None  # an admission's prompt tokens served from the prefix cache (else None)
 
 
 def sample_row(state: RequestState, eos_token_ids: tuple[int, ...]) -> SampleRow:
@@ -50,9 +51,12 @@ def sample_row(state: RequestState, eos_token_ids: tuple[int, ...]) -> SampleRow
     )
 
 
-def stage_sampled(state: RequestState, sampled: SampledToken, seq_len: int) -> StagedResult:
-    """Stage the token sampled after the request's last input token (sequence length ``seq_len``)."""
-    staged = StagedResult(state, target_processed=seq_len)
+def stage_sampled(
+    state: RequestState, sampled: SampledToken, seq_len: int, cached_tokens: int | None = None
+) -> StagedResult:
+    """Stage the token sampled after the request's last input token (sequence length ``seq_len``);
+    ``cached_tokens``: set for an admission, the turn's input tokens its cached prefix served."""
+    staged = StagedResult(state, target_processed=seq_len, cached_tokens=cached_tokens)
     logprobs = None
     if state.turn.num_logprobs and sampled.logprob is not None:
         logprobs = TokenLogprobs(sampled.logprob, tuple(sampled.top_logprobs))
@@ -76,7 +80,13 @@ def stage_sampled(state: RequestState, sampled: SampledToken, seq_len: int) -> S
             released += _flush(state)
     generated = state.turn_generated_tokens + (staged.token is not None)
     staged.events = turn_events(
-        state, released, staged.finish, generated, matched, text_before_stop=text_before_stop
+        state,
+        released,
+        staged.finish,
+        generated,
+        matched,
+        text_before_stop=text_before_stop,
+        cached_tokens=cached_tokens,
     )
     return staged
 
@@ -116,8 +126,11 @@ def turn_events(
     matched: int | None = None,
     error_code: EngineErrorCode = EngineErrorCode.NONE,
     text_before_stop: str = "",
+    cached_tokens: int | None = None,
 ) -> list[EngineEvent]:
     """TOKEN events for ``released`` and, when the turn finishes, TURN_FINISHED merged into the last one.
+
+    ``cached_tokens`` overrides the turn's committed cached-prompt count (a step that admits and finishes).
 
     Returns no events when the caller's handle is gone (an abandoned request is reclaimed, not reported).
     """
@@ -151,7 +164,11 @@ def turn_events(
     if finish is FinishReason.FAILED:
         last.flags |= EngineEventFlags.FAILED
     last.finish_reason = finish
-    last.usage = Usage(prompt_tokens=state.turn_prompt_tokens, generated_tokens=generated_tokens)
+    last.usage = Usage(
+        prompt_tokens=state.turn_prompt_tokens,
+        generated_tokens=generated_tokens,
+        cached_prompt_tokens=state.turn_cached_tokens if cached_tokens is None else cached_tokens,
+    )
     last.matched_stop_string_index = matched
     last.text_before_stop = text_before_stop
     last.error_code = error_code
@@ -166,6 +183,8 @@ def commit_staged(staged: StagedResult) -> None:
         state.generated.append(staged.token)
         state.turn_generated_tokens += 1
     state.processed_len = staged.target_processed
+    if staged.cached_tokens is not None:
+        state.turn_cached_tokens = staged.cached_tokens
     state.finish_reason = staged.finish
     state.status = RequestStatus.ACTIVE if staged.finish is FinishReason.NONE else RequestStatus.TURN_COMPLETE
 

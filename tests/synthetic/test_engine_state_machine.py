@@ -12,6 +12,12 @@ release too. Half run the hybrid synthetic model, whose tokens also depend on a 
 token changes (kept in the fixed-state pool's two banks): a lost, doubled or leaked state update, a state not
 carried from one prefill chunk to the next, or a slot reused without being reset changes the tokens.
 
+Prefix caching is on in the machines whose model allows it (the windowed and hybrid ones switch it off) unless
+the machine draws it off; a rule begins new requests with a prefix of another request's sequence, so
+admissions start from shared cached blocks and the small pool evicts them, and the exact-token check proves
+every hit held exactly the request's own prefix. Every terminal event's ``cached_prompt_tokens`` lies within
+its ``prompt_tokens`` (0 with caching off).
+
 Faults are transient (each clears after one step), so a rolled-back step changes nothing, except that
 failure isolation may fail one turn (REQUEST_FAILED) once MAX_RETRIES steps in a row have rolled back without
 a commit between them: the machine counts those from the engine's stats and allows exactly that.
@@ -57,8 +63,10 @@ class Expected:
 class EngineMachine(RuleBasedStateMachine):
     requests = Bundle("requests")
 
-    @initialize(window=st.none() | st.integers(2, 9), hybrid=st.booleans())
-    def start(self, window, hybrid):
+    @initialize(
+        window=st.none() | st.integers(2, 9), hybrid=st.booleans(), caching=st.sampled_from([True, False])
+    )
+    def start(self, window, hybrid, caching):
         self.hybrid = hybrid
         self.model = SyntheticModel(vocab_size=VOCAB, eos_token_id=EOS, window=window, hybrid=hybrid)
         self.engine = pg.Engine(
@@ -71,8 +79,10 @@ class EngineMachine(RuleBasedStateMachine):
                 num_blocks=12,  # a 40-token session needs 10: deferrals are common, never unserviceable
                 debug_invariants=True,
                 max_step_retries=MAX_RETRIES,
+                prefix_caching=caching,
             ),
         )
+        self.caching = self.engine.stats().prefix_caching
         self.expected: dict[int, Expected] = {}
         self.next_key = 0
         self.steps = 0  # committed steps seen so far
@@ -136,6 +146,24 @@ class EngineMachine(RuleBasedStateMachine):
     )
     def create_and_begin(self, session, tokens, max_new):
         rid = self.create(session)
+        self.begin_turn(rid, tokens, max_new)
+        return rid
+
+    @rule(
+        target=requests,
+        source=requests,
+        cut=st.integers(1, 40),
+        tail=st.lists(st.integers(0, VOCAB - 1), max_size=4),
+        max_new=st.integers(0, 6),
+    )
+    def create_sharing(self, source, cut, tail, max_new):
+        """A new request whose prompt starts with (a prefix of) another request's committed sequence."""
+        exp = self.expected[source]
+        done = exp.handle.processed_length if exp.handle is not None and not exp.closed else len(exp.seq)
+        tokens = exp.seq[: min(cut, max(done, 1))] + tail  # mostly what the cache already holds
+        if not tokens:
+            tokens = [1]
+        rid = self.create(40)
         self.begin_turn(rid, tokens, max_new)
         return rid
 
@@ -220,6 +248,10 @@ class EngineMachine(RuleBasedStateMachine):
         reason = event.finish_reason
         note(f"finish {reason.name}")
         assert event.usage.generated_tokens == n
+        cached = event.usage.cached_prompt_tokens
+        assert 0 <= cached <= event.usage.prompt_tokens and (self.caching or cached == 0)
+        if cached:
+            note("cached prompt tokens")
         if reason is R.MAX_GENERATED_TOKENS:
             assert n == exp.max_new
         elif reason is R.MAX_SESSION_TOKENS:
@@ -268,5 +300,5 @@ class EngineMachine(RuleBasedStateMachine):
         self.engine.close()
 
 
-EngineMachine.TestCase.settings = settings(max_examples=500, stateful_step_count=30, deadline=None)
+EngineMachine.TestCase.settings = settings(max_examples=1000, stateful_step_count=30, deadline=None)
 test_engine_state_machine = EngineMachine.TestCase
