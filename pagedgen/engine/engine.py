@@ -81,6 +81,8 @@ class EngineStats:
     prefix_queried_tokens: int = 0  # their sequence tokens
     prefix_hits: int = 0  # admissions that found at least one cached block
     prefix_hit_tokens: int = 0  # tokens served from the prefix cache instead of computed
+    preemptions: int = 0  # running requests sent back to the waiting queue (re-prefilled later)
+    idle_evictions: int = 0  # turn-complete residents that yielded their place and blocks
 
 
 class Engine:
@@ -290,6 +292,8 @@ class Engine:
             prefix_queried_tokens=0 if prefix is None else prefix.queried_tokens,
             prefix_hits=0 if prefix is None else prefix.hits,
             prefix_hit_tokens=0 if prefix is None else prefix.hit_tokens,
+            preemptions=getattr(self._scheduler, "num_preemptions", 0),
+            idle_evictions=getattr(self._scheduler, "num_yields", 0),
         )
 
     def check_invariants(self) -> list[str]:

@@ -114,6 +114,8 @@ class DynamicStep:
         txn = _Transaction()
         try:
             plan = self._plan(txn)
+            if not self.isolator.active and self.scheduler.relieve(plan) is not None:
+                return StepResult(StepOutcome.RESIDENCY_RELEASED)  # the next step plans with the room
             if not plan.rows:
                 return self._without_execution(plan)
             reservation = self._reserve(txn, plan)
@@ -152,6 +154,7 @@ class DynamicStep:
         if plan.unserviceable:
             return StepResult(StepOutcome.UNSERVICEABLE_REQUEST, self._fail_unserviceable(plan))
         if plan.deferred:
+            self.scheduler.on_deferred(plan)
             flags, code = ENGINE_EVENT_OF[StepOutcome.CAPACITY_DEFERRED]
             return StepResult(StepOutcome.CAPACITY_DEFERRED, [EngineEvent.engine_level(flags, code)])
         return StepResult(StepOutcome.NO_WORK)
@@ -277,6 +280,7 @@ class DynamicStep:
         for row in plan.rows:
             if row.is_new:
                 self.scheduler.admit(row.state)
+        self.scheduler.on_committed(plan)
 
     def _publish(self, txn: _Transaction, staged: list[StagedResult]) -> list[EngineEvent]:
         self._enter(txn, Phase.PUBLISH)

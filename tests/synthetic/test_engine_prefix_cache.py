@@ -14,6 +14,7 @@ from pagedgen.engine.faults import InjectedFault
 from pagedgen.engine.scheduler import cache_candidates
 from pagedgen.executor.runner import ExecutionCapacityError, RetryableExecutionError
 from tests.helpers import (
+    after_rollback,
     drain,
     engine_snapshot,
     event_key,
@@ -21,6 +22,7 @@ from tests.helpers import (
     finishes_of,
     make_engine,
     record_steps,
+    spy_evictions,
     submit,
     synthetic_model,
     tokens_of,
@@ -194,16 +196,7 @@ RECOVERABLE = [
 def test_rollback_of_a_step_that_took_cached_blocks(phase, error, exact):
     engine, requests = hit_scenario()
     before = engine_snapshot(engine)
-    cache = engine._scheduler.cache
-    evicted = set()
-    reserve = cache.reserve
-
-    def spy(*args, **kwargs):
-        reservation = reserve(*args, **kwargs)
-        evicted.update(block for block, _, _ in reservation.evicted)
-        return reservation
-
-    cache.reserve = spy
+    evicted = spy_evictions(engine)
     engine._faults.arm(phase, error)
     (event,) = engine.run(max_events=64)
     assert event.request is None and event.flags & (F.RETRYABLE | F.CAPACITY_BLOCKED)
@@ -212,15 +205,7 @@ def test_rollback_of_a_step_that_took_cached_blocks(phase, error, exact):
     if exact:  # the model never ran: even the evicted blocks are back in the cache, in their LRU places
         assert after == before
     else:  # it may have written into the evicted blocks: they come back free and unnamed, nothing else moves
-        names = {d: b for d, b in before["prefix"]["names"].items() if b not in evicted}
-        lru = tuple((b, s) for b, s in before["prefix"]["lru"] if b not in evicted)
-        assert after["prefix"]["names"] == names and after["prefix"]["lru"] == lru
-        assert after["prefix"]["refs"] == before["prefix"]["refs"]
-        assert sorted(after["free_blocks"]) == sorted(before["free_blocks"] + sorted(evicted))
-        strip = ("prefix", "free_blocks", "blocks")
-        assert {k: v for k, v in after.items() if k not in strip} == {
-            k: v for k, v in before.items() if k not in strip
-        }
+        assert after == after_rollback(before, evicted) != before
     assert engine.check_invariants() == [] and engine.stats().healthy
     events = drain(engine)
     expected = reference_events()
