@@ -24,7 +24,7 @@ import torch
 
 from pagedgen.cache import Reservation
 from pagedgen.core.step_inputs import StepInputs
-from pagedgen.engine.events import EngineErrorCode, EngineEvent, FinishReason, TokenLogprobs
+from pagedgen.engine.events import EngineErrorCode, EngineEvent, FinishReason, TokenLogprobs, TurnReuse
 from pagedgen.engine.faults import FaultInjector
 from pagedgen.engine.isolation import FailureIsolator
 from pagedgen.engine.outcomes import ENGINE_EVENT_OF, Phase, RequestFailure, StepOutcome, classify_failure
@@ -80,11 +80,11 @@ class _Transaction:
 _BEFORE_EXECUTION = frozenset({Phase.RESERVE, Phase.CHECKPOINT, Phase.PACK})
 
 
-def _cached_tokens(row: RequestStepPlan) -> int | None:
-    """For the first admission of a turn, its input tokens the prefix cache served; None otherwise."""
-    if not row.is_new or row.state.turn_generated_tokens:
+def _turn_reuse(row: RequestStepPlan) -> TurnReuse | None:
+    """For the first step of a turn's input, what it did not compute (usage); None for any other step."""
+    if not row.state.turn_input_pending:
         return None
-    return row.state.cached_prompt_tokens(row.cached_len)
+    return row.state.reuse_from(row.past_len)
 
 
 class DynamicStep:
@@ -227,11 +227,11 @@ class DynamicStep:
         staged = []
         for row in plan.rows:
             if not row.samples:
-                staged.append(StagedResult(row.state, row.target_slots, cached_tokens=_cached_tokens(row)))
+                staged.append(StagedResult(row.state, row.target_slots, reuse=_turn_reuse(row)))
                 continue
             token = next(tokens)
             try:
-                staged.append(stage_sampled(row.state, token, row.seq_len, _cached_tokens(row)))
+                staged.append(stage_sampled(row.state, token, row.seq_len, _turn_reuse(row)))
             except Exception as error:
                 raise RequestFailure(row.request_id, error) from error
         return staged

@@ -149,7 +149,8 @@ def test_multi_turn_continuation_equals_fresh_request_with_concatenated_tokens()
     fresh = submit(fresh_engine, p1 + g1 + p2, 6)
     assert tokens_of(drain(fresh_engine))[fresh] == g2
     usage = finishes_of(events)[request][0].usage
-    assert usage == pg.Usage(prompt_tokens=3, generated_tokens=6)
+    # The history before the replayed token was reused, not recomputed.
+    assert usage == pg.Usage(prompt_tokens=3, generated_tokens=6, reused_tokens=len(p1) + len(g1) - 1)
     assert request.tokens == tuple(p1 + g1 + p2 + g2)
 
 
