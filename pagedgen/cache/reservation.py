@@ -284,7 +284,8 @@ class Reservation:
         self._close(ReservationState.COMMITTED)
 
     def _publish_filled(self, row: ReservedRow, target: int) -> None:
-        """Name every block this step filled (prefix caching): those between the row's past and ``target``."""
+        """Name every block this step filled (prefix caching): those between the row's past and ``target``;
+        count an admission's lookup (committed admissions only, so a rolled-back step counts nothing)."""
         if self._prefix is None or row.hashes is None:
             return
         blocks, size = row.blocks, row.hashes.block_size
@@ -295,6 +296,8 @@ class Reservation:
             stats.hits += bool(row.cached_blocks)
             stats.hit_tokens += len(row.cached_blocks) * size
         first, last = row.committed_slots // size, target // size
+        if last <= first:
+            return  # the usual decode step: no block filled
         for index, digest in enumerate(row.hashes.upto(last)[first:], start=first):
             self._prefix.publish(blocks[index], digest)
 

@@ -175,6 +175,8 @@ class DynamicScheduler:
         """Release residents so that work ``plan`` left behind can run (module docstring); None when nothing
         should be released. A resident short of blocks comes first, then waiting work short of a place or
         of blocks (idle residents only), then an aged waiting request."""
+        if not plan.short_of_blocks and not plan.short_of_residency:
+            return None  # the common step: nothing was left behind for want of room
         idle = sorted(
             (s for s in self._residents.values() if s.status is RequestStatus.TURN_COMPLETE),
             key=lambda s: s.last_scheduled,
