@@ -41,7 +41,10 @@ one at a time runs to completion.
 
 With prefix caching an admission starts after the longest cached prefix of its full blocks (never its last
 token, whose logits are needed): the cache plan says how many blocks it found, and the row's past length
-starts there (``cached_len``), so the step computes only the rest.
+starts there (``cached_len``), so the step computes only the rest. An admission whose next uncached block
+is one that an earlier prefill of the same plan is about to compute is held back (it stays waiting, not
+deferred): requests that arrive together with a new shared prefix compute it once, the first of them now and
+the others from the cache once it is published, instead of each computing it side by side.
 """
 
 from __future__ import annotations
@@ -316,6 +319,7 @@ class DynamicScheduler:
                 plan.deferred.append(state)
         plan.short_of_blocks = [by_id[rid].state for rid in resources.short_of_blocks]
         plan.short_of_residency = [by_id[rid].state for rid in resources.short_of_residency]
+        plan.rows = self._hold_back_duplicates(plan.rows)
         plan.num_tokens = self._assign_tokens(plan.rows)
         return plan
 
@@ -332,6 +336,26 @@ class DynamicScheduler:
             oldest = min(s.priority for s in aged)
             waiting = [s for s in waiting if s.priority <= oldest]
         return decodes + prefills + [_provisional_row(state, is_new=True) for state in waiting]
+
+    def _hold_back_duplicates(self, rows: list[RequestStepPlan]) -> list[RequestStepPlan]:
+        """The rows without admissions whose next uncached block an earlier prefill row will compute (module
+        docstring). The first row of any such group stays, so a plan with rows keeps at least one."""
+        if self.cache.prefix is None:
+            return rows
+        bs = self.cache.block_size
+        coming: set[bytes] = set()  # digests of the full blocks the kept prefill rows will fill
+        kept = []
+        for row in rows:
+            hashes = row.state.block_hashes
+            if not row.is_prefill or hashes is None:
+                kept.append(row)
+                continue
+            first, full = row.past_len // bs, row.seq_len // bs
+            if row.is_new and first < full and hashes[first] in coming:
+                continue  # it will find that block in the cache in a later step
+            coming.update(hashes.upto(full)[first:])
+            kept.append(row)
+        return kept
 
     def _assign_tokens(self, rows: list[RequestStepPlan]) -> int:
         """Expand selected prefills in stable order within the token budget; set packed offsets."""

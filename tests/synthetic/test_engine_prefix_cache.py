@@ -233,3 +233,20 @@ def test_fatal_failure_of_a_step_that_took_cached_blocks_returns_every_block(pha
         request.close()
     stats = engine.stats()
     assert stats.free_blocks == stats.total_blocks and engine.check_invariants() == []
+
+
+def test_requests_arriving_together_compute_a_new_shared_prefix_once():
+    engine = make_engine(block_size=4, max_scheduled_tokens=64)
+    steps = record_steps(engine)
+    prompts = [SYSTEM + q for q in QUESTIONS[:4]] + [[9, 8, 7, 6, 5]]
+    requests = [submit(engine, p, 4) for p in prompts]
+    events = drain(engine)
+    got = tokens_of(events)
+    assert [got[r] for r in requests] == [expected_greedy(p, 4) for p in prompts]
+    # Step 1 computes the shared prefix once (the leader) beside the unrelated request; the followers wait
+    # one step and then start after the 20 cached tokens.
+    assert steps[0] == ([24, 5], [0, 0])
+    assert sorted(steps[1][1]) == [5, 20, 20, 20, 24]
+    assert engine.stats().prefix_hits == 3
+    usage = [finishes_of(events)[r][0].usage.cached_prompt_tokens for r in requests]
+    assert usage == [0, 20, 20, 20, 0]
