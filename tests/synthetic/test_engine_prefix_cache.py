@@ -222,7 +222,7 @@ def test_rollback_of_a_step_that_took_cached_blocks(phase, error, exact):
     assert stats.free_blocks == stats.total_blocks and engine.check_invariants() == []
 
 
-@pytest.mark.parametrize("phase", ["prepare", "commit_request", "commit_cache", "publish"])
+@pytest.mark.parametrize("phase", ["plan", "reserve", "prepare", "commit_request", "commit_cache", "publish"])
 def test_fatal_failure_of_a_step_that_took_cached_blocks_returns_every_block(phase):
     engine, requests = hit_scenario()
     engine._faults.arm(phase)
