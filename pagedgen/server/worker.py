@@ -98,6 +98,9 @@ class EngineSnapshot:
     rollbacks: int = 0
     jobs: int = 0
     healthy: bool = True
+    prefix_queried_tokens: int = 0  # prompt tokens of committed admissions that looked up the prefix cache
+    prefix_hit_tokens: int = 0  # of those, served from the cache
+    preemptions: int = 0
 
     @property
     def used_blocks(self) -> int:
@@ -410,6 +413,9 @@ class EngineWorker:
                 steps=self._snapshot.steps,
                 rollbacks=self._snapshot.rollbacks,
                 healthy=False,
+                prefix_queried_tokens=self._snapshot.prefix_queried_tokens,
+                prefix_hit_tokens=self._snapshot.prefix_hit_tokens,
+                preemptions=self._snapshot.preemptions,
             )
             return
         stats = self._engine.stats()
@@ -421,6 +427,9 @@ class EngineWorker:
             steps=stats.steps,
             rollbacks=stats.rollbacks,
             jobs=len(self._jobs),
+            prefix_queried_tokens=stats.prefix_queried_tokens,
+            prefix_hit_tokens=stats.prefix_hit_tokens,
+            preemptions=stats.preemptions,
         )
 
     def _teardown(self) -> None:

@@ -82,6 +82,10 @@ def test_a_conversation_re_sent_with_its_history_hits_the_prefix_cache(synthetic
     assert second.choices[0].text == tokenizer.decode(synthetic_greedy(history, 6, VOCAB))
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert 32 <= cached < second.usage.prompt_tokens == len(history)  # whole 16-token blocks of the history
+    metrics = settled_metrics(synthetic_server)
+    assert metric(metrics, "pagedgen:prefix_cache_hits_total", model_name="synthetic") == cached
+    queried = metric(metrics, "pagedgen:prefix_cache_queries_total", model_name="synthetic")
+    assert queried >= len(prompt) + len(history)
 
 
 def test_model_without_chat_template_refuses_chat(synthetic_server):
