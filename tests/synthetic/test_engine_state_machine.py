@@ -16,12 +16,13 @@ Half the machines have a pool of 5 blocks with sessions capped at 20 tokens (eve
 often do not): residents that cannot grow preempt younger ones, which are re-prefilled, and idle residents
 yield to waiting work; the exact-token and one-terminal-event checks prove nothing is lost or repeated.
 
-Prefix caching is on in the machines whose model allows it (the windowed and hybrid ones switch it off) unless
-the machine draws it off; rules begin new requests with a prefix of another request's sequence or of a fixed
-stem, so admissions start from shared cached blocks and the small pool evicts them, and the exact-token check
-proves every hit held exactly the request's own prefix. A rolled-back step is exact except for cached blocks
-it evicted after its model may have run (they come back FREE and unnamed, docs/cache.md). Every terminal
-event's ``cached_prompt_tokens`` lies within its ``prompt_tokens`` (0 with caching off).
+Prefix caching is on (the default) in the machines whose model allows it (the windowed and hybrid ones switch
+it off, so they cover the engine without it); rules begin new requests with a prefix of another request's
+sequence or of a fixed stem, so admissions start from shared cached blocks and the small pool evicts them,
+and the exact-token check proves every hit held exactly the request's own prefix. A rolled-back step is exact
+except for cached blocks it evicted after its model may have run (they come back FREE and unnamed,
+docs/cache.md). Every terminal event's ``cached_prompt_tokens`` lies within its ``prompt_tokens`` (0 with
+caching off).
 
 Faults are transient (each clears after one step), so a rolled-back step changes nothing else, except that
 failure isolation may fail one turn (REQUEST_FAILED) once MAX_RETRIES steps in a row have rolled back without
@@ -72,10 +73,9 @@ class EngineMachine(RuleBasedStateMachine):
     @initialize(
         window=st.none() | st.none() | st.integers(2, 9),
         hybrid=st.booleans(),
-        caching=st.booleans(),
         num_blocks=st.sampled_from([12, 5]),
     )
-    def start(self, window, hybrid, caching, num_blocks):
+    def start(self, window, hybrid, num_blocks):
         self.hybrid = hybrid
         self.model = SyntheticModel(vocab_size=VOCAB, eos_token_id=EOS, window=window, hybrid=hybrid)
         self.engine = pg.Engine(
@@ -90,7 +90,6 @@ class EngineMachine(RuleBasedStateMachine):
                 num_blocks=num_blocks,
                 debug_invariants=True,
                 max_step_retries=MAX_RETRIES,
-                prefix_caching=caching,
             ),
         )
         self.caching = self.engine.stats().prefix_caching
