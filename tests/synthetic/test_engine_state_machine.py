@@ -187,6 +187,18 @@ class EngineMachine(RuleBasedStateMachine):
         self.begin_turn(rid, stem[:cut], max_new)
         return rid
 
+    @rule(
+        target=requests,
+        stem=st.sampled_from(STEMS),
+        cuts=st.tuples(st.integers(5, 16), st.integers(5, 16)),
+        calls=st.integers(1, 12),
+    )
+    def share_after_run(self, stem, cuts, calls):
+        """A long prompt, some steps, then another request on the same stem (a likely prefix hit)."""
+        self.create_long(stem, cuts[0], 3)
+        self.run(16, calls)
+        return self.create_long(stem, cuts[1], 3)
+
     @rule(rid=requests, offset=st.integers(-1, 1))
     def cancel(self, rid, offset):
         exp = self.expected[rid]
