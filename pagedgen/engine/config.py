@@ -46,7 +46,10 @@ class EngineConfig:
     ``dynamic_batching=False`` selects the static path;
     ``debug_invariants`` validates cache and request accounting after every step (raises on a violation);
     ``max_step_retries`` is how often an unattributed rollback is retried as is before the engine narrows the
-    batch to find the request that causes it (:mod:`pagedgen.engine.isolation`).
+    batch to find the request that causes it (:mod:`pagedgen.engine.isolation`);
+    ``prefix_caching`` shares the K/V of identical prompt prefixes across requests (full blocks, hash-chained;
+    docs/cache.md). It applies to the dynamic path of a purely paged model only: with sliding-window rings or
+    fixed conv / recurrent state the engine turns it off (``engine.stats().prefix_caching`` says which).
     """
 
     max_batch_size: int = 16
@@ -58,6 +61,7 @@ class EngineConfig:
     dynamic_batching: bool = True
     debug_invariants: bool = False
     max_step_retries: int = DEFAULT_MAX_STEP_RETRIES
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _positive_int("max_batch_size", self.max_batch_size)
@@ -67,7 +71,7 @@ class EngineConfig:
         _positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, optional=True)
         _positive_int("chunk_size", self.chunk_size, optional=True)
         _positive_int("max_step_retries", self.max_step_retries)
-        for name in ("dynamic_batching", "debug_invariants"):
+        for name in ("dynamic_batching", "debug_invariants", "prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -20,6 +20,7 @@ from pagedgen.engine.events import (
     EngineEventFlags,
     FinishReason,
     TokenLogprobs,
+    TurnReuse,
     Usage,
 )
 from pagedgen.engine.request import RequestState, RequestStatus
@@ -35,6 +36,7 @@ class StagedResult:
     token: int | None = None  # appended to the sequence (None: partial prefill, or EOS)
     finish: FinishReason = FinishReason.NONE
     events: list[EngineEvent] = field(default_factory=list)
+    reuse: TurnReuse | None = None  # set by the turn's first input step: what it did not compute
 
 
 def sample_row(state: RequestState, eos_token_ids: tuple[int, ...]) -> SampleRow:
@@ -50,9 +52,12 @@ def sample_row(state: RequestState, eos_token_ids: tuple[int, ...]) -> SampleRow
     )
 
 
-def stage_sampled(state: RequestState, sampled: SampledToken, seq_len: int) -> StagedResult:
-    """Stage the token sampled after the request's last input token (sequence length ``seq_len``)."""
-    staged = StagedResult(state, target_processed=seq_len)
+def stage_sampled(
+    state: RequestState, sampled: SampledToken, seq_len: int, reuse: TurnReuse | None = None
+) -> StagedResult:
+    """Stage the token sampled after the request's last input token (sequence length ``seq_len``);
+    ``reuse``: set by the turn's first input step."""
+    staged = StagedResult(state, target_processed=seq_len, reuse=reuse)
     logprobs = None
     if state.turn.num_logprobs and sampled.logprob is not None:
         logprobs = TokenLogprobs(sampled.logprob, tuple(sampled.top_logprobs))
@@ -76,7 +81,13 @@ def stage_sampled(state: RequestState, sampled: SampledToken, seq_len: int) -> S
             released += _flush(state)
     generated = state.turn_generated_tokens + (staged.token is not None)
     staged.events = turn_events(
-        state, released, staged.finish, generated, matched, text_before_stop=text_before_stop
+        state,
+        released,
+        staged.finish,
+        generated,
+        matched,
+        text_before_stop=text_before_stop,
+        reuse=reuse,
     )
     return staged
 
@@ -116,8 +127,11 @@ def turn_events(
     matched: int | None = None,
     error_code: EngineErrorCode = EngineErrorCode.NONE,
     text_before_stop: str = "",
+    reuse: TurnReuse | None = None,
 ) -> list[EngineEvent]:
     """TOKEN events for ``released`` and, when the turn finishes, TURN_FINISHED merged into the last one.
+
+    ``reuse`` overrides the turn's committed reuse (a turn whose first input step also finishes it).
 
     Returns no events when the caller's handle is gone (an abandoned request is reclaimed, not reported).
     """
@@ -151,7 +165,13 @@ def turn_events(
     if finish is FinishReason.FAILED:
         last.flags |= EngineEventFlags.FAILED
     last.finish_reason = finish
-    last.usage = Usage(prompt_tokens=state.turn_prompt_tokens, generated_tokens=generated_tokens)
+    reuse = state.turn_reuse if reuse is None else reuse
+    last.usage = Usage(
+        prompt_tokens=state.turn_prompt_tokens,
+        generated_tokens=generated_tokens,
+        cached_prompt_tokens=reuse.cached_prompt_tokens,
+        reused_tokens=reuse.reused_tokens,
+    )
     last.matched_stop_string_index = matched
     last.text_before_stop = text_before_stop
     last.error_code = error_code
@@ -166,6 +186,8 @@ def commit_staged(staged: StagedResult) -> None:
         state.generated.append(staged.token)
         state.turn_generated_tokens += 1
     state.processed_len = staged.target_processed
+    if staged.reuse is not None:
+        state.turn_reuse = staged.reuse
     state.finish_reason = staged.finish
     state.status = RequestStatus.ACTIVE if staged.finish is FinishReason.NONE else RequestStatus.TURN_COMPLETE
 

@@ -47,6 +47,9 @@ _GAUGES = {
 _COUNTERS = {
     "engine_steps": "Engine transactions committed.",
     "engine_rollbacks": "Engine transactions rolled back.",
+    "prefix_cache_queries": "Prompt tokens whose admission looked up the prefix cache.",
+    "prefix_cache_hits": "Prompt tokens served from the prefix cache instead of computed.",
+    "num_preemptions": "Running requests preempted (sent back to the queue, re-prefilled later).",
 }
 
 
@@ -78,7 +81,13 @@ class _EngineCollector(Collector):
             yield self._sample(
                 GaugeMetricFamily(f"pagedgen:{name}", _GAUGES[name], labels=["model_name"]), value
             )
-        counts = {"engine_steps": snap.steps, "engine_rollbacks": snap.rollbacks}
+        counts = {
+            "engine_steps": snap.steps,
+            "engine_rollbacks": snap.rollbacks,
+            "prefix_cache_queries": snap.prefix_queried_tokens,
+            "prefix_cache_hits": snap.prefix_hit_tokens,
+            "num_preemptions": snap.preemptions,
+        }
         for name, value in counts.items():
             family = CounterMetricFamily(f"pagedgen:{name}", _COUNTERS[name], labels=["model_name"])
             yield self._sample(family, value)

@@ -102,6 +102,9 @@ class EngineSnapshot:
     window_free_blocks: int = 0
     fixed_total_slots: int = 0  # fixed conv / recurrent state slots (0 without fixed state)
     fixed_free_slots: int = 0
+    prefix_queried_tokens: int = 0  # prompt tokens of committed admissions that looked up the prefix cache
+    prefix_hit_tokens: int = 0  # of those, served from the cache
+    preemptions: int = 0
 
     @property
     def used_blocks(self) -> int:
@@ -418,6 +421,9 @@ class EngineWorker:
                 steps=self._snapshot.steps,
                 rollbacks=self._snapshot.rollbacks,
                 healthy=False,
+                prefix_queried_tokens=self._snapshot.prefix_queried_tokens,
+                prefix_hit_tokens=self._snapshot.prefix_hit_tokens,
+                preemptions=self._snapshot.preemptions,
             )
             return
         stats = self._engine.stats()
@@ -433,6 +439,9 @@ class EngineWorker:
             window_free_blocks=stats.window_free_blocks,
             fixed_total_slots=stats.fixed_total_slots,
             fixed_free_slots=stats.fixed_free_slots,
+            prefix_queried_tokens=stats.prefix_queried_tokens,
+            prefix_hit_tokens=stats.prefix_hit_tokens,
+            preemptions=stats.preemptions,
         )
 
     def _teardown(self) -> None:
