@@ -27,8 +27,20 @@ from pagedgen.core.manifest import StateKind
 from pagedgen.errors import ModelLoadError, StateManifestError
 from pagedgen.models.bamba import BambaForCausalLM
 from pagedgen.models.config import config_from_hf
-from tests.helpers import drain, engine_snapshot, event_key, record_steps, submit, tokens_of
-from tests.model.hf_cases import RECOVERABLE, RECOVERABLE_IDS, greedy_by_forwards, ids_of, small_engine
+from tests.helpers import drain, submit, tokens_of
+from tests.model.hf_cases import (
+    RECOVERABLE,
+    RECOVERABLE_IDS,
+    check_chunked_equals_unchunked,
+    check_fatal_step,
+    check_greedy_and_slot_returns,
+    check_mixed_batch,
+    check_rollback_at,
+    greedy_by_forwards,
+    ids_of,
+    resident_pair,
+    small_engine,
+)
 from tests.model.paged_runner import (
     PagedRunner,
     PagedSequence,
@@ -148,47 +160,18 @@ def test_a_clamped_time_step_matches_transformers(tmp_path_factory):
 
 
 def test_engine_greedy_equals_transformers_and_the_slot_returns_on_close(case):
-    prompt, n = ids_of(24, seed=1), 40
-    eng = small_engine(case.model)
-    request = submit(eng, prompt, n, ignore_eos=True)
-    assert tokens_of(drain(eng))[request] == case.greedy(prompt, n)
-    stats = eng.stats()
-    assert (stats.fixed_total_slots, stats.fixed_free_slots) == (4, 3)
-    assert eng._scheduler.cache.fixed.committed_tokens(request.id) == request.processed_length
-    request.close()
-    stats = eng.stats()
-    assert stats.fixed_free_slots == 4 and stats.free_blocks == stats.total_blocks
+    check_greedy_and_slot_returns(case)
 
 
 PROMPTS = [(3, 30), (17, 20), (41, 10)]  # (prompt length, generated tokens)
 
 
 def test_a_mixed_batch_equals_each_request_alone(case):
-    prompts = [ids_of(length, seed=10 + i) for i, (length, _) in enumerate(PROMPTS)]
-    alone = []
-    for prompt, (_, n) in zip(prompts, PROMPTS, strict=True):
-        eng = small_engine(case.model)
-        request = submit(eng, prompt, n, ignore_eos=True)
-        alone.append(tokens_of(drain(eng))[request])
-    eng = small_engine(case.model, max_scheduled_tokens=12)  # chunked, mixed prefill + decode steps
-    steps = record_steps(eng)
-    requests = [submit(eng, p, n, ignore_eos=True) for p, (_, n) in zip(prompts, PROMPTS, strict=True)]
-    together = tokens_of(drain(eng))
-    assert [together[r] for r in requests] == alone
-    assert any(len(q_lens) == 3 and max(q_lens) > 1 and min(q_lens) == 1 for q_lens, _ in steps)
-    assert alone[2] == case.greedy(prompts[2], PROMPTS[2][1])
+    check_mixed_batch(case, PROMPTS)
 
 
 def test_chunked_prefill_equals_unchunked(case):
-    prompt = ids_of(50, seed=3)
-    outputs = []
-    for chunk in (3, None):
-        eng = small_engine(case.model, chunk_size=chunk, max_batch_size=2)
-        steps = record_steps(eng)
-        request = submit(eng, prompt, 20, ignore_eos=True)
-        outputs.append(tokens_of(drain(eng))[request])
-        assert steps[0][0] == [3 if chunk else 50]
-    assert outputs[0] == outputs[1] == case.greedy(prompt, 20)
+    check_chunked_equals_unchunked(case)
 
 
 def test_a_second_turn_continues_the_conv_and_ssm_state(case):
@@ -204,45 +187,23 @@ def test_a_second_turn_continues_the_conv_and_ssm_state(case):
 
 def scenario(case: Case) -> tuple[pg.Engine, list[pg.Request]]:
     """A decoding request and a partial prefill, both resident (their conv and SSM states mid-stream)."""
-    eng = small_engine(case.model, max_scheduled_tokens=8)
-    requests = [submit(eng, ids_of(10, seed=4), 20, ignore_eos=True)]
-    for _ in range(6):
-        eng.run(max_events=64)
-    requests.append(submit(eng, ids_of(23, seed=5), 6, ignore_eos=True))
-    eng.run(max_events=64)
-    assert 0 < requests[1].processed_length < 23 and requests[0].processed_length > 10
-    return eng, requests
+    return resident_pair(case.model, generate=20, steps=6, past=10)
 
 
 @pytest.mark.parametrize("phase, error", RECOVERABLE, ids=RECOVERABLE_IDS)
 def test_a_rollback_at_every_phase_leaves_the_state_exact(case, phase, error):
-    reference, _ = scenario(case)
-    expected = [event_key(e) for e in drain(reference)]
-    eng, requests = scenario(case)
-    before = engine_snapshot(eng)
-    owners = before["fixed"]["owners"]
-    assert len(owners) == 2
-    assert all(any(v != 0 for v in state["mamba_ssm.3"]) for *_, state in owners.values())  # mid-stream
-    eng._faults.arm(phase, error)
-    (event,) = eng.run(max_events=64)
-    assert event.request is None and event.flags & (
-        pg.EngineEventFlags.RETRYABLE | pg.EngineEventFlags.CAPACITY_BLOCKED
-    )
-    assert engine_snapshot(eng) == before and eng.check_invariants() == []
-    assert [event_key(e) for e in drain(eng)] == expected  # the retry starts from exactly the same state
+
+    def holds_both_states_mid_stream(before: dict) -> None:
+        owners = before["fixed"]["owners"]
+        assert len(owners) == 2
+        assert all(any(v != 0 for v in state["mamba_ssm.3"]) for *_, state in owners.values())  # mid-stream
+
+    check_rollback_at(lambda: scenario(case), phase, error, holds_both_states_mid_stream)
 
 
 @pytest.mark.parametrize("phase", ["execute", "prepare", "commit_cache"])
 def test_a_fatal_step_fails_every_turn_and_the_slots_return_on_close(case, phase):
-    eng, requests = scenario(case)
-    eng._faults.arm(phase)
-    drain(eng)
-    assert not eng.stats().healthy
-    assert all(r.status is pg.RequestStatus.TURN_COMPLETE for r in requests)
-    for request in requests:
-        request.close()
-    stats = eng.stats()
-    assert (stats.free_blocks, stats.fixed_free_slots) == (stats.total_blocks, stats.fixed_total_slots)
+    check_fatal_step(lambda: scenario(case), phase, ("fixed_free_slots", "fixed_total_slots"))
 
 
 def test_the_static_path_refuses_a_fixed_state_model(case):

@@ -15,8 +15,20 @@ import torch
 
 import pagedgen as pg
 from pagedgen.core.manifest import StateKind
-from tests.helpers import drain, engine_snapshot, event_key, record_steps, submit, tokens_of
-from tests.model.hf_cases import RECOVERABLE, RECOVERABLE_IDS, greedy_by_forwards, ids_of, small_engine
+from tests.helpers import drain, submit, tokens_of
+from tests.model.hf_cases import (
+    RECOVERABLE,
+    RECOVERABLE_IDS,
+    check_chunked_equals_unchunked,
+    check_fatal_step,
+    check_greedy_and_slot_returns,
+    check_mixed_batch,
+    check_rollback_at,
+    greedy_by_forwards,
+    ids_of,
+    resident_pair,
+    small_engine,
+)
 from tests.model.paged_runner import (
     PagedRunner,
     PagedSequence,
@@ -101,47 +113,18 @@ def test_several_sequences_in_one_step_each_match_transformers(logits_case):
 
 
 def test_engine_greedy_equals_transformers_and_the_slot_returns_on_close(case):
-    prompt, n = ids_of(24, seed=1), 40
-    eng = small_engine(case.model)
-    request = submit(eng, prompt, n, ignore_eos=True)
-    assert tokens_of(drain(eng))[request] == case.greedy(prompt, n)
-    stats = eng.stats()
-    assert (stats.fixed_total_slots, stats.fixed_free_slots) == (4, 3)
-    assert eng._scheduler.cache.fixed.committed_tokens(request.id) == request.processed_length
-    request.close()
-    stats = eng.stats()
-    assert stats.fixed_free_slots == 4 and stats.free_blocks == stats.total_blocks
+    check_greedy_and_slot_returns(case)
 
 
 PROMPTS = [(3, 30), (17, 20), (41, 10)]  # (prompt length, generated tokens)
 
 
 def test_a_mixed_batch_equals_each_request_alone(case):
-    prompts = [ids_of(length, seed=10 + i) for i, (length, _) in enumerate(PROMPTS)]
-    alone = []
-    for prompt, (_, n) in zip(prompts, PROMPTS, strict=True):
-        eng = small_engine(case.model)
-        request = submit(eng, prompt, n, ignore_eos=True)
-        alone.append(tokens_of(drain(eng))[request])
-    eng = small_engine(case.model, max_scheduled_tokens=12)  # chunked, mixed prefill + decode steps
-    steps = record_steps(eng)
-    requests = [submit(eng, p, n, ignore_eos=True) for p, (_, n) in zip(prompts, PROMPTS, strict=True)]
-    together = tokens_of(drain(eng))
-    assert [together[r] for r in requests] == alone
-    assert any(len(q_lens) == 3 and max(q_lens) > 1 and min(q_lens) == 1 for q_lens, _ in steps)
-    assert alone[2] == case.greedy(prompts[2], PROMPTS[2][1])
+    check_mixed_batch(case, PROMPTS)
 
 
 def test_chunked_prefill_equals_unchunked(case):
-    prompt = ids_of(50, seed=3)
-    outputs = []
-    for chunk in (3, None):
-        eng = small_engine(case.model, chunk_size=chunk, max_batch_size=2)
-        steps = record_steps(eng)
-        request = submit(eng, prompt, 20, ignore_eos=True)
-        outputs.append(tokens_of(drain(eng))[request])
-        assert steps[0][0] == [3 if chunk else 50]
-    assert outputs[0] == outputs[1] == case.greedy(prompt, 20)
+    check_chunked_equals_unchunked(case)
 
 
 def test_a_second_turn_continues_the_conv_state(case):
@@ -157,43 +140,21 @@ def test_a_second_turn_continues_the_conv_state(case):
 
 def scenario(case: Case) -> tuple[pg.Engine, list[pg.Request]]:
     """A decoding request and a partial prefill, both resident (their conv state mid-stream)."""
-    eng = small_engine(case.model, max_scheduled_tokens=8)
-    requests = [submit(eng, ids_of(10, seed=4), 20, ignore_eos=True)]
-    for _ in range(6):
-        eng.run(max_events=64)
-    requests.append(submit(eng, ids_of(23, seed=5), 6, ignore_eos=True))
-    eng.run(max_events=64)
-    assert 0 < requests[1].processed_length < 23 and requests[0].processed_length > 10
-    return eng, requests
+    return resident_pair(case.model, generate=20, steps=6, past=10)
 
 
 @pytest.mark.parametrize("phase, error", RECOVERABLE, ids=RECOVERABLE_IDS)
 def test_a_rollback_at_every_phase_leaves_the_state_exact(case, phase, error):
-    reference, _ = scenario(case)
-    expected = [event_key(e) for e in drain(reference)]
-    eng, requests = scenario(case)
-    before = engine_snapshot(eng)
-    assert len(before["fixed"]["owners"]) == 2
-    eng._faults.arm(phase, error)
-    (event,) = eng.run(max_events=64)
-    assert event.request is None and event.flags & (
-        pg.EngineEventFlags.RETRYABLE | pg.EngineEventFlags.CAPACITY_BLOCKED
-    )
-    assert engine_snapshot(eng) == before and eng.check_invariants() == []
-    assert [event_key(e) for e in drain(eng)] == expected  # the retry starts from exactly the same state
+
+    def holds_both_states(before: dict) -> None:
+        assert len(before["fixed"]["owners"]) == 2
+
+    check_rollback_at(lambda: scenario(case), phase, error, holds_both_states)
 
 
 @pytest.mark.parametrize("phase", ["execute", "prepare", "commit_cache"])
 def test_a_fatal_step_fails_every_turn_and_the_slots_return_on_close(case, phase):
-    eng, requests = scenario(case)
-    eng._faults.arm(phase)
-    drain(eng)
-    assert not eng.stats().healthy
-    assert all(r.status is pg.RequestStatus.TURN_COMPLETE for r in requests)
-    for request in requests:
-        request.close()
-    stats = eng.stats()
-    assert (stats.free_blocks, stats.fixed_free_slots) == (stats.total_blocks, stats.fixed_total_slots)
+    check_fatal_step(lambda: scenario(case), phase, ("fixed_free_slots", "fixed_total_slots"))
 
 
 def test_the_static_path_refuses_a_fixed_state_model(case):

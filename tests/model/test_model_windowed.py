@@ -13,9 +13,20 @@ import pytest
 import torch
 
 import pagedgen as pg
-from pagedgen.core.window import ring_blocks
-from tests.helpers import drain, engine_snapshot, event_key, record_steps, submit, tokens_of
-from tests.model.hf_cases import RECOVERABLE, RECOVERABLE_IDS, greedy_by_forwards, ids_of, small_engine
+from tests.helpers import drain, submit, tokens_of
+from tests.model.hf_cases import (
+    RECOVERABLE,
+    RECOVERABLE_IDS,
+    check_chunked_equals_unchunked,
+    check_fatal_step,
+    check_greedy_with_flat_window,
+    check_mixed_batch,
+    check_rollback_at,
+    greedy_by_forwards,
+    ids_of,
+    resident_pair,
+    small_engine,
+)
 from tests.model.paged_runner import chunked_logits, prompt_logits, stepwise_logits
 from tests.model.tiny_checkpoints import hf_state, tiny_hf_model, write_gguf
 
@@ -101,99 +112,36 @@ def test_logits_match_transformers_far_past_the_window(logits_case):
 
 
 def test_engine_greedy_equals_transformers_and_window_blocks_stay_flat(case):
-    prompt, n = ids_of(24, seed=1), 96
-    eng = small_engine(case.model)
-    request = submit(eng, prompt, n, ignore_eos=True)
-    cache = eng._scheduler.cache
-    rings, window_free, full_blocks, tokens = [], [], [], []
-    buffer = eng.create_event_buffer(16)
-    while eng.has_pending_requests():
-        tokens += [e.token for e in eng.run(buffer) if e.flags & pg.EngineEventFlags.TOKEN]
-        if cache.is_resident(request.id):
-            rings.append(cache.window_ring(request.id))
-            window_free.append(eng.stats().window_free_blocks)
-            full_blocks.append(len(cache.block_table(request.id)))
-    assert tokens == case.greedy(prompt, n)
-    r = ring_blocks(5, case.window, 4)
-    assert len(set(rings)) == 1 and len(rings[0]) == r  # one ring, never grown, never replaced
-    stats = eng.stats()
-    assert set(window_free) == {stats.window_total_blocks - r} and stats.window_total_blocks == 4 * r
-    assert full_blocks[-1] == 30 > full_blocks[0]  # the full pool grows with the sequence (120 tokens / 4)
-    request.close()
-    stats = eng.stats()
-    assert (stats.free_blocks, stats.window_free_blocks) == (stats.total_blocks, stats.window_total_blocks)
+    check_greedy_with_flat_window(case, case.window)
 
 
 PROMPTS = [(3, 40), (17, 25), (41, 12)]  # (prompt length, generated tokens)
 
 
 def test_a_mixed_batch_equals_each_request_alone(case):
-    prompts = [ids_of(length, seed=10 + i) for i, (length, _) in enumerate(PROMPTS)]
-    alone = []
-    for prompt, (_, n) in zip(prompts, PROMPTS, strict=True):
-        eng = small_engine(case.model)
-        request = submit(eng, prompt, n, ignore_eos=True)
-        alone.append(tokens_of(drain(eng))[request])
-    eng = small_engine(case.model, max_scheduled_tokens=12)  # chunked, mixed prefill + decode steps
-    steps = record_steps(eng)
-    requests = [submit(eng, p, n, ignore_eos=True) for p, (_, n) in zip(prompts, PROMPTS, strict=True)]
-    together = tokens_of(drain(eng))
-    assert [together[r] for r in requests] == alone
-    assert any(len(q_lens) == 3 and max(q_lens) > 1 and min(q_lens) == 1 for q_lens, _ in steps)
-    assert alone[2] == case.greedy(prompts[2], PROMPTS[2][1])
+    check_mixed_batch(case, PROMPTS)
 
 
 def test_chunked_prefill_equals_unchunked(case):
-    prompt = ids_of(50, seed=3)
-    outputs = []
-    for chunk in (3, None):  # None: C is the token budget, the prompt runs in one step
-        eng = small_engine(case.model, chunk_size=chunk, max_batch_size=2)
-        steps = record_steps(eng)
-        request = submit(eng, prompt, 20, ignore_eos=True)
-        outputs.append(tokens_of(drain(eng))[request])
-        assert steps[0][0] == [3 if chunk else 50]
-    assert outputs[0] == outputs[1] == case.greedy(prompt, 20)
+    check_chunked_equals_unchunked(case)
 
 
 def scenario(case: Case) -> tuple[pg.Engine, list[pg.Request]]:
     """A decoding request well past its window and a partial prefill, both resident."""
-    eng = small_engine(case.model, max_scheduled_tokens=8)
-    requests = [submit(eng, ids_of(10, seed=4), 30, ignore_eos=True)]
-    for _ in range(12):
-        eng.run(max_events=64)
-    requests.append(submit(eng, ids_of(23, seed=5), 6, ignore_eos=True))
-    eng.run(max_events=64)
-    assert 0 < requests[1].processed_length < 23 and requests[0].processed_length > 2 * case.window
-    return eng, requests
+    return resident_pair(case.model, generate=30, steps=12, past=2 * case.window)
 
 
 @pytest.mark.parametrize("phase, error", RECOVERABLE, ids=RECOVERABLE_IDS)
 def test_a_rollback_at_every_phase_leaves_the_state_exact(case, phase, error):
-    reference, _ = scenario(case)
-    expected = [event_key(e) for e in drain(reference)]
-    eng, requests = scenario(case)
-    before = engine_snapshot(eng)
-    assert before["free_window_blocks"] and all(len(t[2]) for t in before["tables"].values())
-    eng._faults.arm(phase, error)
-    (event,) = eng.run(max_events=64)
-    assert event.request is None and event.flags & (
-        pg.EngineEventFlags.RETRYABLE | pg.EngineEventFlags.CAPACITY_BLOCKED
-    )
-    assert engine_snapshot(eng) == before and eng.check_invariants() == []
-    assert [event_key(e) for e in drain(eng)] == expected  # the retry writes the ring exactly as before
+    def holds_rings_and_tables(before: dict) -> None:
+        assert before["free_window_blocks"] and all(len(t[2]) for t in before["tables"].values())
+
+    check_rollback_at(lambda: scenario(case), phase, error, holds_rings_and_tables)
 
 
 @pytest.mark.parametrize("phase", ["plan", "reserve", "execute", "commit_request", "commit_cache", "publish"])
 def test_a_fatal_step_fails_every_turn_and_every_block_of_both_pools_returns(case, phase):
-    eng, requests = scenario(case)
-    eng._faults.arm(phase)
-    drain(eng)
-    assert not eng.stats().healthy
-    assert all(r.status is pg.RequestStatus.TURN_COMPLETE for r in requests)
-    for request in requests:
-        request.close()
-    stats = eng.stats()
-    assert (stats.free_blocks, stats.window_free_blocks) == (stats.total_blocks, stats.window_total_blocks)
+    check_fatal_step(lambda: scenario(case), phase, ("window_free_blocks", "window_total_blocks"))
 
 
 def test_the_static_path_keeps_windowed_layers_in_its_one_pool_and_masks_them(case):
