@@ -45,12 +45,10 @@ from pagedgen.core.manifest import StateKind
 from pagedgen.core.step_inputs import FixedStateInputs, StepInputs
 from pagedgen.models.config import ModelConfig
 from pagedgen.models.lfm2 import CausalConv1d
-from pagedgen.models.llama import MLP, Embedding, Linear, RMSNorm, RotaryEmbedding, _param
+from pagedgen.models.llama import MLP, Embedding, Linear, RMSNorm, RotaryEmbedding, TiedHead, _param
 from pagedgen.ops.attention import AttentionPlan, paged_attention, plan_attention, write_kv
 from pagedgen.ops.conv import packed_causal_conv
 from pagedgen.ops.layer_ops import apply_rotary_, silu_and_mul
-from pagedgen.ops.linear import linear
-from pagedgen.ops.qweight import QuantizedWeight
 from pagedgen.ops.ssm import packed_selective_scan
 
 
@@ -248,8 +246,10 @@ def fixed_state_specs(config: ModelConfig, dtype: torch.dtype) -> tuple[FixedSta
     return tuple(specs)
 
 
-class BambaForCausalLM(nn.Module):
+class BambaForCausalLM(TiedHead, nn.Module):
     """A :class:`pagedgen.models.base.CausalLM` with fixed conv and recurrent state: one forward per step."""
+
+    fused_decoder = None  # the fused native decode path is for plain Llama layers only
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -263,14 +263,8 @@ class BambaForCausalLM(nn.Module):
         self.dtype = dtype
         self.kv_spec = KVSpec(len(attention), config.num_kv_heads, config.head_dim, dtype)
         self.fixed_state_specs = fixed_state_specs(config, dtype)
-        self.vocab_size = config.vocab_size
         self.model = BambaModel(config, dtype, device)
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else Linear(config.hidden_size, config.vocab_size, False, dtype)
-        )
-        self.fused_decoder = None  # the fused native decode path is for plain Llama layers only
+        self._init_head(config, dtype)
 
     def fuse_projections(self) -> None:
         """One GEMM for each Bamba MLP's gate and up projections (Granite's are stored as one; the mixers and
@@ -278,11 +272,6 @@ class BambaForCausalLM(nn.Module):
         for layer in self.model.layers:
             if not layer.granite:
                 layer.feed_forward.fuse_gate_up()
-
-    @property
-    def head_weight(self) -> torch.Tensor | QuantizedWeight:
-        """``[vocab, hidden]``: the LM head, or the token embedding when they are tied."""
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs, kv_cache: PagedKVCache) -> torch.Tensor:
@@ -309,4 +298,4 @@ class BambaForCausalLM(nn.Module):
             x = x + h * config.residual_multiplier
             x = x + layer.mlp(x) * config.residual_multiplier
         x = self.model.final_norm(x[inputs.logits_rows])  # [R, hidden]
-        return linear(x, self.head_weight).float() / config.logits_scaling  # [R, vocab]
+        return self._head(x).float() / config.logits_scaling  # [R, vocab]

@@ -26,11 +26,10 @@ from torch import nn
 from pagedgen.core.kv import KVSpec, PagedKVCache
 from pagedgen.core.step_inputs import StepInputs
 from pagedgen.models.config import ModelConfig
-from pagedgen.models.llama import Embedding, Linear, RotaryEmbedding, _fuse_linears, _param
-from pagedgen.ops.attention import AttentionPlan, paged_attention, plan_attention, write_kv
-from pagedgen.ops.layer_ops import apply_rotary_
-from pagedgen.ops.linear import linear
-from pagedgen.ops.qweight import QuantizedWeight
+from pagedgen.models.llama import MLP as LlamaMLP
+from pagedgen.models.llama import Attention as LlamaAttention
+from pagedgen.models.llama import Embedding, RotaryEmbedding, TiedHead, _param
+from pagedgen.ops.attention import AttentionPlan, plan_attention
 
 
 def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -54,67 +53,26 @@ class GemmaRMSNorm(nn.Module):
         return (x32 * (1.0 + self.weight.float())).to(x.dtype)
 
 
-class Attention(nn.Module):
-    """Grouped-query attention over one layer's paged KV cache, with Gemma's scale and optional soft-cap."""
+class Attention(LlamaAttention):
+    """Llama's grouped-query attention with Gemma's query scale, optional soft-cap, ``o_proj`` bias and
+    ``1 + weight`` q/k norms (the projections, their fusion and the forward are Llama's)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype):
-        super().__init__()
-        hidden, d = config.hidden_size, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
-        self.scale = (config.query_scale or d) ** -0.5
+        super().__init__(
+            config,
+            dtype,
+            query_scale=config.query_scale,
+            o_bias=config.qkv_bias,  # transformers' ``attention_bias`` covers o_proj too
+            norm=GemmaRMSNorm,
+        )
         self.softcap = config.attn_softcap
-        bias = config.qkv_bias  # transformers' ``attention_bias`` covers o_proj too
-        self.q_proj = Linear(hidden, self.num_heads * d, bias, dtype)
-        self.k_proj = Linear(hidden, self.num_kv_heads * d, bias, dtype)
-        self.v_proj = Linear(hidden, self.num_kv_heads * d, bias, dtype)
-        self.o_proj = Linear(self.num_heads * d, hidden, bias, dtype)
-        self.q_norm = GemmaRMSNorm(d, config.rms_norm_eps, dtype) if config.qk_norm else None
-        self.k_norm = GemmaRMSNorm(d, config.rms_norm_eps, dtype) if config.qk_norm else None
-        self.qkv: Linear | None = None  # set by fuse_projections() once the weights are loaded
-
-    def _project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q ``[T, Hq, D]``, k and v ``[T, Hkv, D]`` (views of one fused product when fused)."""
-        tokens, d = x.shape[0], self.head_dim
-        if self.qkv is None:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        else:
-            q, k, v = self.qkv(x).split(
-                [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=1
-            )
-        return q.reshape(tokens, -1, d), k.reshape(tokens, -1, d), v.reshape(tokens, -1, d)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        inputs: StepInputs,
-        plan: AttentionPlan,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-    ) -> torch.Tensor:
-        """Mutates ``k_cache``/``v_cache`` at the plan's slots; returns ``[T, hidden]``."""
-        tokens = x.shape[0]
-        q, k, v = self._project_qkv(x)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope
-        q, k = apply_rotary_(q, cos, sin), apply_rotary_(k, cos, sin)
-        slots = inputs.slot_mapping if plan.slot_mapping is None else plan.slot_mapping  # a ring's own
-        write_kv(k, v, k_cache, v_cache, slots)
-        out = paged_attention(q, k_cache, v_cache, inputs, self.scale, plan, softcap=self.softcap)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
-class MLP(nn.Module):
-    """GELU-tanh gated MLP: ``down(gelu_tanh(gate(x)) * up(x))``."""
+class MLP(LlamaMLP):
+    """GELU-tanh gated MLP, no biases: ``down(gelu_tanh(gate(x)) * up(x))``; Llama's but the activation."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype):
-        super().__init__()
-        hidden, inner = config.hidden_size, config.intermediate_size
-        self.gate_proj = Linear(hidden, inner, False, dtype)
-        self.up_proj = Linear(hidden, inner, False, dtype)
-        self.down_proj = Linear(inner, hidden, False, dtype)
-        self.gate_up: Linear | None = None  # set by fuse_projections() once the weights are loaded
+        super().__init__(config, dtype, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
@@ -168,10 +126,12 @@ class GemmaModel(nn.Module):
         )
 
 
-class GemmaForCausalLM(nn.Module):
+class GemmaForCausalLM(TiedHead, nn.Module):
     """A :class:`pagedgen.models.base.CausalLM` for Gemma 2 and Gemma 3 text: one forward per packed step."""
 
     fixed_state_specs: tuple = ()  # every layer attends: paged K/V only
+
+    fused_decoder = None  # the fused native decode path is for plain Llama layers only
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -187,26 +147,14 @@ class GemmaForCausalLM(nn.Module):
             window_size=config.sliding_window,
             window_layers=config.windowed_layers,
         )
-        self.vocab_size = config.vocab_size
         self.model = GemmaModel(config, dtype, device)
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else Linear(config.hidden_size, config.vocab_size, False, dtype)
-        )
-        self.fused_decoder = None  # the fused native decode path is for plain Llama layers only
+        self._init_head(config, dtype)
 
     def fuse_projections(self) -> None:
         """One GEMM for q/k/v and one for gate/up per layer (the parts become views; names stay valid)."""
         for layer in self.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            attn.qkv = _fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
-            mlp.gate_up = _fuse_linears([mlp.gate_proj, mlp.up_proj])
-
-    @property
-    def head_weight(self) -> torch.Tensor | QuantizedWeight:
-        """``[vocab, hidden]``: the LM head, or the token embedding when they are tied."""
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            layer.self_attn.fuse_qkv()
+            layer.mlp.fuse_gate_up()
 
     def _plans(
         self, inputs: StepInputs, kv_cache: PagedKVCache
@@ -243,4 +191,4 @@ class GemmaForCausalLM(nn.Module):
             else:
                 x = layer(x, rope, inputs, plan, k_cache, v_cache)
         x = model.norm(x[inputs.logits_rows])  # [R, hidden]
-        return soft_cap(linear(x, self.head_weight), self.config.final_softcap).float()  # [R, vocab]
+        return soft_cap(self._head(x), self.config.final_softcap).float()  # [R, vocab]

@@ -27,12 +27,10 @@ from pagedgen.core.kv import KVSpec, PagedKVCache
 from pagedgen.core.manifest import StateKind
 from pagedgen.core.step_inputs import StepInputs
 from pagedgen.models.config import ModelConfig
-from pagedgen.models.llama import Embedding, Linear, RMSNorm, RotaryEmbedding, _param
+from pagedgen.models.llama import Embedding, Linear, RMSNorm, RotaryEmbedding, TiedHead, _param
 from pagedgen.ops.attention import AttentionPlan, paged_attention, plan_attention, write_kv
 from pagedgen.ops.conv import packed_causal_conv
 from pagedgen.ops.layer_ops import apply_rotary_
-from pagedgen.ops.linear import linear
-from pagedgen.ops.qweight import QuantizedWeight
 
 
 def conv_state_name(layer: int) -> str:
@@ -146,8 +144,10 @@ class Lfm2Model(nn.Module):
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim, device)
 
 
-class Lfm2ForCausalLM(nn.Module):
+class Lfm2ForCausalLM(TiedHead, nn.Module):
     """A :class:`pagedgen.models.base.CausalLM` with fixed conv state: one forward per packed engine step."""
+
+    fused_decoder = None  # the fused native decode path is for plain Llama layers only
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -170,22 +170,11 @@ class Lfm2ForCausalLM(nn.Module):
             )
             for i in config.conv_layers
         )
-        self.vocab_size = config.vocab_size
         self.model = Lfm2Model(config, dtype, device)
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else Linear(config.hidden_size, config.vocab_size, False, dtype)
-        )
-        self.fused_decoder = None  # the fused native decode path is for plain Llama layers only
+        self._init_head(config, dtype)
 
     def fuse_projections(self) -> None:
         """Nothing to fuse: LFM2's layers run as written (the fused decode path is Llama's)."""
-
-    @property
-    def head_weight(self) -> torch.Tensor | QuantizedWeight:
-        """``[vocab, hidden]``: the LM head, or the token embedding when they are tied."""
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs, kv_cache: PagedKVCache) -> torch.Tensor:
@@ -211,4 +200,4 @@ class Lfm2ForCausalLM(nn.Module):
             x = x + h
             x = x + layer.feed_forward(layer.ffn_norm(x))
         x = self.model.embedding_norm(x[inputs.logits_rows])  # [R, hidden]
-        return linear(x, self.head_weight).float()  # [R, vocab]
+        return self._head(x).float()  # [R, vocab]

@@ -159,17 +159,30 @@ class RotaryEmbedding(nn.Module):
 class Attention(nn.Module):
     """Grouped-query self-attention over the paged KV cache of one layer."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    softcap: float | None = None  # scores squashed to ``softcap * tanh(s / softcap)`` first (Gemma 2)
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        *,
+        query_scale: float | None = None,
+        o_bias: bool = False,
+        norm: type[nn.Module] = RMSNorm,
+    ):
+        """``query_scale``: what scores are scaled by the inverse square root of (the head size when
+        ``None``); ``o_bias``: an ``o_proj`` bias; ``norm``: the q/k head norm's class. The variants
+        (Gemma's) share the projections, the fusion and the forward; the names stay HF's."""
         super().__init__()
         hidden, d = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
-        self.scale = d**-0.5
+        self.scale = (query_scale or d) ** -0.5
         self.q_proj = Linear(hidden, self.num_heads * d, config.qkv_bias, dtype)
         self.k_proj = Linear(hidden, self.num_kv_heads * d, config.qkv_bias, dtype)
         self.v_proj = Linear(hidden, self.num_kv_heads * d, config.qkv_bias, dtype)
-        self.o_proj = Linear(self.num_heads * d, hidden, False, dtype)
-        self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype) if config.qk_norm else None
-        self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.o_proj = Linear(self.num_heads * d, hidden, o_bias, dtype)
+        self.q_norm = norm(d, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.k_norm = norm(d, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.qkv: Linear | None = None  # set by fuse_qkv() once the weights are loaded
 
     def fuse_qkv(self) -> None:
@@ -210,16 +223,18 @@ class Attention(nn.Module):
         q, k = apply_rotary_(q, cos, sin), apply_rotary_(k, cos, sin)  # in place (fresh GEMM output)
         slots = inputs.slot_mapping if plan.slot_mapping is None else plan.slot_mapping  # a ring's own
         write_kv(k, v, k_cache, v_cache, slots)
-        out = paged_attention(q, k_cache, v_cache, inputs, self.scale, plan)  # [T, Hq, D]
+        out = paged_attention(q, k_cache, v_cache, inputs, self.scale, plan, softcap=self.softcap)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, *, bias: bool | None = None):
+        """``bias``: the projections' biases (``config.mlp_bias`` when ``None``; Gemma's have none)."""
         super().__init__()
-        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        hidden, inner = config.hidden_size, config.intermediate_size
+        bias = config.mlp_bias if bias is None else bias
         self.gate_proj = Linear(hidden, inner, bias, dtype)
         self.up_proj = Linear(hidden, inner, bias, dtype)
         self.down_proj = Linear(inner, hidden, bias, dtype)
@@ -283,7 +298,34 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim, device)
 
 
-class LlamaForCausalLM(nn.Module):
+class TiedHead:
+    """The LM head every family's runtime builds and reads the same way (a mixin listed before
+    ``nn.Module``): HF's ``lm_head``, or ``None`` when tied, and then the token embedding
+    ``model.embed_tokens`` serves as the head."""
+
+    model: nn.Module
+    lm_head: Linear | None
+
+    def _init_head(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        """Set ``vocab_size`` and ``lm_head`` (after ``self.model``, as HF orders the modules)."""
+        self.vocab_size = config.vocab_size
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Linear(config.hidden_size, config.vocab_size, False, dtype)
+        )
+
+    @property
+    def head_weight(self) -> torch.Tensor | QuantizedWeight:
+        """``[vocab, hidden]``: the LM head, or the token embedding when they are tied."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [R, hidden]`` (the final-normed logits rows) -> ``[R, vocab]`` in the model's dtype."""
+        return linear(x, self.head_weight)
+
+
+class LlamaForCausalLM(TiedHead, nn.Module):
     """A :class:`pagedgen.models.base.CausalLM`: one forward per packed engine step.
 
     Built with unmaterialised (meta) parameters; :func:`pagedgen.models.weights.load_weights` assigns the
@@ -305,15 +347,10 @@ class LlamaForCausalLM(nn.Module):
             window_size=config.sliding_window,
             window_layers=config.windowed_layers,
         )
-        self.vocab_size = config.vocab_size
         self.model = LlamaModel(config, dtype, device)
         for i in self.windowed:
             self.model.layers[i].windowed = True
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else Linear(config.hidden_size, config.vocab_size, False, dtype)
-        )
+        self._init_head(config, dtype)
         self.fused_decoder: FusedDecoder | None = None  # set by fuse_projections() when it can run
 
     def fuse_projections(self) -> None:
@@ -359,11 +396,6 @@ class LlamaForCausalLM(nn.Module):
         )
         return FusedDecoder.build(layers, dims)
 
-    @property
-    def head_weight(self) -> torch.Tensor | QuantizedWeight:
-        """``[vocab, hidden]``: the LM head, or the token embedding when they are tied."""
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
     def _window_plan(self, inputs: StepInputs, kv_cache: PagedKVCache) -> AttentionPlan | None:
         """The sliding-window layers' plan (their ring, or the block tables masked to the window)."""
         if not self.windowed:
@@ -392,4 +424,4 @@ class LlamaForCausalLM(nn.Module):
                 x, delta = layer(x, delta, rope, inputs, layer_plan, k_cache, v_cache)
         rows = inputs.logits_rows
         x = self.model.norm(x[rows] + delta[rows])  # [R, hidden]
-        return linear(x, self.head_weight).float()  # [R, vocab]
+        return self._head(x).float()  # [R, vocab]
