@@ -28,7 +28,7 @@ from pagedgen.core.step_inputs import StepInputs
 from pagedgen.models.config import ModelConfig
 from pagedgen.models.llama import MLP as LlamaMLP
 from pagedgen.models.llama import Attention as LlamaAttention
-from pagedgen.models.llama import Embedding, RotaryEmbedding, TiedHead, _param
+from pagedgen.models.llama import Embedding, RMSNorm, RotaryEmbedding, TiedHead
 from pagedgen.ops.attention import AttentionPlan, plan_attention
 
 
@@ -39,13 +39,11 @@ def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
     return torch.tanh(x / cap) * cap
 
 
-class GemmaRMSNorm(nn.Module):
-    """RMSNorm scaling by ``1 + weight``, all in float32, then cast back (transformers' Gemma order)."""
+class GemmaRMSNorm(RMSNorm):
+    """RMSNorm scaling by ``1 + weight``, all in float32, then cast back (transformers' Gemma order).
 
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
-        super().__init__()
-        self.weight = _param(dim, dtype=dtype)
-        self.eps = eps
+    Llama's parameters (``weight``, ``eps``); only the scaling differs, so only ``forward`` is Gemma's.
+    """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
