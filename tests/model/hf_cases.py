@@ -133,6 +133,19 @@ def check_chunked_equals_unchunked(case: FamilyCase) -> None:
     assert outputs[0] == outputs[1] == case.greedy(prompt, 20)
 
 
+def check_second_turn(case: FamilyCase) -> None:
+    """A second turn continues the fixed state the first left: its tokens equal transformers' greedy over
+    the whole conversation so far."""
+    first, second = ids_of(9, seed=6), ids_of(5, seed=7)
+    eng = small_engine(case.model)
+    request = submit(eng, first, 6, ignore_eos=True)
+    out = tokens_of(drain(eng))[request]
+    options = pg.TurnOptions(request)
+    options.set_max_generated_tokens(8)
+    request.begin_turn(second, options)
+    assert tokens_of(drain(eng))[request] == case.greedy(first + out + second, 8)
+
+
 def resident_pair(
     model: pg.Model, generate: int, steps: int, past: int
 ) -> tuple[pg.Engine, list[pg.Request]]:

@@ -36,6 +36,7 @@ from tests.model.hf_cases import (
     check_greedy_and_slot_returns,
     check_mixed_batch,
     check_rollback_at,
+    check_second_turn,
     greedy_by_forwards,
     ids_of,
     resident_pair,
@@ -175,14 +176,7 @@ def test_chunked_prefill_equals_unchunked(case):
 
 
 def test_a_second_turn_continues_the_conv_and_ssm_state(case):
-    first, second = ids_of(9, seed=6), ids_of(5, seed=7)
-    eng = small_engine(case.model)
-    request = submit(eng, first, 6, ignore_eos=True)
-    out = tokens_of(drain(eng))[request]
-    options = pg.TurnOptions(request)
-    options.set_max_generated_tokens(8)
-    request.begin_turn(second, options)
-    assert tokens_of(drain(eng))[request] == case.greedy(first + out + second, 8)
+    check_second_turn(case)
 
 
 def scenario(case: Case) -> tuple[pg.Engine, list[pg.Request]]:
@@ -192,7 +186,6 @@ def scenario(case: Case) -> tuple[pg.Engine, list[pg.Request]]:
 
 @pytest.mark.parametrize("phase, error", RECOVERABLE, ids=RECOVERABLE_IDS)
 def test_a_rollback_at_every_phase_leaves_the_state_exact(case, phase, error):
-
     def holds_both_states_mid_stream(before: dict) -> None:
         owners = before["fixed"]["owners"]
         assert len(owners) == 2

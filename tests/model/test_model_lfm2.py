@@ -15,7 +15,6 @@ import torch
 
 import pagedgen as pg
 from pagedgen.core.manifest import StateKind
-from tests.helpers import drain, submit, tokens_of
 from tests.model.hf_cases import (
     RECOVERABLE,
     RECOVERABLE_IDS,
@@ -24,10 +23,10 @@ from tests.model.hf_cases import (
     check_greedy_and_slot_returns,
     check_mixed_batch,
     check_rollback_at,
+    check_second_turn,
     greedy_by_forwards,
     ids_of,
     resident_pair,
-    small_engine,
 )
 from tests.model.paged_runner import (
     PagedRunner,
@@ -128,14 +127,7 @@ def test_chunked_prefill_equals_unchunked(case):
 
 
 def test_a_second_turn_continues_the_conv_state(case):
-    first, second = ids_of(9, seed=6), ids_of(5, seed=7)
-    eng = small_engine(case.model)
-    request = submit(eng, first, 6, ignore_eos=True)
-    out = tokens_of(drain(eng))[request]
-    options = pg.TurnOptions(request)
-    options.set_max_generated_tokens(8)
-    request.begin_turn(second, options)
-    assert tokens_of(drain(eng))[request] == case.greedy(first + out + second, 8)
+    check_second_turn(case)
 
 
 def scenario(case: Case) -> tuple[pg.Engine, list[pg.Request]]:
@@ -145,7 +137,6 @@ def scenario(case: Case) -> tuple[pg.Engine, list[pg.Request]]:
 
 @pytest.mark.parametrize("phase, error", RECOVERABLE, ids=RECOVERABLE_IDS)
 def test_a_rollback_at_every_phase_leaves_the_state_exact(case, phase, error):
-
     def holds_both_states(before: dict) -> None:
         assert len(before["fixed"]["owners"]) == 2
 
@@ -171,7 +162,7 @@ def write_lfm2_gguf(path, hf) -> None:
     own tensor map (so pagedgen's reader is checked against llama.cpp's names, not against itself)."""
     import gguf
 
-    from tests.model.tiny_checkpoints import add_tensor, byte_level_vocab, hf_state
+    from tests.model.tiny_checkpoints import add_byte_level_tokenizer, add_tensor, finish_gguf, hf_state
 
     c = hf.config
     writer = gguf.GGUFWriter(str(path), "lfm2")
@@ -185,22 +176,14 @@ def write_lfm2_gguf(path, hf) -> None:
     writer.add_layer_norm_rms_eps(c.norm_eps)
     writer.add_vocab_size(c.vocab_size)
     writer.add_shortconv_l_cache(c.conv_L_cache)
-    tokens, types = byte_level_vocab()
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(["h e"])
+    add_byte_level_tokenizer(writer)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2, c.num_hidden_layers)
     f32 = gguf.GGMLQuantizationType.F32
     for name, array in hf_state(hf).items():
         if "conv.conv" in name:
             array = array.squeeze(1)  # the converter's modify_tensors: the conv op wants a 2-D tensor
         add_tensor(writer, names.get_name(name, try_suffixes=(".weight", ".bias")), array, f32)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
 
 
 @pytest.mark.parametrize("weights", ["native", "float32"])
