@@ -226,6 +226,26 @@ def byte_level_vocab() -> tuple[list[str], list[int]]:
     return tokens, [1] * 257 + [3] * len(SPECIALS)
 
 
+def add_byte_level_tokenizer(writer) -> list[str]:
+    """Write :func:`byte_level_vocab` as a GPT-2 BPE tokenizer (the one merge ``h e``), as every test GGUF
+    carries it; returns the token list (for the special ids)."""
+    tokens, types = byte_level_vocab()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(["h e"])
+    return tokens
+
+
+def finish_gguf(writer) -> None:
+    """Write the header, the metadata and the tensors, in the order gguf's writer requires, and close."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def write_gguf(
     path: Path,
     arch: str,
@@ -261,12 +281,7 @@ def write_gguf(
     if sliding_window is not None:
         writer.add_sliding_window(sliding_window)
     if tokenizer:
-        tokens, types = byte_level_vocab()
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("default")
-        writer.add_token_list(tokens)
-        writer.add_token_types(types)
-        writer.add_token_merges(["h e"])
+        tokens = add_byte_level_tokenizer(writer)
         writer.add_bos_token_id(tokens.index("<|im_start|>"))
         writer.add_eos_token_id(tokens.index("<|im_end|>"))
         writer.add_add_bos_token(False)
@@ -281,10 +296,7 @@ def write_gguf(
         elif arch == "llama" and ".k_proj." in name:
             data = llama_cpp_permute(data, heads, kv_heads)
         add_tensor(writer, gguf_name(name), data, qtype if data.ndim == 2 else gguf.GGMLQuantizationType.F32)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
 
 
 def add_tensor(writer, name: str, data: np.ndarray, qtype) -> None:
@@ -422,12 +434,7 @@ def write_gemma_gguf(
             writer.add_float32(name, value)
         else:
             writer.add_uint32(name, value)
-    tokens, types = byte_level_vocab()
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(["h e"])
+    add_byte_level_tokenizer(writer)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
     for name, array in hf_state(model).items():
         if name == "lm_head.weight":
@@ -436,7 +443,4 @@ def write_gemma_gguf(
             array = array + np.float32(1.0)  # Gemma's RMSNorm scales by 1 + weight
         gguf_tensor = names.get_name(name, try_suffixes=(".weight", ".bias"))
         add_tensor(writer, gguf_tensor, array, gguf.GGMLQuantizationType.F32)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)

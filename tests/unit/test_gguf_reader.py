@@ -19,7 +19,14 @@ from pagedgen.models.gguf_reader import (
     plan_weights,
     unpermute_qk,
 )
-from tests.model.tiny_checkpoints import TINY_RAW, add_tensor, gguf_name, llama_cpp_permute, write_gguf
+from tests.model.tiny_checkpoints import (
+    TINY_RAW,
+    add_tensor,
+    finish_gguf,
+    gguf_name,
+    llama_cpp_permute,
+    write_gguf,
+)
 
 Q = gguf.GGMLQuantizationType
 CONFIG = ModelConfig("llama", 260, 64, 96, 2, 4, 2, 16, 256)
@@ -40,10 +47,7 @@ def _write(path, tensors, arch="llama", metadata=None):
             add_tensor(writer, name, array, qtype)
         else:
             writer.add_tensor(name, array, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
     return path
 
 
