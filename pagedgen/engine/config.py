@@ -26,6 +26,7 @@ from pagedgen.engine.isolation import DEFAULT_MAX_STEP_RETRIES
 
 DEFAULT_MAX_SCHEDULED_TOKENS = 2048
 AUTO_KV_MEMORY_FRACTION = 0.25
+DEFAULT_MAX_DRAFT_TOKENS = 8
 
 
 def _positive_int(name: str, value: object, *, optional: bool = False) -> None:
@@ -46,7 +47,10 @@ class EngineConfig:
     ``dynamic_batching=False`` selects the static path;
     ``debug_invariants`` validates cache and request accounting after every step (raises on a violation);
     ``max_step_retries`` is how often an unattributed rollback is retried as is before the engine narrows the
-    batch to find the request that causes it (:mod:`pagedgen.engine.isolation`).
+    batch to find the request that causes it (:mod:`pagedgen.engine.isolation`);
+    ``max_draft_tokens`` is the most speculative draft tokens one ``request.set_draft_tokens`` proposal may
+    carry (0 turns caller-supplied drafts off; ``engine.max_draft_tokens_per_proposal()`` reports it, or 0
+    where the model's state cannot commit an accepted prefix).
     """
 
     max_batch_size: int = 16
@@ -58,6 +62,7 @@ class EngineConfig:
     dynamic_batching: bool = True
     debug_invariants: bool = False
     max_step_retries: int = DEFAULT_MAX_STEP_RETRIES
+    max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS
 
     def __post_init__(self) -> None:
         _positive_int("max_batch_size", self.max_batch_size)
@@ -67,6 +72,14 @@ class EngineConfig:
         _positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, optional=True)
         _positive_int("chunk_size", self.chunk_size, optional=True)
         _positive_int("max_step_retries", self.max_step_retries)
+        if (
+            isinstance(self.max_draft_tokens, bool)
+            or not isinstance(self.max_draft_tokens, int)
+            or self.max_draft_tokens < 0
+        ):
+            raise InvalidArgumentError(
+                f"EngineConfig.max_draft_tokens must be an int >= 0, got {self.max_draft_tokens!r}"
+            )
         for name in ("dynamic_batching", "debug_invariants"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
