@@ -7,17 +7,19 @@ that reads the sequence (repetition penalty, no-repeat n-gram, ``min_length``, p
 penalties) sees exactly what it would have seen without speculation. That is why drafts need no restriction
 on the logits processors.
 
-- **Greedy rows** accept the longest prefix of drafts equal to the rows' argmax; the first mismatching row's
-  argmax replaces its draft, or row K supplies a bonus token when every draft matched. The output is token
-  for token the non-speculative greedy output.
-- **Sampled rows** use speculative rejection sampling (Leviathan et al. 2023, Chen et al. 2023; vLLM's
-  ``RejectionSampler``) with the caller's draft as a point-mass proposal ``q = delta(d_i)``: ``d_i`` is
-  accepted with probability ``min(1, p_i(d_i) / q(d_i)) = p_i(d_i)``; at the first rejection the token is
-  drawn from the residual ``max(0, p_i - q)`` renormalised, i.e. ``p_i`` without ``d_i``; after K acceptances
-  a bonus token is drawn from ``p_K``. Every emitted token is therefore distributed exactly as ``p`` given
-  its prefix (``P(d) = p(d)``; ``P(x != d) = (1 - p(d)) p(x) / (1 - p(d))``). ``p_i`` is the processed and
-  warped distribution the non-speculative sampler draws from. The request's stream always advances by K+1
-  draws (K acceptance tests, one final draw), so a replayed step draws the same numbers.
+Every row is sampled by the ordinary batched sampler: greedy rows take the argmax, sampled rows draw from
+their processed and warped distribution ``p_i`` with the request's stream at draw index ``draws + i``, the
+index that token would have used without drafts. The longest prefix of drafts equal to the rows' tokens is
+accepted; the first row that disagrees supplies the replacement token, or row K a bonus token when every
+draft matched. The request's stream then advances by the number of emitted tokens only.
+
+For sampled rows this is speculative rejection sampling (Leviathan et al. 2023; vLLM's ``RejectionSampler``)
+with the caller's draft as a point-mass proposal ``q = delta(d_i)``, the uniform shared with the target draw:
+``d_i`` is accepted with probability ``P(t_i = d_i) = p_i(d_i) = min(1, p_i(d_i) / q(d_i))``, and a rejected
+row emits ``t_i`` given ``t_i != d_i``, i.e. a draw from the residual ``norm(max(0, p_i - q))`` (``p_i``
+without ``d_i``). The acceptance rate is the rejection sampler's, the output distribution is exact, and
+because the uniforms are coupled the emitted tokens are exactly those of the same request without drafts (same
+seed), in any batch, whatever the drafts and however many of them the step's budget kept.
 """
 
 from __future__ import annotations
@@ -26,13 +28,8 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from pagedgen.sampling.errors import RowSamplingError
-from pagedgen.sampling.logprobs import compute_logprobs
-from pagedgen.sampling.sampler import SampledToken, Sampler, SampleRow, inverse_cdf_sample, process_logits
-from pagedgen.sampling.streams import stream_uniforms
-from pagedgen.sampling.warpers import warp
+from pagedgen.sampling.sampler import SampledToken, Sampler, SampleRow
 
 
 @dataclass(slots=True)
@@ -45,46 +42,34 @@ class VerifiedRow:
 
 
 def sample_with_drafts(
-    sampler: Sampler, logits: torch.Tensor, rows: Sequence[SampleRow], drafts: Sequence[Sequence[int]]
+    sampler: Sampler, logits, rows: Sequence[SampleRow], drafts: Sequence[Sequence[int]]
 ) -> list[VerifiedRow]:
     """Sample every row of a step, verifying each row's drafts (``drafts[r]``, maybe empty).
 
-    ``logits`` holds ``len(drafts[r]) + 1`` consecutive rows per sampling row ``r`` (``[sum, vocab]``).
-    Raises :class:`RowSamplingError` naming the sampling row ``r`` that cannot be sampled, changing no
-    sampler state (every draw is committed only after every row succeeded).
+    ``logits`` (a ``[sum_r (len(drafts[r]) + 1), vocab]`` tensor) holds ``len(drafts[r]) + 1`` consecutive
+    rows per sampling row ``r``. Raises :class:`RowSamplingError` naming the sampling row ``r`` that cannot be
+    sampled, changing no sampler state.
     """
     if not any(drafts):
         return [VerifiedRow([token]) for token in sampler.sample(logits, rows)]
-    starts = _row_starts(drafts)
-    batched = [r for r, row in enumerate(rows) if not drafts[r] or row.sampler.options.is_greedy]
-    rejection = [r for r in range(len(rows)) if drafts[r] and not rows[r].sampler.options.is_greedy]
-    result: list[VerifiedRow | None] = [None] * len(rows)
-    for r in rejection:  # reads the streams without advancing them
-        result[r] = _plan_rejection(logits[starts[r] : starts[r + 1]], rows[r], drafts[r], r)
-    if batched:
-        index = torch.tensor([i for r in batched for i in range(starts[r], starts[r + 1])])
-        owner = [r for r in batched for _ in range(len(drafts[r]) + 1)]
-        expanded = [ext for r in batched for ext in _extend(rows[r], drafts[r])]
-        try:
-            tokens = sampler.sample(logits.index_select(0, index.to(logits.device)), expanded)
-        except RowSamplingError as error:
-            raise RowSamplingError(str(error), owner[error.row]) from error
-        at = 0
-        for r in batched:
-            width = len(drafts[r]) + 1
-            result[r] = _accept_greedy(tokens[at : at + width], drafts[r])
-            at += width
-    for r in rejection:  # nothing can fail any more: advance the streams
-        for _ in range(len(drafts[r]) + 1):
-            rows[r].sampler.advance()
-    return [row for row in result if row is not None]
-
-
-def _row_starts(drafts: Sequence[Sequence[int]]) -> list[int]:
-    starts = [0]
-    for d in drafts:
-        starts.append(starts[-1] + len(d) + 1)
-    return starts
+    expanded = [ext for row, d in zip(rows, drafts, strict=True) for ext in _extend(row, d)]
+    owner = [r for r, d in enumerate(drafts) for _ in range(len(d) + 1)]
+    before = [row.sampler.checkpoint() for row in rows]
+    try:
+        tokens = sampler.sample(logits, expanded)
+    except RowSamplingError as error:
+        raise RowSamplingError(str(error), owner[error.row]) from error
+    result = []
+    at = 0
+    for row, d, checkpoint in zip(rows, drafts, before, strict=True):
+        verified = _accept(tokens[at : at + len(d) + 1], d)
+        at += len(d) + 1
+        if not row.sampler.options.is_greedy:  # one draw per emitted token, as without drafts
+            row.sampler.restore(checkpoint)
+            for _ in verified.outputs:
+                row.sampler.advance()
+        result.append(verified)
+    return result
 
 
 def _extend(row: SampleRow, drafts: Sequence[int]) -> list[SampleRow]:
@@ -103,41 +88,9 @@ def _extend(row: SampleRow, drafts: Sequence[int]) -> list[SampleRow]:
     return out
 
 
-def _accept_greedy(tokens: list[SampledToken], drafts: Sequence[int]) -> VerifiedRow:
-    """Longest prefix of ``drafts`` equal to the rows' argmax, then the first row that disagrees (or K)."""
+def _accept(tokens: list[SampledToken], drafts: Sequence[int]) -> VerifiedRow:
+    """Longest prefix of ``drafts`` equal to the rows' tokens, then the first row that disagrees (or K)."""
     accepted = 0
     while accepted < len(drafts) and tokens[accepted].token == drafts[accepted]:
         accepted += 1
     return VerifiedRow(tokens[: accepted + 1], len(drafts), accepted)
-
-
-def _plan_rejection(logits: torch.Tensor, row: SampleRow, drafts: Sequence[int], r: int) -> VerifiedRow:
-    """Rejection-sample one sampled request's K+1 rows; reads its stream but does not advance it."""
-    k = len(drafts)
-    rows = _extend(row, drafts)
-    x = process_logits(logits, rows)  # [K+1, V]
-    o = row.sampler.options
-    y = warp(x, [o.temperature] * (k + 1), [o.top_k] * (k + 1), [o.top_p] * (k + 1), [o.min_p] * (k + 1))
-    if not bool(torch.isfinite(y.amax(dim=-1)).all()):
-        raise RowSamplingError(f"row {r}: a draft row has no sampleable token", r)
-    probs = torch.softmax(y.float(), dim=-1)  # [K+1, V]
-    u = stream_uniforms([row.sampler.seed] * (k + 1), [row.sampler.draws + i for i in range(k + 1)])
-    draft_ids = torch.tensor(list(drafts), dtype=torch.long, device=probs.device)  # [K]
-    p_draft = probs[:k].gather(1, draft_ids[:, None]).squeeze(1).tolist()  # [K]
-    sole = ((probs[:k] > 0).sum(dim=-1) == 1).tolist()  # only the draft has mass: always accepted
-    accepted = 0
-    while accepted < k and (u[accepted] < p_draft[accepted] or (sole[accepted] and p_draft[accepted] > 0)):
-        accepted += 1
-    final = y[accepted : accepted + 1]
-    if accepted < k:  # the residual: p without the rejected draft
-        final = final.clone()
-        final[0, drafts[accepted]] = -float("inf")
-    last = inverse_cdf_sample(final, torch.tensor(u[k : k + 1], device=y.device))  # [1]
-    tokens = [*drafts[:accepted], int(last[0])]
-    chosen = torch.tensor(tokens, dtype=torch.long, device=y.device)
-    logprobs = compute_logprobs(y[: accepted + 1], chosen, [row.num_logprobs] * (accepted + 1))
-    outputs = [
-        SampledToken(t) if lp is None else SampledToken(t, lp.logprob, lp.top)
-        for t, lp in zip(tokens, logprobs, strict=True)
-    ]
-    return VerifiedRow(outputs, k, accepted)
