@@ -1,4 +1,4 @@
-"""bench.workloads: W1/W2/B1 are exactly their definitions, deterministic, and cut from the built-in text."""
+"""bench.workloads: W1/W2/B1/R1 are exactly their definitions, deterministic, cut from the built-in text."""
 
 from __future__ import annotations
 
@@ -6,11 +6,14 @@ import pytest
 
 from pagedgen.bench.workloads import (
     B1,
+    R1,
+    REPEAT_INSTRUCTION,
     W1,
     W2,
     LengthRange,
     WorkloadSpec,
     build_workload,
+    repeat_prompt,
     text_tokens,
     workload_by_name,
     workload_totals,
@@ -114,3 +117,39 @@ def test_lookup_and_parsing():
 def test_spec_validation(build, message):
     with pytest.raises(ValueError, match=message):
         build()
+
+
+def test_r1_asks_to_repeat_a_text_window_at_batch_one():
+    requests = build_workload(R1, TOKENIZER)
+    assert len(requests) == 4 and R1.max_batch_size == 1 and {r.output_len for r in requests} == {128}
+    text = text_tokens(TOKENIZER)
+    instruction = TOKENIZER.encode(REPEAT_INSTRUCTION)
+    for request in requests:  # the synthetic codec is one token per character
+        assert list(request.prompt_ids[: len(instruction)]) == instruction
+        window = request.prompt_ids[len(instruction) :]
+        assert _is_window_of_text(window, text) and 150 <= len(window) <= 160  # edge whitespace stripped
+    assert build_workload(R1, TOKENIZER) == requests
+    assert "repeat 160 text tokens" in R1.describe()
+
+
+class TemplateTokenizer:
+    """The synthetic codec plus a chat template: repeat prompts go through it."""
+
+    def __init__(self):
+        self.inner = TOKENIZER
+
+    def encode(self, text):
+        return self.inner.encode(text)
+
+    def decode(self, ids):
+        return self.inner.decode(ids)
+
+    def apply_chat_template(self, messages):
+        return f"<user>{messages[0]['content']}</user>"
+
+
+def test_repeat_prompts_use_the_chat_template_when_there_is_one():
+    prompt = repeat_prompt(TemplateTokenizer(), [40, 41, 42])
+    assert prompt == TOKENIZER.encode(
+        "<user>" + REPEAT_INSTRUCTION + TOKENIZER.decode([40, 41, 42]) + "</user>"
+    )
