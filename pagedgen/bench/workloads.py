@@ -177,8 +177,9 @@ def build_workload(spec: WorkloadSpec, tokenizer: Any) -> list[BenchRequest]:
 
 def repeat_prompt(tokenizer: Any, window: Sequence[int]) -> list[int]:
     """Token ids of a user message asking to repeat the text of ``window`` (chat template when the tokenizer
-    has one, the bare message otherwise)."""
-    message = REPEAT_INSTRUCTION + tokenizer.decode(list(window)).strip()
+    has one, the bare message otherwise). The text's hard line breaks become spaces: a fixed text to copy,
+    not a layout the model would reflow."""
+    message = REPEAT_INSTRUCTION + " ".join(tokenizer.decode(list(window)).split())
     template = getattr(tokenizer, "apply_chat_template", None)
     if template is not None:
         return [int(t) for t in tokenizer.encode(template([{"role": "user", "content": message}]))]

@@ -10,9 +10,10 @@ head ``h // (Hq // Hkv)``.
 :func:`paged_attention_reference` is the obviously-correct oracle (one request, one query token at a time in
 float32); :func:`paged_attention` is what models call, with the step's :class:`AttentionPlan` built once by
 :func:`plan_attention`. Single-token (decode) rows go to the native kernel (:mod:`pagedgen.ops.native`),
-which reads the blocks in place, or, without it, to one masked SDPA per bucket over gathered blocks;
-multi-token (prefill / draft) rows get one causal SDPA each, so the Python loop is over requests, never
-over tokens.
+which reads the blocks in place, or, without it, to one masked SDPA per bucket over gathered blocks; so do
+the tokens of draft-verification rows (``StepInputs.verify_rows``), each as a decode over the keys through
+its own position. Multi-token prefill rows get one causal SDPA each, so the Python loop is over requests,
+never over tokens.
 """
 
 from __future__ import annotations
@@ -193,16 +194,23 @@ def plan_attention(
     q_lens = inputs.query_lens.tolist()
     kv_lens = inputs.kv_lens.tolist()
     view = _full_view(inputs) if window is None else _window_view(inputs, window)
-    decode_rows = [i for i, n in enumerate(q_lens) if n == 1]
-    rows = torch.tensor(decode_rows, dtype=torch.long)  # [Bd]
+    verify = set(inputs.verify_rows)
+    decode_rows = [i for i, n in enumerate(q_lens) if n == 1 or i in verify]
     kernel = decode_kernel() if use_native and decode_rows else None
     if kernel is not None and not kernel.supports(k_cache, k_cache, k_cache):
         kernel = None
-    rel_lens = [kv_lens[i] - view.first_pos[i] for i in decode_rows]
+    # One decode entry per token: a verification row's token j sees the keys through its own position.
+    owner = [i for i in decode_rows for _ in range(q_lens[i])]  # the row of each entry
+    ends = [kv_lens[i] - q_lens[i] + 1 + j for i in decode_rows for j in range(q_lens[i])]  # keys seen
+    rel_lens = [end - view.first_pos[i] for i, end in zip(owner, ends, strict=True)]
     starts = None
     if window is not None:
-        starts = [max(0, kv_lens[i] - window) - view.first_pos[i] for i in decode_rows]
-    token_rows = inputs.cu_seqlens[:-1].long()[rows].to(device)
+        starts = [max(0, end - window) - view.first_pos[i] for i, end in zip(owner, ends, strict=True)]
+    cu = inputs.cu_seqlens.tolist()
+    token_rows = torch.tensor(
+        [cu[i] + j for i in decode_rows for j in range(q_lens[i])], dtype=torch.long, device=device
+    )
+    rows = torch.tensor(owner, dtype=torch.long)  # [Bd]
     tables = view.tables[rows].to(device=device, dtype=torch.int32).contiguous()
     return AttentionPlan(
         block_size=inputs.block_size,
@@ -212,7 +220,7 @@ def plan_attention(
         decode_buckets=None
         if kernel is not None
         else _decode_buckets(token_rows, tables, rel_lens, starts, inputs.block_size),
-        prefill=_prefill_rows(inputs, q_lens, view, window, device),
+        prefill=_prefill_rows(inputs, q_lens, view, window, device, verify),
         kernel=kernel,
         slot_mapping=view.slot_mapping,
         decode_starts=None if starts is None else torch.tensor(starts, dtype=torch.int32, device=device),
@@ -334,9 +342,14 @@ def _decode_bucket(
 
 
 def _prefill_rows(
-    inputs: StepInputs, q_lens: list[int], view: _KeyView, window: int | None, device: torch.device
+    inputs: StepInputs,
+    q_lens: list[int],
+    view: _KeyView,
+    window: int | None,
+    device: torch.device,
+    verify: set[int],
 ) -> list[PrefillRow]:
-    if all(n == 1 for n in q_lens):
+    if all(n == 1 or i in verify for i, n in enumerate(q_lens)):
         return []
     block_size = inputs.block_size
     cu = inputs.cu_seqlens.tolist()
@@ -344,7 +357,7 @@ def _prefill_rows(
     tables = view.tables.long()  # [B, W]
     rows = []
     for i, q_len in enumerate(q_lens):
-        if q_len == 1:
+        if q_len == 1 or i in verify:
             continue
         first = view.first_pos[i]
         kv_len = past[i] + q_len - first  # keys gathered, from position ``first``

@@ -5,10 +5,13 @@ The engine verifies whatever drafts a caller sets (``request.set_draft_tokens``)
 asks its proposer for every request that is ready for drafts and has none pending. Any object with a
 ``propose(tokens) -> list[int]`` method is a proposer, so the n-gram proposer is replaceable.
 
-A rejected proposal costs its verification rows (and takes a pure-decode step off the fused decode path),
-so the driver backs off per request: after ``m`` proposals in a row of which nothing was accepted it skips
-the next ``min(2 ** (m - 1), max_backoff)`` chances to propose; any accepted draft resets it. That keeps
-workloads whose drafts are rarely right close to their speed without drafts.
+Drafts pay where a step's cost hardly depends on its rows: a small batch, whose decode is bound by reading
+the weights. In a large batch every verification row costs about as much as a decode row, and the step
+still waits for its slowest request, so ``max_batch`` (default 4) turns proposing off while more requests
+than that are decoding. A rejected proposal costs its verification rows (and takes a pure-decode step off
+the fused decode path), so the driver also backs off per request: after ``m`` proposals in a row of which
+nothing was accepted it skips the next ``min(2 ** (m - 1), max_backoff)`` chances to propose; any accepted
+draft resets it. That keeps workloads whose drafts are rarely right close to their speed without drafts.
 """
 
 from __future__ import annotations
@@ -37,10 +40,11 @@ class _Track:
 class DraftDriver:
     """Sets ``proposer``'s drafts on ready requests before each step; counts what it proposed."""
 
-    def __init__(self, engine: Any, proposer: DraftProposer, max_backoff: int = 16):
+    def __init__(self, engine: Any, proposer: DraftProposer, max_backoff: int = 16, max_batch: int = 4):
         self.engine = engine
         self.proposer = proposer
         self.max_backoff = max_backoff
+        self.max_batch = max_batch
         self.limit = engine.max_draft_tokens_per_proposal()
         self._tracks: dict[int, _Track] = {}
 
@@ -48,8 +52,11 @@ class DraftDriver:
         """Give every ready request without a pending proposal the proposer's drafts (owner thread)."""
         if self.limit == 0:
             return
-        for request in requests:
-            if not request.ready_for_drafts or request.draft_tokens:
+        ready = [r for r in requests if r.ready_for_drafts]
+        if len(ready) > self.max_batch:
+            return
+        for request in ready:
+            if request.draft_tokens:
                 continue
             track = self._observe(request)
             if track.skip:

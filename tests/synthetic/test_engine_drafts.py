@@ -168,7 +168,7 @@ def test_rejected_drafts_never_become_visible():
         max_size=4,
     ),
     max_tokens=st.integers(4, 24),
-    num_blocks=st.integers(10, 40),
+    num_blocks=st.integers(28, 40),  # 4 requests of <= 26 tokens: never all stuck without preemption
 )
 def test_any_batch_composition_matches_isolated_runs(turns, max_tokens, num_blocks):
     def build(selected, **config):
