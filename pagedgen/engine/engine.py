@@ -212,7 +212,11 @@ class Engine:
         state = self._checked_state(request)
         if isinstance(draft_tokens, (str, bytes)):
             raise InvalidArgumentError("draft_tokens must be a sequence of ints, got a string")
-        if len(draft_tokens) == 0:
+        try:
+            draft_tokens = list(draft_tokens)
+        except TypeError as exc:
+            raise InvalidArgumentError(f"draft_tokens must be a sequence of ints: {exc}") from exc
+        if not draft_tokens:
             state.draft_tokens = ()
             return
         limit = self.max_draft_tokens_per_proposal()

@@ -401,6 +401,11 @@ def test_bad_proposals_are_refused_without_changing_anything():
     assert_refused(engine, lambda: ready.set_draft_tokens([-1]), invalid, "lie in")
     assert_refused(engine, lambda: ready.set_draft_tokens([1.5]), invalid, "ints")
     assert_refused(engine, lambda: ready.set_draft_tokens("ab"), invalid, "string")
+    assert_refused(engine, lambda: ready.set_draft_tokens(7), invalid, "sequence")
+    assert_refused(engine, lambda: ready.set_draft_tokens([True]), invalid, "ints")
+    ready.set_draft_tokens(t for t in (3, 4))  # any iterable of ints
+    assert ready.draft_tokens == (3, 4)
+    ready.set_draft_tokens([1, 2])
     assert ready.draft_tokens == (1, 2)
 
     fresh = engine.create_request(pg.GeneratorParams(engine.model))
@@ -558,3 +563,28 @@ def _prompt_reaching(condition, eos_free: bool, eos: int) -> list[int]:
             if condition(out) and eos not in out[:2] and a != eos and b != eos:
                 return [a, b]
     raise AssertionError("no prompt found")
+
+
+def test_failed_rollback_with_drafts_is_fatal(window):
+    engine, requests, _ = scenario()
+    engine._faults.arm("execute", RetryableExecutionError("transient"))
+    engine._faults.arm("rollback")
+    events = drain(engine, 3)
+    assert all(e.error_code is E.ENGINE_EXECUTION_FAILURE for e in events if e.flags & F.TURN_FINISHED)
+    assert not engine.stats().healthy
+
+
+def test_a_failure_attributed_to_a_drafting_request_fails_it_alone(window):
+    """The sampler names the verification rows' request: only its turn fails; the others keep their
+    proposals and commit in the next step exactly as they would have."""
+    engine, requests, policies = scenario()
+    culprit = requests["correct"]
+    engine._faults.arm("sample", request_id=culprit.id, attributed=True)
+    events = list(engine.run(max_events=64))
+    assert [(e.request, e.error_code) for e in events] == [(culprit, E.REQUEST_FAILED)]
+    assert culprit.draft_tokens == () and requests["sampled"].draft_tokens
+    rest = keys(run_with(engine, policies))
+    clean, clean_requests, clean_policies = scenario()
+    clean_requests["correct"].cancel_turn(clean_requests["correct"].turn_id)
+    expected = [k for k in keys(run_with(clean, clean_policies)) if k[0] != clean_requests["correct"].id]
+    assert rest == expected
