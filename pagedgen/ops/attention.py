@@ -10,10 +10,9 @@ head ``h // (Hq // Hkv)``.
 :func:`paged_attention_reference` is the obviously-correct oracle (one request, one query token at a time in
 float32); :func:`paged_attention` is what models call, with the step's :class:`AttentionPlan` built once by
 :func:`plan_attention`. Single-token (decode) rows go to the native kernel (:mod:`pagedgen.ops.native`),
-which reads the blocks in place, or, without it, to one masked SDPA per bucket over gathered blocks; so do
-the tokens of draft-verification rows (``StepInputs.verify_rows``), each as a decode over the keys through
-its own position. Multi-token prefill rows get one causal SDPA each, so the Python loop is over requests,
-never over tokens.
+which reads the blocks in place, or, without it, to one masked SDPA per bucket over gathered blocks;
+multi-token (prefill / draft) rows get one causal SDPA each, so the Python loop is over requests, never
+over tokens.
 """
 
 from __future__ import annotations
@@ -185,6 +184,11 @@ def plan_attention(
     inputs: StepInputs, k_cache: torch.Tensor, use_native: bool = True, window: int | None = None
 ) -> AttentionPlan:
     """Build the step's :class:`AttentionPlan` for caches like ``k_cache`` (any layer's; they share a layout).
+
+    The tokens of draft-verification rows (``inputs.verify_rows``) are planned as decodes of their own, each
+    over the keys through its position, not as a prefill SDPA: a step of decodes and drafts then stays a pure
+    decode step (the native kernel, the fused decoder), and each draft row attends exactly as the decode of
+    that position would.
 
     ``use_native=False`` forces the pure-torch decode path (tests and benchmarks compare the two).
     ``window`` plans for sliding-window layers: a query at ``p`` sees keys ``p - window + 1 .. p``, read
