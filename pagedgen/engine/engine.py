@@ -256,6 +256,10 @@ class Engine:
         self._check_owner()
         if self._no_drafts_reason():
             return 0
+        return self._draft_limit()
+
+    def _draft_limit(self) -> int:
+        """``max_draft_tokens`` within the per-request query limits (the decode token takes one)."""
         limit = min(self.config.max_draft_tokens, self.config.max_scheduled_tokens - 1)
         chunk = self._scheduler.chunk_size
         return limit if chunk is None else min(limit, chunk - 1)
@@ -268,6 +272,8 @@ class Engine:
             return "the model keeps fixed conv / recurrent state, which cannot commit an accepted prefix"
         if self.config.max_draft_tokens == 0:
             return "EngineConfig.max_draft_tokens is 0"
+        if self._draft_limit() == 0:
+            return "max_scheduled_tokens or chunk_size leaves no room beside the decode token"
         return ""
 
     # -- progress -------------------------------------------------------------------------------------
