@@ -131,3 +131,13 @@ def test_the_proposer_is_replaceable():
     (out,) = llm.generate([[3, 4, 5]], pg.SamplingParams(max_tokens=30, temperature=0.0), use_tqdm=False)
     assert out.token_ids == synthetic_greedy([3, 4, 5], 30, 13)
     assert 0 < out.drafts_accepted <= out.drafts_proposed // 2 + 2  # two of four, less where limits cut
+
+
+def test_driver_proposes_only_while_few_requests_decode():
+    driver = DraftDriver(FakeEngine(), NgramProposer(2, 2, 1), max_batch=2)
+    many = [FakeRequest(i) for i in range(3)]
+    driver.propose(many)
+    assert all(r.proposals == [] for r in many)  # a large batch: verification rows cost like decodes
+    many[2].ready_for_drafts = False  # two decoding, one prefilling
+    driver.propose(many)
+    assert [len(r.proposals) for r in many] == [1, 1, 0]
