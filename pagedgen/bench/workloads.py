@@ -3,13 +3,15 @@
 Prompts are windows of the token stream of :data:`BENCH_TEXT` (tokenised with the model's own tokenizer and
 repeated as often as the longest prompt needs), each starting at its own seeded offset, so every system sees
 the same real token ids and no two requests share a prompt. A *repeat* workload (R1) instead asks, through
-the chat template, to repeat such a window word for word: the output copies its prompt, the case prompt-lookup
-speculative decoding is for. Lengths are drawn from ``numpy``'s PCG64 with the
-workload's seed: the same spec and tokenizer always give the same requests.
+the chat template, to repeat a fixed text word for word: whole sentences of the text from the start of
+paragraph ``seed + i`` (request ``i``) on. The output copies its prompt, the case prompt-lookup speculative
+decoding is for. Lengths are drawn from ``numpy``'s PCG64 with the workload's seed: the same spec and
+tokenizer always give the same requests.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -117,7 +119,7 @@ class WorkloadSpec:
             raise ValueError(f"WorkloadSpec.max_batch_size must be None or a positive int, got {b!r}")
 
     def describe(self) -> str:
-        prompt = f"repeat {self.input_len} text tokens" if self.repeat else f"prompt {self.input_len}"
+        prompt = f"repeat <= {self.input_len.high} text tokens" if self.repeat else f"prompt {self.input_len}"
         text = f"{self.num_requests} requests, {prompt}, output {self.output_len}"
         text += f", seed {self.seed}"
         return text if self.max_batch_size is None else f"{text}, batch {self.max_batch_size}"
@@ -169,17 +171,35 @@ def build_workload(spec: WorkloadSpec, tokenizer: Any) -> list[BenchRequest]:
     offsets = rng.integers(0, len(base), size=spec.num_requests)
     requests = []
     for i, (n_in, n_out, off) in enumerate(zip(input_lens, output_lens, offsets, strict=True)):
-        window = stream[int(off) : int(off) + n_in]
-        prompt = repeat_prompt(tokenizer, window) if spec.repeat else window
+        if spec.repeat:
+            # Request i repeats from paragraph seed + i: distinct texts for up to six requests.
+            prompt = repeat_prompt(tokenizer, repeat_text(tokenizer, spec.seed + i, n_in))
+        else:
+            prompt = stream[int(off) : int(off) + n_in]
         requests.append(BenchRequest(i, tuple(prompt), n_out))
     return requests
 
 
-def repeat_prompt(tokenizer: Any, window: Sequence[int]) -> list[int]:
-    """Token ids of a user message asking to repeat the text of ``window`` (chat template when the tokenizer
-    has one, the bare message otherwise). The text's hard line breaks become spaces: a fixed text to copy,
-    not a layout the model would reflow."""
-    message = REPEAT_INSTRUCTION + " ".join(tokenizer.decode(list(window)).split())
+def repeat_text(tokenizer: Any, offset: int, max_tokens: int) -> str:
+    """The text a repeat workload asks for: whole sentences of :data:`BENCH_TEXT` from the start of paragraph
+    ``offset mod paragraphs`` on (continuing into the next paragraphs), as many as fit ``max_tokens`` tokens.
+    Hard line breaks become spaces: a fixed text to copy, not a layout the model would reflow."""
+    paragraphs = [" ".join(p.split()) for p in BENCH_TEXT.split("\n\n")]
+    start = offset % len(paragraphs)
+    sentences = [s for p in paragraphs[start:] + paragraphs[:start] for s in re.split(r"(?<=[.!?])\s+", p)]
+    text = ""
+    for sentence in sentences:
+        longer = f"{text} {sentence}".strip()
+        if len(tokenizer.encode(longer)) > max_tokens:
+            break
+        text = longer
+    return text
+
+
+def repeat_prompt(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a user message asking to repeat ``text`` (chat template when the tokenizer has one, the
+    bare message otherwise)."""
+    message = REPEAT_INSTRUCTION + text
     template = getattr(tokenizer, "apply_chat_template", None)
     if template is not None:
         return [int(t) for t in tokenizer.encode(template([{"role": "user", "content": message}]))]

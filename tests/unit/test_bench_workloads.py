@@ -6,6 +6,7 @@ import pytest
 
 from pagedgen.bench.workloads import (
     B1,
+    BENCH_TEXT,
     R1,
     REPEAT_INSTRUCTION,
     W1,
@@ -14,6 +15,7 @@ from pagedgen.bench.workloads import (
     WorkloadSpec,
     build_workload,
     repeat_prompt,
+    repeat_text,
     text_tokens,
     workload_by_name,
     workload_totals,
@@ -119,17 +121,25 @@ def test_spec_validation(build, message):
         build()
 
 
-def test_r1_asks_to_repeat_a_text_window_at_batch_one():
+def test_r1_asks_to_repeat_whole_sentences_of_the_text_at_batch_one():
     requests = build_workload(R1, TOKENIZER)
     assert len(requests) == 4 and R1.max_batch_size == 1 and {r.output_len for r in requests} == {128}
-    text = text_tokens(TOKENIZER)
     instruction = TOKENIZER.encode(REPEAT_INSTRUCTION)
+    flat = " ".join(BENCH_TEXT.split())
     for request in requests:  # the synthetic codec is one token per character
         assert list(request.prompt_ids[: len(instruction)]) == instruction
-        window = request.prompt_ids[len(instruction) :]
-        assert _is_window_of_text(window, text) and 150 <= len(window) <= 160  # edge whitespace stripped
+        text = TOKENIZER.decode(list(request.prompt_ids[len(instruction) :]))
+        assert 0 < len(text) <= 160 and text.endswith(".") and text[0].isupper()
+        assert text in flat + " " + flat  # a paragraph start, whole sentences, wrapping to the first
     assert build_workload(R1, TOKENIZER) == requests
-    assert "repeat 160 text tokens" in R1.describe()
+    assert len({r.prompt_ids for r in requests}) == 4  # paragraphs 0..3
+    assert "repeat <= 160 text tokens" in R1.describe()
+
+
+def test_repeat_text_takes_whole_sentences_from_a_paragraph_start():
+    text = repeat_text(TOKENIZER, 6, 120)  # paragraph 6 mod 6: the first
+    assert text.startswith("The harbour town woke slowly") and text.endswith(".") and len(text) <= 120
+    assert repeat_text(TOKENIZER, 1, 5) == ""  # not even one sentence fits
 
 
 class TemplateTokenizer:
@@ -149,7 +159,5 @@ class TemplateTokenizer:
 
 
 def test_repeat_prompts_use_the_chat_template_when_there_is_one():
-    prompt = repeat_prompt(TemplateTokenizer(), [40, 41, 42])
-    assert prompt == TOKENIZER.encode(
-        "<user>" + REPEAT_INSTRUCTION + TOKENIZER.decode([40, 41, 42]) + "</user>"
-    )
+    prompt = repeat_prompt(TemplateTokenizer(), "Hello.")
+    assert prompt == TOKENIZER.encode("<user>" + REPEAT_INSTRUCTION + "Hello.</user>")
