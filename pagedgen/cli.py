@@ -241,6 +241,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 "finish_reason": out.finish_reason,
                 "prompt_tokens": len(out.prompt_token_ids),
             }
+            if args.speculative:
+                record.update(drafts_proposed=out.drafts_proposed, drafts_accepted=out.drafts_accepted)
             print(json.dumps(record, ensure_ascii=False))
         else:
             print(out.text)
