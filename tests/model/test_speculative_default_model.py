@@ -32,6 +32,8 @@ def prompts(tokenizer) -> list[list[int]]:
 def generate(model, ids, params, **speculative) -> tuple[list[pg.CompletionOutput], pg.LLM]:
     config = pg.EngineConfig(max_batch_size=8, num_blocks=8 * 24, debug_invariants=True)
     llm = pg.LLM(model, config, **speculative)
+    if llm.drafter is not None:  # propose in the whole batch too: verification rows beside plain decodes
+        llm.drafter.max_batch = 8
     return llm.generate(ids, params, use_tqdm=False), llm
 
 
