@@ -210,6 +210,12 @@ class Engine:
     def _set_draft_tokens(self, request: Request, draft_tokens: Sequence[int]) -> None:
         """Validate a proposal completely, then replace the request's pending drafts (nothing else)."""
         state = self._checked_state(request)
+        state.draft_tokens = self._validated_drafts(state, draft_tokens)
+
+    def _validated_drafts(self, state: RequestState, draft_tokens: Sequence[int]) -> tuple[int, ...]:
+        """The proposal as a tuple of ids; raises, changing nothing, for a string or non-iterable, an engine
+        that cannot verify drafts, a request that is not decode-ready, too many ids or ids outside the
+        vocabulary. An empty proposal (a clear) is always valid."""
         if isinstance(draft_tokens, (str, bytes)):
             raise InvalidArgumentError("draft_tokens must be a sequence of ints, got a string")
         try:
@@ -217,8 +223,7 @@ class Engine:
         except TypeError as exc:
             raise InvalidArgumentError(f"draft_tokens must be a sequence of ints: {exc}") from exc
         if not draft_tokens:
-            state.draft_tokens = ()
-            return
+            return ()
         limit = self.max_draft_tokens_per_proposal()
         if limit == 0:
             raise DraftsUnsupportedError(
@@ -236,8 +241,7 @@ class Engine:
                 f"{len(draft_tokens)} draft tokens exceed max_draft_tokens_per_proposal() = {limit}",
                 "draft_tokens",
             )
-        tokens = validate_token_ids(draft_tokens, int(self.model.vocab_size))
-        state.draft_tokens = tuple(tokens)
+        return tuple(validate_token_ids(draft_tokens, int(self.model.vocab_size)))
 
     def _close_request(self, request: Request) -> None:
         self._check_owner()
