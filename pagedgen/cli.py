@@ -301,9 +301,10 @@ def _chat_turn(session: Any, line: str, turn: int, stats: bool) -> None:
     print(flush=True)
     last = session.last
     if stats and last is not None:
+        cached = f" [cached_tokens={last.cached_tokens}]" if last.cached_tokens else ""
         print(
             f"[turn {turn}: prompt_tokens={last.prompt_tokens} generated_tokens={last.generated_tokens} "
-            f"finish_reason={last.finish_reason}]",
+            f"finish_reason={last.finish_reason}]{cached}",
             flush=True,
         )
 

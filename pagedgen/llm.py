@@ -470,6 +470,7 @@ class TurnResult:
     finish_reason: str
     prompt_tokens: int
     generated_tokens: int
+    cached_tokens: int = 0  # conversation tokens before this turn's input that it did not recompute
 
 
 class ChatSession:
@@ -477,7 +478,10 @@ class ChatSession:
 
     Each turn's input is only the text the chat template adds after what the Request already holds (the end
     of the previous assistant message, the new user message and the generation prompt). When the template
-    would rewrite earlier text, the session falls back to a fresh Request with the whole conversation.
+    would rewrite earlier text, the session falls back to a fresh Request with the whole conversation, whose
+    admission finds the unchanged prefix in the engine's prefix cache. A Request that yielded its residency
+    while the user was typing (the engine needed the room) is re-admitted the same way. ``last.cached_tokens``
+    says how much of the conversation the last turn did not recompute.
     """
 
     def __init__(self, llm: LLM, params: SamplingParams, system: str | None = None):
@@ -567,6 +571,7 @@ class ChatSession:
             finish_reason=finish_reason_text(event.finish_reason),
             prompt_tokens=event.usage.prompt_tokens,
             generated_tokens=event.usage.generated_tokens,
+            cached_tokens=event.usage.reused_tokens,
         )
 
     def close(self) -> None:

@@ -168,9 +168,54 @@ def engine_snapshot(engine: pg.Engine) -> dict[str, Any]:
             snap["free_window_blocks"] = sorted(cache.window_pool.free_list())
         if cache.fixed is not None:
             snap["fixed"] = fixed_snapshot(cache.fixed)
+        if cache.prefix is not None:
+            snap["prefix"] = prefix_snapshot(cache)
         snap["waiting"] = [s.request_id for s in scheduler.waiting]
         snap["resident_order"] = [s.request_id for s in scheduler.residents]
     return snap
+
+
+def prefix_snapshot(cache) -> dict[str, Any]:
+    """A prefix-caching manager's cache state: the name table, the LRU list with its stamps (eviction order)
+    and every block's reference count."""
+    return {
+        "names": cache.prefix.entries(),
+        "lru": cache.pool.cached_stamps(),
+        "refs": cache.pool.refcounts(),
+    }
+
+
+def spy_evictions(engine: pg.Engine) -> set[int]:
+    """Spy on the cache: the set fills with every cached block a reservation evicts to make room."""
+    evicted: set[int] = set()
+    cache = engine._scheduler.cache
+    reserve = cache.reserve
+
+    def spy(*args, **kwargs):
+        reservation = reserve(*args, **kwargs)
+        evicted.update(block for block, _, _ in reservation.evicted)
+        return reservation
+
+    cache.reserve = spy
+    return evicted
+
+
+def after_rollback(before: dict[str, Any], evicted: set[int]) -> dict[str, Any]:
+    """What :func:`engine_snapshot` must be after a rolled-back step, given ``before`` and the cached blocks
+    the step evicted whose content its model may have overwritten: those come back FREE and unnamed
+    (docs/cache.md); everything else is exactly as before."""
+    if not evicted or "prefix" not in before:
+        return before
+    prefix = before["prefix"]
+    return {
+        **before,
+        "free_blocks": sorted(before["free_blocks"] + sorted(evicted)),
+        "prefix": {
+            "names": {digest: b for digest, b in prefix["names"].items() if b not in evicted},
+            "lru": tuple((b, stamp) for b, stamp in prefix["lru"] if b not in evicted),
+            "refs": prefix["refs"],
+        },
+    }
 
 
 def record_steps(engine: pg.Engine) -> list[tuple[list[int], list[int]]]:

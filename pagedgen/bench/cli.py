@@ -1,4 +1,4 @@
-"""``pagedgen bench {throughput,serve,gemm}``: argument parsing and the wiring between the bench modules.
+"""``pagedgen bench {throughput,serve,gemm,prefix}``: argument parsing and the wiring of the bench modules.
 
 ``pagedgen/cli.py`` hands ``pagedgen bench ...`` here as ``main(argv)``. Every subcommand prints a readable
 report and, with ``--json``, writes the machine-readable one.
@@ -29,7 +29,98 @@ def build_parser() -> argparse.ArgumentParser:
     _throughput_parser(sub.add_parser("throughput", help="offline throughput vs transformers (and others)"))
     _serve_parser(sub.add_parser("serve", help="online latency against a running 'pagedgen serve'"))
     _gemm_parser(sub.add_parser("gemm", help="GEMM backend timings per shape and the table they imply"))
+    _prefix_parser(sub.add_parser("prefix", help="TTFT and prefill work with prefix caching off and on"))
     return parser
+
+
+def _prefix_parser(p: argparse.ArgumentParser) -> None:
+    from pagedgen.bench.prefix import WORKLOADS
+
+    p.add_argument("--model", default="default", help="'default', a checkpoint dir, a .gguf, or 'synthetic'")
+    p.add_argument("--weights", choices=("native", "float32"), default="native")
+    p.add_argument("--workload", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    w = p.add_argument_group("workload")
+    w.add_argument("--concurrency", type=positive_int, default=4, help="clients (conversations) in flight")
+    w.add_argument("--system-len", type=positive_int, default=1024, help="shared system prompt tokens")
+    w.add_argument("--requests", type=positive_int, default=32, help="shared-prompt: questions in all")
+    w.add_argument("--turns", type=positive_int, default=4, help="multi-turn: turns per conversation")
+    w.add_argument("--question-len", type=positive_int, default=24, help="tokens of each question / turn")
+    w.add_argument("--output-len", type=positive_int, default=16, help="tokens generated per request")
+    e = p.add_argument_group("pagedgen engine")
+    e.add_argument("--max-batch-size", type=positive_int, default=32)
+    e.add_argument("--max-scheduled-tokens", type=positive_int, default=2048)
+    e.add_argument("--block-size", type=positive_int, default=16)
+    e.add_argument("--num-blocks", type=positive_int)
+    m = p.add_argument_group("machine")
+    m.add_argument("--threads", type=positive_int, help="threads of torch and OpenBLAS (default: all CPUs)")
+    m.add_argument("--gemm", choices=["auto", "torch", "openblas", "native"], default="auto")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", type=Path, help="write both runs of every workload to this JSON file")
+    o.add_argument("--markdown", type=Path, help="write the markdown tables to this file")
+
+
+def _load_one_model(name: str, weights: str) -> tuple[Any, Any]:
+    """(model, tokenizer) without the float32 reference copy :func:`_load_model` adds."""
+    if name == "synthetic":
+        from pagedgen.models.synthetic import SyntheticModel
+
+        model = SyntheticModel()
+        return model, model.tokenizer
+    from pagedgen.models.model import Model
+    from pagedgen.models.tokenizer import Tokenizer
+
+    model = Model(name, weights=weights)
+    return model, Tokenizer(model)
+
+
+def cmd_prefix(args: argparse.Namespace) -> int:
+    import json
+
+    from pagedgen.bench.prefix import build_prefix_workload, compare_caching, markdown_table
+    from pagedgen.engine.config import EngineConfig
+
+    _setup_machine(args.threads, args.gemm)
+    machine = machine_info(None)
+    _print_machine(machine)
+    model, tokenizer = _load_one_model(args.model, args.weights)
+    config = EngineConfig(
+        max_batch_size=args.max_batch_size,
+        max_scheduled_tokens=args.max_scheduled_tokens,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+    )
+    sizes = {
+        "concurrency": args.concurrency,
+        "system_len": args.system_len,
+        "requests": args.requests,
+        "turns": args.turns,
+        "question_len": args.question_len,
+        "output_len": args.output_len,
+    }
+    warm = build_prefix_workload("shared-prompt", tokenizer, concurrency=2, system_len=64, requests=2)
+    compare_caching(model, warm, config, log=lambda _line: None)  # first-call costs stay out of the runs
+    comparisons = []
+    for name in args.workload:
+        workload = build_prefix_workload(name, tokenizer, **sizes)
+        print(f"[{name}] {workload.describe()}", flush=True)
+        comparisons.append(compare_caching(model, workload, config))
+    machine["load_average_end"] = list(os.getloadavg())
+    table = markdown_table(comparisons)
+    print("\n" + table)
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(table + "\n")
+    if args.json:
+        command = "pagedgen bench " + " ".join(sys.argv[2:] if args.argv is None else args.argv)
+        document = {
+            "command": command,
+            "machine": machine,
+            "settings": sizes | {"max_batch_size": args.max_batch_size, "block_size": args.block_size},
+            "results": [c.to_dict() for c in comparisons],
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(document, indent=2) + "\n")
+    return 0 if all(c.identical for c in comparisons) else 1
 
 
 def _rate(text: str) -> float:
@@ -438,7 +529,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(None if argv is None else list(argv))
     args.argv = None if argv is None else list(argv)
-    handlers = {"throughput": cmd_throughput, "serve": cmd_serve, "gemm": cmd_gemm}
+    handlers = {"throughput": cmd_throughput, "serve": cmd_serve, "gemm": cmd_gemm, "prefix": cmd_prefix}
     try:
         return handlers[args.command](args)
     except ValueError as exc:

@@ -8,6 +8,11 @@ recurrent state adds a :class:`FixedStatePool` (one slot per possible resident):
 slots with the blocks, a reservation takes the rows' slots together with their blocks (one composite
 :class:`Reservation`), and deallocation returns the slot with the blocks.
 
+With ``prefix_caching`` the manager also keeps a :class:`PrefixCache` beside the pool: admissions start from
+the longest cached prefix of full blocks (shared, reference counted), commits publish the blocks they fill,
+released blocks that hold published content stay CACHED (still counted as free, evicted oldest first when
+FREE blocks run out) instead of being wiped.
+
 Committed state changes only through :meth:`Reservation.commit` and :meth:`PagedCacheManager.deallocate`;
 planning and stats never mutate. At most one reservation is live at a time, and while it is, deallocation is
 refused, so the reservation's view of committed ownership cannot go stale.
@@ -15,6 +20,7 @@ refused, so the reservation's view of committed ownership cannot go stale.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +38,7 @@ from pagedgen.cache.paged import (
     is_unserviceable,
     plan_resources,
 )
+from pagedgen.cache.prefix import PrefixCache, PrefixStats
 from pagedgen.cache.reservation import Reservation, ReservedRow
 from pagedgen.cache.window_ring import WindowRingSpec
 from pagedgen.errors import CacheError
@@ -58,6 +65,9 @@ class CacheStats:
     window_blocks_per_request: dict[Hashable, int] = field(default_factory=dict)
     fixed_total_slots: int = 0  # the fixed-state pool's slots (0 without one)
     fixed_free_slots: int = 0
+    cached_blocks: int = 0  # unreferenced blocks holding a published prefix (included in free_blocks)
+    prefix_blocks: int = 0  # blocks named in the prefix cache, referenced or not
+    prefix: PrefixStats | None = None  # admissions' lookups (None: prefix caching off)
 
 
 def _positive(name: str, value: int) -> int:
@@ -76,8 +86,10 @@ class PagedCacheManager:
     ``max_batch_size`` bounds both the rows of one step and the number of resident requests (idle
     turn-complete residents included). ``max_blocks_per_table`` is the widest block table the executor
     supports (``None``: only the pool bounds it). ``window`` adds the window-ring pool: each admission then
-    also takes one ring of ``window.ring_blocks`` blocks from it. Raises ``ValueError`` for a non-positive
-    setting or a window spec of another block size.
+    also takes one ring of ``window.ring_blocks`` blocks from it. ``prefix_caching`` shares full blocks
+    across requests (module docstring); it needs a purely paged cache, so it is refused with a window pool
+    or fixed state. Raises ``ValueError`` for a non-positive setting, a window spec of another block size,
+    or prefix caching with a window pool or fixed state.
     """
 
     def __init__(
@@ -88,6 +100,7 @@ class PagedCacheManager:
         max_blocks_per_table: int | None = None,
         window: WindowRingSpec | None = None,
         fixed: FixedStatePool | None = None,
+        prefix_caching: bool = False,
     ):
         self.num_blocks = _positive("num_blocks", num_blocks)
         self.block_size = _positive("block_size", block_size)
@@ -106,6 +119,12 @@ class PagedCacheManager:
         if fixed is not None and fixed.capacity < self.max_batch_size:
             raise ValueError(f"a fixed-state pool of {fixed.capacity} slots is smaller than max_batch_size")
         self.fixed = fixed
+        if prefix_caching and (window is not None or fixed is not None):
+            raise ValueError(
+                "prefix caching needs a purely paged cache: a window ring or a fixed state cannot be "
+                "restored at a cached block boundary"
+            )
+        self.prefix: PrefixCache | None = PrefixCache() if prefix_caching else None
         self._tables: dict[Hashable, BlockTable] = {}
         self._live: Reservation | None = None
 
@@ -147,7 +166,7 @@ class PagedCacheManager:
         window = self.window_pool
         return CacheStats(
             total_blocks=self.num_blocks,
-            free_blocks=self.pool.num_free,
+            free_blocks=self.pool.num_free + self.pool.num_cached,
             reserved_blocks=self.pool.num_reserved,
             owned_blocks=self.pool.num_owned,
             resident_requests=len(self._tables),
@@ -159,7 +178,18 @@ class PagedCacheManager:
             window_blocks_per_request={rid: len(t.window_blocks) for rid, t in self._tables.items()},
             fixed_total_slots=0 if self.fixed is None else self.fixed.capacity,
             fixed_free_slots=0 if self.fixed is None else self.fixed.num_free,
+            cached_blocks=self.pool.num_cached,
+            prefix_blocks=0 if self.prefix is None else len(self.prefix),
+            prefix=None if self.prefix is None else dataclasses.replace(self.prefix.stats),
         )
+
+    def cached_prefix(self, candidate: CacheCandidate) -> tuple[int, ...]:
+        """The cached blocks a new candidate would start from: the longest published prefix of its full
+        blocks, short of its last token (whose logits the step needs, so it is always computed). Empty
+        without prefix caching, for a resident, or without hashes. Mutates nothing."""
+        if self.prefix is None or candidate.hashes is None or not candidate.is_new:
+            return ()
+        return self.prefix.match(candidate.hashes, (candidate.required_slots - 1) // self.block_size)
 
     # ---- the step transaction ----
 
@@ -177,7 +207,11 @@ class PagedCacheManager:
         if rows < 1:
             raise CacheError(f"max_rows must be >= 1, got {max_rows}")
         check_candidates(candidates, self._tables)
-        return plan_resources(candidates, self._tables, self._limits(rows))
+        hits = {c.request_id: self.cached_prefix(c) for c in candidates if c.is_new}
+        unreferenced = {
+            b for found in hits.values() for b in found if self.pool.state(b) is BlockState.CACHED
+        }
+        return plan_resources(candidates, self._tables, self._limits(rows), hits, unreferenced)
 
     def reserve(
         self, selected: Sequence[CacheCandidate], fixed_targets: Mapping[Hashable, int] | None = None
@@ -205,11 +239,22 @@ class PagedCacheManager:
                 f"max_batch_size {self.max_batch_size}"
             )
         growth = []
+        hits = []
         for candidate in selected:
             width, new = blocks_needed(candidate, self._tables, self.block_size)
             if is_unserviceable(width, limits):
                 raise CacheError(f"request {candidate.request_id!r} needs {width} blocks and can never fit")
-            growth.append(new)
+            found = self.cached_prefix(candidate)
+            hits.append(found)
+            growth.append(new - len(found))
+        pinned = {block for found in hits for block in found}
+        shortfall = sum(growth) - self.pool.num_free
+        evictable = self.pool.num_cached - sum(self.pool.state(b) is BlockState.CACHED for b in pinned)
+        if shortfall > evictable:
+            raise CacheError(
+                f"cannot reserve {sum(growth)} blocks: only {self.pool.num_free} of {self.pool.num_blocks} "
+                f"free and {evictable} evictable"
+            )
         num_ring_blocks = self.ring_blocks * num_new
         if self.window_pool is not None and num_ring_blocks > self.window_pool.num_free:
             raise CacheError(
@@ -217,6 +262,7 @@ class PagedCacheManager:
                 f"{self.window_pool.num_free} of {self.window_pool.num_blocks} window blocks free"
             )
         fixed = self._reserve_fixed(selected, fixed_targets)  # first: raises, changing nothing
+        evicted = self._evict(shortfall, pinned)  # cannot fail: checked above
         try:
             blocks = self.pool.reserve(sum(growth))  # raises, changing nothing, if too few are free
         except BaseException:
@@ -226,9 +272,18 @@ class PagedCacheManager:
         rings: tuple[int, ...] = ()
         if self.window_pool is not None:  # cannot fail: checked above, before either pool changed
             rings = self.window_pool.reserve(num_ring_blocks)
-        rows = self._rows(selected, growth, blocks, rings)
-        self._live = Reservation(self.pool, self._tables, rows, self._closed, self.window_pool, fixed)
+        rows = self._rows(selected, growth, blocks, rings, hits)
+        self._live = Reservation(
+            self.pool, self._tables, rows, self._closed, self.window_pool, fixed, self.prefix, evicted
+        )
         return self._live
+
+    def _evict(self, count: int, pinned: set[int]) -> tuple[tuple[int, bytes, int], ...]:
+        """Make ``count`` CACHED blocks (never a pinned one) FREE and drop their names, oldest first."""
+        if count <= 0 or self.prefix is None:
+            return ()
+        victims = self.pool.evict(count, pinned)
+        return tuple((block, self.prefix.forget(block), stamp) for block, stamp in victims)
 
     def _reserve_fixed(
         self, selected: Sequence[CacheCandidate], targets: Mapping[Hashable, int] | None
@@ -267,7 +322,7 @@ class PagedCacheManager:
             self.window_pool.check_state(table.window_blocks, BlockState.OWNED, "return_owned")
         if self.fixed is not None:
             self.fixed.release(request_id)
-        self.pool.return_owned(table.blocks)
+        self.pool.release(table.blocks, () if self.prefix is None else self.prefix)
         if self.window_pool is not None:
             self.window_pool.return_owned(table.window_blocks)
         del self._tables[request_id]
@@ -297,6 +352,7 @@ class PagedCacheManager:
             window_total_blocks=0 if self.window_pool is None else self.window_pool.num_blocks,
             window_free_blocks=0 if self.window_pool is None else self.window_pool.num_free,
             fixed_free_slots=None if self.fixed is None else self.fixed.num_free,
+            cached_blocks=self.pool.num_cached,
         )
 
     def _rows(
@@ -305,12 +361,14 @@ class PagedCacheManager:
         growth: list[int],
         blocks: tuple[int, ...],
         rings: tuple[int, ...],
+        hits: list[tuple[int, ...]],
     ) -> tuple[ReservedRow, ...]:
-        """Split the reserved blocks over the selected rows, in order (one ring per new row)."""
+        """Split the reserved blocks over the selected rows, in order (one ring per new row); an admission
+        starts after its cached prefix (``hits``)."""
         rows = []
         start = 0
         ring_start = 0
-        for candidate, count in zip(selected, growth, strict=True):
+        for candidate, count, found in zip(selected, growth, hits, strict=True):
             table = self._tables.get(candidate.request_id)
             new_ring: tuple[int, ...] = ()
             if table is None and rings:
@@ -320,12 +378,14 @@ class PagedCacheManager:
                 ReservedRow(
                     request_id=candidate.request_id,
                     is_new=candidate.is_new,
-                    committed_slots=0 if table is None else table.committed_slots,
+                    committed_slots=len(found) * self.block_size if table is None else table.committed_slots,
                     required_slots=candidate.required_slots,
                     committed_blocks=() if table is None else tuple(table.blocks),
                     new_blocks=blocks[start : start + count],
                     window_ring=new_ring if table is None else tuple(table.window_blocks),
                     new_window_blocks=new_ring,
+                    cached_blocks=found,
+                    hashes=candidate.hashes if self.prefix is not None else None,
                 )
             )
             start += count

@@ -6,17 +6,23 @@ and keeps going, so a blocked prefill does not hide smaller work behind it. A re
 CAPACITY_DEFERRED (it could run once capacity frees up) or UNSERVICEABLE (it needs more blocks than the whole
 pool, or a wider block table than supported, so it can never run). Planning is pure: it reads committed state
 through a :class:`ResidentView` and mutates nothing.
+
+With prefix caching a new candidate may start from cached blocks (``hits``: the manager's longest match). They
+cost no new block, but a hit on an unreferenced CACHED block takes it out of the evictable supply (CACHED
+blocks count as free: allocation evicts them when FREE ones run out), so the first selected candidate to use
+such a block pays one block for it and later ones share it for nothing.
 """
 
 from __future__ import annotations
 
 import enum
 import operator
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from pagedgen.cache.block_table import blocks_for_tokens
+from pagedgen.cache.prefix import BlockHashes
 from pagedgen.errors import CacheError
 
 
@@ -27,12 +33,14 @@ class CacheCandidate:
     ``required_slots`` is the committed slot count the request must be able to hold after the step:
     past + 1 for a decode, past + every remaining prompt token for a prefill (so an admitted prefill owns
     blocks for its whole prompt and its later chunks need no new blocks). ``is_new`` marks a request that
-    owns no table yet.
+    owns no table yet. ``hashes`` are the chained block digests of the request's sequence when prefix caching
+    is on (None otherwise): an admission looks its prefix up with them, a commit publishes filled blocks.
     """
 
     request_id: Hashable
     required_slots: int
     is_new: bool
+    hashes: BlockHashes | None = field(default=None, compare=False)
 
 
 class DeferReason(enum.Enum):
@@ -45,13 +53,20 @@ class ResourcePlan:
     """The planner's answer: the selected candidates and, for every other candidate, why not.
 
     Both tuples keep the input order. ``new_blocks`` is how many free blocks reserving ``selected`` takes,
-    ``new_window_blocks`` how many of the window pool (one ring per admission).
+    ``new_window_blocks`` how many of the window pool (one ring per admission). ``hit_blocks`` maps each
+    selected admission that starts from cached blocks to how many. ``short_of_blocks`` and
+    ``short_of_residency`` name the CAPACITY_DEFERRED candidates that were refused for want of blocks, or of a
+    resident place (``max_batch_size``), as opposed to rows, rings or fixed slots: the ones that releasing
+    residents could help (:mod:`pagedgen.engine.scheduler` decides whom to release).
     """
 
     selected: tuple[CacheCandidate, ...]
     deferred: tuple[tuple[CacheCandidate, DeferReason], ...]
     new_blocks: int = 0
     new_window_blocks: int = 0
+    hit_blocks: Mapping[Hashable, int] = field(default_factory=dict)
+    short_of_blocks: tuple[Hashable, ...] = ()
+    short_of_residency: tuple[Hashable, ...] = ()
 
     @property
     def capacity_deferred(self) -> tuple[CacheCandidate, ...]:
@@ -85,6 +100,7 @@ class PlanLimits:
     max_batch_size: int  # bound on residents (committed + newly admitted) and on rows
     max_rows: int  # bound on selected rows this step
     max_blocks_per_table: int | None  # block-table width the executor supports (None: the pool bound)
+    cached_blocks: int = 0  # unreferenced CACHED blocks: evictable, so allocatable like free ones
     ring_blocks: int = 0  # window-pool blocks each admission takes (0: no window pool)
     window_total_blocks: int = 0  # blocks of the window pool
     window_free_blocks: int = 0  # window blocks a reservation can take now
@@ -139,7 +155,11 @@ def is_unserviceable(width: int, limits: PlanLimits) -> bool:
 
 
 def plan_resources(
-    candidates: Sequence[CacheCandidate], residents: ResidentView, limits: PlanLimits
+    candidates: Sequence[CacheCandidate],
+    residents: ResidentView,
+    limits: PlanLimits,
+    hits: Mapping[Hashable, Sequence[int]] | None = None,
+    unreferenced: Collection[int] = (),
 ) -> ResourcePlan:
     """Select, in order, every candidate that still fits; classify the rest. Mutates nothing.
 
@@ -148,35 +168,67 @@ def plan_resources(
     admissions already selected fill ``max_batch_size``, or if its new blocks (or, new, its ring) exceed
     those still free after the earlier selections, or if it is new and no fixed-state slot is left. Validate
     the candidates with :func:`check_candidates` first.
+
+    ``hits[rid]`` are the cached blocks a new candidate starts from (prefix caching), ``unreferenced`` the
+    CACHED ones among all hits: free supply is ``free_blocks + cached_blocks``, and an admission pays for
+    its blocks past its hits plus each unreferenced hit no earlier selection claimed.
     """
+    hits = hits or {}
     row_limit = min(limits.max_rows, limits.max_batch_size)
-    free = limits.free_blocks
+    supply = limits.free_blocks + limits.cached_blocks
+    free = supply
     window_free = limits.window_free_blocks
     fixed_free = limits.fixed_free_slots
     residents_after = len(residents)
+    claimed: set[int] = set()
     selected: list[CacheCandidate] = []
     deferred: list[tuple[CacheCandidate, DeferReason]] = []
+    hit_blocks: dict[Hashable, int] = {}
+    short_of_blocks: list[Hashable] = []
+    short_of_residency: list[Hashable] = []
+    reserved = 0
     for candidate in candidates:
         width, growth = blocks_needed(candidate, residents, limits.block_size)
+        found = hits.get(candidate.request_id, ()) if candidate.is_new else ()
+        growth -= len(found)
+        claim = {block for block in found if block in unreferenced} - claimed
         ring = limits.ring_blocks if candidate.is_new else 0
         if is_unserviceable(width, limits):
             deferred.append((candidate, DeferReason.UNSERVICEABLE))
-        elif (
+            continue
+        no_place = candidate.is_new and residents_after >= limits.max_batch_size
+        no_blocks = growth + len(claim) > free
+        if (
             len(selected) >= row_limit
-            or (candidate.is_new and residents_after >= limits.max_batch_size)
-            or growth > free
+            or no_place
+            or no_blocks
             or ring > window_free
             or (candidate.is_new and fixed_free is not None and fixed_free < 1)
         ):
             deferred.append((candidate, DeferReason.CAPACITY_DEFERRED))
-        else:
-            selected.append(candidate)
-            free -= growth
-            window_free -= ring
-            if candidate.is_new:
-                residents_after += 1
-                if fixed_free is not None:
-                    fixed_free -= 1
+            if len(selected) < row_limit:
+                if no_place:
+                    short_of_residency.append(candidate.request_id)
+                elif no_blocks:
+                    short_of_blocks.append(candidate.request_id)
+            continue
+        selected.append(candidate)
+        free -= growth + len(claim)
+        reserved += growth
+        claimed |= claim
+        if found:
+            hit_blocks[candidate.request_id] = len(found)
+        window_free -= ring
+        if candidate.is_new:
+            residents_after += 1
+            if fixed_free is not None:
+                fixed_free -= 1
     return ResourcePlan(
-        tuple(selected), tuple(deferred), limits.free_blocks - free, limits.window_free_blocks - window_free
+        tuple(selected),
+        tuple(deferred),
+        reserved,
+        limits.window_free_blocks - window_free,
+        hit_blocks,
+        tuple(short_of_blocks),
+        tuple(short_of_residency),
     )

@@ -9,6 +9,15 @@ one of two things happens:
   their window rings) and advances committed slots (possibly to fewer tokens than reserved);
 - :meth:`Reservation.discard` returns every reserved block, of both pools, to its free list (rollback).
 
+With prefix caching an admission's row also names the cached blocks its prefix was found in
+(``cached_blocks``). The reservation only *pins* them (allocation could not evict them; nothing else can
+while it is live): the commit takes the references (``BlockPool.add_ref``) and publishes every block the
+step filled under its chained digest; a discard has nothing to give back for them. The one thing a reservation
+can take from the cache is room: when FREE blocks run out, ``PagedCacheManager.reserve`` evicted the oldest
+unpinned CACHED blocks (``evicted``). A discard puts those back exactly (same names, same LRU places) when the
+model never ran (``restore_evicted``); once it may have written into them their content is gone, so they stay
+FREE and unnamed: a lost cache entry only costs a recomputation.
+
 For a model with fixed conv / recurrent state the reservation is *composite*: ``fixed`` is the step's
 :class:`~pagedgen.cache.fixed_state.FixedStateReservation` over the same rows. Its target tokens must equal
 the paged commit's, so both states commit at one token boundary; :meth:`Reservation.prepare_commit` does the
@@ -25,11 +34,12 @@ from __future__ import annotations
 import enum
 import operator
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedgen.cache.block_pool import BlockPool, BlockState
 from pagedgen.cache.block_table import BlockTable
 from pagedgen.cache.fixed_state import FixedStateReservation
+from pagedgen.cache.prefix import BlockHashes, PrefixCache
 from pagedgen.core.step_inputs import FixedStateInputs
 from pagedgen.errors import CacheError
 
@@ -46,16 +56,18 @@ class ReservedRow:
 
     request_id: Hashable
     is_new: bool
-    committed_slots: int  # committed slots at reserve time: the request's past length for this step
+    committed_slots: int  # committed slots at reserve time (+ its cached prefix): the step's past length
     required_slots: int  # the most slots commit may advance to
     committed_blocks: tuple[int, ...]  # the committed table at reserve time
     new_blocks: tuple[int, ...]  # reserved blocks, appended to the table at commit
     window_ring: tuple[int, ...] = ()  # the request's window ring: committed, or reserved when new
     new_window_blocks: tuple[int, ...] = ()  # the ring's reserved blocks (a new request's whole ring)
+    cached_blocks: tuple[int, ...] = ()  # an admission's cached prefix blocks (pinned; referenced at commit)
+    hashes: BlockHashes | None = field(default=None, compare=False)  # its block digests (prefix caching)
 
     @property
     def blocks(self) -> tuple[int, ...]:
-        return self.committed_blocks + self.new_blocks
+        return self.committed_blocks + self.cached_blocks + self.new_blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +109,8 @@ class Reservation:
         "_on_close",
         "fixed",
         "_prepared",
+        "_prefix",
+        "evicted",
     )
 
     def __init__(
@@ -107,8 +121,12 @@ class Reservation:
         on_close: Callable[[Reservation], None],
         window_pool: BlockPool | None = None,
         fixed: FixedStateReservation | None = None,
+        prefix: PrefixCache | None = None,
+        evicted: tuple[tuple[int, bytes, int], ...] = (),
     ):
         self.state = ReservationState.LIVE
+        self._prefix = prefix
+        self.evicted = evicted  # (block, digest, LRU stamp) of each cached block evicted to make room
         self.fixed = fixed  # the fixed-state sub-reservation (same rows, same order), or None
         self._prepared = False
         self._pool = pool
@@ -139,6 +157,10 @@ class Reservation:
     @property
     def num_reserved_blocks(self) -> int:
         return sum(len(row.new_blocks) for row in self._rows)
+
+    def pinned_blocks(self) -> tuple[int, ...]:
+        """The cached prefix blocks the admissions start from (distinct, row order): pinned until commit."""
+        return tuple(dict.fromkeys(block for row in self._rows for block in row.cached_blocks))
 
     def reserved_window_blocks(self) -> tuple[int, ...]:
         """Every window-pool block this reservation holds (the new requests' rings), in row order."""
@@ -204,6 +226,9 @@ class Reservation:
                     raise CacheError(
                         f"reserved block {block} of request {row.request_id!r} is no longer reserved"
                     )
+            for block in row.cached_blocks:
+                if self._prefix is None or block not in self._prefix:
+                    raise CacheError(f"cached block {block} of request {row.request_id!r} left the cache")
             for block in row.new_window_blocks:
                 if window is None or window.state(block) is not BlockState.RESERVED:
                     raise CacheError(
@@ -238,30 +263,60 @@ class Reservation:
             self.prepare_commit(advance)
         targets = self._target_slots(advance)
         self._pool.publish(self.reserved_blocks())
+        self._pool.add_ref([block for row in self._rows for block in row.cached_blocks])
         if self._window_pool is not None:
             self._window_pool.publish(self.reserved_window_blocks())
         for row in self._rows:
             if row.is_new:
                 self._tables[row.request_id] = BlockTable(
-                    row.request_id, list(row.new_blocks), targets[row.request_id], 0, list(row.window_ring)
+                    row.request_id,
+                    list(row.cached_blocks + row.new_blocks),
+                    targets[row.request_id],
+                    0,
+                    list(row.window_ring),
                 )
             else:
                 self._tables[row.request_id].advance(row.new_blocks, targets[row.request_id])
+            self._publish_filled(row, targets[row.request_id])
         self._pool.record_mutation()
         if self.fixed is not None:
             self.fixed.publish_commit()
         self._close(ReservationState.COMMITTED)
 
-    def discard(self) -> None:
+    def _publish_filled(self, row: ReservedRow, target: int) -> None:
+        """Name every block this step filled (prefix caching): those between the row's past and ``target``;
+        count an admission's lookup (committed admissions only, so a rolled-back step counts nothing)."""
+        if self._prefix is None or row.hashes is None:
+            return
+        blocks, size = row.blocks, row.hashes.block_size
+        if row.is_new:
+            stats = self._prefix.stats
+            stats.queries += 1
+            stats.queried_tokens += row.required_slots
+            stats.hits += bool(row.cached_blocks)
+            stats.hit_tokens += len(row.cached_blocks) * size
+        first, last = row.committed_slots // size, target // size
+        if last <= first:
+            return  # the usual decode step: no block filled
+        for index, digest in enumerate(row.hashes.upto(last)[first:], start=first):
+            self._prefix.publish(blocks[index], digest)
+
+    def discard(self, restore_evicted: bool = False) -> None:
         """Return every reserved block to the pool; committed state stays exactly as before reserve.
 
-        Idempotent once discarded; raises ``CacheError`` after a commit.
+        ``restore_evicted``: the model never ran, so the cached blocks evicted to make room still hold their
+        content and go back into the cache exactly; otherwise they stay FREE (module docstring). Idempotent
+        once discarded; raises ``CacheError`` after a commit.
         """
         if self.state is ReservationState.DISCARDED:
             return
         if self.state is ReservationState.COMMITTED:
             raise CacheError("cannot discard a committed reservation")
         self._pool.return_reserved(self.reserved_blocks())
+        if restore_evicted and self.evicted and self._prefix is not None:
+            self._pool.restore_cached((block, stamp) for block, _, stamp in self.evicted)
+            for block, digest, _ in self.evicted:
+                self._prefix.publish(block, digest)
         if self._window_pool is not None:
             self._window_pool.return_reserved(self.reserved_window_blocks())
         if self.fixed is not None:

@@ -16,11 +16,15 @@ implied by ``model.kv_spec``) and decides:
   (``max_batch_size``), so rings never limit admission, and its bytes come off the budget before the
   full-context pool is sized from the remaining full-attention layers;
 - the static path (and any model without windowed layers) keeps every layer in the full pool; windowed
-  layers there are only masked.
+  layers there are only masked;
+- prefix caching (``EngineConfig.prefix_caching``) needs the dynamic path and a purely paged cache: a
+  window ring keeps only the last positions and a fixed state only the state after the last token, so
+  neither can be restored at a cached block boundary. For such a model it is off, and ``prefix_off`` says why.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +45,21 @@ class CacheLayout:
     chunk_size: int | None  # the scheduler's per-request query cap (C when there are rings)
     fixed: tuple[FixedStateSpec, ...] = ()  # the fixed-state tensors (empty: no fixed-state pool)
     fixed_bytes: int = 0  # storage of the fixed-state pool, taken off the budget first
+    prefix_caching: bool = False  # share full blocks across requests (the config's wish, if possible)
+    prefix_off: str | None = None  # why prefix caching is off although the config asked for it
+
+    def with_prefix_caching(self, wanted: bool, dynamic: bool) -> CacheLayout:
+        """This layout with prefix caching decided: on when ``wanted`` and the cache can restore a prefix."""
+        reason = None
+        if not dynamic:
+            reason = "the static path has no paged cache to share"
+        elif self.window is not None:
+            reason = "sliding-window rings cannot be restored at a cached block boundary"
+        elif self.fixed:
+            reason = "fixed conv / recurrent state cannot be restored at a cached block boundary"
+        return dataclasses.replace(
+            self, prefix_caching=wanted and reason is None, prefix_off=reason if wanted else None
+        )
 
 
 def model_manifest(model: Any) -> StateManifest:
@@ -101,9 +120,13 @@ def plan_cache_layout(model: Any, config: EngineConfig) -> CacheLayout:
     fixed_bytes = FixedStatePool.bytes_for(fixed, config.max_batch_size) if fixed else 0
     block_size = config.block_size
     if not (config.dynamic_batching and spec.window_layers):
-        return CacheLayout(spec.bytes_per_block(block_size), None, 0, config.chunk_size, fixed, fixed_bytes)
+        layout = CacheLayout(spec.bytes_per_block(block_size), None, 0, config.chunk_size, fixed, fixed_bytes)
+        return layout.with_prefix_caching(config.prefix_caching, config.dynamic_batching)
     chunk = min(config.chunk_size or config.max_scheduled_tokens, config.max_scheduled_tokens)
     assert spec.window_size is not None
     window = WindowRingSpec.for_residents(spec.window_size, chunk, block_size, config.max_batch_size)
     window_bytes = window.num_blocks * spec.bytes_per_window_block(block_size)
-    return CacheLayout(spec.bytes_per_full_block(block_size), window, window_bytes, chunk, fixed, fixed_bytes)
+    layout = CacheLayout(
+        spec.bytes_per_full_block(block_size), window, window_bytes, chunk, fixed, fixed_bytes
+    )
+    return layout.with_prefix_caching(config.prefix_caching, config.dynamic_batching)

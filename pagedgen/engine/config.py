@@ -50,7 +50,10 @@ class EngineConfig:
     batch to find the request that causes it (:mod:`pagedgen.engine.isolation`);
     ``max_draft_tokens`` is the most speculative draft tokens one ``request.set_draft_tokens`` proposal may
     carry (0 turns caller-supplied drafts off; ``engine.max_draft_tokens_per_proposal()`` reports it, or 0
-    where the model's state cannot commit an accepted prefix).
+    where the model's state cannot commit an accepted prefix);
+    ``prefix_caching`` shares the K/V of identical prompt prefixes across requests (full blocks, hash-chained;
+    docs/cache.md). It applies to the dynamic path of a purely paged model only: with sliding-window rings or
+    fixed conv / recurrent state the engine turns it off (``engine.stats().prefix_caching`` says which).
     """
 
     max_batch_size: int = 16
@@ -63,6 +66,7 @@ class EngineConfig:
     debug_invariants: bool = False
     max_step_retries: int = DEFAULT_MAX_STEP_RETRIES
     max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _positive_int("max_batch_size", self.max_batch_size)
@@ -80,7 +84,7 @@ class EngineConfig:
             raise InvalidArgumentError(
                 f"EngineConfig.max_draft_tokens must be an int >= 0, got {self.max_draft_tokens!r}"
             )
-        for name in ("dynamic_batching", "debug_invariants"):
+        for name in ("dynamic_batching", "debug_invariants", "prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from pagedgen.cache import FixedStatePool, PagedCacheManager, blocks_for_tokens
+from pagedgen.cache.prefix import BlockHashes
 from pagedgen.engine.cache_layout import plan_cache_layout
 from pagedgen.engine.config import EngineConfig, resolve_num_blocks
 from pagedgen.engine.consistency import request_violations
@@ -80,6 +81,17 @@ class EngineStats:
         """``drafts_accepted / drafts_proposed`` (0.0 before any draft was verified)."""
         return self.drafts_accepted / self.drafts_proposed if self.drafts_proposed else 0.0
 
+    prefix_caching: bool = False  # whether this engine shares cached prefixes (EngineConfig + the model)
+    prefix_caching_off: str | None = None  # why not, when the config asked for it and the model cannot
+    cached_blocks: int = 0  # unreferenced blocks holding a cached prefix (counted in free_blocks: evictable)
+    prefix_blocks: int = 0  # blocks named in the prefix cache, referenced or not
+    prefix_queries: int = 0  # committed admissions that looked their prefix up
+    prefix_queried_tokens: int = 0  # their sequence tokens
+    prefix_hits: int = 0  # admissions that found at least one cached block
+    prefix_hit_tokens: int = 0  # tokens served from the prefix cache instead of computed
+    preemptions: int = 0  # running requests sent back to the waiting queue (re-prefilled later)
+    idle_evictions: int = 0  # turn-complete residents that yielded their place and blocks
+
 
 class Engine:
     """Continuous batching over a paged KV cache for one model (see DESIGN.md for the public loop)."""
@@ -106,6 +118,7 @@ class Engine:
         self.eos_token_ids: tuple[int, ...] = tuple(model.eos_token_ids)
         device = torch.device(model.device)
         layout = plan_cache_layout(model, config)  # the manifest decides the cache paths
+        self._layout = layout
         self.num_blocks = resolve_num_blocks(
             config,
             layout.bytes_per_block,
@@ -125,6 +138,7 @@ class Engine:
                 max_blocks_per_table=blocks_for_tokens(int(model.max_context), config.block_size),
                 window=layout.window,
                 fixed=FixedStatePool(layout.fixed, config.max_batch_size, device) if layout.fixed else None,
+                prefix_caching=layout.prefix_caching,
             )
             self._scheduler: Any = DynamicScheduler(
                 cache,
@@ -162,6 +176,9 @@ class Engine:
             return RequestState(request_id, handle_ref, sampler, session or params.max_length, eos)
 
         request = Request(self, make_state)
+        if self._layout.prefix_caching:
+            state = request._state
+            state.block_hashes = BlockHashes(state.tokens, self.config.block_size)
         self._next_request_id += 1
         self._states[request_id] = request._state
         return request
@@ -317,6 +334,9 @@ class Engine:
         total, free = self._scheduler.block_counts()
         window_total, window_free = self._scheduler.window_block_counts()
         fixed_total, fixed_free = self._scheduler.fixed_slot_counts()
+        cache = getattr(self._scheduler, "cache", None)
+        cache_stats = None if cache is None else cache.stats()
+        prefix = None if cache_stats is None else cache_stats.prefix
         return EngineStats(
             total_blocks=total,
             free_blocks=free,
@@ -332,6 +352,16 @@ class Engine:
             fixed_free_slots=fixed_free,
             drafts_proposed=self._drafts_proposed,
             drafts_accepted=self._drafts_accepted,
+            prefix_caching=self._layout.prefix_caching,
+            prefix_caching_off=self._layout.prefix_off,
+            cached_blocks=0 if cache_stats is None else cache_stats.cached_blocks,
+            prefix_blocks=0 if cache_stats is None else cache_stats.prefix_blocks,
+            prefix_queries=0 if prefix is None else prefix.queries,
+            prefix_queried_tokens=0 if prefix is None else prefix.queried_tokens,
+            prefix_hits=0 if prefix is None else prefix.hits,
+            prefix_hit_tokens=0 if prefix is None else prefix.hit_tokens,
+            preemptions=getattr(self._scheduler, "num_preemptions", 0),
+            idle_evictions=getattr(self._scheduler, "num_yields", 0),
         )
 
     def check_invariants(self) -> list[str]:

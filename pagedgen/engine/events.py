@@ -50,12 +50,27 @@ class Usage:
     """Per-turn token accounting, reported with the terminal event.
 
     ``prompt_tokens`` counts the turn's accepted input, ``generated_tokens`` the output tokens the turn
-    appended, ``cached_prompt_tokens`` the input served from a prefix cache (always 0 until prefix caching).
+    appended, ``cached_prompt_tokens`` how many of the ``prompt_tokens`` were not computed because the
+    admission found them in the prefix cache (0 for a resident continuation, which recomputes nothing
+    before its input either, and whenever prefix caching is off). ``reused_tokens`` counts every position
+    before the turn's first computed one that the turn did not compute: a resident continuation's history
+    or the cached prefix an admission started from (the conversation a chat turn did not recompute).
     """
 
     prompt_tokens: int = 0
     generated_tokens: int = 0
     cached_prompt_tokens: int = 0
+    reused_tokens: int = 0  # tokens before the turn's first computed position it did not compute itself
+
+
+@dataclass(frozen=True, slots=True)
+class TurnReuse:
+    """What the first step of a turn's input did not compute: ``reused_tokens`` positions before it (a
+    resident's history, or the cached prefix its admission found), ``cached_prompt_tokens`` of them the
+    turn's own input."""
+
+    reused_tokens: int
+    cached_prompt_tokens: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,13 @@ reservation) instead of trusting the counters those records keep, which is the p
 after the fact would hide exactly the bugs these checks exist to find. The full-context pool and the
 window-ring pool are validated independently, each against its own records, and so is the fixed-state pool,
 whose owners must be exactly the paged residents at the same token boundary. Cost: O(pools + residents).
+
+With prefix caching a block may sit in several tables, but only a *published* (named) block, and only where
+it is full in each of them (a shared block is never written again); its reference count must equal the
+number of tables holding it; CACHED blocks are exactly the unreferenced named ones, in the LRU list once
+each; the name table is one to one and names only OWNED or CACHED blocks; the live reservation's pinned hits
+are named and its evicted blocks are not. :func:`validate_prefix_content` checks, from the requests' own
+tokens, that every named block in a table is named by the digest of exactly that table's tokens there.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from collections.abc import Hashable, Mapping
 from pagedgen.cache.block_pool import BlockPool, BlockState
 from pagedgen.cache.block_table import BlockTable
 from pagedgen.cache.manager import PagedCacheManager
+from pagedgen.cache.prefix import BlockHashes, PrefixCache
 from pagedgen.cache.reservation import Reservation, ReservationState
 
 
@@ -26,17 +34,115 @@ def validate_cache(manager: PagedCacheManager) -> list[str]:
     states = pool.states()
     violations = _pool_records(pool, states)
     tables = manager.tables()
-    violations += _table_records(manager, tables, states)
+    violations += _table_records(manager, tables, states, manager.prefix)
     violations += _reservation_records(manager.live_reservation, tables, states, manager.block_size)
-    owned = sum(len(t.blocks) for t in tables.values())
+    owned = len({block for t in tables.values() for block in t.blocks})
     reserved = _live_reserved(manager.live_reservation)
-    if pool.num_free + reserved + owned != pool.num_blocks:
-        violations.append(
-            f"block totals: {pool.num_free} free + {reserved} reserved + {owned} owned != {pool.num_blocks}"
-        )
+    cached = len(set(pool.cached_list()))
+    if pool.num_free + reserved + owned + cached != pool.num_blocks:
+        parts = f"{pool.num_free} free + {reserved} reserved + {owned} owned"
+        if cached:
+            parts += f" + {cached} cached"
+        violations.append(f"block totals: {parts} != {pool.num_blocks}")
     if len(tables) > manager.max_batch_size:
         violations.append(f"{len(tables)} residents exceed max_batch_size {manager.max_batch_size}")
+    violations += _prefix_records(manager, tables, states)
     return violations + _window_records(manager, tables) + _fixed_records(manager, tables)
+
+
+def _prefix_records(
+    manager: PagedCacheManager, tables: Mapping[Hashable, BlockTable], states: tuple[BlockState, ...]
+) -> list[str]:
+    """Reference counts, the CACHED set and the name table agree with the tables and the reservation."""
+    pool, prefix, live = manager.pool, manager.prefix, manager.live_reservation
+    violations = []
+    holders = Counter(block for t in tables.values() for block in set(t.blocks))
+    refs = pool.refcounts()
+    for block, state in enumerate(states):
+        expected = holders[block] if state is BlockState.OWNED else 0
+        if refs[block] != expected:
+            violations.append(
+                f"block {block} ({state.value}) has refcount {refs[block]}, expected {expected}"
+            )
+    cached = pool.cached_list()
+    for block, count in Counter(cached).items():
+        if count > 1:
+            violations.append(f"block {block} appears {count} times in the LRU list")
+        if (
+            not (isinstance(block, int) and 0 <= block < len(states))
+            or states[block] is not BlockState.CACHED
+        ):
+            violations.append(f"block {block!r} is in the LRU list but not CACHED")
+    num_cached = sum(state is BlockState.CACHED for state in states)
+    if num_cached != len(set(cached)):
+        violations.append(f"{num_cached} blocks are CACHED but the LRU list holds {len(set(cached))}")
+    if prefix is None:
+        if num_cached:
+            violations.append(f"{num_cached} blocks are CACHED without a prefix cache")
+        if live is not None and (live.pinned_blocks() or live.evicted):
+            violations.append("the reservation pins or evicted cached blocks without a prefix cache")
+        return violations
+    return violations + _name_records(prefix, tables, states, live, manager.block_size)
+
+
+def _name_records(
+    prefix: PrefixCache,
+    tables: Mapping[Hashable, BlockTable],
+    states: tuple[BlockState, ...],
+    live: Reservation | None,
+    block_size: int,
+) -> list[str]:
+    """The name table is one to one over OWNED / CACHED blocks, every CACHED block is named, named blocks sit
+    only where they are full, and the live reservation pins named blocks and evicted unnamed ones."""
+    violations = []
+    entries = prefix.entries()
+    for digest, block in entries.items():
+        if prefix.digest_of(block) != digest:
+            violations.append(f"prefix cache: block {block} is filed under a digest it is not named by")
+        if not (isinstance(block, int) and 0 <= block < len(states)):
+            violations.append(f"prefix cache names invalid block id {block!r}")
+        elif states[block] not in (BlockState.OWNED, BlockState.CACHED):
+            violations.append(f"prefix cache names block {block}, which is {states[block].value}")
+    if len(prefix.blocks()) != len(entries):
+        violations.append(f"prefix cache: {len(prefix.blocks())} named blocks but {len(entries)} digests")
+    for block, state in enumerate(states):
+        if state is BlockState.CACHED and block not in prefix:
+            violations.append(f"block {block} is CACHED but has no name in the prefix cache")
+    for rid, table in tables.items():
+        full = table.committed_slots // block_size
+        for index, block in enumerate(table.blocks):
+            if index >= full and block in prefix:
+                violations.append(f"request {rid!r} holds named block {block} at index {index}, not yet full")
+    if live is not None:
+        for block in live.pinned_blocks():
+            if block not in prefix:
+                violations.append(f"the reservation pins block {block}, which has no name")
+        for block, _digest, _stamp in live.evicted:
+            if block in prefix:
+                violations.append(f"the reservation evicted block {block}, which is still named")
+    return violations
+
+
+def validate_prefix_content(manager: PagedCacheManager, hashes: Mapping[Hashable, BlockHashes]) -> list[str]:
+    """Every named block in a resident's table is named by the digest of that request's own tokens at that
+    index (``hashes``: each resident's block digests): a cache hit can only ever give the right K/V."""
+    prefix = manager.prefix
+    if prefix is None:
+        return []
+    violations = []
+    for rid, table in manager.tables().items():
+        chain = hashes.get(rid)
+        full = table.committed_slots // manager.block_size
+        if chain is None or chain.num_full_blocks < full:
+            continue
+        for index, (block, digest) in enumerate(zip(table.blocks[:full], chain.upto(full), strict=True)):
+            named = prefix.digest_of(block)
+            if named is not None and named != digest:
+                violations.append(
+                    f"request {rid!r}: block {block} at index {index} is named for other tokens than the "
+                    "request's own"
+                )
+    return violations
 
 
 def _fixed_records(manager: PagedCacheManager, tables: Mapping[Hashable, BlockTable]) -> list[str]:
@@ -132,16 +238,24 @@ def _window_records(manager: PagedCacheManager, tables: Mapping[Hashable, BlockT
 
 
 def _owned_blocks(
-    label: str, rid: Hashable, blocks: list[int], states: tuple[BlockState, ...], owner: dict[int, Hashable]
+    label: str,
+    rid: Hashable,
+    blocks: list[int],
+    states: tuple[BlockState, ...],
+    owner: dict[int, Hashable],
+    shareable: set[int] | frozenset[int] = frozenset(),
 ) -> list[str]:
-    """Each block a valid OWNED id, owned by ``rid`` only (``owner`` accumulates across tables)."""
+    """Each block a valid OWNED id, owned by ``rid`` only (``owner`` accumulates across tables), unless it is
+    ``shareable`` (a full published prefix block) and not repeated within this table."""
     violations = []
+    seen: set[int] = set()
     for block in blocks:
         if not (isinstance(block, int) and 0 <= block < len(states)):
             violations.append(f"request {rid!r} holds invalid {label} id {block!r}")
             continue
-        if block in owner:
+        if block in owner and (block in seen or block not in shareable):
             violations.append(f"{label} {block} is owned by both {owner[block]!r} and {rid!r}")
+        seen.add(block)
         owner[block] = rid
         if states[block] is not BlockState.OWNED:
             violations.append(f"{label} {block} is held by {rid!r} but {states[block].value}")
@@ -196,11 +310,16 @@ def _pool_records(pool: BlockPool, states: tuple[BlockState, ...]) -> list[str]:
 
 
 def _table_records(
-    manager: PagedCacheManager, tables: Mapping[Hashable, BlockTable], states: tuple[BlockState, ...]
+    manager: PagedCacheManager,
+    tables: Mapping[Hashable, BlockTable],
+    states: tuple[BlockState, ...],
+    prefix: PrefixCache | None = None,
 ) -> list[str]:
-    """Each table block is a valid OWNED id owned by exactly one table; slots fit the table's capacity."""
+    """Each table block is a valid OWNED id owned by exactly one table (or, named in the prefix cache and
+    full there, shared by several, each once); slots fit the table's capacity."""
     violations = []
     owner: dict[int, Hashable] = {}
+    shareable = set() if prefix is None else _full_named_blocks(tables, prefix, manager.block_size)
     for rid, table in tables.items():
         if table.request_id != rid:
             violations.append(f"table filed under {rid!r} names request {table.request_id!r}")
@@ -212,11 +331,26 @@ def _table_records(
         width = manager.max_blocks_per_table
         if width is not None and len(table.blocks) > width:
             violations.append(f"request {rid!r}: {len(table.blocks)} blocks exceed the table width {width}")
-        violations += _owned_blocks("block", rid, table.blocks, states, owner)
+        violations += _owned_blocks("block", rid, table.blocks, states, owner, shareable)
     num_owned = sum(state is BlockState.OWNED for state in states)
     if num_owned != len(owner):
         violations.append(f"{num_owned} blocks are OWNED but tables hold {len(owner)} distinct blocks")
     return violations
+
+
+def _full_named_blocks(
+    tables: Mapping[Hashable, BlockTable], prefix: PrefixCache, block_size: int
+) -> set[int]:
+    """Blocks that may be shared: named in the prefix cache and full in *every* table holding them."""
+    named, not_full = set(), set()
+    for table in tables.values():
+        full = table.committed_slots // block_size
+        for index, block in enumerate(table.blocks):
+            if block in prefix and index < full:
+                named.add(block)
+            else:
+                not_full.add(block)
+    return named - not_full
 
 
 def _reservation_records(

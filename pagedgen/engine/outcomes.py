@@ -68,6 +68,7 @@ class StepOutcome(enum.Enum):
     CAPACITY_DEFERRED = "capacity_deferred"  # pending work exists, none fits the free capacity now
     UNSERVICEABLE_REQUEST = "unserviceable_request"  # some turns can never fit; they finished FAILED
     COMMITTED = "committed"
+    RESIDENCY_RELEASED = "residency_released"  # idle residents yielded or a request was preempted; no run
     RETRYABLE_BATCH_ABORT = "retryable_batch_abort"  # rolled back; may be retried
     REQUEST_FAILED = "request_failed"  # rolled back; one turn failed alone, the rest retries
     EXECUTION_CAPACITY_EXCEEDED = "execution_capacity_exceeded"  # rolled back; engine healthy

@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pagedgen.cache.prefix import BlockHashes
 from pagedgen.engine.errors import InvalidArgumentError, SessionLimitError
-from pagedgen.engine.events import FinishReason, TokenLogprobs, Usage
+from pagedgen.engine.events import FinishReason, TokenLogprobs, TurnReuse, Usage
 from pagedgen.sampling import RequestSampler, SamplingOptions, SamplingOptionsError, StopStringMatcher
 from pagedgen.sampling.options import (
     check_max_generated_tokens,
@@ -224,6 +225,11 @@ class RequestState:
     draft_tokens: tuple[int, ...] = ()
     drafts_proposed: int = 0  # drafts committed steps verified (drafts cut by the step budget not counted)
     drafts_accepted: int = 0  # of those, accepted (the prefix that matched the model)
+    turn_reuse: TurnReuse = TurnReuse(0, 0)  # what the turn's first input step did not compute
+    block_hashes: BlockHashes | None = None  # chained digests of ``tokens``' full blocks (prefix caching)
+    priority: int = 0  # scheduler stamp of the current turn's submission: lower runs first, never re-stamped
+    deferrals: int = 0  # committed steps this waiting request was deferred for capacity in a row (aging)
+    last_scheduled: int = 0  # scheduler tick of the last committed step that ran it (idle LRU order)
 
     @property
     def handle(self) -> Request | None:
@@ -243,7 +249,28 @@ class RequestState:
         )
 
     def usage(self) -> Usage:
-        return Usage(prompt_tokens=self.turn_prompt_tokens, generated_tokens=self.turn_generated_tokens)
+        return Usage(
+            prompt_tokens=self.turn_prompt_tokens,
+            generated_tokens=self.turn_generated_tokens,
+            cached_prompt_tokens=self.turn_reuse.cached_prompt_tokens,
+            reused_tokens=self.turn_reuse.reused_tokens,
+        )
+
+    @property
+    def turn_input_start(self) -> int:
+        """Position of the current turn's first input token in ``tokens``."""
+        return len(self.tokens) - self.turn_prompt_tokens - self.turn_generated_tokens
+
+    def reuse_from(self, past_len: int) -> TurnReuse:
+        """The turn's reuse when its input computation starts at ``past_len`` (a resident's processed length,
+        or the end of an admission's cached prefix)."""
+        cached = max(0, min(past_len - self.turn_input_start, self.turn_prompt_tokens))
+        return TurnReuse(past_len, cached)
+
+    @property
+    def turn_input_pending(self) -> bool:
+        """No token of the turn's input is processed yet (its next step is the turn's first input step)."""
+        return self.turn_generated_tokens == 0 and self.processed_len <= self.turn_input_start
 
     def check_turn_input(self, num_tokens: int) -> None:
         """Refuse input that leaves no room for one generated token below ``max_total_tokens``."""
@@ -262,6 +289,7 @@ class RequestState:
         self.turn = spec
         self.turn_prompt_tokens = len(tokens)
         self.turn_generated_tokens = 0
+        self.turn_reuse = TurnReuse(0, 0)
         self.finish_reason = FinishReason.NONE
         self.stop_matcher = stop_matcher
         self.held_logprobs = []

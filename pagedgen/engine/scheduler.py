@@ -17,6 +17,35 @@ Policy (reference, "Backpressure and fairness" and "One dynamic step in detail",
 Admitting a prefill reserves cache for its whole remaining input (``required_slots = len(tokens)``), so a
 partial prefill can always finish: nobody can take the capacity it needs.
 
+Releasing residency (beyond the seed, which lets idle residents hold their rows and lets a decode that
+cannot grow wait forever; :meth:`DynamicScheduler.relieve`). When a plan leaves work behind for want of
+blocks or of a resident place, the step releases residents instead of running, and the next step plans again:
+
+- *Idle residents yield.* Turn-complete residents, least recently scheduled first, give up their place and
+  blocks (which stay in the prefix cache) to a resident that cannot grow or to waiting work. They lose
+  residency, not their sequence: the next ``begin_turn`` queues them as waiting work, re-prefilled from
+  whatever the cache still holds.
+- *Preemption by recompute.* A resident that cannot grow, with no idle resident left, preempts the running
+  resident with the lowest priority (the latest ``priority`` stamp, given when its turn was submitted),
+  or itself if it is the youngest. The victim's blocks go to the prefix cache, it keeps every token it
+  generated and goes back to the waiting queue in priority order, to be re-prefilled; no event is lost or
+  repeated, because preemption publishes nothing and the re-prefill samples the very token the next decode
+  would have.
+- *Aging.* A waiting request deferred for ``age_limit`` committed steps in a row stops younger waiting work
+  from being admitted past it and preempts running requests younger than itself (and idle residents yield
+  to it), so a large request cannot be starved by a stream of small ones.
+
+Priorities only ever preempt strictly younger work (or the youngest preempts itself), so there is no cycle:
+the oldest unfinished request can always take the whole pool, and any workload whose requests fit the pool
+one at a time runs to completion.
+
+With prefix caching an admission starts after the longest cached prefix of its full blocks (never its last
+token, whose logits are needed): the cache plan says how many blocks it found, and the row's past length
+starts there (``cached_len``), so the step computes only the rest. An admission whose next uncached block
+is one that an earlier prefill of the same plan is about to compute is held back (it stays waiting, not
+deferred): requests that arrive together with a new shared prefix compute it once, the first of them now and
+the others from the cache once it is published, instead of each computing it side by side.
+
 Speculative drafts (``request.set_draft_tokens``) are optional decode work: after the cache selected the rows
 for their mandatory tokens, decodes in order take drafts from the remaining token budget and free blocks
 (before prefills expand), cut where they do not fit (:mod:`pagedgen.engine.drafts`). Prefills never verify
@@ -30,8 +59,10 @@ from dataclasses import dataclass, field
 
 from pagedgen.cache import CacheCandidate, DeferReason, PagedCacheManager
 from pagedgen.engine.drafts import draft_width, extra_blocks, slot_capacity
-from pagedgen.engine.invariants import validate_cache, validate_residents
+from pagedgen.engine.invariants import validate_cache, validate_prefix_content, validate_residents
 from pagedgen.engine.request import RequestState, RequestStatus
+
+AGE_LIMIT = 32  # committed steps a waiting request may be deferred in a row before aging protects it
 
 
 @dataclass(slots=True)
@@ -46,6 +77,7 @@ class RequestStepPlan:
     is_new: bool  # not cache-resident: admitted by this step
     packed_offset: int = 0  # first row of this request in the flat token input
     drafts: tuple[int, ...] = ()  # draft tokens verified after the decode's one token (never for prefill)
+    cached_len: int = 0  # an admission's tokens found in the prefix cache (past_len includes them)
 
     @property
     def request_id(self) -> int:
@@ -80,10 +112,20 @@ class StepPlan:
     deferred: list[RequestState] = field(default_factory=list)  # fits later, when capacity frees
     unserviceable: list[RequestState] = field(default_factory=list)  # can never fit the configured cache
     num_tokens: int = 0
+    short_of_blocks: list[RequestState] = field(default_factory=list)  # deferred: too few free blocks
+    short_of_residency: list[RequestState] = field(default_factory=list)  # deferred: max_batch_size residents
 
     @property
     def sampling_rows(self) -> list[RequestStepPlan]:
         return [row for row in self.rows if row.samples]
+
+
+@dataclass(slots=True)
+class Relief:
+    """What :meth:`DynamicScheduler.relieve` released: idle residents that yielded, running ones preempted."""
+
+    yielded: list[RequestState] = field(default_factory=list)
+    preempted: list[RequestState] = field(default_factory=list)
 
 
 class DynamicScheduler:
@@ -102,13 +144,22 @@ class DynamicScheduler:
         self.max_scheduled_tokens = max_scheduled_tokens
         self.chunk_size = chunk_size
         self.max_draft_tokens = max_draft_tokens  # 0: drafts are never scheduled
-        self._waiting: dict[int, RequestState] = {}  # non-resident ASSIGNED requests, submission order
+        self._waiting: dict[int, RequestState] = {}  # non-resident ASSIGNED requests, priority order
         self._residents: dict[int, RequestState] = {}  # cache residents, admission order
+        self._next_priority = 1
+        self._tick = 0  # committed steps, for the idle residents' LRU order
+        self.age_limit = AGE_LIMIT
+        self.num_preemptions = 0
+        self.num_yields = 0
 
     # -- membership ------------------------------------------------------------------------------------
 
     def submit(self, state: RequestState) -> None:
-        """A turn was queued: a resident waits in place, anything else joins the waiting queue."""
+        """A turn was queued: a resident waits in place, anything else joins the waiting queue. The turn gets
+        the next priority stamp (earlier turns run first)."""
+        state.priority = self._next_priority
+        self._next_priority += 1
+        state.deferrals = 0
         if state.request_id not in self._residents:
             self._waiting[state.request_id] = state
 
@@ -128,6 +179,81 @@ class DynamicScheduler:
         self._residents.pop(state.request_id, None)
         if self.cache.is_resident(state.request_id):
             self.cache.deallocate(state.request_id)
+
+    def on_committed(self, plan: StepPlan) -> None:
+        """Bookkeeping of a committed step: when each row last ran (idle LRU order), and how long each
+        deferred waiting request has waited (aging)."""
+        self._tick += 1
+        for row in plan.rows:
+            row.state.last_scheduled = self._tick
+            row.state.deferrals = 0
+        self.on_deferred(plan)
+
+    def on_deferred(self, plan: StepPlan) -> None:
+        """Waiting requests this plan deferred have waited one more step."""
+        for state in plan.deferred:
+            if state.request_id in self._waiting:
+                state.deferrals += 1
+
+    # -- releasing residency ---------------------------------------------------------------------------
+
+    def relieve(self, plan: StepPlan) -> Relief | None:
+        """Release residents so that work ``plan`` left behind can run (module docstring); None when nothing
+        should be released. A resident short of blocks comes first, then waiting work short of a place or
+        of blocks (idle residents only), then an aged waiting request."""
+        if not plan.short_of_blocks and not plan.short_of_residency:
+            return None  # the common step: nothing was left behind for want of room
+        idle = sorted(
+            (s for s in self._residents.values() if s.status is RequestStatus.TURN_COMPLETE),
+            key=lambda s: s.last_scheduled,
+        )
+        blocked = [s for s in plan.short_of_blocks if s.request_id in self._residents]
+        if blocked:
+            if idle:
+                return self._yield(idle[:1])
+            victim = self._victim(blocked[0], allow_self=True)
+            return None if victim is None else self._preempt(victim)
+        waiting = [s for s in plan.short_of_residency + plan.short_of_blocks if s.request_id in self._waiting]
+        if waiting and idle:
+            return self._yield(idle[: len(waiting)])
+        aged = [s for s in waiting if s.deferrals >= self.age_limit]
+        if aged:
+            victim = self._victim(min(aged, key=lambda s: s.priority), allow_self=False)
+            if victim is not None:
+                return self._preempt(victim)
+        return None
+
+    def _victim(self, beneficiary: RequestState, *, allow_self: bool) -> RequestState | None:
+        """The running resident to preempt for ``beneficiary``: the youngest one younger than it; else, if
+        ``allow_self`` and others run, the beneficiary itself; else nobody."""
+        running = [s for s in self._residents.values() if s.status.executable]
+        younger = [s for s in running if s.priority > beneficiary.priority]
+        if younger:
+            return max(younger, key=lambda s: s.priority)
+        if allow_self and any(s is not beneficiary for s in running):
+            return beneficiary
+        return None
+
+    def _yield(self, states: list[RequestState]) -> Relief:
+        for state in states:
+            self._drop_residency(state)
+        self.num_yields += len(states)
+        return Relief(yielded=states)
+
+    def _preempt(self, state: RequestState) -> Relief:
+        """Back to the waiting queue, in priority order, with every token kept: it will be re-prefilled."""
+        self._drop_residency(state)
+        state.status = RequestStatus.ASSIGNED
+        self._waiting[state.request_id] = state
+        self._waiting = dict(sorted(self._waiting.items(), key=lambda item: item[1].priority))
+        self.num_preemptions += 1
+        return Relief(preempted=[state])
+
+    def _drop_residency(self, state: RequestState) -> None:
+        """Release a resident's cache (blocks to the prefix cache) and forget that any of it was processed."""
+        self._residents.pop(state.request_id)
+        self.cache.deallocate(state.request_id)
+        state.processed_len = 0
 
     def is_resident(self, state: RequestState) -> bool:
         return state.request_id in self._residents
@@ -168,6 +294,9 @@ class DynamicScheduler:
         problems += validate_residents(
             self.cache, {rid: s.processed_len for rid, s in self._residents.items()}
         )
+        problems += validate_prefix_content(
+            self.cache, {rid: s.block_hashes for rid, s in self._residents.items() if s.block_hashes}
+        )
         if self.cache.live_reservation is not None:
             problems.append("a cache reservation is still live between steps")
         for rid, state in self._residents.items():
@@ -201,12 +330,19 @@ class DynamicScheduler:
         )
         by_id = {row.request_id: row for row in candidates}
         plan = StepPlan(rows=[by_id[c.request_id] for c in resources.selected])
+        for rid, num_blocks in resources.hit_blocks.items():
+            row = by_id[rid]
+            row.cached_len = num_blocks * self.cache.block_size
+            row.past_len += row.cached_len
         for candidate, reason in resources.deferred:
             state = by_id[candidate.request_id].state
             if reason is DeferReason.UNSERVICEABLE:
                 plan.unserviceable.append(state)
             else:
                 plan.deferred.append(state)
+        plan.short_of_blocks = [by_id[rid].state for rid in resources.short_of_blocks]
+        plan.short_of_residency = [by_id[rid].state for rid in resources.short_of_residency]
+        plan.rows = self._hold_back_duplicates(plan.rows)
         drafted = self._assign_drafts(plan.rows, resources.new_blocks)
         plan.num_tokens = self._assign_tokens(plan.rows, drafted)
         return plan
@@ -218,8 +354,32 @@ class DynamicScheduler:
             if state.status.executable:
                 row = _provisional_row(state, is_new=False)
                 (prefills if row.is_prefill else decodes).append(row)
-        waiting = [_provisional_row(state, is_new=True) for state in self._waiting.values()]
-        return decodes + prefills + waiting
+        waiting = list(self._waiting.values())
+        aged = [s for s in waiting if s.deferrals >= self.age_limit]
+        if aged:  # nothing younger is admitted past the oldest aged request
+            oldest = min(s.priority for s in aged)
+            waiting = [s for s in waiting if s.priority <= oldest]
+        return decodes + prefills + [_provisional_row(state, is_new=True) for state in waiting]
+
+    def _hold_back_duplicates(self, rows: list[RequestStepPlan]) -> list[RequestStepPlan]:
+        """The rows without admissions whose next uncached block an earlier prefill row will compute (module
+        docstring). The first row of any such group stays, so a plan with rows keeps at least one."""
+        if self.cache.prefix is None:
+            return rows
+        bs = self.cache.block_size
+        coming: set[bytes] = set()  # digests of the full blocks the kept prefill rows will fill
+        kept = []
+        for row in rows:
+            hashes = row.state.block_hashes
+            if not row.is_prefill or hashes is None:
+                kept.append(row)
+                continue
+            first, full = row.past_len // bs, row.seq_len // bs
+            if row.is_new and first < full and hashes[first] in coming:
+                continue  # it will find that block in the cache in a later step
+            coming.update(hashes.upto(full)[first:])
+            kept.append(row)
+        return kept
 
     def _assign_drafts(self, rows: list[RequestStepPlan], new_blocks: int) -> int:
         """Give decodes with pending drafts what the mandatory tokens left of the budget and of the free
@@ -227,7 +387,7 @@ class DynamicScheduler:
         if not self.max_draft_tokens:
             return 0
         budget = self.max_scheduled_tokens - len(rows)
-        free = self.cache.pool.num_free - new_blocks
+        free = max(0, self.cache.pool.num_free - new_blocks)
         given = 0
         for row in rows:
             state = row.state
@@ -265,7 +425,9 @@ class DynamicScheduler:
 def cache_candidates(rows: list[RequestStepPlan]) -> list[CacheCandidate]:
     """The cache's view of rows: each must be able to hold its whole sequence (a prefill's whole input) and
     the K/V of its drafts."""
-    return [CacheCandidate(row.request_id, row.required_slots, row.is_new) for row in rows]
+    return [
+        CacheCandidate(row.request_id, row.required_slots, row.is_new, row.state.block_hashes) for row in rows
+    ]
 
 
 def _provisional_row(state: RequestState, *, is_new: bool) -> RequestStepPlan:

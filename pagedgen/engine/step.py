@@ -24,12 +24,12 @@ import torch
 
 from pagedgen.cache import Reservation
 from pagedgen.core.step_inputs import StepInputs
-from pagedgen.engine.events import EngineErrorCode, EngineEvent, FinishReason, TokenLogprobs
+from pagedgen.engine.events import EngineErrorCode, EngineEvent, FinishReason, TokenLogprobs, TurnReuse
 from pagedgen.engine.faults import FaultInjector
 from pagedgen.engine.isolation import FailureIsolator
 from pagedgen.engine.outcomes import ENGINE_EVENT_OF, Phase, RequestFailure, StepOutcome, classify_failure
 from pagedgen.engine.request import RequestState
-from pagedgen.engine.scheduler import DynamicScheduler, StepPlan, cache_candidates
+from pagedgen.engine.scheduler import DynamicScheduler, RequestStepPlan, StepPlan, cache_candidates
 from pagedgen.engine.turn_output import (
     StagedResult,
     commit_staged,
@@ -78,6 +78,17 @@ class _Transaction:
     reservation: Reservation | None = None
     checkpoints: list[_Checkpoint] = field(default_factory=list)
     early_events: list[EngineEvent] = field(default_factory=list)  # unserviceable turns, published first
+    failed_in: Phase | None = None  # where a failed step failed (decides what its rollback can restore)
+
+
+_BEFORE_EXECUTION = frozenset({Phase.RESERVE, Phase.CHECKPOINT, Phase.PACK})
+
+
+def _turn_reuse(row: RequestStepPlan) -> TurnReuse | None:
+    """For the first step of a turn's input, what it did not compute (usage); None for any other step."""
+    if not row.state.turn_input_pending:
+        return None
+    return row.state.reuse_from(row.past_len)
 
 
 class DynamicStep:
@@ -107,6 +118,8 @@ class DynamicStep:
         txn = _Transaction()
         try:
             plan = self._plan(txn)
+            if not self.isolator.active and self.scheduler.relieve(plan) is not None:
+                return StepResult(StepOutcome.RESIDENCY_RELEASED)  # the next step plans with the room
             if not plan.rows:
                 return self._without_execution(plan)
             reservation = self._reserve(txn, plan)
@@ -145,6 +158,7 @@ class DynamicStep:
         if plan.unserviceable:
             return StepResult(StepOutcome.UNSERVICEABLE_REQUEST, self._fail_unserviceable(plan))
         if plan.deferred:
+            self.scheduler.on_deferred(plan)
             flags, code = ENGINE_EVENT_OF[StepOutcome.CAPACITY_DEFERRED]
             return StepResult(StepOutcome.CAPACITY_DEFERRED, [EngineEvent.engine_level(flags, code)])
         return StepResult(StepOutcome.NO_WORK)
@@ -221,15 +235,11 @@ class DynamicStep:
         staged = []
         for row in plan.rows:
             if not row.samples:
-                staged.append(StagedResult(row.state, target_processed=row.target_slots))
+                staged.append(StagedResult(row.state, row.target_slots, reuse=_turn_reuse(row)))
                 continue
             verified = next(tokens)
             try:
-                staged.append(
-                    stage_outputs(
-                        row.state, verified.outputs, row.seq_len, verified.num_drafts, verified.num_accepted
-                    )
-                )
+                staged.append(_stage_row(row, verified))
             except Exception as error:
                 raise RequestFailure(row.request_id, error) from error
         return staged
@@ -244,7 +254,7 @@ class DynamicStep:
             if (
                 not state.status.executable
                 or len(state.tokens) != row.seq_len
-                or state.processed_len != row.past_len
+                or state.processed_len != row.past_len - row.cached_len
             ):
                 raise ValueError(f"request {state.request_id} changed during the step")
             if not row.target_slots <= result.target_processed <= row.target_slots + len(row.drafts):
@@ -280,6 +290,7 @@ class DynamicStep:
         for row in plan.rows:
             if row.is_new:
                 self.scheduler.admit(row.state)
+        self.scheduler.on_committed(plan)
 
     def _publish(self, txn: _Transaction, staged: list[StagedResult]) -> list[EngineEvent]:
         self._enter(txn, Phase.PUBLISH)
@@ -306,6 +317,7 @@ class DynamicStep:
     def _fail(self, txn: _Transaction, error: BaseException) -> StepResult:
         """Classify ``error`` by phase; roll back a recoverable step, otherwise report it as fatal."""
         outcome = classify_failure(txn.phase, error)
+        txn.failed_in = txn.phase
         if not isinstance(error, Exception) or (txn.phase is Phase.PLAN and isinstance(error, MemoryError)):
             # An interrupt, or a planning allocation failure: undo what is undoable and let it propagate.
             if not txn.phase.fail_stop:
@@ -350,7 +362,8 @@ class DynamicStep:
             cp.state.held_logprobs = cp.held_logprobs
         txn.checkpoints.clear()
         if txn.reservation is not None:
-            txn.reservation.discard()
+            # Cached blocks evicted to make room are intact only if the model never ran (docs/cache.md).
+            txn.reservation.discard(restore_evicted=txn.failed_in in _BEFORE_EXECUTION)
 
     def _fatal(self, txn: _Transaction, outcome: StepOutcome, error: BaseException) -> StepResult:
         """Fail-stop: nothing is rolled back; an unpublished reservation just returns its blocks."""
@@ -360,6 +373,13 @@ class DynamicStep:
                 reservation.discard()
         affected = [] if txn.plan is None else [row.state for row in txn.plan.rows]
         return StepResult(outcome, [], error, affected)
+
+
+def _stage_row(row: RequestStepPlan, verified: VerifiedRow) -> StagedResult:
+    """Stage a sampling row's outputs (its accepted drafts, then the replacement or bonus token)."""
+    return stage_outputs(
+        row.state, verified.outputs, row.seq_len, verified.num_drafts, verified.num_accepted, _turn_reuse(row)
+    )
 
 
 def _sampled_logits(plan: StepPlan) -> torch.Tensor:

@@ -25,6 +25,7 @@ from pagedgen.engine.events import (
     EngineEventFlags,
     FinishReason,
     TokenLogprobs,
+    TurnReuse,
     Usage,
 )
 from pagedgen.engine.request import RequestState, RequestStatus
@@ -42,6 +43,7 @@ class StagedResult:
     events: list[EngineEvent] = field(default_factory=list)
     num_drafts: int = 0  # drafts this row verified
     num_accepted: int = 0  # of those, accepted
+    reuse: TurnReuse | None = None  # set by the turn's first input step: what it did not compute
 
 
 def sample_row(state: RequestState, eos_token_ids: tuple[int, ...]) -> SampleRow:
@@ -57,9 +59,12 @@ def sample_row(state: RequestState, eos_token_ids: tuple[int, ...]) -> SampleRow
     )
 
 
-def stage_sampled(state: RequestState, sampled: SampledToken, seq_len: int) -> StagedResult:
-    """Stage the token sampled after the request's last input token (sequence length ``seq_len``)."""
-    return stage_outputs(state, [sampled], seq_len)
+def stage_sampled(
+    state: RequestState, sampled: SampledToken, seq_len: int, reuse: TurnReuse | None = None
+) -> StagedResult:
+    """Stage the token sampled after the request's last input token (sequence length ``seq_len``);
+    ``reuse``: set by the turn's first input step."""
+    return stage_outputs(state, [sampled], seq_len, reuse=reuse)
 
 
 def stage_outputs(
@@ -68,12 +73,14 @@ def stage_outputs(
     seq_len: int,
     num_drafts: int = 0,
     num_accepted: int = 0,
+    reuse: TurnReuse | None = None,
 ) -> StagedResult:
     """Stage a row's outputs in order: output ``j`` (from 1) was sampled after the row's last input token
     followed by outputs ``1..j-1`` (accepted drafts). Stops at the first output that ends the turn.
 
     The committed length covers the inputs whose logits were used: ``seq_len + used - 1``, so the last
-    appended token stays the one unprocessed token, exactly as without drafts.
+    appended token stays the one unprocessed token, exactly as without drafts. ``reuse``: set by the turn's
+    first input step (never a row with drafts, which only a decode verifies).
     """
     tokens: list[int] = []
     released: list[tuple[int, TokenLogprobs | None]] = []
@@ -98,9 +105,18 @@ def stage_outputs(
         if finish is not FinishReason.NONE:
             break
     generated = state.turn_generated_tokens + len(tokens)
-    events = turn_events(state, released, finish, generated, matched, text_before_stop=text_before_stop)
+    events = turn_events(
+        state, released, finish, generated, matched, text_before_stop=text_before_stop, reuse=reuse
+    )
     return StagedResult(
-        state, seq_len + used - 1, tokens, finish, events, num_drafts=num_drafts, num_accepted=num_accepted
+        state,
+        seq_len + used - 1,
+        tokens,
+        finish,
+        events,
+        num_drafts=num_drafts,
+        num_accepted=num_accepted,
+        reuse=reuse,
     )
 
 
@@ -151,8 +167,11 @@ def turn_events(
     matched: int | None = None,
     error_code: EngineErrorCode = EngineErrorCode.NONE,
     text_before_stop: str = "",
+    reuse: TurnReuse | None = None,
 ) -> list[EngineEvent]:
     """TOKEN events for ``released`` and, when the turn finishes, TURN_FINISHED merged into the last one.
+
+    ``reuse`` overrides the turn's committed reuse (a turn whose first input step also finishes it).
 
     Returns no events when the caller's handle is gone (an abandoned request is reclaimed, not reported).
     """
@@ -186,7 +205,13 @@ def turn_events(
     if finish is FinishReason.FAILED:
         last.flags |= EngineEventFlags.FAILED
     last.finish_reason = finish
-    last.usage = Usage(prompt_tokens=state.turn_prompt_tokens, generated_tokens=generated_tokens)
+    reuse = state.turn_reuse if reuse is None else reuse
+    last.usage = Usage(
+        prompt_tokens=state.turn_prompt_tokens,
+        generated_tokens=generated_tokens,
+        cached_prompt_tokens=reuse.cached_prompt_tokens,
+        reused_tokens=reuse.reused_tokens,
+    )
     last.matched_stop_string_index = matched
     last.text_before_stop = text_before_stop
     last.error_code = error_code
@@ -203,6 +228,8 @@ def commit_staged(staged: StagedResult) -> None:
     state.drafts_proposed += staged.num_drafts
     state.drafts_accepted += staged.num_accepted
     state.processed_len = staged.target_processed
+    if staged.reuse is not None:
+        state.turn_reuse = staged.reuse
     state.finish_reason = staged.finish
     state.status = RequestStatus.ACTIVE if staged.finish is FinishReason.NONE else RequestStatus.TURN_COMPLETE
 

@@ -11,6 +11,11 @@ things llama.cpp does differently from an HF checkpoint are undone here:
 LFM2 (llama.cpp's ``lfm2``) has its own name table, a per-layer KV-head array (0 marks a short-convolution
 layer) and its convolution weight squeezed to ``[hidden, L]``; both are mapped back to HF's.
 
+Gemma 2 / 3 (llama.cpp's ``gemma2``, ``gemma3``) name their sandwich norms ``post_attention_norm``,
+``ffn_norm`` (before the MLP) and ``post_ffw_norm``, store every norm weight plus one (its converter folds
+Gemma's ``1 + weight`` into the tensor; we subtract it back), and leave the layer pattern, the query scale
+and Gemma 3's local RoPE base to llama.cpp's per-architecture rules (:func:`_gemma_gguf_config`).
+
 Llama 3.x rope scaling is stored by llama.cpp as a ``rope_freqs`` tensor of per-frequency divisors; we keep
 it as ``model.rotary_emb.freq_factors`` and mark the rope as ``freq_factors``.
 """
@@ -25,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from pagedgen.errors import ModelLoadError, UnsupportedArchitectureError
-from pagedgen.models.config import ModelConfig, config_from_hf
+from pagedgen.models.config import FULL, GEMMA_FAMILIES, SLIDING, ModelConfig, config_from_hf
 
 GGUF_MAGIC = b"GGUF"
 
@@ -33,7 +38,14 @@ GGUF_MAGIC = b"GGUF"
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 # GGUF ``general.architecture`` -> our family key. llama.cpp writes Mistral 1-2 models as ``llama``.
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "lfm2": "lfm2"}
+GGUF_ARCHITECTURES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "lfm2": "lfm2",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3_text",
+}
 
 FREQ_FACTORS_NAME = "model.rotary_emb.freq_factors"
 
@@ -76,6 +88,21 @@ _LFM2_BLOCK_NAMES = {
     "shortconv.in_proj": "conv.in_proj",
     "shortconv.out_proj": "conv.out_proj",
 }
+# Gemma 2 / 3: the four sandwich norms; the rest is named as for Llama.
+_GEMMA_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+# llama.cpp's Gemma rules (src/llama-model.cpp): every n-th layer global, the others sliding; the sliding
+# layers of Gemma 3 rotate with base 10000 unless the file says otherwise; and the 27B models (by layer
+# count) scale queries by hidden / heads instead of the head size.
+_GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+_GEMMA_LOCAL_ROPE_BASE = 10_000.0
+
 _LFM2_CONV = "conv.conv.weight"  # llama.cpp stores it squeezed, [hidden, L]; HF as [hidden, 1, L]
 
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_.]+)\.(weight|bias)$")
@@ -167,6 +194,8 @@ def gguf_config(file: GGUFFile) -> ModelConfig:
     }
     if family == "lfm2":
         raw.update(_lfm2_gguf_config(file, get))
+    if family in GEMMA_FAMILIES:
+        raw.update(_gemma_gguf_config(file, get, raw))
     return config_from_hf(raw, str(file.path))
 
 
@@ -184,6 +213,44 @@ def _lfm2_gguf_config(file: GGUFFile, get: Any) -> dict[str, Any]:
         "norm_eps": get("attention.layer_norm_rms_epsilon", 1e-5),
         "block_auto_adjust_ff_dim": False,
     }
+
+
+def _gemma_gguf_config(file: GGUFFile, get: Any, raw: dict[str, Any]) -> dict[str, Any]:
+    """Gemma's keys as llama.cpp reads them: the window (Gemma 2: 4096 when absent; Gemma 3: no window when
+    absent), the sliding layers from ``attention.sliding_window_pattern`` (a period or one flag per layer)
+    or the architecture's period, the soft-caps (absent: transformers' defaults), the query scale by
+    llama.cpp's rule, and Gemma 3's RoPE per layer type (global: ``rope.*``; local: ``rope.freq_base_swa``).
+    """
+    arch = file.architecture
+    layers = int(get("block_count") or 0)
+    extra: dict[str, Any] = {"layer_types": _gemma_layer_types(file, arch, layers)}
+    window = get("attention.sliding_window", 4096 if arch == "gemma2" else None)
+    extra.update(sliding_window=window, use_sliding_window=window is not None)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if f"{arch}.{key}" in file.metadata:
+            extra[key] = get(key)
+    hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
+    big = layers == _GEMMA_27B_LAYERS[arch] and hidden and heads
+    extra["query_pre_attn_scalar"] = hidden // heads if big else raw["head_dim"]  # None: the head size
+    if arch == "gemma3":
+        local = {"rope_type": "default", "rope_theta": get("rope.freq_base_swa", _GEMMA_LOCAL_ROPE_BASE)}
+        extra["rope_parameters"] = {FULL: raw["rope_parameters"], SLIDING: local}
+    return extra
+
+
+def _gemma_layer_types(file: GGUFFile, arch: str, layers: int) -> list[str]:
+    """``sliding_attention`` / ``full_attention`` per layer; raises :class:`ModelLoadError` for a pattern
+    that is neither a positive period nor one flag per layer."""
+    key = f"{arch}.attention.sliding_window_pattern"
+    flags = None if key in file.metadata else file.array(key)  # metadata holds the scalars
+    if flags is None:
+        period = file.metadata.get(key, _GEMMA_SWA_PATTERN[arch])
+        if isinstance(period, bool) or not isinstance(period, int) or period <= 0:
+            raise ModelLoadError(f"{file.path}: {key} must be a positive period, got {period!r}")
+        flags = [i % period < period - 1 for i in range(layers)]
+    if len(flags) != layers:
+        raise ModelLoadError(f"{file.path}: {key} lists {len(flags)} layers, the model has {layers}")
+    return [SLIDING if flag else FULL for flag in flags]
 
 
 def _gguf_rope(file: GGUFFile, names: set[str]) -> dict[str, Any]:
@@ -210,6 +277,8 @@ def our_tensor_name(gguf_name: str, source: Path | str, family: str = "llama") -
     lfm2 = family == "lfm2"
     global_names = _LFM2_GLOBAL_NAMES if lfm2 else _GLOBAL_NAMES
     block_names = _LFM2_BLOCK_NAMES if lfm2 else _BLOCK_NAMES
+    if family in GEMMA_FAMILIES:
+        block_names = _GEMMA_BLOCK_NAMES
     if gguf_name in global_names:
         return global_names[gguf_name]
     match = _BLOCK_RE.match(gguf_name)
@@ -291,5 +360,7 @@ def dequantize_weight(file: GGUFFile, plan: WeightPlan, config: ModelConfig) -> 
             values = unpermute_qk(values, config.num_heads)
         elif plan.name.endswith(("k_proj.weight", "k_proj.bias")):
             values = unpermute_qk(values, config.num_kv_heads)
+    elif config.architecture in GEMMA_FAMILIES and plan.name.endswith("norm.weight"):
+        values = values - np.float32(1.0)  # llama.cpp stored Gemma's 1 + weight
     values = np.ascontiguousarray(values, dtype=np.float32)
     return values if values.flags.writeable else values.copy()  # F32 data is a read-only view of the file

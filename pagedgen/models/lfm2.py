@@ -29,6 +29,7 @@ from pagedgen.core.step_inputs import StepInputs
 from pagedgen.models.config import ModelConfig
 from pagedgen.models.llama import Embedding, Linear, RMSNorm, RotaryEmbedding, _param
 from pagedgen.ops.attention import AttentionPlan, paged_attention, plan_attention, write_kv
+from pagedgen.ops.conv import packed_causal_conv
 from pagedgen.ops.layer_ops import apply_rotary_
 from pagedgen.ops.linear import linear
 from pagedgen.ops.qweight import QuantizedWeight
@@ -36,41 +37,6 @@ from pagedgen.ops.qweight import QuantizedWeight
 
 def conv_state_name(layer: int) -> str:
     return f"conv.{layer}"
-
-
-def packed_causal_conv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    cu_seqlens: torch.Tensor,
-    state_in: torch.Tensor,
-    state_out: torch.Tensor,
-) -> torch.Tensor:
-    """A causal depthwise convolution over packed rows, continuing each row's committed window.
-
-    ``x [T, C]`` are the step's inputs, ``weight [C, L]``, ``state_in [B, L - 1, C]`` each row's last
-    ``L - 1`` inputs before the step (oldest first). Returns ``[T, C]`` and writes the window after each row's
-    last token into ``state_out [B, L - 1, C]``. Vectorised: each row's window and tokens are laid out
-    back to back in one buffer, then every token gathers its ``L`` taps from it.
-    """
-    tokens, channels = x.shape
-    rows, history = state_in.shape[0], weight.shape[1] - 1
-    device = x.device
-    cu = cu_seqlens.long()
-    row = torch.repeat_interleave(torch.arange(rows, device=device), cu[1:] - cu[:-1])  # [T]
-    ext = x.new_empty(tokens + rows * history, channels)  # per row: its window, then its tokens
-    taps = torch.arange(history, device=device)
-    window_at = (cu[:-1] + torch.arange(rows, device=device) * history)[:, None] + taps  # [B, L - 1]
-    token_at = torch.arange(tokens, device=device) + (row + 1) * history  # [T]
-    ext[window_at.flatten()] = state_in.reshape(-1, channels).to(x.dtype)
-    ext[token_at] = x
-    gathered = ext[token_at[:, None] - history + torch.arange(history + 1, device=device)]  # [T, L, C]
-    out = (gathered * weight.t().to(x.dtype)).sum(dim=1)  # [T, C]
-    if bias is not None:
-        out = out + bias
-    end = cu[1:] + (torch.arange(rows, device=device) + 1) * history  # one past each row's last token
-    state_out.copy_(ext[end[:, None] - history + taps])
-    return out
 
 
 class CausalConv1d(nn.Module):

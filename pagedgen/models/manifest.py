@@ -4,7 +4,9 @@ The derived manifest is the legacy one (one dense paged-KV group over every laye
 the config declares (:func:`pagedgen.models.config.config_from_hf` reads ``sliding_window``,
 ``use_sliding_window``, ``layer_types`` and ``max_window_layers``); for a config with convolution layers
 (LFM2's ``layer_types``) it is a paged group over the attention layers plus a fixed_conv group over the
-convolution layers. A ``pagedgen.json`` beside the checkpoint
+convolution layers, and for one with Mamba-2 layers (Bamba's ``attn_layer_indices``) also a fixed_recurrent
+group over those: a Mamba layer keeps both its convolution window and its SSM state, so it belongs to two
+groups. A ``pagedgen.json`` beside the checkpoint
 (in an HF directory; ``<file>.pagedgen.json`` beside a GGUF file) can replace it::
 
     {"decoder": {"state_groups": [{"kind": "paged_kv", "layers": [0, 1, 2, 3]}],
@@ -12,8 +14,10 @@ convolution layers. A ``pagedgen.json`` beside the checkpoint
 
 A key the override leaves out keeps the derived value. The manifest is the truth the model follows: its
 windowed layers are the ones the runtime masks and the engine keeps in rings. It must agree with what the
-runtime keeps: every attention layer owns paged K/V, and a convolution layer (LFM2) owns a fixed_conv state
-and no K/V. The engine decides separately what it can serve (:mod:`pagedgen.engine.cache_layout`).
+runtime keeps: every attention layer owns paged K/V, a convolution layer (LFM2) owns a fixed_conv state
+and no K/V, a Mamba layer (Bamba) a fixed_conv and a fixed_recurrent state and no K/V, and where the
+windowed layers also have their own RoPE (Gemma 3's local layers) it cannot move them. The engine decides
+separately what it can serve (:mod:`pagedgen.engine.cache_layout`).
 """
 
 from __future__ import annotations
@@ -31,17 +35,20 @@ OVERRIDE_FILE = "pagedgen.json"
 
 def derived_manifest(config: ModelConfig, source: str = "model config") -> StateManifest:
     """The manifest the config implies: the legacy paged group and the config's sliding window, or, for a
-    config with convolution layers (LFM2), a paged group over the attention layers and a fixed_conv group
-    over the convolution layers."""
+    config with fixed-state layers (LFM2, Bamba), a paged group over the attention layers, a fixed_conv group
+    over the layers that keep a convolution window and a fixed_recurrent group over those that keep a
+    recurrent state (when any)."""
     window = None
     if config.sliding_window is not None:
         window = SlidingWindow(config.sliding_window, config.windowed_layers)
     groups: tuple[StateGroup, ...] = ()
-    if config.conv_layers:
+    if config.conv_state_layers:
         groups = (
             StateGroup(StateKind.PAGED_KV, config.attention_layers, "attention"),
-            StateGroup(StateKind.FIXED_CONV, config.conv_layers, "conv"),
+            StateGroup(StateKind.FIXED_CONV, config.conv_state_layers, "conv"),
         )
+    if config.recurrent_state_layers:
+        groups += (StateGroup(StateKind.FIXED_RECURRENT, config.recurrent_state_layers, "recurrent"),)
     return StateManifest(config.num_layers, groups, window, source)
 
 
@@ -73,9 +80,10 @@ def load_manifest(source: Path, config: ModelConfig) -> StateManifest:
 
 def apply_manifest(config: ModelConfig, manifest: StateManifest) -> ModelConfig:
     """``config`` with the manifest's sliding window; refuses a manifest that leaves an attention layer
-    without K/V, gives K/V to a convolution layer, or moves a convolution layer's state out of fixed_conv.
+    without K/V, gives K/V to a convolution or Mamba layer, or moves a convolution window out of fixed_conv
+    or a recurrent state out of fixed_recurrent.
     """
-    attention, conv = set(config.attention_layers), set(config.conv_layers)
+    attention, conv = set(config.attention_layers), set(config.conv_state_layers)
     paged = set(manifest.paged_layers)
     missing = sorted(attention - paged)
     if missing:
@@ -88,12 +96,22 @@ def apply_manifest(config: ModelConfig, manifest: StateManifest) -> ModelConfig:
             f"{manifest.source}: layers {sorted(paged & conv)} are convolution layers of this "
             f"{config.architecture} runtime; they keep no paged K/V"
         )
-    fixed_conv = {layer for g in manifest.groups_of(StateKind.FIXED_CONV) for layer in g.layers}
-    if conv - fixed_conv:
-        raise StateManifestError(
-            f"{manifest.source}: convolution layers {sorted(conv - fixed_conv)} belong to no fixed_conv group"
-        )
+    for kind, layers, what in (
+        (StateKind.FIXED_CONV, conv, "convolution"),
+        (StateKind.FIXED_RECURRENT, set(config.recurrent_state_layers), "recurrent"),
+    ):
+        owned = {layer for g in manifest.groups_of(kind) for layer in g.layers}
+        if layers - owned:
+            raise StateManifestError(
+                f"{manifest.source}: {what} layers {sorted(layers - owned)} belong to no {kind.value} group"
+            )
     layers = manifest.window_layers
+    if config.local_rope is not None and tuple(layers) != config.windowed_layers:
+        raise StateManifestError(
+            f"{manifest.source}: sliding-window layers {list(layers)} differ from the config's "
+            f"{list(config.windowed_layers)}; this {config.architecture} runtime also rotates those layers "
+            "with their own RoPE, so a manifest cannot move them"
+        )
     if layers and conv:
         raise StateManifestError(
             f"{manifest.source}: this {config.architecture} runtime has no sliding-window attention "

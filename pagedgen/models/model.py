@@ -19,8 +19,10 @@ from torch import nn
 from pagedgen.core.kv import KVSpec
 from pagedgen.core.manifest import StateManifest
 from pagedgen.errors import ModelLoadError, TokenizerError
+from pagedgen.models.bamba import BambaForCausalLM
 from pagedgen.models.checkpoint import Checkpoint, CheckpointKind, resolve_checkpoint
 from pagedgen.models.config import ModelConfig
+from pagedgen.models.gemma import GemmaForCausalLM
 from pagedgen.models.hf_loader import read_hf_config, read_hf_weights
 from pagedgen.models.lfm2 import Lfm2ForCausalLM
 from pagedgen.models.llama import LlamaForCausalLM
@@ -34,13 +36,18 @@ from pagedgen.models.native_weights import (
 from pagedgen.models.tokenizer import Tokenizer
 from pagedgen.models.weights import load_weights
 
-# Family key (ModelConfig.architecture) -> runtime class. The Llama families share one implementation.
+# Family key (ModelConfig.architecture) -> runtime class. The Llama families share one implementation, and
+# Gemma 2 and 3 another.
 RUNTIMES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
     "lfm2": Lfm2ForCausalLM,
+    "gemma2": GemmaForCausalLM,
+    "gemma3_text": GemmaForCausalLM,
+    "bamba": BambaForCausalLM,
+    "granitemoehybrid": BambaForCausalLM,  # its dense-MLP variant: the same mixers under Granite's names
 }
 
 _DTYPE_NAMES = {

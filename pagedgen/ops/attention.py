@@ -12,7 +12,7 @@ float32); :func:`paged_attention` is what models call, with the step's :class:`A
 :func:`plan_attention`. Single-token (decode) rows go to the native kernel (:mod:`pagedgen.ops.native`),
 which reads the blocks in place, or, without it, to one masked SDPA per bucket over gathered blocks;
 multi-token (prefill / draft) rows get one causal SDPA each, so the Python loop is over requests, never
-over tokens.
+over tokens. Soft-capped scores (Gemma 2) take the torch path with explicit attention instead of SDPA.
 """
 
 from __future__ import annotations
@@ -76,10 +76,12 @@ def paged_attention_reference(
     v_cache: torch.Tensor,
     inputs: StepInputs,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The oracle: per request, gather positions one by one through the block table, attend in float32.
 
     ``query [T, Hq, D]``; returns ``[T, Hq, D]`` in ``query.dtype``. Deliberately slow and literal.
+    ``softcap`` squashes each score to ``softcap * tanh(score / softcap)`` before the softmax (Gemma 2).
     """
     _check_query(query, k_cache, inputs)
     block_size = inputs.block_size
@@ -98,6 +100,8 @@ def paged_attention_reference(
             seen = past[i] + (j - cu[i]) + 1  # this token's absolute position + 1
             q = query[j].float()  # [Hq, D]
             scores = torch.einsum("hd,khd->hk", q, keys[:seen]) * scale  # [Hq, seen]
+            if softcap is not None:
+                scores = softcap * torch.tanh(scores / softcap)
             probs = torch.softmax(scores, dim=-1)
             out[j] = torch.einsum("hk,khd->hd", probs, values[:seen]).to(query.dtype)
     return out
@@ -239,12 +243,15 @@ def paged_attention(
     inputs: StepInputs,
     scale: float,
     plan: AttentionPlan | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of every request of the step over its paged history (new K/V already written).
 
     ``query [T, Hq, D]``; returns ``[T, Hq, D]`` in ``query.dtype``. Reads only; raises ``ValueError`` on
     inconsistent shapes. ``plan`` is the step's :func:`plan_attention` (built here when omitted; a
-    sliding-window layer must pass its window plan).
+    sliding-window layer must pass its window plan). ``softcap`` (Gemma 2's attention logit soft-capping)
+    makes the scores ``softcap * tanh(scores / softcap)`` before the mask and softmax; neither the native
+    decode kernel nor SDPA does that, so those rows take the explicit torch path (:func:`_attend`).
     """
     _check_query(query, k_cache, inputs)
     plan = plan_attention(inputs, k_cache) if plan is None else plan
@@ -252,7 +259,7 @@ def paged_attention(
     kernel = plan.kernel
     if kernel is not None:
         query = query.contiguous()  # q may be a view into the fused q/k/v product
-    if kernel is not None and kernel.supports(query, k_cache, v_cache):
+    if kernel is not None and softcap is None and kernel.supports(query, k_cache, v_cache):
         kernel(
             query,
             k_cache,
@@ -276,9 +283,9 @@ def paged_attention(
                 plan.block_size,
             )
         for bucket in buckets:
-            _decode_bucket(query, k_cache, v_cache, bucket, scale, out)
+            _decode_bucket(query, k_cache, v_cache, bucket, scale, out, softcap)
     for row in plan.prefill:
-        _prefill_row(query, k_cache, v_cache, row, scale, out)
+        _prefill_row(query, k_cache, v_cache, row, scale, out, softcap)
     return out
 
 
@@ -330,6 +337,7 @@ def _decode_bucket(
     bucket: DecodeBucket,
     scale: float,
     out: torch.Tensor,
+    softcap: float | None = None,
 ) -> None:
     """One masked SDPA over single-token rows: gather ``width`` blocks each, mask keys outside each row's."""
     n = bucket.token_rows.shape[0]
@@ -339,9 +347,7 @@ def _decode_bucket(
     keys = k_cache.index_select(0, bucket.flat_tables).view(n, span, heads, dim).transpose(1, 2)
     values = v_cache.index_select(0, bucket.flat_tables).view(n, span, heads, dim).transpose(1, 2)
     q = query[bucket.token_rows].unsqueeze(2)  # [n, Hq, 1, D]
-    attn = F.scaled_dot_product_attention(
-        q, keys.to(q.dtype), values.to(q.dtype), attn_mask=bucket.mask, scale=scale, enable_gqa=True
-    )  # [n, Hq, 1, D]
+    attn = _attend(q, keys.to(q.dtype), values.to(q.dtype), bucket.mask, scale, softcap)  # [n, Hq, 1, D]
     out[bucket.token_rows] = attn.squeeze(2)
 
 
@@ -385,6 +391,7 @@ def _prefill_row(
     row: PrefillRow,
     scale: float,
     out: torch.Tensor,
+    softcap: float | None = None,
 ) -> None:
     """One causal SDPA over a multi-token row's past + new keys (a loop over requests, not tokens).
 
@@ -395,16 +402,45 @@ def _prefill_row(
     keys = k_cache.index_select(0, row.blocks).view(-1, heads, dim)[: row.kv_len]  # [kv_len, Hkv, D]
     values = v_cache.index_select(0, row.blocks).view(-1, heads, dim)[: row.kv_len]  # [kv_len, Hkv, D]
     q = query[row.start : row.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
-    attn = F.scaled_dot_product_attention(
-        q,
-        keys.transpose(0, 1).unsqueeze(0).to(q.dtype),
-        values.transpose(0, 1).unsqueeze(0).to(q.dtype),
-        attn_mask=row.mask,
-        is_causal=row.mask is None,
-        scale=scale,
-        enable_gqa=True,
-    )  # [1, Hq, q_len, D]
+    keys = keys.transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, Hkv, kv_len, D]
+    values = values.transpose(0, 1).unsqueeze(0).to(q.dtype)
+    if softcap is None:
+        attn = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=row.mask, is_causal=row.mask is None, scale=scale, enable_gqa=True
+        )  # [1, Hq, q_len, D]
+    else:
+        mask = row.mask
+        if mask is None:  # the row starts at position 0: plain causal, q_len == kv_len
+            mask = torch.ones(row.kv_len, row.kv_len, dtype=torch.bool, device=q.device).tril()
+        attn = _attend(q, keys, values, mask, scale, softcap)
     out[row.start : row.end] = attn[0].transpose(0, 1)
+
+
+def _attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Masked GQA attention ``q [N, Hq, L, D]`` over ``keys/values [N, Hkv, S, D]`` (``mask`` broadcast to
+    ``[N, Hq, L, S]``, True = attend); SDPA unless the scores are soft-capped.
+
+    Why not SDPA with soft-capping: SDPA cannot squash the scores. The explicit form follows transformers'
+    eager Gemma 2 attention step by step (scale, divide, tanh, multiply, mask, float32 softmax), so fp32
+    results agree with it to rounding.
+    """
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[1] // keys.shape[1]
+    keys = keys.repeat_interleave(group, dim=1)  # [N, Hq, S, D]
+    values = values.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [N, Hq, L, S]
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, values)
 
 
 def _check_kv_shapes(

@@ -50,6 +50,9 @@ _COUNTERS = {
     "engine_rollbacks": "Engine transactions rolled back.",
     "spec_decode_num_draft_tokens": "Speculative draft tokens verified by committed steps.",
     "spec_decode_num_accepted_tokens": "Speculative draft tokens accepted.",
+    "prefix_cache_queries": "Prompt tokens whose admission looked up the prefix cache.",
+    "prefix_cache_hits": "Prompt tokens served from the prefix cache instead of computed.",
+    "num_preemptions": "Running requests preempted (sent back to the queue, re-prefilled later).",
 }
 
 
@@ -89,6 +92,9 @@ class _EngineCollector(Collector):
             "engine_rollbacks": snap.rollbacks,
             "spec_decode_num_draft_tokens": snap.drafts_proposed,
             "spec_decode_num_accepted_tokens": snap.drafts_accepted,
+            "prefix_cache_queries": snap.prefix_queried_tokens,
+            "prefix_cache_hits": snap.prefix_hit_tokens,
+            "num_preemptions": snap.preemptions,
         }
         for name, value in counts.items():
             family = CounterMetricFamily(f"pagedgen:{name}", _COUNTERS[name], labels=["model_name"])

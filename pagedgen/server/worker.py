@@ -104,6 +104,9 @@ class EngineSnapshot:
     fixed_free_slots: int = 0
     drafts_proposed: int = 0  # speculative draft tokens the engine verified
     drafts_accepted: int = 0  # of those, accepted
+    prefix_queried_tokens: int = 0  # prompt tokens of committed admissions that looked up the prefix cache
+    prefix_hit_tokens: int = 0  # of those, served from the cache
+    preemptions: int = 0
 
     @property
     def used_blocks(self) -> int:
@@ -442,6 +445,9 @@ class EngineWorker:
                 drafts_proposed=self._snapshot.drafts_proposed,
                 drafts_accepted=self._snapshot.drafts_accepted,
                 healthy=False,
+                prefix_queried_tokens=self._snapshot.prefix_queried_tokens,
+                prefix_hit_tokens=self._snapshot.prefix_hit_tokens,
+                preemptions=self._snapshot.preemptions,
             )
             return
         stats = self._engine.stats()
@@ -459,6 +465,9 @@ class EngineWorker:
             fixed_free_slots=stats.fixed_free_slots,
             drafts_proposed=stats.drafts_proposed,
             drafts_accepted=stats.drafts_accepted,
+            prefix_queried_tokens=stats.prefix_queried_tokens,
+            prefix_hit_tokens=stats.prefix_hit_tokens,
+            preemptions=stats.preemptions,
         )
 
     def _teardown(self) -> None:

@@ -119,3 +119,53 @@ def test_sixteen_chat_requests_arriving_over_time_equal_each_alone(default_model
         assert gap <= NEAR_TIE, f"request {request.id} diverged at token {j} without a near-tie (gap {gap})"
         diverged.append(request.id)
     assert len(diverged) <= 1, f"requests {diverged} diverged from their runs alone"
+
+
+def test_prefix_caching_changes_no_greedy_token(default_model):
+    """A long shared system prompt, questions arriving together and one by one, a conversation re-sent with
+    its history: the same greedy tokens with prefix caching on and off, far less prefill with it on."""
+    tokenizer = pg.Tokenizer(default_model)
+    system = "You answer questions about a harbour town. " + " ".join(
+        f"Fact {i}: the boat number {i} is painted {['red', 'blue', 'green'][i % 3]}." for i in range(24)
+    )
+
+    def conversation(question: str) -> list[int]:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        return tokenizer.encode(tokenizer.apply_chat_template(messages))
+
+    prompts = [conversation(q) for q in QUESTIONS[:6]]
+
+    def run(caching: bool) -> tuple[list[list[int]], pg.EngineStats]:
+        config = pg.EngineConfig(
+            max_batch_size=8, block_size=16, num_blocks=256, prefix_caching=caching, debug_invariants=True
+        )
+        engine = pg.Engine(default_model, config)
+        outputs = {}
+        together = [submit(engine, p) for p in prompts[:3]]
+        while engine.has_pending_requests():
+            for e in engine.run(max_events=16):
+                if e.token is not None:
+                    outputs.setdefault(e.request.id, []).append(e.token)
+        results = [outputs[r.id] for r in together]
+        for prompt in prompts[3:]:
+            request = submit(engine, prompt)
+            tokens = []
+            while engine.has_pending_requests():
+                tokens += [e.token for e in engine.run(max_events=16) if e.token is not None]
+            results.append(tokens)
+            request.close()
+        history = prompts[0] + results[0] + tokenizer.encode("\nAnd the second boat?")
+        request = submit(engine, history)
+        tokens = []
+        while engine.has_pending_requests():
+            tokens += [e.token for e in engine.run(max_events=16) if e.token is not None]
+        results.append(tokens)
+        stats = engine.stats()
+        engine.close()
+        return results, stats
+
+    off, off_stats = run(False)
+    on, on_stats = run(True)
+    assert on == off
+    assert off_stats.prefix_hit_tokens == 0
+    assert on_stats.prefix_hits >= 5 and on_stats.prefix_hit_tokens >= 5 * (len(prompts[0]) // 16 - 2) * 16

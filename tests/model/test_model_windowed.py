@@ -17,7 +17,7 @@ from pagedgen.core.window import ring_blocks
 from tests.helpers import drain, engine_snapshot, event_key, record_steps, submit, tokens_of
 from tests.model.hf_cases import RECOVERABLE, RECOVERABLE_IDS, greedy_by_forwards, ids_of, small_engine
 from tests.model.paged_runner import chunked_logits, prompt_logits, stepwise_logits
-from tests.model.tiny_checkpoints import tiny_hf_model
+from tests.model.tiny_checkpoints import hf_state, tiny_hf_model, write_gguf
 
 pytestmark = pytest.mark.model
 
@@ -202,3 +202,24 @@ def test_the_static_path_keeps_windowed_layers_in_its_one_pool_and_masks_them(ca
     request = submit(eng, prompt, 40, ignore_eos=True)
     assert tokens_of(drain(eng))[request] == case.greedy(prompt, 40)
     assert eng.stats().window_total_blocks == 0
+
+
+@pytest.mark.parametrize("windowed", [True, False], ids=["window-key", "no-window-key"])
+def test_a_mistral_gguf_attends_within_the_window_its_metadata_gives(tmp_path, windowed):
+    """llama.cpp converts Mistral to its ``llama`` architecture; ``llama.attention.sliding_window``, when the
+    file has it, windows every layer (as HF Mistral's ``sliding_window``), and a file without it attends
+    over the whole context, as llama.cpp runs it."""
+    hf = tiny_hf_model("mistral", initializer_range=LOGITS_INIT, sliding_window=8)
+    hf_full = tiny_hf_model("mistral", initializer_range=LOGITS_INIT, sliding_window=None)  # same weights
+    path = tmp_path / "mistral.gguf"
+    config = hf.config.to_dict()
+    write_gguf(path, "llama", hf_state(hf), config, tokenizer=False, sliding_window=8 if windowed else None)
+    model = pg.Model(str(path), device="cpu", weights="float32")
+    assert model.state_manifest.window_layers == ((0, 1) if windowed else ())
+    ids = ids_of(40)
+    with torch.no_grad():
+        ref = (hf if windowed else hf_full)(torch.tensor([ids])).logits[0].float()
+        other = (hf_full if windowed else hf)(torch.tensor([ids])).logits[0].float()
+    assert (other - ref).abs().max().item() > 1e-2  # the window changes the logits: the check can fail
+    for logits in (prompt_logits(model, ids), chunked_logits(model, ids, chunk=3)):
+        assert (logits - ref).abs().max().item() <= TOL

@@ -83,7 +83,8 @@ def llama_cpp_rope_factors(rope: Mapping[str, Any], head_dim: int) -> np.ndarray
 
 
 def tiny_config(kind: str, **overrides: Any):
-    """A transformers config: ``llama``, ``llama3``, ``mistral``, ``qwen2``, ``qwen3`` or ``lfm2``."""
+    """A transformers config: ``llama``, ``llama3``, ``mistral``, ``qwen2``, ``qwen3``, ``lfm2``, ``gemma2``,
+    ``gemma3`` (Gemma 3 text), ``bamba`` or ``granitemoehybrid``."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     args = {**TINY, **overrides}
@@ -96,6 +97,45 @@ def tiny_config(kind: str, **overrides: Any):
             num_hidden_layers=4, layer_types=layers, conv_L_cache=3, block_auto_adjust_ff_dim=False
         )
         return Lfm2Config(**{**base, **defaults, **overrides})
+    if kind in ("gemma2", "gemma3"):
+        return _tiny_gemma_config(kind, overrides)
+    if kind == "bamba":  # Mamba-2 mixers mixed with attention; two B/C groups, a 4-tap convolution
+        from transformers import BambaConfig
+
+        base = {k: v for k, v in TINY.items() if k != "head_dim"}  # hidden / heads, as Bamba derives it
+        defaults = dict(
+            num_hidden_layers=4,
+            attn_layer_indices=[1],
+            mamba_n_heads=8,
+            mamba_d_state=16,
+            mamba_n_groups=2,
+            mamba_d_conv=4,
+            mamba_expand=2,
+        )
+        return BambaConfig(**{**base, **defaults, **overrides})
+    if (
+        kind == "granitemoehybrid"
+    ):  # the same mixers, dense MLP, Granite's multipliers, attention without RoPE
+        from transformers import GraniteMoeHybridConfig
+
+        base = {k: v for k, v in TINY.items() if k not in ("head_dim", "intermediate_size")}
+        defaults = dict(
+            num_hidden_layers=4,
+            layer_types=["mamba", "attention", "mamba", "mamba"],
+            num_local_experts=0,
+            shared_intermediate_size=96,
+            mamba_n_heads=8,
+            mamba_d_state=16,
+            mamba_n_groups=2,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            embedding_multiplier=1.5,
+            residual_multiplier=0.7,
+            attention_multiplier=0.2,
+            logits_scaling=2.5,
+            position_embedding_type="nope",
+        )
+        return GraniteMoeHybridConfig(**{**base, **defaults, **overrides})
     if kind == "llama":
         return LlamaConfig(**args)
     if kind == "llama3":
@@ -113,8 +153,35 @@ def tiny_config(kind: str, **overrides: Any):
     raise ValueError(kind)
 
 
+def _tiny_gemma_config(kind: str, overrides: dict[str, Any]):
+    """Gemma 2 / Gemma 3 text with every trait visible at this size: a window of 8 over four layers mixing
+    local and global, a query scale other than the head size, soft-caps that bend the scores and logits,
+    and (Gemma 3) a local RoPE base apart from the global layers' linearly scaled one."""
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    base = dict(
+        TINY,
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+        sliding_window=8,
+        query_pre_attn_scalar=24,
+        final_logit_softcapping=5.0,
+    )
+    if kind == "gemma2":
+        return Gemma2Config(**{**base, "attn_logit_softcapping": 1.0, **overrides})
+    rope = {
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1_000.0},
+    }
+    return Gemma3TextConfig(**{**base, "rope_parameters": rope, **overrides})
+
+
 def tiny_hf_model(kind: str, seed: int = 0, **overrides: Any):
-    """A random float32 transformers model; norms and biases randomised too, so a comparison sees them."""
+    """A random float32 transformers model; norms and biases randomised too, so a comparison sees them.
+
+    Norm scales land in [0.5, 1.5] for every family: Gemma's RMSNorm scales by ``1 + weight``, so its
+    weights are drawn around 0.
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -123,9 +190,12 @@ def tiny_hf_model(kind: str, seed: int = 0, **overrides: Any):
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
-                param.uniform_(0.5, 1.5)
+                low = -0.5 if kind.startswith("gemma") else 0.5
+                param.uniform_(low, low + 1.0)
             elif name.endswith(".bias"):
                 param.normal_(0.0, 0.2)
+            elif name.endswith((".D", ".dt_bias")):  # Mamba-2's: transformers initialises them to ones
+                param.uniform_(0.5, 1.5)
     return model
 
 
@@ -164,11 +234,14 @@ def write_gguf(
     qtype: Any = None,
     tokenizer: bool = True,
     rope_freqs: np.ndarray | None = None,
+    sliding_window: int | None = None,
 ) -> None:
     """Write a GGUF file like llama.cpp's converter: metadata, byte-level tokenizer, named tensors.
 
     ``tensors`` use HF names; q/k rows are permuted for the ``llama`` arch. 2-D weights are stored as
-    ``qtype`` (default F32); 1-D tensors stay F32, as llama.cpp keeps norms and biases.
+    ``qtype`` (default F32); 1-D tensors stay F32, as llama.cpp keeps norms and biases. ``sliding_window``
+    writes ``{arch}.attention.sliding_window`` (llama.cpp's key; its converter writes it for the families
+    it runs windowed).
     """
     import gguf
 
@@ -185,6 +258,8 @@ def write_gguf(
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
     writer.add_vocab_size(config["vocab_size"])
+    if sliding_window is not None:
+        writer.add_sliding_window(sliding_window)
     if tokenizer:
         tokens, types = byte_level_vocab()
         writer.add_tokenizer_model("gpt2")
@@ -291,3 +366,77 @@ def write_hf_dir(path: Path, raw: Mapping[str, Any], state: Mapping[str, np.ndar
     (path / "config.json").write_text(json.dumps(dict(raw)))
     save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, str(path / "model.safetensors"))
     return path
+
+
+def write_gemma_gguf(
+    path: Path,
+    model,
+    pattern: list[bool] | None = None,
+    local_base: float | None = None,
+    replace: Mapping[str, Any] | None = None,
+) -> None:
+    """Gemma 2 / Gemma 3 text as llama.cpp's ``convert_hf_to_gguf.py`` (``Gemma2Model``, ``Gemma3Model``)
+    writes them: arch ``gemma2`` / ``gemma3``, names from gguf's own tensor map, every ``*norm.weight`` stored
+    plus one, no Q/K permutation, the tied head left out. Gemma 2 writes its soft-caps and window but no RoPE
+    base; Gemma 3 writes the global layers' RoPE base and linear scaling, its final soft-cap when set and the
+    window. The layer pattern and the local RoPE base are llama.cpp's rules unless ``pattern`` (one flag per
+    layer, True = sliding) or ``local_base`` (``rope.freq_base_swa``) are given. ``replace`` sets
+    ``<arch>.<key>`` metadata (ints as uint32, floats as float32, lists as arrays) for refusal tests."""
+    import gguf
+
+    c = model.config
+    arch = "gemma2" if c.model_type == "gemma2" else "gemma3"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_vocab_size(c.vocab_size)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(c.final_logit_softcapping)
+    else:
+        rope = c.rope_parameters["full_attention"]
+        writer.add_rope_freq_base(rope["rope_theta"])
+        if rope.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(rope["factor"])
+        if c.final_logit_softcapping:
+            writer.add_final_logit_softcapping(c.final_logit_softcapping)
+    writer.add_sliding_window(c.sliding_window)
+    if pattern is not None:
+        writer.add_sliding_window_pattern(pattern)
+    if local_base is not None:
+        writer.add_rope_freq_base_swa(local_base)
+    for key, value in (replace or {}).items():
+        name = f"{arch}.{key}"
+        writer.kv_data[0].pop(name, None)
+        if isinstance(value, list):
+            writer.add_array(name, value)
+        elif isinstance(value, float):
+            writer.add_float32(name, value)
+        else:
+            writer.add_uint32(name, value)
+    tokens, types = byte_level_vocab()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(["h e"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
+    for name, array in hf_state(model).items():
+        if name == "lm_head.weight":
+            continue  # the converter skips it: Gemma ties its head
+        if name.endswith("norm.weight"):
+            array = array + np.float32(1.0)  # Gemma's RMSNorm scales by 1 + weight
+        gguf_tensor = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        add_tensor(writer, gguf_tensor, array, gguf.GGMLQuantizationType.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -51,6 +51,7 @@ def test_chat_two_turns_in_one_request(reference_llm):
         child.sendline("What is your name?")
         second_text, second_stats = _reply(child)
         child.expect_exact(">>> ")
+        reused = re.search(rb"\[cached_tokens=(\d+)\]", child.before)  # after turn 2's stats line
         child.sendline("/exit")
         child.expect(pexpect.EOF)
     finally:
@@ -83,6 +84,12 @@ def test_chat_two_turns_in_one_request(reference_llm):
     assert second_stats[0] == 2
     assert second_stats[1] == len(tokenizer.encode(full[len(held) :]))
     assert second_stats[1] < len(tokenizer.encode(full)) // 2
+    # ... and reused the conversation held in the KV cache: everything before that fragment but the last
+    # generated token (its K/V are written by the continuation's first step).
+    assert (
+        reused is not None
+        and int(reused.group(1)) == len(tokenizer.encode(first_prompt)) + first_stats[2] - 1
+    )
     # ... and equals a fresh request over the concatenated tokens (turn 1 prompt + reply + fragment).
     concatenated = (
         tokenizer.encode(first_prompt) + expected[0].token_ids + tokenizer.encode(full[len(held) :])

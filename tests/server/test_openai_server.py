@@ -186,3 +186,18 @@ def test_health_and_metrics_are_open_without_a_key(live_server):
     text = httpx.get(live_server.url + "/metrics").text
     assert metric(text, "pagedgen:kv_cache_blocks_total", model_name=MODEL_NAME) == 384
     assert metric(text, "pagedgen:prompt_tokens_total", model_name=MODEL_NAME) > 0
+
+
+def test_a_chat_re_sent_with_its_history_hits_the_prefix_cache(client, reference_llm):
+    """A client re-sends the conversation each turn: the second request finds the first one's blocks."""
+    messages = [{"role": "user", "content": "Name three colours."}]
+    first = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=12, temperature=0)
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And three animals?"},
+    ]
+    second = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=12, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 16 <= cached < second.usage.prompt_tokens
+    expected = reference_llm.chat(messages, greedy(12), use_tqdm=False)[0]
+    assert second.choices[0].message.content == expected.text

@@ -70,6 +70,24 @@ def test_completions_return_the_exact_synthetic_tokens(synthetic_server):
         assert "".join(chunk.choices[0].text for chunk in stream) == expected
 
 
+def test_a_conversation_re_sent_with_its_history_hits_the_prefix_cache(synthetic_server):
+    """Each request is a new engine Request; the second re-sends the first prompt and its completion."""
+    client = _client(synthetic_server)
+    tokenizer = SyntheticTokenizer(VOCAB)
+    prompt = [(7 * j + 3) % VOCAB for j in range(40)]
+    first = client.completions.create(model="synthetic", prompt=prompt, max_tokens=6, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    history = prompt + synthetic_greedy(prompt, 6, VOCAB) + [9, 9, 9]
+    second = client.completions.create(model="synthetic", prompt=history, max_tokens=6, temperature=0)
+    assert second.choices[0].text == tokenizer.decode(synthetic_greedy(history, 6, VOCAB))
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 32 <= cached < second.usage.prompt_tokens == len(history)  # whole 16-token blocks of the history
+    metrics = settled_metrics(synthetic_server)
+    assert metric(metrics, "pagedgen:prefix_cache_hits_total", model_name="synthetic") == cached
+    queried = metric(metrics, "pagedgen:prefix_cache_queries_total", model_name="synthetic")
+    assert queried >= len(prompt) + len(history)
+
+
 def test_model_without_chat_template_refuses_chat(synthetic_server):
     with pytest.raises(openai.BadRequestError) as info:
         _client(synthetic_server).chat.completions.create(

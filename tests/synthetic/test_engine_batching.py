@@ -149,7 +149,8 @@ def test_multi_turn_continuation_equals_fresh_request_with_concatenated_tokens()
     fresh = submit(fresh_engine, p1 + g1 + p2, 6)
     assert tokens_of(drain(fresh_engine))[fresh] == g2
     usage = finishes_of(events)[request][0].usage
-    assert usage == pg.Usage(prompt_tokens=3, generated_tokens=6)
+    # The history before the replayed token was reused, not recomputed.
+    assert usage == pg.Usage(prompt_tokens=3, generated_tokens=6, reused_tokens=len(p1) + len(g1) - 1)
     assert request.tokens == tuple(p1 + g1 + p2 + g2)
 
 
@@ -170,22 +171,26 @@ def test_continuation_after_eos_prefills_only_new_tokens():
     assert tokens_of(events)[request] == expected_greedy(prompt + free_run[:3] + [7, 7], 3, eos=free_run[3])
 
 
-def test_turn_complete_residents_hold_rows_until_closed():
+def test_turn_complete_residents_yield_rows_to_waiting_work():
+    """Beyond the seed (which kept idle residents and deferred the third request until a close): the least
+    recently used idle resident yields its row and blocks, and can still continue later."""
     engine = make_engine(max_batch_size=2, block_size=4, num_blocks=64)
     requests = [submit(engine, [i + 1, i + 2], 3 + i) for i in range(3)]
     buffer = engine.create_event_buffer(16)
     events: list[pg.EngineEvent] = []
-    while requests[1].status is not pg.RequestStatus.TURN_COMPLETE:
+    while requests[0].status is not pg.RequestStatus.TURN_COMPLETE:
         events.extend(engine.run(buffer))
     assert requests[2].status is pg.RequestStatus.ASSIGNED
-    # Both rows are held by turn-complete residents: the third cannot be admitted, and the engine says so.
-    blocked = list(engine.run(buffer))
-    assert [(e.request, e.flags, e.error_code) for e in blocked] == [
-        (None, pg.EngineEventFlags.CAPACITY_BLOCKED, pg.EngineErrorCode.CAPACITY_DEFERRED)
-    ]
-    assert engine.has_pending_requests() and engine.stats().resident_requests == 2
-    requests[0].close()
+    # Both rows are taken (one by an idle resident): the next call releases the idle one, no capacity event.
+    assert list(engine.run(buffer)) == []
+    stats = engine.stats()
+    assert stats.idle_evictions == 1 and stats.resident_requests == 1 and stats.steps > 0
+    assert requests[0].processed_length == 0 and requests[0].status is pg.RequestStatus.TURN_COMPLETE
     events += drain(engine)
     got = tokens_of(events)
-    for i, request in enumerate(requests[1:], start=1):
+    for i, request in enumerate(requests):
         assert got[request] == expected_greedy([i + 1, i + 2], 3 + i)
+    # The yielded request continues as if it had stayed resident.
+    history = list(requests[0].tokens)
+    requests[0].begin_turn([9, 9], turn_options(requests[0], 4))
+    assert tokens_of(drain(engine))[requests[0]] == expected_greedy(history + [9, 9], 4)

@@ -6,17 +6,29 @@ operation the engine's cache and request invariants hold; every emitted token is
 model's greedy continuation of the request's logical sequence; every turn ends with exactly one terminal
 event whose reason matches the limits; refused calls change nothing; at the end every block is free.
 
-Half the machines run the windowed synthetic model (a sliding-window layer, window 2..9, kept in rings of the
-window pool with chunk cap 5), so the exact-token check covers ring slots across every wrap, rollback and
-release too. Half run the hybrid synthetic model, whose tokens also depend on a fixed conv state that every
-token changes (kept in the fixed-state pool's two banks): a lost, doubled or leaked state update, a state not
-carried from one prefill chunk to the next, or a slot reused without being reset changes the tokens.
+A third of the machines run the windowed synthetic model (a sliding-window layer, window 2..9, kept in rings
+of the window pool with chunk cap 5), so the exact-token check covers ring slots across every wrap, rollback
+and release too. Half run the hybrid synthetic model, whose tokens also depend on a fixed conv state that
+every token changes (kept in the fixed-state pool's two banks): a lost, doubled or leaked state update, a
+state not carried from one prefill chunk to the next, or a slot reused without being reset changes the tokens.
+
+Half the machines have a pool of 5 blocks with sessions capped at 20 tokens (every request fits alone, two
+often do not): residents that cannot grow preempt younger ones, which are re-prefilled, and idle residents
+yield to waiting work; the exact-token and one-terminal-event checks prove nothing is lost or repeated.
+
+Prefix caching is on (the default) in the machines whose model allows it (the windowed and hybrid ones switch
+it off, so they cover the engine without it); rules begin new requests with a prefix of another request's
+sequence or of a fixed stem, so admissions start from shared cached blocks and the small pool evicts them,
+and the exact-token check proves every hit held exactly the request's own prefix. A rolled-back step is exact
+except for cached blocks it evicted after its model may have run (they come back FREE and unnamed,
+docs/cache.md). Every terminal event's ``cached_prompt_tokens`` lies within its ``prompt_tokens`` (0 with
+caching off).
 
 Speculative drafts are a rule too: correct, wrong or partly correct proposals (from the request's committed
 sequence), clears, and refused proposals (too many, out of the vocabulary, wrong state, or any proposal on the
 hybrid model, which cannot verify drafts). The exact-token check is unchanged: drafts never change output.
 
-Faults are transient (each clears after one step), so a rolled-back step changes nothing, except that
+Faults are transient (each clears after one step), so a rolled-back step changes nothing else, except that
 failure isolation may fail one turn (REQUEST_FAILED) once MAX_RETRIES steps in a row have rolled back without
 a commit between them: the machine counts those from the engine's stats and allows exactly that.
 """
@@ -33,10 +45,11 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invar
 import pagedgen as pg
 from pagedgen.executor.runner import RetryableExecutionError
 from pagedgen.models.synthetic import SyntheticModel, synthetic_greedy
-from tests.helpers import engine_snapshot
+from tests.helpers import after_rollback, engine_snapshot, spy_evictions
 
 VOCAB = 31
 EOS = 5
+STEMS = ([1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [20, 21, 22, 23, 24, 25, 26, 27] * 2)
 MAX_RETRIES = 2  # small, so that isolation happens in the random sequences too
 F = pg.EngineEventFlags
 R = pg.FinishReason
@@ -61,8 +74,12 @@ class Expected:
 class EngineMachine(RuleBasedStateMachine):
     requests = Bundle("requests")
 
-    @initialize(window=st.none() | st.integers(2, 9), hybrid=st.booleans())
-    def start(self, window, hybrid):
+    @initialize(
+        window=st.none() | st.none() | st.integers(2, 9),
+        hybrid=st.booleans(),
+        num_blocks=st.sampled_from([12, 5]),
+    )
+    def start(self, window, hybrid, num_blocks):
         self.hybrid = hybrid
         self.model = SyntheticModel(vocab_size=VOCAB, eos_token_id=EOS, window=window, hybrid=hybrid)
         self.engine = pg.Engine(
@@ -72,11 +89,16 @@ class EngineMachine(RuleBasedStateMachine):
                 max_scheduled_tokens=8,
                 chunk_size=5,
                 block_size=4,
-                num_blocks=12,  # a 40-token session needs 10: deferrals are common, never unserviceable
+                # 12: a 40-token session needs 10, so two requests often cannot grow together; 5: sessions are
+                # capped at 20 tokens (5 blocks), so every request fits alone and preemption is common.
+                num_blocks=num_blocks,
                 debug_invariants=True,
                 max_step_retries=MAX_RETRIES,
             ),
         )
+        self.caching = self.engine.stats().prefix_caching
+        self.evicted = spy_evictions(self.engine)
+        self.max_session = min(40, num_blocks * 4)
         self.expected: dict[int, Expected] = {}
         self.next_key = 0
         self.steps = 0  # committed steps seen so far
@@ -86,6 +108,7 @@ class EngineMachine(RuleBasedStateMachine):
 
     @rule(target=requests, session=st.integers(4, 40))
     def create(self, session):
+        session = min(session, self.max_session)  # never unserviceable
         options = pg.RequestOptions()
         options.set_max_session_tokens(session)
         handle = self.engine.create_request(pg.GeneratorParams(self.model), options)
@@ -142,6 +165,43 @@ class EngineMachine(RuleBasedStateMachine):
         rid = self.create(session)
         self.begin_turn(rid, tokens, max_new)
         return rid
+
+    @rule(
+        target=requests,
+        source=requests,
+        cut=st.integers(1, 40),
+        tail=st.lists(st.integers(0, VOCAB - 1), max_size=4),
+        max_new=st.integers(0, 6),
+    )
+    def create_sharing(self, source, cut, tail, max_new):
+        """A new request whose prompt starts with (a prefix of) another request's committed sequence."""
+        exp = self.expected[source]
+        done = exp.handle.processed_length if exp.handle is not None and not exp.closed else len(exp.seq)
+        tokens = exp.seq[: min(cut, max(done, 1))] + tail  # mostly what the cache already holds
+        if not tokens:
+            tokens = [1]
+        rid = self.create(40)
+        self.begin_turn(rid, tokens, max_new)
+        return rid
+
+    @rule(target=requests, stem=st.sampled_from(STEMS), cut=st.integers(5, 16), max_new=st.integers(2, 6))
+    def create_long(self, stem, cut, max_new):
+        """A long prompt from one of two stems: shared prefixes, and pools too small for two at once."""
+        rid = self.create(40)
+        self.begin_turn(rid, stem[:cut], max_new)
+        return rid
+
+    @rule(
+        target=requests,
+        stem=st.sampled_from(STEMS),
+        cuts=st.tuples(st.integers(5, 16), st.integers(5, 16)),
+        calls=st.integers(1, 12),
+    )
+    def share_after_run(self, stem, cuts, calls):
+        """A long prompt, some steps, then another request on the same stem (a likely prefix hit)."""
+        self.create_long(stem, cuts[0], 3)
+        self.run(16, calls)
+        return self.create_long(stem, cuts[1], 3)
 
     @rule(rid=requests, offset=st.integers(-1, 1))
     def cancel(self, rid, offset):
@@ -236,13 +296,18 @@ class EngineMachine(RuleBasedStateMachine):
         before = engine_snapshot(self.engine)
         # No local name for the error: its traceback reaches this frame, whose events may name a dropped
         # request (a failed turn), and that cycle would keep the handle alive until a garbage collection.
+        self.evicted.clear()
         self.engine._faults.arm(phase, RetryableExecutionError("transient") if phase == "execute" else None)
         events = list(self.engine.run(max_events=16))
         self.engine._faults.disarm()
         if events and events[0].flags & F.RETRYABLE:
             assert (events[0].request, events[0].error_code) == (None, pg.EngineErrorCode.RETRYABLE_EXECUTION)
             if len(events) == 1:
-                assert engine_snapshot(self.engine) == before
+                # Cached blocks evicted for the step come back intact only if the model never ran.
+                lost = set() if phase in ("checkpoint", "pack") else self.evicted
+                assert engine_snapshot(self.engine) == after_rollback(before, lost)
+                if lost:
+                    note("rolled back after evicting cached blocks")
                 note("rolled back")
             else:  # isolation found its culprit: only after MAX_RETRIES rollbacks without a commit
                 assert self.engine.stats().rollbacks - self.rollbacks_at_commit >= MAX_RETRIES
@@ -282,6 +347,10 @@ class EngineMachine(RuleBasedStateMachine):
         reason = event.finish_reason
         note(f"finish {reason.name}")
         assert event.usage.generated_tokens == n
+        cached = event.usage.cached_prompt_tokens
+        assert 0 <= cached <= event.usage.prompt_tokens and (self.caching or cached == 0)
+        if cached:
+            note("cached prompt tokens")
         if reason is R.MAX_GENERATED_TOKENS:
             assert n == exp.max_new
         elif reason is R.MAX_SESSION_TOKENS:
@@ -333,16 +402,17 @@ class EngineMachine(RuleBasedStateMachine):
         self.engine.close()
 
 
-EngineMachine.TestCase.settings = settings(max_examples=500, stateful_step_count=30, deadline=None)
+EngineMachine.TestCase.settings = settings(max_examples=1000, stateful_step_count=30, deadline=None)
 test_engine_state_machine = EngineMachine.TestCase
 
 
 class DraftMachine(EngineMachine):
-    """The same machine on models that verify drafts, proposing before every run: drafts in most steps."""
+    """The same machine on models that verify drafts, proposing before every run: drafts in most steps
+    (with the base machine's pools of 12 or 5 blocks)."""
 
-    @initialize(window=st.none() | st.integers(2, 9))
-    def start(self, window):
-        EngineMachine.start(self, window, False)
+    @initialize(window=st.none() | st.integers(2, 9), num_blocks=st.sampled_from([12, 5]))
+    def start(self, window, num_blocks):
+        EngineMachine.start(self, window, False, num_blocks)
 
     @rule(
         capacity=st.sampled_from([0, 1, 2, 16]),

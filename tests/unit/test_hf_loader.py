@@ -104,6 +104,42 @@ def test_head_dim_defaults_to_hidden_over_heads():
         ModelConfig(
             "qwen2", 100, 32, 64, 3, 2, 2, 16, 64, qkv_bias=True, sliding_window=8, window_layers=(1, 2)
         ),
+        ModelConfig(
+            "gemma2",
+            100,
+            32,
+            64,
+            3,
+            2,
+            1,
+            16,
+            64,
+            tie_word_embeddings=True,
+            sliding_window=8,
+            window_layers=(0, 2),
+            query_scale=24.0,
+            attn_softcap=50.0,
+            final_softcap=30.0,
+        ),
+        ModelConfig(
+            "gemma3_text",
+            100,
+            32,
+            64,
+            3,
+            2,
+            1,
+            16,
+            64,
+            tie_word_embeddings=True,
+            qk_norm=True,
+            sliding_window=8,
+            window_layers=(0, 1),
+            query_scale=16.0,
+            final_softcap=None,
+            rope=RopeConfig(1e6, "linear", 8.0),
+            local_rope=RopeConfig(1e4),
+        ),
     ],
 )
 def test_to_hf_dict_round_trips(config):
@@ -179,3 +215,79 @@ def test_pickle_only_checkpoints_are_refused_without_unpickling(tmp_path, monkey
     (tmp_path / "pytorch_model.bin").unlink()
     with pytest.raises(ModelLoadError, match=r"no model\.safetensors or model\.safetensors\.index\.json"):
         weight_files(tmp_path)
+
+
+GEMMA_RAW = {
+    **{k: v for k, v in TINY_RAW.items() if k != "tie_word_embeddings"},
+    "model_type": "gemma2",
+    "architectures": ["Gemma2ForCausalLM"],
+    "hidden_act": None,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "num_hidden_layers": 7,
+    "sliding_window": 8,
+}
+
+
+def test_gemma_defaults_are_transformers_defaults():
+    """Absent keys mean what Gemma2Config / Gemma3TextConfig make of them; a null soft-cap is off."""
+    g2 = config_from_hf(GEMMA_RAW, "c")
+    assert (g2.query_scale, g2.attn_softcap, g2.final_softcap, g2.local_rope) == (256.0, 50.0, 30.0, None)
+    assert g2.windowed_layers == (0, 2, 4, 6) and g2.tie_word_embeddings  # every 2nd layer global
+    off = config_from_hf({**GEMMA_RAW, "attn_logit_softcapping": None, "final_logit_softcapping": None}, "c")
+    assert (off.attn_softcap, off.final_softcap) == (None, None)
+    g3 = config_from_hf({**GEMMA_RAW, "model_type": "gemma3_text", "rope_theta": None}, "c")
+    assert g3.windowed_layers == (0, 1, 2, 3, 4, 6) and g3.qk_norm  # every 6th layer global
+    assert (g3.rope.theta, g3.local_rope.theta, g3.attn_softcap, g3.final_softcap) == (1e6, 1e4, None, None)
+    pattern = config_from_hf({**GEMMA_RAW, "model_type": "gemma3_text", "sliding_window_pattern": 3}, "c")
+    assert pattern.windowed_layers == (0, 1, 3, 4, 6)
+
+
+def test_gemma3_rope_spellings_parse_the_same():
+    """transformers 4.x (rope_theta + rope_scaling for global layers, rope_local_base_freq) and 5.x
+    (rope_parameters keyed by layer type)."""
+    v4 = {
+        **GEMMA_RAW,
+        "model_type": "gemma3_text",
+        "rope_theta": 1e6,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "rope_local_base_freq": 1e4,
+    }
+    rope = {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    }
+    v5 = {**GEMMA_RAW, "model_type": "gemma3_text", "rope_parameters": rope}
+    v5.pop("rope_theta")
+    a, b = config_from_hf(v4, "v4"), config_from_hf(v5, "v5")
+    assert a == b
+    assert a.rope == RopeConfig(1e6, "linear", 8.0) and a.local_rope == RopeConfig(1e4)
+
+
+def test_a_long_gemma3_window_keeps_its_local_layers():
+    """A window past the context hides no key, but Gemma 3's local layers still rotate with their own base:
+    they stay marked. Gemma 2's layers differ only by the window, which is then dropped."""
+    long = {**GEMMA_RAW, "sliding_window": 512}
+    assert config_from_hf({**long, "model_type": "gemma3_text"}, "c").windowed_layers == (0, 1, 2, 3, 4, 6)
+    assert config_from_hf(long, "c").windowed_layers == ()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "match"),
+    [
+        ({"model_type": "gemma3", "text_config": {}}, UnsupportedArchitectureError, "only the text model"),
+        ({"architectures": ["Gemma3ForConditionalGeneration"]}, UnsupportedArchitectureError, "'gemma3'"),
+        ({"use_bidirectional_attention": True}, ModelLoadError, "use_bidirectional_attention"),
+        (
+            {"model_type": "gemma3_text", "attn_logit_softcapping": 50.0},
+            ModelLoadError,
+            "not part of Gemma 3",
+        ),
+        ({"hidden_activation": "gelu"}, ModelLoadError, "hidden_act 'gelu' is not supported"),
+        ({"query_pre_attn_scalar": -1}, ModelLoadError, "'query_pre_attn_scalar' must be a positive"),
+        ({"layer_types": None, "sliding_window_pattern": 0}, ModelLoadError, "sliding_window_pattern must"),
+        ({"model_type": "gemma3_text", "rope_scaling": {"rope_type": "yarn"}}, ModelLoadError, "'yarn'"),
+    ],
+)
+def test_bad_gemma_configs_are_refused_naming_the_field(overrides, error, match):
+    with pytest.raises(error, match=match):
+        config_from_hf({**GEMMA_RAW, **overrides}, "dir/config.json")

@@ -97,3 +97,33 @@ def test_chat_turn_after_a_length_finish_continues_the_request():
     )[len(rendered) + len(first) :]
     assert session.last.prompt_tokens == len(fragment)
     session.close()
+
+
+def test_chat_session_reuses_the_conversation_and_survives_losing_residency(capsys):
+    """Turn 2 continues the resident Request (its history is reused); when another conversation takes the
+    engine's only slot, the next turn is re-admitted from the prefix cache with the same reply."""
+
+    def conversation(llm: pg.LLM) -> list:
+        session = llm.start_chat(greedy(6))
+        replies = ["".join(session.send("Hi"))]
+        replies.append("".join(session.send("Yo")))
+        assert session.last.cached_tokens > 0  # the history was not recomputed
+        other = llm.start_chat(greedy(6))
+        list(other.send("Hey"))  # needs the slot: the first conversation's Request yields
+        replies.append("".join(session.send("Ok")))
+        cached = session.last.cached_tokens
+        session.close()
+        other.close()
+        return replies, cached
+
+    single = pg.LLM(PiecesModel(), pg.EngineConfig(max_batch_size=1, num_blocks=64, debug_invariants=True))
+    roomy = pg.LLM(PiecesModel(), pg.EngineConfig(max_batch_size=4, num_blocks=64, debug_invariants=True))
+    replies, cached = conversation(single)
+    assert single.engine.stats().idle_evictions >= 1 and cached > 0  # re-admitted from the prefix cache
+    assert replies == conversation(roomy)[0]
+    session = roomy.start_chat(greedy(6))
+    list(session.send("Hi"))
+    _chat_turn(session, "Yo", 2, stats=True)
+    out = capsys.readouterr().out
+    assert f"finish_reason=length] [cached_tokens={session.last.cached_tokens}]\n" in out
+    session.close()

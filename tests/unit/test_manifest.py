@@ -344,3 +344,81 @@ def test_an_lfm2_override_must_match_what_its_layers_keep(groups, window, messag
     config = config_from_hf(LFM2_RAW, "c")
     with pytest.raises(StateManifestError, match=message):
         apply_manifest(config, StateManifest(4, tuple(groups), window, "override"))
+
+
+GEMMA3_RAW = {
+    **TINY_RAW,
+    "model_type": "gemma3_text",
+    "hidden_activation": "gelu_pytorch_tanh",
+    "num_hidden_layers": 4,
+    "sliding_window": 8,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+}
+
+
+def test_gemma3s_local_layers_are_the_window_layers_and_cannot_be_moved():
+    """The derived manifest windows Gemma 3's local layers; an override may resize the window but not move
+    it, since those layers also rotate with their own RoPE base."""
+    config = config_from_hf(GEMMA3_RAW, "c")
+    manifest = derived_manifest(config)
+    assert manifest.window_layers == (0, 2, 3) and manifest.window_size == 8
+    assert apply_manifest(config, manifest) == config
+    resized = apply_manifest(config, StateManifest(4, (), SlidingWindow(16, (0, 2, 3)), "override"))
+    assert resized.sliding_window == 16 and resized.windowed_layers == (0, 2, 3)
+    for moved in (SlidingWindow(8, (0, 1)), None):
+        with pytest.raises(StateManifestError, match="cannot move them"):
+            apply_manifest(config, StateManifest(4, (), moved, "override"))
+
+
+# ---- Bamba: a Mamba-2 layer keeps fixed_conv and fixed_recurrent state, attention layers paged K/V -------
+
+BAMBA_RAW = {
+    **{k: v for k, v in TINY_RAW.items() if k not in ("head_dim", "architectures")},
+    "model_type": "bamba",
+    "num_hidden_layers": 4,
+    "attn_layer_indices": [1],
+    "mamba_n_heads": 8,
+    "mamba_d_head": 16,
+    "mamba_d_state": 16,
+    "mamba_n_groups": 2,
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
+}
+
+
+def test_a_bamba_config_derives_a_paged_a_fixed_conv_and_a_fixed_recurrent_group():
+    config = config_from_hf(BAMBA_RAW, "c")
+    assert (config.mamba_layers, config.attention_layers) == ((0, 2, 3), (1,))
+    assert (config.conv_state_layers, config.recurrent_state_layers) == ((0, 2, 3), (0, 2, 3))
+    assert (config.mamba_inner, config.mamba_conv_dim, config.rotary_dim) == (128, 192, 8)
+    manifest = derived_manifest(config)
+    assert [(g.kind, g.layers) for g in manifest.groups] == [
+        (PAGED, (1,)),
+        (CONV, (0, 2, 3)),
+        (RECURRENT, (0, 2, 3)),
+    ]
+    assert apply_manifest(config, manifest) == config
+    assert config_from_hf({**BAMBA_RAW, "mamba_d_head": "auto"}, "c") == config
+
+
+@pytest.mark.parametrize(
+    ("groups", "message"),
+    [
+        (
+            [StateGroup(PAGED, (1,)), StateGroup(CONV, (0, 2, 3))],
+            r"recurrent layers \[0, 2, 3\] belong to no",
+        ),
+        (
+            [StateGroup(PAGED, (1,)), StateGroup(RECURRENT, (0, 2, 3))],
+            r"convolution layers \[0, 2, 3\] belong",
+        ),
+        (
+            [StateGroup(PAGED, (1, 2)), StateGroup(CONV, (0, 2, 3)), StateGroup(RECURRENT, (0, 2, 3))],
+            r"layers \[2\] are convolution layers",
+        ),
+    ],
+)
+def test_a_bamba_override_must_match_what_its_layers_keep(groups, message):
+    config = config_from_hf(BAMBA_RAW, "c")
+    with pytest.raises(StateManifestError, match=message):
+        apply_manifest(config, StateManifest(4, tuple(groups), None, "override"))

@@ -84,8 +84,9 @@ def build_case(
     return PagedCase(inputs, query, k_cache, v_cache, dense_keys, dense_values)
 
 
-def dense_causal_attention(case: PagedCase, scale: float) -> torch.Tensor:
-    """Textbook attention on each request's contiguous K/V in float64, built independently of the oracle."""
+def dense_causal_attention(case: PagedCase, scale: float, softcap: float | None = None) -> torch.Tensor:
+    """Textbook attention on each request's contiguous K/V in float64, built independently of the oracle;
+    with ``softcap`` each score becomes ``softcap * tanh(score / softcap)`` before the mask."""
     outs = []
     cu = case.inputs.cu_seqlens.tolist()
     hq, hkv = case.query.shape[1], case.k_cache.shape[2]
@@ -96,6 +97,8 @@ def dense_causal_attention(case: PagedCase, scale: float) -> torch.Tensor:
         v = values.double()[:, kv_head]  # [kv, Hq, D]
         q_len, kv_len = q.shape[0], k.shape[0]
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [Hq, q, kv]
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         allowed = torch.ones(q_len, kv_len, dtype=torch.bool).tril(diagonal=kv_len - q_len)
         scores = scores.masked_fill(~allowed, float("-inf"))
         outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
@@ -205,6 +208,23 @@ def test_mixed_step_with_gqa_matches_dense_attention():
     )
     fast = paged_attention(case.query, case.k_cache, case.v_cache, case.inputs, 0.25)
     assert (fast.double() - dense_causal_attention(case, 0.25)).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("use_native", [True, False], ids=["native-plan", "torch"])
+def test_softcapped_scores_match_the_reference_and_dense_attention(use_native):
+    """Gemma 2's attention logit soft-capping on every path: prefill from 0, continued prefill, decodes."""
+    case = build_case(
+        [(0, 7), (13, 1), (5, 1), (9, 6), (30, 1)], block_size=4, num_kv_heads=2, group=3, head_dim=8, seed=5
+    )
+    query, cap, scale = case.query * 4, 2.0, 0.5  # scores of a few units: the cap bends them
+    plan = plan_attention(case.inputs, case.k_cache, use_native=use_native)
+    fast = paged_attention(query, case.k_cache, case.v_cache, case.inputs, scale, plan, softcap=cap)
+    ref = paged_attention_reference(query, case.k_cache, case.v_cache, case.inputs, scale, softcap=cap)
+    case.query = query
+    assert (fast - ref).abs().max().item() <= 1e-5
+    assert (ref.double() - dense_causal_attention(case, scale, softcap=cap)).abs().max().item() <= 1e-5
+    uncapped = paged_attention(query, case.k_cache, case.v_cache, case.inputs, scale, plan)
+    assert (fast - uncapped).abs().max().item() > 1e-2  # the cap changes the result here
 
 
 def test_fast_path_keeps_a_low_precision_dtype():

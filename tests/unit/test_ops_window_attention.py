@@ -26,8 +26,9 @@ def _one_intra_op_thread():
     torch.set_num_threads(previous)
 
 
-def dense_window_attention(query, keys, values, past, window, scale):
-    """``query [q, Hq, D]`` at positions past.. over ``keys/values [past + q, Hkv, D]``, float64."""
+def dense_window_attention(query, keys, values, past, window, scale, softcap=None):
+    """``query [q, Hq, D]`` at positions past.. over ``keys/values [past + q, Hkv, D]``, float64; with
+    ``softcap`` each score becomes ``softcap * tanh(score / softcap)`` before the softmax."""
     group = query.shape[1] // keys.shape[1]
     out = torch.empty(query.shape, dtype=torch.float64)
     for j in range(query.shape[0]):
@@ -35,12 +36,17 @@ def dense_window_attention(query, keys, values, past, window, scale):
         lo = max(0, p - window + 1)
         k = keys[lo : p + 1].double().repeat_interleave(group, dim=1)  # [n, Hq, D]
         v = values[lo : p + 1].double().repeat_interleave(group, dim=1)
-        probs = torch.softmax(torch.einsum("hd,khd->hk", query[j].double(), k) * scale, dim=-1)
+        scores = torch.einsum("hd,khd->hk", query[j].double(), k) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        probs = torch.softmax(scores, dim=-1)
         out[j] = torch.einsum("hk,khd->hd", probs, v)
     return out
 
 
-def run_case(seqs, window, block_size, kv_heads, group, head_dim, seed, ring: bool, use_native: bool):
+def run_case(
+    seqs, window, block_size, kv_heads, group, head_dim, seed, ring: bool, use_native: bool, softcap=None
+):
     gen = torch.Generator().manual_seed(seed)
     chunk = max(q for _, q in seqs)
     r = ring_blocks(chunk, window, block_size)
@@ -76,10 +82,12 @@ def run_case(seqs, window, block_size, kv_heads, group, head_dim, seed, ring: bo
     write_kv(new_keys, new_values, k_cache, v_cache, plan.slot_mapping)
     query = torch.randn(inputs.num_tokens, kv_heads * group, head_dim, generator=gen)
     scale = head_dim**-0.5
-    out = paged_attention(query, k_cache, v_cache, inputs, scale, plan)
+    if softcap is not None:
+        query = query * 4  # scores of a few units, where the cap bends them
+    out = paged_attention(query, k_cache, v_cache, inputs, scale, plan, softcap=softcap)
     cu = inputs.cu_seqlens.tolist()
     for i, (past, _) in enumerate(seqs):
-        expected = dense_window_attention(query[cu[i] : cu[i + 1]], *dense[i], past, window, scale)
+        expected = dense_window_attention(query[cu[i] : cu[i + 1]], *dense[i], past, window, scale, softcap)
         torch.testing.assert_close(out[cu[i] : cu[i + 1]].double(), expected, atol=2e-5, rtol=2e-5)
     return plan
 
@@ -102,6 +110,22 @@ def test_windowed_attention_matches_dense_window_attention(
     seqs, window, block_size, kv_heads, group, seed, ring, use_native
 ):
     run_case(seqs, window, block_size, kv_heads, group, 8, seed, ring, use_native)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seqs=SEQS,
+    window=st.integers(1, 12),
+    block_size=st.sampled_from([1, 4]),
+    seed=st.integers(0, 2**16),
+    ring=st.booleans(),
+    use_native=st.booleans(),
+)
+def test_softcapped_windowed_attention_matches_dense_window_attention(
+    seqs, window, block_size, seed, ring, use_native
+):
+    """Gemma 2's soft-capped scores through every windowed path (a native plan falls back to torch)."""
+    run_case(seqs, window, block_size, 2, 2, 8, seed, ring, use_native, softcap=1.5)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

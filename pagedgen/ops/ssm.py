@@ -1,0 +1,81 @@
+"""Mamba-2's selective state-space scan over packed variable-length steps, continuing each row's state.
+
+Per head ``h`` (scalar decay ``a_h < 0``), per token ``t`` of one row::
+
+    state_t = exp(dt_t a_h) state_{t-1} + dt_t x_t B_t^T        state [head_dim, N]
+    y_t     = state_t C_t                                        y [head_dim]
+
+``B``/``C`` are shared by the heads of a group. A step's rows may be prefill chunks or single decode tokens
+packed back to back (``cu_seqlens``); each starts from its committed state and the state after its last token
+is written out, so chunked prefill and decode continue exactly where the previous step stopped.
+
+The recurrence is evaluated in the chunked "SSD" form of the Mamba-2 paper, as transformers' reference scan
+does: the rows' tokens are cut at the same offsets into chunks of ``chunk`` positions; within a chunk the
+outputs are one masked, decay-weighted ``C B^T`` product (attention-like, quadratic in ``chunk``) plus the
+chunk's start state read through ``C``, and the state is carried from chunk to chunk. So the state is
+materialised once per chunk, not once per token, and a decode step (one token per row) is a single update
+for the whole batch. A row shorter than the chunk is padded with ``dt = 0`` positions, which leave the state
+unchanged (decay ``exp(0) = 1``, no inflow), so its carried state is the state after its own last token.
+
+Everything runs in float32 whatever the model's dtype: the state is multiplied by a decay and accumulated
+every token, so rounding it to 16 bits would drift (transformers' scan also computes in float32).
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHUNK = 64  # positions per chunk: the quadratic part grows with it, the per-chunk state update shrinks
+
+
+def packed_selective_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state_in: torch.Tensor,
+    state_out: torch.Tensor,
+    chunk: int = CHUNK,
+) -> torch.Tensor:
+    """``y [T, H, P]`` (float32) for ``x [T, H, P]``, ``dt [T, H]`` (already softplus'd and clamped),
+    ``a [H]``, ``b``/``c [T, G, N]``; reads each row's state from ``state_in [B, H, P, N]`` and writes the
+    state after its last token into ``state_out [B, H, P, N]`` (``state_in`` is not mutated)."""
+    tokens, heads, head_dim = x.shape
+    per_group = heads // b.shape[1]
+    b = b.float().repeat_interleave(per_group, dim=1)  # [T, H, N]
+    c = c.float().repeat_interleave(per_group, dim=1)  # [T, H, N]
+    x, dt, a = x.float(), dt.float(), a.float()
+    cu = cu_seqlens.long()
+    starts, lengths = cu[:-1], cu[1:] - cu[:-1]
+    state = state_in.float().clone()  # [B, H, P, N]
+    y = torch.zeros(tokens, heads, head_dim, dtype=torch.float32, device=x.device)
+    offsets = torch.arange(chunk, device=x.device)
+    for first in range(0, int(lengths.max()) if len(lengths) else 0, chunk):
+        rows = torch.nonzero(lengths > first).squeeze(1)  # the rows with a token in this chunk
+        valid = first + offsets[None, :] < lengths[rows, None]  # [r, Q]
+        tok = (starts[rows, None] + first + offsets[None, :]).clamp(max=tokens - 1)  # [r, Q]
+        dt_chunk = dt[tok] * valid[..., None]  # [r, Q, H]; padding positions get dt = 0
+        y_chunk, state[rows] = _scan_chunk(x[tok], dt_chunk, a, b[tok], c[tok], state[rows])
+        y[tok[valid]] = y_chunk[valid]
+    state_out.copy_(state)
+    return y
+
+
+def _scan_chunk(
+    x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of ``Q`` positions for ``r`` rows: ``x [r, Q, H, P]``, ``dt [r, Q, H]``, ``b``/``c
+    [r, Q, H, N]``, start ``state [r, H, P, N]`` -> ``(y [r, Q, H, P], state after the chunk)``."""
+    q = x.shape[1]
+    log_decay = torch.cumsum(dt * a, dim=1)  # [r, Q, H]: log of the decay from the chunk start to l
+    between = log_decay[:, :, None, :] - log_decay[:, None, :, :]  # [r, l, s, H]: from s to l
+    causal = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()[None, :, :, None]
+    weights = torch.einsum("rlhn,rshn->rlsh", c, b) * torch.exp(between.masked_fill(~causal, -torch.inf))
+    inflow = dt[..., None] * x  # [r, Q, H, P]
+    y = torch.einsum("rlsh,rshp->rlhp", weights, inflow)  # within the chunk
+    y = y + torch.einsum("rlhn,rhpn->rlhp", c, state) * torch.exp(log_decay)[..., None]  # the start state
+    to_end = torch.exp(log_decay[:, -1:, :] - log_decay)[..., None]  # [r, Q, H, 1]: from s to the chunk end
+    carried = state * torch.exp(log_decay[:, -1])[..., None, None]
+    return y, carried + torch.einsum("rshp,rshn->rhpn", to_end * inflow, b)

@@ -1,0 +1,381 @@
+"""Bamba (Mamba-2 mixers + attention; conv window and SSM state in the fixed-state pool) against transformers.
+
+A tiny random-weight ``BambaForCausalLM`` written by transformers with ``save_pretrained`` and loaded from
+that safetensors directory (layers mamba, attention, mamba, mamba; 8 SSM heads in 2 B/C groups, d_state 16,
+4-tap convolutions, RoPE on half of each head): fp32 logits within 1e-4 at every position on every path
+(one prefill, chunked prefill whose chunks carry the conv window and the SSM state, one token per step, a
+prefill then decode steps, several sequences in one step, a clamped time step); through the engine, greedy
+tokens equal transformers'; a mixed batch equals each request alone; chunked prefill equals unchunked; a
+second turn continues the state; a rolled-back step at every phase leaves every fixed slot byte-identical
+and the retry's tokens exact; the slots return with the blocks. Configs the runtime does not implement are
+refused by name.
+
+GraniteMoeHybrid with a dense MLP (``num_local_experts: 0``) runs on the same runtime: a tiny one (same
+layers, Granite's multipliers all different from 1, attention without RoPE as in Granite 4.0, or with it)
+matches transformers on every path and through the engine; its mixture-of-experts variant is refused.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import pagedgen as pg
+from pagedgen.core.manifest import StateKind
+from pagedgen.errors import ModelLoadError, StateManifestError
+from pagedgen.models.bamba import BambaForCausalLM
+from pagedgen.models.config import config_from_hf
+from tests.helpers import drain, engine_snapshot, event_key, record_steps, submit, tokens_of
+from tests.model.hf_cases import RECOVERABLE, RECOVERABLE_IDS, greedy_by_forwards, ids_of, small_engine
+from tests.model.paged_runner import (
+    PagedRunner,
+    PagedSequence,
+    chunked_logits,
+    prompt_logits,
+    stepwise_logits,
+)
+from tests.model.tiny_checkpoints import tiny_hf_model
+
+pytestmark = pytest.mark.model
+
+TOL = 1e-4
+INIT = 0.3  # engine tests: weights large enough that greedy continuations do not collapse into a repeat
+LOGITS_INIT = 0.1  # logits tests: the other tiny checkpoints' scale, where 1e-4 is fp32 noise
+MAMBA, ATTENTION = (0, 2, 3), (1,)
+
+
+class Case:
+    def __init__(self, tmp_path_factory, init, **overrides):
+        self.hf = tiny_hf_model("bamba", initializer_range=init, **overrides)
+        self.path = tmp_path_factory.mktemp("bamba")
+        self.hf.save_pretrained(self.path)
+        self.model = pg.Model(str(self.path), device="cpu")
+
+    def reference(self, ids):
+        with torch.no_grad():
+            return self.hf(torch.tensor([ids])).logits[0].float()
+
+    def greedy(self, ids, n):
+        """Greedy continuation by whole-sequence forwards (no cache: the oracle of every step)."""
+        return greedy_by_forwards(self.hf, ids, n)
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory) -> Case:
+    return Case(tmp_path_factory, INIT)
+
+
+@pytest.fixture(scope="module")
+def logits_case(tmp_path_factory) -> Case:
+    return Case(tmp_path_factory, LOGITS_INIT)
+
+
+def test_the_manifest_puts_mamba_layers_in_a_conv_and_a_recurrent_group(case):
+    manifest = case.model.state_manifest
+    assert [(g.kind, g.layers) for g in manifest.groups] == [
+        (StateKind.PAGED_KV, ATTENTION),
+        (StateKind.FIXED_CONV, MAMBA),
+        (StateKind.FIXED_RECURRENT, MAMBA),
+    ]
+    assert case.model.kv_spec.num_layers == 1
+    conv_dim = 2 * 64 + 2 * 2 * 16  # x (expand x hidden), then B and C of both groups
+    assert [(s.name, s.kind, s.layer, s.row_shape, s.dtype) for s in case.model.fixed_state_specs] == [
+        spec
+        for i in MAMBA
+        for spec in (
+            (f"mamba_conv.{i}", StateKind.FIXED_CONV, i, (3, conv_dim), torch.float32),
+            (f"mamba_ssm.{i}", StateKind.FIXED_RECURRENT, i, (8, 16, 16), torch.float32),
+        )
+    ]
+    assert case.model.config.partial_rotary_factor == 0.5 and case.model.config.rotary_dim == 8
+
+
+def test_a_half_precision_model_keeps_its_conv_window_in_its_dtype_and_the_ssm_state_in_float32(case):
+    runtime = BambaForCausalLM(case.model.config, torch.bfloat16, torch.device("cpu"))
+    assert {(s.kind, s.dtype) for s in runtime.fixed_state_specs} == {
+        (StateKind.FIXED_CONV, torch.bfloat16),
+        (StateKind.FIXED_RECURRENT, torch.float32),
+    }
+
+
+def test_a_bfloat16_model_runs_every_path_near_the_float32_logits(logits_case):
+    model = pg.Model(str(logits_case.path), device="cpu", dtype="bf16")
+    ids = ids_of(40, seed=13)
+    ref = prompt_logits(logits_case.model, ids)
+    for logits in (prompt_logits(model, ids), chunked_logits(model, ids, chunk=3)):
+        assert (logits - ref).abs().max().item() <= 0.2  # bf16 rounding of weights and activations
+
+
+def test_logits_match_transformers_on_every_path(logits_case):
+    case = logits_case
+    ids = ids_of(80)  # longer than the scan's chunk (pagedgen.ops.ssm.CHUNK): a prefill carries state inside
+    ref = case.reference(ids)
+    for logits in (
+        prompt_logits(case.model, ids),  # one prefill: every state starts from zeros
+        chunked_logits(case.model, ids, chunk=5),  # each chunk continues the previous chunk's states
+        chunked_logits(case.model, ids, chunk=2),  # chunks shorter than the conv window
+        chunked_logits(case.model, ids, chunk=1),  # one token per step
+        stepwise_logits(case.model, ids, prefill=13),
+    ):
+        assert (logits - ref).abs().max().item() <= TOL
+
+
+def test_several_sequences_in_one_step_each_match_transformers(logits_case):
+    case = logits_case
+    prompts = [ids_of(n, seed=20 + n) for n in (1, 7, 19)]
+    runner = PagedRunner(case.model, num_blocks=64, block_size=4, seed=3)
+    seqs = [PagedSequence(tokens=[]) for _ in prompts]
+    first = runner.step(seqs, [prompts[0], prompts[1][:4], prompts[2][:9]])
+    second = runner.step(seqs[1:], [prompts[1][4:], prompts[2][9:]])  # a prefill continued in a batch
+    assert (first[0] - case.reference(prompts[0])[-1]).abs().max().item() <= TOL
+    assert (second[0] - case.reference(prompts[1])[-1]).abs().max().item() <= TOL
+    assert (second[1] - case.reference(prompts[2])[-1]).abs().max().item() <= TOL
+    tokens = [int(row.argmax()) for row in second]
+    third = runner.step(seqs[1:], [[tokens[0]], [tokens[1]]])  # a decode step of both rows at once
+    for row, prompt, token in zip(third, prompts[1:], tokens, strict=True):
+        assert (row - case.reference(prompt + [token])[-1]).abs().max().item() <= TOL
+
+
+def test_a_clamped_time_step_matches_transformers(tmp_path_factory):
+    case = Case(tmp_path_factory, LOGITS_INIT, time_step_limit=(0.05, 0.5))
+    assert case.model.config.time_step_limit == (0.05, 0.5)
+    ids = ids_of(30, seed=9)
+    ref = case.reference(ids)
+    for logits in (prompt_logits(case.model, ids), chunked_logits(case.model, ids, chunk=4)):
+        assert (logits - ref).abs().max().item() <= TOL
+
+
+def test_engine_greedy_equals_transformers_and_the_slot_returns_on_close(case):
+    prompt, n = ids_of(24, seed=1), 40
+    eng = small_engine(case.model)
+    request = submit(eng, prompt, n, ignore_eos=True)
+    assert tokens_of(drain(eng))[request] == case.greedy(prompt, n)
+    stats = eng.stats()
+    assert (stats.fixed_total_slots, stats.fixed_free_slots) == (4, 3)
+    assert eng._scheduler.cache.fixed.committed_tokens(request.id) == request.processed_length
+    request.close()
+    stats = eng.stats()
+    assert stats.fixed_free_slots == 4 and stats.free_blocks == stats.total_blocks
+
+
+PROMPTS = [(3, 30), (17, 20), (41, 10)]  # (prompt length, generated tokens)
+
+
+def test_a_mixed_batch_equals_each_request_alone(case):
+    prompts = [ids_of(length, seed=10 + i) for i, (length, _) in enumerate(PROMPTS)]
+    alone = []
+    for prompt, (_, n) in zip(prompts, PROMPTS, strict=True):
+        eng = small_engine(case.model)
+        request = submit(eng, prompt, n, ignore_eos=True)
+        alone.append(tokens_of(drain(eng))[request])
+    eng = small_engine(case.model, max_scheduled_tokens=12)  # chunked, mixed prefill + decode steps
+    steps = record_steps(eng)
+    requests = [submit(eng, p, n, ignore_eos=True) for p, (_, n) in zip(prompts, PROMPTS, strict=True)]
+    together = tokens_of(drain(eng))
+    assert [together[r] for r in requests] == alone
+    assert any(len(q_lens) == 3 and max(q_lens) > 1 and min(q_lens) == 1 for q_lens, _ in steps)
+    assert alone[2] == case.greedy(prompts[2], PROMPTS[2][1])
+
+
+def test_chunked_prefill_equals_unchunked(case):
+    prompt = ids_of(50, seed=3)
+    outputs = []
+    for chunk in (3, None):
+        eng = small_engine(case.model, chunk_size=chunk, max_batch_size=2)
+        steps = record_steps(eng)
+        request = submit(eng, prompt, 20, ignore_eos=True)
+        outputs.append(tokens_of(drain(eng))[request])
+        assert steps[0][0] == [3 if chunk else 50]
+    assert outputs[0] == outputs[1] == case.greedy(prompt, 20)
+
+
+def test_a_second_turn_continues_the_conv_and_ssm_state(case):
+    first, second = ids_of(9, seed=6), ids_of(5, seed=7)
+    eng = small_engine(case.model)
+    request = submit(eng, first, 6, ignore_eos=True)
+    out = tokens_of(drain(eng))[request]
+    options = pg.TurnOptions(request)
+    options.set_max_generated_tokens(8)
+    request.begin_turn(second, options)
+    assert tokens_of(drain(eng))[request] == case.greedy(first + out + second, 8)
+
+
+def scenario(case: Case) -> tuple[pg.Engine, list[pg.Request]]:
+    """A decoding request and a partial prefill, both resident (their conv and SSM states mid-stream)."""
+    eng = small_engine(case.model, max_scheduled_tokens=8)
+    requests = [submit(eng, ids_of(10, seed=4), 20, ignore_eos=True)]
+    for _ in range(6):
+        eng.run(max_events=64)
+    requests.append(submit(eng, ids_of(23, seed=5), 6, ignore_eos=True))
+    eng.run(max_events=64)
+    assert 0 < requests[1].processed_length < 23 and requests[0].processed_length > 10
+    return eng, requests
+
+
+@pytest.mark.parametrize("phase, error", RECOVERABLE, ids=RECOVERABLE_IDS)
+def test_a_rollback_at_every_phase_leaves_the_state_exact(case, phase, error):
+    reference, _ = scenario(case)
+    expected = [event_key(e) for e in drain(reference)]
+    eng, requests = scenario(case)
+    before = engine_snapshot(eng)
+    owners = before["fixed"]["owners"]
+    assert len(owners) == 2
+    assert all(any(v != 0 for v in state["mamba_ssm.3"]) for *_, state in owners.values())  # mid-stream
+    eng._faults.arm(phase, error)
+    (event,) = eng.run(max_events=64)
+    assert event.request is None and event.flags & (
+        pg.EngineEventFlags.RETRYABLE | pg.EngineEventFlags.CAPACITY_BLOCKED
+    )
+    assert engine_snapshot(eng) == before and eng.check_invariants() == []
+    assert [event_key(e) for e in drain(eng)] == expected  # the retry starts from exactly the same state
+
+
+@pytest.mark.parametrize("phase", ["execute", "prepare", "commit_cache"])
+def test_a_fatal_step_fails_every_turn_and_the_slots_return_on_close(case, phase):
+    eng, requests = scenario(case)
+    eng._faults.arm(phase)
+    drain(eng)
+    assert not eng.stats().healthy
+    assert all(r.status is pg.RequestStatus.TURN_COMPLETE for r in requests)
+    for request in requests:
+        request.close()
+    stats = eng.stats()
+    assert (stats.free_blocks, stats.fixed_free_slots) == (stats.total_blocks, stats.fixed_total_slots)
+
+
+def test_the_static_path_refuses_a_fixed_state_model(case):
+    with pytest.raises(pg.EngineError, match="needs dynamic_batching=True"):
+        pg.Engine(case.model, pg.EngineConfig(num_blocks=16, dynamic_batching=False))
+
+
+# ---- loading: HF safetensors directories, refusals ------------------------------------------------------
+
+
+def test_a_sharded_checkpoint_loads_and_matches_transformers(logits_case, tmp_path):
+    logits_case.hf.save_pretrained(tmp_path, max_shard_size="50KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    model = pg.Model(str(tmp_path), device="cpu")
+    ids = ids_of(20, seed=11)
+    assert (prompt_logits(model, ids) - logits_case.reference(ids)).abs().max().item() <= TOL
+
+
+def raw_config(case: Case) -> dict:
+    return json.loads((case.path / "config.json").read_text())
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"mamba_d_head": 12}, r"mamba_n_heads \(8\) x mamba_d_head \(12\) must equal mamba_expand"),
+        ({"mamba_n_groups": 3}, r"mamba_n_heads \(8\) must be a multiple of mamba_n_groups \(3\)"),
+        ({"attn_layer_indices": []}, "attn_layer_indices names no attention layer: a Mamba-only model"),
+        ({"attn_layer_indices": [4]}, r"attn_layer_indices must list layer ids 0\.\.3"),
+        ({"time_step_limit": [0.0]}, "time_step_limit must be"),
+        ({"time_step_limit": [0.5, 0.1]}, "time_step_limit must be 0 <= low <= high"),
+        ({"mamba_d_conv": 1}, "mamba_conv_kernel must be >= 2"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope scaling type 'yarn'"),
+    ],
+)
+def test_an_unsupported_config_is_refused_naming_the_field(case, change, message):
+    with pytest.raises(ModelLoadError, match=message):
+        config_from_hf({**raw_config(case), **change}, "config.json")
+
+
+def test_a_manifest_override_that_drops_the_recurrent_group_is_refused(case, tmp_path):
+    case.hf.save_pretrained(tmp_path)
+    groups = [
+        {"kind": "paged_kv", "layers": list(ATTENTION)},
+        {"kind": "fixed_conv", "layers": list(MAMBA)},
+        {"kind": "fixed_recurrent", "layers": [0, 2]},
+    ]
+    (tmp_path / "pagedgen.json").write_text(json.dumps({"decoder": {"state_groups": groups}}))
+    with pytest.raises(
+        StateManifestError, match=r"recurrent layers \[3\] belong to no fixed_recurrent group"
+    ):
+        pg.Model(str(tmp_path), device="cpu")
+
+
+# ---- GraniteMoeHybrid, dense MLP: the same mixers under Granite's names and multipliers -----------------
+
+
+class GraniteCase(Case):
+    def __init__(self, tmp_path_factory, init, **overrides):
+        self.hf = tiny_hf_model("granitemoehybrid", initializer_range=init, **overrides)
+        self.path = tmp_path_factory.mktemp("granite")
+        self.hf.save_pretrained(self.path)
+        self.model = pg.Model(str(self.path), device="cpu")
+
+
+@pytest.fixture(scope="module", params=["nope", "rope"])
+def granite_logits_case(request, tmp_path_factory) -> GraniteCase:
+    return GraniteCase(tmp_path_factory, LOGITS_INIT, position_embedding_type=request.param)
+
+
+def test_granite_hybrid_logits_match_transformers_on_every_path(granite_logits_case):
+    case = granite_logits_case
+    config = case.model.config
+    assert (config.architecture, config.mamba_layers, config.intermediate_size) == (
+        "granitemoehybrid",
+        MAMBA,
+        96,
+    )
+    assert (config.embedding_multiplier, config.residual_multiplier) == (1.5, 0.7)
+    assert (config.attention_scale, config.logits_scaling) == (0.2, 2.5)
+    assert config.rotary_dim == (16 if case.hf.config.position_embedding_type == "rope" else 0)
+    assert [(g.kind, g.layers) for g in case.model.state_manifest.groups] == [
+        (StateKind.PAGED_KV, ATTENTION),
+        (StateKind.FIXED_CONV, MAMBA),
+        (StateKind.FIXED_RECURRENT, MAMBA),
+    ]
+    ids = ids_of(80, seed=12)
+    ref = case.reference(ids)
+    for logits in (
+        prompt_logits(case.model, ids),
+        chunked_logits(case.model, ids, chunk=5),
+        stepwise_logits(case.model, ids, prefill=13),
+    ):
+        assert (logits - ref).abs().max().item() <= TOL
+
+
+def test_granite_hybrid_engine_greedy_equals_transformers(tmp_path_factory):
+    case = GraniteCase(tmp_path_factory, INIT)
+    prompts = [ids_of(24, seed=1), ids_of(9, seed=2)]
+    eng = small_engine(case.model, max_scheduled_tokens=12)
+    requests = [submit(eng, p, 25, ignore_eos=True) for p in prompts]
+    tokens = tokens_of(drain(eng))
+    assert [tokens[r] for r in requests] == [case.greedy(p, 25) for p in prompts]
+
+
+def test_granite_hybrid_reads_the_legacy_layer_type_names(granite_logits_case):
+    raw = raw_config(granite_logits_case)
+    legacy = {**raw, "layer_types": ["mamba", "attention", "mamba", "mamba"]}
+    assert config_from_hf(legacy, "config.json") == config_from_hf(raw, "config.json")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"num_local_experts": 8}, "num_local_experts is 8: GraniteMoeHybrid's mixture-of-experts MLP"),
+        ({"num_local_experts": None}, "num_local_experts is None"),
+        ({"position_embedding_type": "alibi"}, "position_embedding_type 'alibi' is not supported"),
+        ({"layer_types": ["mamba"] * 4}, "layer_types names no attention layer"),
+        ({"layer_types": ["mamba", "moe", "mamba", "mamba"]}, "layer_types must list 4 of"),
+        ({"residual_multiplier": "big"}, "'residual_multiplier' must be a number"),
+        ({"logits_scaling": 0}, "logits_scaling must be positive"),
+    ],
+)
+def test_an_unsupported_granite_hybrid_config_is_refused_naming_the_field(
+    granite_logits_case, change, message
+):
+    with pytest.raises(ModelLoadError, match=message):
+        config_from_hf({**raw_config(granite_logits_case), **change}, "config.json")
+
+
+def test_a_granite_hybrid_moe_checkpoint_is_refused_at_load(tmp_path):
+    hf = tiny_hf_model("granitemoehybrid", num_local_experts=4, num_experts_per_tok=2)
+    hf.save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="num_local_experts is 4"):
+        pg.Model(str(tmp_path), device="cpu")

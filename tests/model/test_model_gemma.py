@@ -1,0 +1,303 @@
+"""Gemma 2 and Gemma 3 text (local and global layers, sandwich norms, soft-capping) against transformers.
+
+Tiny random-weight checkpoints written by transformers (tests.model.tiny_checkpoints): four layers, local
+(window 8), global, local, local; a query scale other than the head size; Gemma 2 soft-caps its attention
+scores at 1 and both soft-cap the logits at 5; Gemma 3 rotates its local layers with base 1000 and its global
+layers with linear scaling. Sequences of 40-120 tokens cross the window many times. fp32 logits within 1e-4
+at every position on every path (one prefill, chunked prefill through rings, one token per step, prefill
+then decode over block tables, several sequences in one step); through the engine, greedy tokens equal
+transformers' while the local layers' blocks stay flat; a mixed batch equals each request alone; chunked
+prefill equals unchunked; a rolled-back step at every phase leaves the state exact. GGUF files written the
+way llama.cpp's converter writes them load and give the same logits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pagedgen as pg
+from pagedgen.core.window import ring_blocks
+from pagedgen.errors import ModelLoadError
+from pagedgen.models.gguf_reader import gguf_config, open_gguf
+from tests.helpers import drain, engine_snapshot, event_key, record_steps, submit, tokens_of
+from tests.model.hf_cases import RECOVERABLE, RECOVERABLE_IDS, greedy_by_forwards, ids_of, small_engine
+from tests.model.paged_runner import (
+    PagedRunner,
+    PagedSequence,
+    chunked_logits,
+    prompt_logits,
+    stepwise_logits,
+)
+from tests.model.tiny_checkpoints import tiny_hf_model, write_gemma_gguf
+
+pytestmark = pytest.mark.model
+
+TOL = 1e-4
+# Engine tests: weights large enough, and the head untied, so greedy continuations do not collapse into a
+# repeat (with a tied head the scaled embedding of the last token dominates at this size). Logits tests: the
+# other tiny checkpoints' scale, where 1e-4 is fp32 noise, with Gemma's tied head.
+INIT = 0.3
+LOGITS_INIT = 0.1
+FAMILIES = ["gemma2", "gemma3"]
+LOCAL = (0, 2, 3)  # the sliding-window layers of the tiny configs
+WINDOW = 8
+
+
+class Case:
+    def __init__(self, kind, tmp_path_factory, init=INIT, tied=False):
+        self.kind = kind
+        self.overrides = {"initializer_range": init, "tie_word_embeddings": tied}
+        self.hf = tiny_hf_model(kind, **self.overrides)
+        path = tmp_path_factory.mktemp(kind)
+        self.hf.save_pretrained(path)
+        self.model = pg.Model(str(path), device="cpu")
+
+    def variant(self, **overrides):
+        """The same weights (same seed) under a changed config: shows what a trait changes."""
+        return tiny_hf_model(self.kind, **{**self.overrides, **overrides})
+
+    def reference(self, ids, hf=None):
+        with torch.no_grad():
+            return (hf or self.hf)(torch.tensor([ids])).logits[0].float()
+
+    def greedy(self, ids, n):
+        """Greedy continuation by whole-sequence forwards (no cache: the oracle of every step)."""
+        return greedy_by_forwards(self.hf, ids, n)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def case(request, tmp_path_factory) -> Case:
+    return Case(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def logits_case(request, tmp_path_factory) -> Case:
+    return Case(request.param, tmp_path_factory, init=LOGITS_INIT, tied=True)
+
+
+def test_the_config_and_manifest_carry_gemmas_traits(case):
+    config = case.model.config
+    assert (
+        case.model.state_manifest.window_layers == LOCAL and case.model.state_manifest.window_size == WINDOW
+    )
+    assert case.model.kv_spec.window_layers == LOCAL and case.model.kv_spec.num_layers == 4
+    assert (config.query_scale, config.final_softcap, config.tie_word_embeddings) == (24.0, 5.0, False)
+    if case.kind == "gemma2":
+        assert config.attn_softcap == 1.0 and config.local_rope is None and not config.qk_norm
+    else:
+        assert config.attn_softcap is None and config.qk_norm
+        assert (config.rope.rope_type, config.rope.factor, config.rope.theta) == ("linear", 2.0, 50_000.0)
+        assert (config.local_rope.rope_type, config.local_rope.theta) == ("default", 1_000.0)
+    assert case.model.runtime.fused_decoder is None
+
+
+def test_logits_match_transformers_on_every_path(logits_case):
+    case = logits_case
+    ids = ids_of(60)
+    ref = case.reference(ids)
+    for logits in (
+        prompt_logits(case.model, ids, block_size=4),  # one prefill, local layers masked over block tables
+        chunked_logits(case.model, ids, chunk=5),  # chunked prefill through rings
+        chunked_logits(case.model, ids, chunk=1),  # one token per step through rings
+        stepwise_logits(case.model, ids, prefill=13),  # decode over block tables
+    ):
+        assert (logits - ref).abs().max().item() <= TOL
+
+
+def test_each_trait_changes_the_logits_far_beyond_the_tolerance(logits_case):
+    """The logits test can fail: a window one longer (an off-by-one at its boundary), no soft-capping, or
+    Gemma 3's global RoPE on the local layers each move transformers' own logits by far more than 1e-4."""
+    case = logits_case
+    ids = ids_of(60)
+    ref = case.reference(ids)
+    changes = [{"sliding_window": WINDOW + 1}, {"final_logit_softcapping": None}]
+    if case.kind == "gemma2":
+        changes.append({"attn_logit_softcapping": None})
+    else:
+        rope = case.hf.config.rope_parameters
+        changes.append({"rope_parameters": {**rope, "sliding_attention": rope["full_attention"]}})
+    for change in changes:
+        other = case.reference(ids, case.variant(**change))
+        assert (other - ref).abs().max().item() > 100 * TOL, change
+    # the window only matters once a query has more than WINDOW keys: exact before, different after
+    longer = case.reference(ids, case.variant(sliding_window=WINDOW + 1))
+    assert (longer[:WINDOW] - ref[:WINDOW]).abs().max().item() <= 1e-6
+
+
+def test_several_sequences_in_one_step_each_match_transformers(logits_case):
+    case = logits_case
+    prompts = [ids_of(n, seed=20 + n) for n in (1, 7, 19)]
+    runner = PagedRunner(case.model, num_blocks=64, block_size=4, seed=3)
+    seqs = [PagedSequence(tokens=[]) for _ in prompts]
+    first = runner.step(seqs, [prompts[0], prompts[1][:4], prompts[2][:9]])
+    second = runner.step(seqs[1:], [prompts[1][4:], prompts[2][9:]])  # a prefill continued in a batch
+    third = runner.step(seqs, [[5], [6], [7]])  # three decodes, one of them far past the window
+    assert (first[0] - case.reference(prompts[0])[-1]).abs().max().item() <= TOL
+    assert (second[0] - case.reference(prompts[1])[-1]).abs().max().item() <= TOL
+    assert (second[1] - case.reference(prompts[2])[-1]).abs().max().item() <= TOL
+    for row, (prompt, token) in enumerate(zip(prompts, (5, 6, 7), strict=True)):
+        assert (third[row] - case.reference(prompt + [token])[-1]).abs().max().item() <= TOL
+
+
+def test_engine_greedy_equals_transformers_and_window_blocks_stay_flat(case):
+    prompt, n = ids_of(24, seed=1), 96
+    eng = small_engine(case.model)
+    request = submit(eng, prompt, n, ignore_eos=True)
+    cache = eng._scheduler.cache
+    rings, window_free, full_blocks, tokens = [], [], [], []
+    buffer = eng.create_event_buffer(16)
+    while eng.has_pending_requests():
+        tokens += [e.token for e in eng.run(buffer) if e.flags & pg.EngineEventFlags.TOKEN]
+        if cache.is_resident(request.id):
+            rings.append(cache.window_ring(request.id))
+            window_free.append(eng.stats().window_free_blocks)
+            full_blocks.append(len(cache.block_table(request.id)))
+    assert tokens == case.greedy(prompt, n)
+    assert len(set(tokens)) > 10  # a real continuation, not a collapsed repeat
+    r = ring_blocks(5, WINDOW, 4)
+    assert len(set(rings)) == 1 and len(rings[0]) == r  # one ring, never grown, never replaced
+    stats = eng.stats()
+    assert set(window_free) == {stats.window_total_blocks - r} and stats.window_total_blocks == 4 * r
+    assert full_blocks[-1] == 30 > full_blocks[0]  # the global layers' pool grows (120 tokens / 4)
+    request.close()
+    stats = eng.stats()
+    assert (stats.free_blocks, stats.window_free_blocks) == (stats.total_blocks, stats.window_total_blocks)
+
+
+PROMPTS = [(3, 40), (17, 25), (41, 12)]  # (prompt length, generated tokens)
+
+
+def test_a_mixed_batch_equals_each_request_alone(case):
+    prompts = [ids_of(length, seed=10 + i) for i, (length, _) in enumerate(PROMPTS)]
+    alone = []
+    for prompt, (_, n) in zip(prompts, PROMPTS, strict=True):
+        eng = small_engine(case.model)
+        request = submit(eng, prompt, n, ignore_eos=True)
+        alone.append(tokens_of(drain(eng))[request])
+    eng = small_engine(case.model, max_scheduled_tokens=12)  # chunked, mixed prefill + decode steps
+    steps = record_steps(eng)
+    requests = [submit(eng, p, n, ignore_eos=True) for p, (_, n) in zip(prompts, PROMPTS, strict=True)]
+    together = tokens_of(drain(eng))
+    assert [together[r] for r in requests] == alone
+    assert any(len(q_lens) == 3 and max(q_lens) > 1 and min(q_lens) == 1 for q_lens, _ in steps)
+    assert alone[2] == case.greedy(prompts[2], PROMPTS[2][1])
+
+
+def test_chunked_prefill_equals_unchunked(case):
+    prompt = ids_of(50, seed=3)
+    outputs = []
+    for chunk in (3, None):  # None: C is the token budget, the prompt runs in one step
+        eng = small_engine(case.model, chunk_size=chunk, max_batch_size=2)
+        steps = record_steps(eng)
+        request = submit(eng, prompt, 20, ignore_eos=True)
+        outputs.append(tokens_of(drain(eng))[request])
+        assert steps[0][0] == [3 if chunk else 50]
+    assert outputs[0] == outputs[1] == case.greedy(prompt, 20)
+
+
+def scenario(case: Case) -> tuple[pg.Engine, list[pg.Request]]:
+    """A decoding request well past its window and a partial prefill, both resident."""
+    eng = small_engine(case.model, max_scheduled_tokens=8)
+    requests = [submit(eng, ids_of(10, seed=4), 30, ignore_eos=True)]
+    for _ in range(12):
+        eng.run(max_events=64)
+    requests.append(submit(eng, ids_of(23, seed=5), 6, ignore_eos=True))
+    eng.run(max_events=64)
+    assert 0 < requests[1].processed_length < 23 and requests[0].processed_length > 2 * WINDOW
+    return eng, requests
+
+
+@pytest.mark.parametrize("phase, error", RECOVERABLE, ids=RECOVERABLE_IDS)
+def test_a_rollback_at_every_phase_leaves_the_state_exact(case, phase, error):
+    reference, _ = scenario(case)
+    expected = [event_key(e) for e in drain(reference)]
+    eng, requests = scenario(case)
+    before = engine_snapshot(eng)
+    assert before["free_window_blocks"] and all(len(t[2]) for t in before["tables"].values())
+    eng._faults.arm(phase, error)
+    (event,) = eng.run(max_events=64)
+    assert event.request is None and event.flags & (
+        pg.EngineEventFlags.RETRYABLE | pg.EngineEventFlags.CAPACITY_BLOCKED
+    )
+    assert engine_snapshot(eng) == before and eng.check_invariants() == []
+    assert [event_key(e) for e in drain(eng)] == expected  # the retry writes the rings exactly as before
+
+
+def test_the_static_path_keeps_local_layers_in_its_one_pool_and_masks_them(case):
+    prompt = ids_of(30, seed=6)
+    eng = small_engine(case.model, dynamic_batching=False, num_blocks=64)
+    request = submit(eng, prompt, 40, ignore_eos=True)
+    assert tokens_of(drain(eng))[request] == case.greedy(prompt, 40)
+    assert eng.stats().window_total_blocks == 0
+
+
+# ---- GGUF: files written the way llama.cpp's converter writes Gemma 2 / Gemma 3 ---------------------------
+# The oracle is transformers on the same weights from safetensors. Its own GGUF loader is no oracle here: on
+# these files it takes query_pre_attn_scalar 256 and its default soft-caps and drops the linear RoPE scaling
+# (transformers 5.24: logits off by 1-3).
+
+
+def llama_cpp_shaped(kind: str):
+    """A tiny model whose config is what llama.cpp derives from a Gemma GGUF file, so the file holds it
+    exactly: the architecture's layer pattern (every 2nd / 6th layer global), queries scaled by the head size
+    (``query_pre_attn_scalar`` is not stored; llama.cpp uses the head size below 27B), and Gemma 3's local
+    layers at RoPE base 10000 (llama.cpp's fixed base when the file names none)."""
+    overrides = {"layer_types": None, "query_pre_attn_scalar": 16}
+    if kind == "gemma3":
+        rope = {
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        }
+        overrides.update(num_hidden_layers=6, rope_parameters=rope)
+    return tiny_hf_model(kind, initializer_range=LOGITS_INIT, **overrides)
+
+
+@pytest.mark.parametrize("weights", ["native", "float32"])
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_a_gguf_file_loads_and_matches_transformers(kind, weights, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDGEN_CACHE_DIR", str(tmp_path / "cache"))
+    hf = llama_cpp_shaped(kind)
+    path = tmp_path / f"{kind}.gguf"
+    write_gemma_gguf(path, hf)
+    model = pg.Model(str(path), device="cpu", weights=weights)
+    local = (0, 2) if kind == "gemma2" else (0, 1, 2, 3, 4)
+    assert model.state_manifest.window_layers == local and model.config.sliding_window == WINDOW
+    assert model.config.query_scale == 16.0
+    ids = ids_of(40, seed=8)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    for logits in (prompt_logits(model, ids, block_size=4), chunked_logits(model, ids, chunk=3)):
+        assert (logits - ref).abs().max().item() <= TOL
+
+
+def test_a_gguf_pattern_array_and_local_base_are_read(logits_case, tmp_path):
+    """Newer writers may spell the sliding layers per layer and the local RoPE base; both are honoured."""
+    case = logits_case
+    path = tmp_path / "pattern.gguf"
+    write_gemma_gguf(path, case.hf, pattern=[True, False, True, True], local_base=1_000.0)
+    config = gguf_config(open_gguf(path))
+    assert config.windowed_layers == LOCAL and config.sliding_window == WINDOW
+    if case.kind == "gemma3":
+        assert config.local_rope.theta == 1_000.0 and config.rope.rope_type == "linear"
+
+
+@pytest.mark.parametrize(
+    ("kind", "replace", "message"),
+    [
+        ("gemma3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping 50.0 is not part of Gemma 3"),
+        (
+            "gemma2",
+            {"attention.sliding_window_pattern": [True, False, True]},
+            "lists 3 layers, the model has 4",
+        ),
+        ("gemma2", {"attention.sliding_window_pattern": 0}, "must be a positive period, got 0"),
+        ("gemma3", {"attention.sliding_window": 0}, "sliding_window must be a positive integer, got 0"),
+    ],
+)
+def test_bad_gguf_metadata_is_refused_naming_the_key(kind, replace, message, tmp_path):
+    hf = llama_cpp_shaped(kind)
+    path = tmp_path / "bad.gguf"
+    write_gemma_gguf(path, hf, replace=replace)
+    with pytest.raises(ModelLoadError, match=message):
+        gguf_config(open_gguf(path))
