@@ -47,9 +47,11 @@ deferred): requests that arrive together with a new shared prefix compute it onc
 the others from the cache once it is published, instead of each computing it side by side.
 
 Speculative drafts (``request.set_draft_tokens``) are optional decode work: after the cache selected the rows
-for their mandatory tokens, decodes in order take drafts from the remaining token budget and free blocks
-(before prefills expand), cut where they do not fit (:mod:`pagedgen.engine.drafts`). Prefills never verify
-drafts.
+for their mandatory tokens, decodes in order take drafts from the remaining token budget and from the blocks
+the selection left allocatable (free ones, then unpinned cached ones, which the reservation evicts oldest
+first, like any allocation), cut where they do not fit (:mod:`pagedgen.engine.drafts`). Prefills never
+verify drafts. Drafts never defer, preempt or evict a resident: the relief above looks only at mandatory
+work.
 """
 
 from __future__ import annotations
@@ -343,7 +345,7 @@ class DynamicScheduler:
         plan.short_of_blocks = [by_id[rid].state for rid in resources.short_of_blocks]
         plan.short_of_residency = [by_id[rid].state for rid in resources.short_of_residency]
         plan.rows = self._hold_back_duplicates(plan.rows)
-        drafted = self._assign_drafts(plan.rows, resources.new_blocks)
+        drafted = self._assign_drafts(plan.rows, resources.spare_blocks)
         plan.num_tokens = self._assign_tokens(plan.rows, drafted)
         return plan
 
@@ -381,13 +383,14 @@ class DynamicScheduler:
             kept.append(row)
         return kept
 
-    def _assign_drafts(self, rows: list[RequestStepPlan], new_blocks: int) -> int:
-        """Give decodes with pending drafts what the mandatory tokens left of the budget and of the free
-        blocks (``new_blocks``: what the selected rows already take), in order; returns the drafts given."""
+    def _assign_drafts(self, rows: list[RequestStepPlan], spare_blocks: int) -> int:
+        """Give decodes with pending drafts what the mandatory tokens left of the budget and of the
+        allocatable blocks (``spare_blocks``: the cache plan's, after the selected rows), in order; returns
+        the drafts given."""
         if not self.max_draft_tokens:
             return 0
         budget = self.max_scheduled_tokens - len(rows)
-        free = max(0, self.cache.pool.num_free - new_blocks)
+        free = spare_blocks
         given = 0
         for row in rows:
             state = row.state
