@@ -51,7 +51,8 @@ for their mandatory tokens, decodes in order take drafts from the remaining toke
 the selection left allocatable (free ones, then unpinned cached ones, which the reservation evicts oldest
 first, like any allocation), cut where they do not fit (:mod:`pagedgen.engine.drafts`). Prefills never
 verify drafts. Drafts never defer, preempt or evict a resident: the relief above looks only at mandatory
-work.
+work. A resident that loses residency (preempted or yielding) loses its pending drafts with it: they were
+proposed after a token its re-prefill will process anew, so the caller proposes again once it decodes.
 """
 
 from __future__ import annotations
@@ -252,10 +253,12 @@ class DynamicScheduler:
         return Relief(preempted=[state])
 
     def _drop_residency(self, state: RequestState) -> None:
-        """Release a resident's cache (blocks to the prefix cache) and forget that any of it was processed."""
+        """Release a resident's cache (blocks to the prefix cache) and forget that any of it was processed;
+        pending drafts go too (module docstring)."""
         self._residents.pop(state.request_id)
         self.cache.deallocate(state.request_id)
         state.processed_len = 0
+        state.draft_tokens = ()
 
     def is_resident(self, state: RequestState) -> bool:
         return state.request_id in self._residents

@@ -26,7 +26,9 @@ caching off).
 
 Speculative drafts are a rule too: correct, wrong or partly correct proposals (from the request's committed
 sequence), clears, and refused proposals (too many, out of the vocabulary, wrong state, or any proposal on the
-hybrid model, which cannot verify drafts). The exact-token check is unchanged: drafts never change output.
+hybrid model, which cannot verify drafts). The exact-token check is unchanged: drafts never change output,
+with prefix caching on (a block published at commit holds only accepted tokens) and across preemption (a
+preempted request's pending drafts are dropped).
 
 Faults are transient (each clears after one step), so a rolled-back step changes nothing else, except that
 failure isolation may fail one turn (REQUEST_FAILED) once MAX_RETRIES steps in a row have rolled back without
@@ -382,6 +384,10 @@ class EngineMachine(RuleBasedStateMachine):
         for rid, exp in self.expected.items():
             if not exp.closed and not exp.dropped:
                 assert rid in self.engine._states
+            waiting_or_done = (pg.RequestStatus.ASSIGNED, pg.RequestStatus.TURN_COMPLETE)
+            if exp.handle is not None and exp.handle.status in waiting_or_done:
+                # pending drafts only ever wait for a decode: a finished turn or a preemption dropped them
+                assert exp.handle.draft_tokens == ()
 
     def teardown(self):
         for exp in self.expected.values():
@@ -407,8 +413,9 @@ test_engine_state_machine = EngineMachine.TestCase
 
 
 class DraftMachine(EngineMachine):
-    """The same machine on models that verify drafts, proposing before every run: drafts in most steps
-    (with the base machine's pools of 12 or 5 blocks)."""
+    """The same machine on models that verify drafts, proposing before every run: drafts in most steps.
+    Without a window prefix caching is on, and the 5-block pools preempt often, so drafts meet cache hits,
+    blocks published at narrowed commits and preempted requests."""
 
     @initialize(window=st.none() | st.integers(2, 9), num_blocks=st.sampled_from([12, 5]))
     def start(self, window, num_blocks):
@@ -422,11 +429,21 @@ class DraftMachine(EngineMachine):
     )
     def run(self, capacity, calls=1, kind="correct", k=1):
         for _ in range(calls):
+            proposed = []
             for exp in self.expected.values():
                 if exp.handle is not None and self.decoding(exp):
                     exp.handle.set_draft_tokens(self.drafts_for(exp.handle, kind, k))
+                    proposed.append(exp.handle)
                     note(f"drafts {kind} before a run")
+            before = self.engine.stats()
             super().run(capacity, 1)
+            after = self.engine.stats()
+            if after.preemptions > before.preemptions and any(
+                h.status is pg.RequestStatus.ASSIGNED for h in proposed
+            ):
+                note("preempted with drafts pending")
+            if self.caching and after.drafts_proposed > before.drafts_proposed:
+                note("drafts verified with prefix caching")
 
 
 DraftMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=30, deadline=None)
