@@ -34,6 +34,8 @@ _EXPORTS: dict[str, str] = {
     "LLM": "pagedgen.llm",
     "SamplingParams": "pagedgen.llm",
     "CompletionOutput": "pagedgen.llm",
+    "NgramProposer": "pagedgen.spec",
+    "DraftDriver": "pagedgen.spec",
     "PagedGenError": "pagedgen.errors",
     "ModelLoadError": "pagedgen.errors",
     "UnsupportedArchitectureError": "pagedgen.errors",

@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     _add_engine_args(serve)
+    _add_speculative_args(serve)
 
     generate = sub.add_parser("generate", help="complete prompts offline and print the completions")
     generate.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text (one completion each)")
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     _add_sampling_args(generate, default_max_tokens=64)
     _add_engine_args(generate)
+    _add_speculative_args(generate)
 
     chat = sub.add_parser("chat", help="interactive chat: one multi-turn request, streamed replies")
     _add_model_args(chat)
@@ -65,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--stats", action="store_true", help="print token counts after every reply")
     _add_sampling_args(chat, default_max_tokens=512)
     _add_engine_args(chat)
+    _add_speculative_args(chat)
 
     sub.add_parser("bench", help="benchmarks (see 'pagedgen bench --help')", add_help=False)
     return parser
@@ -122,6 +125,22 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--chunk-size", type=positive_int, help="largest prefill chunk of one request per step"
     )
     group.add_argument("--static-batching", action="store_true", help="use the static batching path")
+
+
+def _add_speculative_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("speculative decoding")
+    group.add_argument(
+        "--speculative",
+        choices=("ngram",),
+        help="propose draft tokens for the engine to verify: 'ngram' looks them up in the request's own "
+        "context (output unchanged; faster when the output repeats the context)",
+    )
+    group.add_argument(
+        "--num-speculative-tokens",
+        type=positive_int,
+        default=4,
+        help="most draft tokens per request and step (default 4; at most the engine's max_draft_tokens, 8)",
+    )
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser, default_max_tokens: int) -> None:
@@ -191,6 +210,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or None,
         max_body_bytes=args.max_body_bytes,
         max_queued_requests=args.max_queued_requests,
+        speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
     )
     app = build_app(_load_model(args.model, args.weights), engine_config(args), options)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
@@ -200,7 +221,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from pagedgen.llm import LLM
 
-    llm = LLM(_load_model(args.model, args.weights), engine_config(args))
+    llm = LLM(
+        _load_model(args.model, args.weights),
+        engine_config(args),
+        speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
+    )
     params = sampling_params(args)
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
@@ -215,6 +241,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 "finish_reason": out.finish_reason,
                 "prompt_tokens": len(out.prompt_token_ids),
             }
+            if args.speculative:
+                record.update(drafts_proposed=out.drafts_proposed, drafts_accepted=out.drafts_accepted)
             print(json.dumps(record, ensure_ascii=False))
         else:
             print(out.text)
@@ -227,7 +255,12 @@ CHAT_HELP = "Type a message and press Enter. /reset starts a new conversation; /
 def cmd_chat(args: argparse.Namespace) -> int:
     from pagedgen.llm import LLM, ChatSession
 
-    llm = LLM(_load_model(args.model, args.weights), engine_config(args))
+    llm = LLM(
+        _load_model(args.model, args.weights),
+        engine_config(args),
+        speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
+    )
     params = sampling_params(args)
     session = ChatSession(llm, params, args.system)
     print(CHAT_HELP, flush=True)

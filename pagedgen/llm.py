@@ -7,6 +7,10 @@ Request, so a later turn prefills only its new tokens.
 
 The Engine is created by, and must only be used from, the thread that constructs the ``LLM`` (the engine's
 single-owner rule); the server instead owns its engine on a dedicated worker thread.
+
+``LLM(model, speculative="ngram", num_speculative_tokens=K)`` puts a prompt-lookup proposer above the engine
+(:mod:`pagedgen.spec`): before each step it proposes up to K drafts per decoding request, which the engine
+verifies. Greedy output is unchanged, sampled output too (same seed), only faster where drafts are accepted.
 """
 
 from __future__ import annotations
@@ -182,6 +186,8 @@ class CompletionOutput:
     stop_reason: str | None = None
     cached_prompt_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
+    drafts_proposed: int = 0  # draft tokens the engine verified for this prompt (speculative decoding)
+    drafts_accepted: int = 0  # of those, accepted
 
 
 def turn_text(tokenizer: Any, tokens: list[int], finish: Any) -> str:
@@ -272,12 +278,23 @@ class LLM:
     """Offline batch generation over one engine (owner: the constructing thread).
 
     ``model`` is a ``pg.Model``, a model name or path for ``pg.Model``, or any object with the same surface
-    (e.g. ``SyntheticModel``). ``engine_config`` defaults to ``pg.EngineConfig()``.
+    (e.g. ``SyntheticModel``). ``engine_config`` defaults to ``pg.EngineConfig()``. ``speculative="ngram"``
+    proposes up to ``num_speculative_tokens`` prompt-lookup drafts per step (``ValueError`` for another
+    method or a count above ``engine.max_draft_tokens_per_proposal()``).
     """
 
-    def __init__(self, model: Any, engine_config: Any = None, *, tokenizer: Any = None):
+    def __init__(
+        self,
+        model: Any,
+        engine_config: Any = None,
+        *,
+        tokenizer: Any = None,
+        speculative: str | None = None,
+        num_speculative_tokens: int = 4,
+    ):
         from pagedgen.engine.config import EngineConfig
         from pagedgen.engine.engine import Engine
+        from pagedgen.spec import make_driver
 
         if isinstance(model, str):
             from pagedgen.models.model import Model
@@ -286,7 +303,17 @@ class LLM:
         self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else tokenizer_for(model)
         self.engine = Engine(model, engine_config if engine_config is not None else EngineConfig())
+        try:
+            self.drafter = make_driver(self.engine, speculative, num_speculative_tokens)
+        except ValueError:
+            self.engine.close()
+            raise
         self._buffer = self.engine.create_event_buffer(_MAX_EVENTS)
+
+    def _propose(self, requests: Any) -> None:
+        """Set the drafter's proposals before a step (no-op without speculative decoding)."""
+        if self.drafter is not None:
+            self.drafter.propose(requests)
 
     @property
     def context_length(self) -> int:
@@ -378,6 +405,7 @@ class LLM:
                 while pending:
                     if not self.engine.has_pending_requests():
                         raise EngineError(f"the engine went idle with {len(pending)} unfinished prompts")
+                    self._propose(slot.request for slot in pending.values())
                     for event in self.engine.run(self._buffer):
                         self._dispatch(event, pending, results, bar)
         finally:
@@ -408,6 +436,8 @@ class LLM:
         if event.flags & EngineEventFlags.TURN_FINISHED:
             results[slot.index] = self._output(slot, event)
             del pending[id(event.request)]
+            if self.drafter is not None:
+                self.drafter.forget(slot.request)
             slot.request.close()
             bar.update(1)
 
@@ -426,6 +456,8 @@ class LLM:
             stop_reason=stop_reason,
             cached_prompt_tokens=usage.cached_prompt_tokens if usage is not None else 0,
             logprobs=slot.logprobs if slot.params.logprobs is not None else None,
+            drafts_proposed=slot.request.drafts_proposed,
+            drafts_accepted=slot.request.drafts_accepted,
         )
 
 
@@ -513,6 +545,7 @@ class ChatSession:
 
         engine = self._llm.engine
         while True:
+            self._llm._propose([self._request])
             for event in engine.run(self._llm._buffer):
                 if is_engine_failure(event.error_code):
                     raise EngineError(f"the engine failed: {event.error_code.value}")

@@ -146,6 +146,9 @@ def engine_snapshot(engine: pg.Engine) -> dict[str, Any]:
             matcher,
             tuple(s.held_logprobs),
             s.num_pending_events,
+            s.draft_tokens,
+            s.drafts_proposed,
+            s.drafts_accepted,
         )
     scheduler = engine._scheduler
     snap: dict[str, Any] = {

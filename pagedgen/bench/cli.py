@@ -133,7 +133,7 @@ def _rate(text: str) -> float:
 def _add_workload_args(p: argparse.ArgumentParser, default: str) -> None:
     g = p.add_argument_group("workload")
     g.add_argument(
-        "--workload", nargs="+", default=None, help=f"named workloads: W1 W2 B1 (default {default})"
+        "--workload", nargs="+", default=None, help=f"named workloads: W1 W2 B1 R1 (default {default})"
     )
     g.add_argument("--num-prompts", type=positive_int, help="requests of a custom workload (default 64)")
     g.add_argument("--input-len", help="custom workload prompt length: N or LOW:HIGH")
@@ -167,6 +167,14 @@ def _throughput_parser(p: argparse.ArgumentParser) -> None:
     e.add_argument("--block-size", type=positive_int, default=16)
     e.add_argument("--num-blocks", type=positive_int)
     e.add_argument("--chunk-size", type=positive_int)
+    e.add_argument(
+        "--speculative",
+        choices=("ngram",),
+        help="also run pagedgen with this draft proposer (pagedgen+ngram) and report the speedup",
+    )
+    e.add_argument(
+        "--num-speculative-tokens", type=positive_int, default=4, help="drafts per step (default 4)"
+    )
     m = p.add_argument_group("machine")
     m.add_argument("--threads", type=positive_int, help="threads of torch and OpenBLAS (default: all CPUs)")
     m.add_argument(
@@ -328,6 +336,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         chunk_size=args.chunk_size,
+        speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
     )
     for spec in specs:
         bench_workload(

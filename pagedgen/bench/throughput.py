@@ -31,13 +31,19 @@ WARMUP_TOKENS = 4
 
 @dataclass(frozen=True, slots=True)
 class PagedgenOptions:
-    """Engine settings of the pagedgen run (``max_batch_size`` may be overridden per workload)."""
+    """Engine settings of the pagedgen run (``max_batch_size`` may be overridden per workload).
+
+    ``speculative`` ("ngram"): each workload also runs as ``pagedgen+ngram``, with the prompt-lookup proposer
+    above the engine (``num_speculative_tokens`` drafts per step), right after the plain run.
+    """
 
     max_batch_size: int = 32
     max_scheduled_tokens: int = 2048
     block_size: int = 16
     num_blocks: int | None = None
     chunk_size: int | None = None
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
 
     def engine_config(self, max_batch_size: int | None = None) -> Any:
         from pagedgen.engine.config import EngineConfig
@@ -60,30 +66,43 @@ class PagedgenRun:
 
 
 def run_pagedgen(
-    model: Any, requests: Sequence[BenchRequest], config: Any, *, profile: bool = False
+    model: Any,
+    requests: Sequence[BenchRequest],
+    config: Any,
+    *,
+    profile: bool = False,
+    speculative: str | None = None,
+    num_speculative_tokens: int = 4,
 ) -> PagedgenRun:
     """Generate every request's tokens on one fresh Engine; returns outputs in request order.
 
-    Raises :class:`EngineError` if the engine fails or a turn ends before its requested length.
+    ``speculative`` puts that proposer above the engine (:func:`pagedgen.spec.make_driver`). Raises
+    :class:`EngineError` if the engine fails or a turn ends before its requested length.
     """
     from pagedgen.engine.engine import Engine
+    from pagedgen.spec import make_driver
 
     engine = Engine(model, config)
     try:
         profiler = StepProfiler() if profile else None
         if profiler is not None:
             profiler.attach(engine)
+        drafter = make_driver(engine, speculative, num_speculative_tokens)
         buffer = engine.create_event_buffer(4 * config.max_batch_size + 16)
         start = time.perf_counter()
-        outputs, peak_blocks = _drive(engine, buffer, model, requests, profiler)
+        outputs, peak_blocks = _drive(engine, buffer, model, requests, profiler, drafter)
         wall = time.perf_counter() - start
         stats = engine.stats()
+        details = {"steps": stats.steps, "rollbacks": stats.rollbacks}
+        if drafter is not None:
+            details.update(
+                drafts_proposed=stats.drafts_proposed,
+                drafts_accepted=stats.drafts_accepted,
+                draft_acceptance_rate=stats.draft_acceptance_rate,
+                num_speculative_tokens=num_speculative_tokens,
+            )
         run = SystemRun(
-            outputs,
-            wall,
-            kv_blocks_used=peak_blocks,
-            kv_blocks_total=stats.total_blocks,
-            details={"steps": stats.steps, "rollbacks": stats.rollbacks},
+            outputs, wall, kv_blocks_used=peak_blocks, kv_blocks_total=stats.total_blocks, details=details
         )
         return PagedgenRun(run, profiler)
     finally:
@@ -91,9 +110,15 @@ def run_pagedgen(
 
 
 def _drive(
-    engine: Any, buffer: Any, model: Any, requests: Sequence[BenchRequest], profiler: StepProfiler | None
+    engine: Any,
+    buffer: Any,
+    model: Any,
+    requests: Sequence[BenchRequest],
+    profiler: StepProfiler | None,
+    drafter: Any = None,
 ) -> tuple[list[list[int]], int]:
-    """Submit all requests, run the engine loop to completion; returns outputs and peak blocks in use."""
+    """Submit all requests, run the engine loop to completion (``drafter`` proposing before each step);
+    returns outputs and peak blocks in use."""
     from pagedgen.engine.events import EngineEventFlags, FinishReason
     from pagedgen.engine.request import GeneratorParams, RequestOptions, TurnOptions
 
@@ -110,7 +135,10 @@ def _drive(
         handles.append(handle)
     outputs: list[list[int]] = [[] for _ in requests]
     peak_blocks = 0
+    open_handles = {id(h): h for h in handles}
     while engine.has_pending_requests():
+        if drafter is not None:
+            drafter.propose(open_handles.values())
         events = profiler.run(engine, buffer) if profiler is not None else engine.run(buffer)
         for event in events:
             if event.request is None:
@@ -123,6 +151,7 @@ def _drive(
             if event.flags & EngineEventFlags.TURN_FINISHED:
                 if event.finish_reason is not FinishReason.MAX_GENERATED_TOKENS:
                     raise EngineError(f"request {i} finished with {event.finish_reason.value}")
+                del open_handles[id(event.request)]
                 event.request.close()
         stats = engine.stats()
         peak_blocks = max(peak_blocks, stats.total_blocks - stats.free_blocks)
@@ -207,6 +236,8 @@ def bench_workload(
     if paged.profiler is not None:
         result.profiles[spec.name] = paged.profiler.summary()
         result.profiles[f"{spec.name}@{batch}"] = paged.profiler.summary(resident=[batch])
+    if options.speculative is not None:
+        _bench_speculative(spec, model, requests, config, options, costs, batch, reference, result, log)
     for name, runner in baselines.items():
         record = _run_baseline(spec, name, runner, requests, batch, reference, model_flops, peak_flops)
         result.records.append(record)
@@ -240,6 +271,37 @@ def _record_pagedgen(
     record.details["max_batch_size"] = batch
     result.records.append(record)
     log(_one_line(record))
+
+
+def _bench_speculative(
+    spec: WorkloadSpec,
+    model: Any,
+    requests: list[BenchRequest],
+    config: Any,
+    options: PagedgenOptions,
+    costs: tuple[float | None, float | None, int | None],
+    batch: int,
+    reference: Reference,
+    result: ThroughputResult,
+    log: Callable[[str], None],
+) -> None:
+    """The same workload with the proposer above the engine, right after the plain run (same machine
+    state); logs its output-throughput ratio to the plain run and its draft acceptance."""
+    method, k = options.speculative, options.num_speculative_tokens
+    run_pagedgen(model, warmup_requests(requests), config, speculative=method, num_speculative_tokens=k)
+    with PeakRss() as rss:
+        drafted = run_pagedgen(model, requests, config, speculative=method, num_speculative_tokens=k)
+    costs = (costs[0], costs[1], rss.peak_bytes)
+    _record_pagedgen(spec, f"pagedgen+{method}", requests, drafted.run, costs, batch, reference, result, log)
+    plain = next(r for r in reversed(result.records) if r.workload == spec.name and r.system == "pagedgen")
+    new = result.records[-1]
+    if plain.output_tokens_per_s and new.output_tokens_per_s:
+        d = drafted.run.details
+        new.details["speedup_vs_pagedgen"] = new.output_tokens_per_s / plain.output_tokens_per_s
+        log(
+            f"  {'':<14} {new.details['speedup_vs_pagedgen']:.2f}x pagedgen; drafts accepted "
+            f"{d['drafts_accepted']}/{d['drafts_proposed']} ({d['draft_acceptance_rate']:.1%})"
+        )
 
 
 def _run_baseline(

@@ -1,13 +1,17 @@
-"""Benchmark workloads: named (W1, W2, B1) or from flags, built deterministically from real text.
+"""Benchmark workloads: named (W1, W2, B1, R1) or from flags, built deterministically from real text.
 
 Prompts are windows of the token stream of :data:`BENCH_TEXT` (tokenised with the model's own tokenizer and
 repeated as often as the longest prompt needs), each starting at its own seeded offset, so every system sees
-the same real token ids and no two requests share a prompt. Lengths are drawn from ``numpy``'s PCG64 with the
-workload's seed: the same spec and tokenizer always give the same requests.
+the same real token ids and no two requests share a prompt. A *repeat* workload (R1) instead asks, through
+the chat template, to repeat a fixed text word for word: whole sentences of the text from the start of
+paragraph ``seed + i`` (request ``i``) on. The output copies its prompt, the case prompt-lookup speculative
+decoding is for. Lengths are drawn from ``numpy``'s PCG64 with the workload's seed: the same spec and
+tokenizer always give the same requests.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -92,7 +96,8 @@ class WorkloadSpec:
     """What to run: how many requests, their prompt and output lengths, the seed; greedy and ignore-EOS.
 
     ``max_batch_size`` (None: the command's ``--max-batch-size``) pins the batch size a workload is defined
-    for, e.g. ``B1`` measures single-request decoding.
+    for, e.g. ``B1`` measures single-request decoding. ``repeat``: the prompt asks the model to repeat a text
+    window of ``input_len`` tokens (:func:`repeat_prompt`), so the prompt itself is a little longer.
     """
 
     name: str
@@ -101,6 +106,7 @@ class WorkloadSpec:
     output_len: LengthRange
     seed: int = 0
     max_batch_size: int | None = None
+    repeat: bool = False
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -113,7 +119,8 @@ class WorkloadSpec:
             raise ValueError(f"WorkloadSpec.max_batch_size must be None or a positive int, got {b!r}")
 
     def describe(self) -> str:
-        text = f"{self.num_requests} requests, prompt {self.input_len}, output {self.output_len}"
+        prompt = f"repeat <= {self.input_len.high} text tokens" if self.repeat else f"prompt {self.input_len}"
+        text = f"{self.num_requests} requests, {prompt}, output {self.output_len}"
         text += f", seed {self.seed}"
         return text if self.max_batch_size is None else f"{text}, batch {self.max_batch_size}"
 
@@ -121,7 +128,9 @@ class WorkloadSpec:
 W1 = WorkloadSpec("W1", 64, LengthRange(100, 100), LengthRange(128, 128))
 W2 = WorkloadSpec("W2", 128, LengthRange(32, 512), LengthRange(16, 256))
 B1 = WorkloadSpec("B1", 4, LengthRange(100, 100), LengthRange(128, 128), max_batch_size=1)
-NAMED_WORKLOADS: dict[str, WorkloadSpec] = {w.name: w for w in (W1, W2, B1)}
+R1 = WorkloadSpec("R1", 4, LengthRange(160, 160), LengthRange(128, 128), max_batch_size=1, repeat=True)
+NAMED_WORKLOADS: dict[str, WorkloadSpec] = {w.name: w for w in (W1, W2, B1, R1)}
+REPEAT_INSTRUCTION = "Repeat the following text exactly, word for word, and write nothing else:\n\n"
 
 
 def workload_by_name(name: str) -> WorkloadSpec:
@@ -160,10 +169,41 @@ def build_workload(spec: WorkloadSpec, tokenizer: Any) -> list[BenchRequest]:
     base = text_tokens(tokenizer)
     stream = base * (1 + -(-spec.input_len.high // len(base)))
     offsets = rng.integers(0, len(base), size=spec.num_requests)
-    return [
-        BenchRequest(i, tuple(stream[int(off) : int(off) + n_in]), n_out)
-        for i, (n_in, n_out, off) in enumerate(zip(input_lens, output_lens, offsets, strict=True))
-    ]
+    requests = []
+    for i, (n_in, n_out, off) in enumerate(zip(input_lens, output_lens, offsets, strict=True)):
+        if spec.repeat:
+            # Request i repeats from paragraph seed + i: distinct texts for up to six requests.
+            prompt = repeat_prompt(tokenizer, repeat_text(tokenizer, spec.seed + i, n_in))
+        else:
+            prompt = stream[int(off) : int(off) + n_in]
+        requests.append(BenchRequest(i, tuple(prompt), n_out))
+    return requests
+
+
+def repeat_text(tokenizer: Any, offset: int, max_tokens: int) -> str:
+    """The text a repeat workload asks for: whole sentences of :data:`BENCH_TEXT` from the start of paragraph
+    ``offset mod paragraphs`` on (continuing into the next paragraphs), as many as fit ``max_tokens`` tokens.
+    Hard line breaks become spaces: a fixed text to copy, not a layout the model would reflow."""
+    paragraphs = [" ".join(p.split()) for p in BENCH_TEXT.split("\n\n")]
+    start = offset % len(paragraphs)
+    sentences = [s for p in paragraphs[start:] + paragraphs[:start] for s in re.split(r"(?<=[.!?])\s+", p)]
+    text = ""
+    for sentence in sentences:
+        longer = f"{text} {sentence}".strip()
+        if len(tokenizer.encode(longer)) > max_tokens:
+            break
+        text = longer
+    return text
+
+
+def repeat_prompt(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a user message asking to repeat ``text`` (chat template when the tokenizer has one, the
+    bare message otherwise)."""
+    message = REPEAT_INSTRUCTION + text
+    template = getattr(tokenizer, "apply_chat_template", None)
+    if template is not None:
+        return [int(t) for t in tokenizer.encode(template([{"role": "user", "content": message}]))]
+    return [int(t) for t in tokenizer.encode(message)]
 
 
 def workload_totals(requests: Sequence[BenchRequest]) -> tuple[int, int]:

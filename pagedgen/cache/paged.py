@@ -57,7 +57,8 @@ class ResourcePlan:
     selected admission that starts from cached blocks to how many. ``short_of_blocks`` and
     ``short_of_residency`` name the CAPACITY_DEFERRED candidates that were refused for want of blocks, or of a
     resident place (``max_batch_size``), as opposed to rows, rings or fixed slots: the ones that releasing
-    residents could help (:mod:`pagedgen.engine.scheduler` decides whom to release).
+    residents could help (:mod:`pagedgen.engine.scheduler` decides whom to release). ``spare_blocks`` is
+    the supply left after the selection: the most optional work (speculative drafts) may still take.
     """
 
     selected: tuple[CacheCandidate, ...]
@@ -67,6 +68,7 @@ class ResourcePlan:
     hit_blocks: Mapping[Hashable, int] = field(default_factory=dict)
     short_of_blocks: tuple[Hashable, ...] = ()
     short_of_residency: tuple[Hashable, ...] = ()
+    spare_blocks: int = 0  # blocks still allocatable after the selection (free, plus unclaimed cached ones)
 
     @property
     def capacity_deferred(self) -> tuple[CacheCandidate, ...]:
@@ -231,4 +233,5 @@ def plan_resources(
         hit_blocks,
         tuple(short_of_blocks),
         tuple(short_of_residency),
+        free,
     )

@@ -57,6 +57,10 @@ class StepInputs:
     block_size: int
     window: WindowInputs | None = None  # set when windowed layers keep rings (else they read block_tables)
     fixed: FixedStateInputs | None = None  # set for models with fixed conv / recurrent state
+    # Rows that verify drafts: each of their tokens attends like a decode of its own (the keys through its
+    # position), so attention plans them as single-token decode rows and a step of decodes and draft rows
+    # stays a pure decode step for the kernels (pagedgen.ops.attention.plan_attention).
+    verify_rows: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -26,6 +26,7 @@ from pagedgen.engine.isolation import DEFAULT_MAX_STEP_RETRIES
 
 DEFAULT_MAX_SCHEDULED_TOKENS = 2048
 AUTO_KV_MEMORY_FRACTION = 0.25
+DEFAULT_MAX_DRAFT_TOKENS = 8
 
 
 def _positive_int(name: str, value: object, *, optional: bool = False) -> None:
@@ -47,6 +48,9 @@ class EngineConfig:
     ``debug_invariants`` validates cache and request accounting after every step (raises on a violation);
     ``max_step_retries`` is how often an unattributed rollback is retried as is before the engine narrows the
     batch to find the request that causes it (:mod:`pagedgen.engine.isolation`);
+    ``max_draft_tokens`` is the most speculative draft tokens one ``request.set_draft_tokens`` proposal may
+    carry (0 turns caller-supplied drafts off; ``engine.max_draft_tokens_per_proposal()`` reports it, or 0
+    where the model's state cannot commit an accepted prefix);
     ``prefix_caching`` shares the K/V of identical prompt prefixes across requests (full blocks, hash-chained;
     docs/cache.md). It applies to the dynamic path of a purely paged model only: with sliding-window rings or
     fixed conv / recurrent state the engine turns it off (``engine.stats().prefix_caching`` says which).
@@ -61,6 +65,7 @@ class EngineConfig:
     dynamic_batching: bool = True
     debug_invariants: bool = False
     max_step_retries: int = DEFAULT_MAX_STEP_RETRIES
+    max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS
     prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -71,6 +76,14 @@ class EngineConfig:
         _positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, optional=True)
         _positive_int("chunk_size", self.chunk_size, optional=True)
         _positive_int("max_step_retries", self.max_step_retries)
+        if (
+            isinstance(self.max_draft_tokens, bool)
+            or not isinstance(self.max_draft_tokens, int)
+            or self.max_draft_tokens < 0
+        ):
+            raise InvalidArgumentError(
+                f"EngineConfig.max_draft_tokens must be an int >= 0, got {self.max_draft_tokens!r}"
+            )
         for name in ("dynamic_batching", "debug_invariants", "prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")

@@ -73,6 +73,14 @@ class EngineStats:
     window_free_blocks: int = 0  # of those, free (each resident owns one fixed ring)
     fixed_total_slots: int = 0  # fixed conv / recurrent state slots (max_batch_size; 0 without fixed state)
     fixed_free_slots: int = 0  # of those, free (each resident owns one)
+    drafts_proposed: int = 0  # draft tokens committed steps verified, over the engine's lifetime
+    drafts_accepted: int = 0  # of those, accepted
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        """``drafts_accepted / drafts_proposed`` (0.0 before any draft was verified)."""
+        return self.drafts_accepted / self.drafts_proposed if self.drafts_proposed else 0.0
+
     prefix_caching: bool = False  # whether this engine shares cached prefixes (EngineConfig + the model)
     prefix_caching_off: str | None = None  # why not, when the config asked for it and the model cannot
     cached_blocks: int = 0  # unreferenced blocks holding a cached prefix (counted in free_blocks: evictable)
@@ -103,6 +111,8 @@ class Engine:
         self._closed = False
         self._steps = 0
         self._rollbacks = 0
+        self._drafts_proposed = 0
+        self._drafts_accepted = 0
         self._faults = FaultInjector()
         self._tokenizer: Any = None
         self.eos_token_ids: tuple[int, ...] = tuple(model.eos_token_ids)
@@ -131,7 +141,11 @@ class Engine:
                 prefix_caching=layout.prefix_caching,
             )
             self._scheduler: Any = DynamicScheduler(
-                cache, config.max_batch_size, config.max_scheduled_tokens, layout.chunk_size
+                cache,
+                config.max_batch_size,
+                config.max_scheduled_tokens,
+                layout.chunk_size,
+                max_draft_tokens=0 if cache.fixed is not None else config.max_draft_tokens,
             )
             self._step: Any = DynamicStep(
                 self._scheduler, self._runner, self._faults, self.eos_token_ids, isolator
@@ -211,12 +225,40 @@ class Engine:
         return True
 
     def _set_draft_tokens(self, request: Request, draft_tokens: Sequence[int]) -> None:
-        self._checked_state(request)
-        if len(list(draft_tokens)):
+        """Validate a proposal completely, then replace the request's pending drafts (nothing else)."""
+        state = self._checked_state(request)
+        state.draft_tokens = self._validated_drafts(state, draft_tokens)
+
+    def _validated_drafts(self, state: RequestState, draft_tokens: Sequence[int]) -> tuple[int, ...]:
+        """The proposal as a tuple of ids; raises, changing nothing, for a string or non-iterable, an engine
+        that cannot verify drafts, a request that is not decode-ready, too many ids or ids outside the
+        vocabulary. An empty proposal (a clear) is always valid."""
+        if isinstance(draft_tokens, (str, bytes)):
+            raise InvalidArgumentError("draft_tokens must be a sequence of ints, got a string")
+        try:
+            draft_tokens = list(draft_tokens)
+        except TypeError as exc:
+            raise InvalidArgumentError(f"draft_tokens must be a sequence of ints: {exc}") from exc
+        if not draft_tokens:
+            return ()
+        limit = self.max_draft_tokens_per_proposal()
+        if limit == 0:
             raise DraftsUnsupportedError(
-                "caller-supplied draft tokens are not supported yet (max_draft_tokens_per_proposal() is 0); "
-                "only an empty list is accepted"
+                "this engine cannot verify draft tokens (max_draft_tokens_per_proposal() is 0: "
+                f"{self._no_drafts_reason()}); only an empty list is accepted"
             )
+        if not state.ready_for_drafts:
+            raise RequestStateError(
+                f"request {state.request_id} cannot take drafts while {state.status.value}"
+                f"{' (still prefilling)' if state.status is RequestStatus.ACTIVE else ''}: drafts are "
+                "verified by a decode, so propose them once the turn emitted a token and is still active"
+            )
+        if len(draft_tokens) > limit:
+            raise InvalidArgumentError(
+                f"{len(draft_tokens)} draft tokens exceed max_draft_tokens_per_proposal() = {limit}",
+                "draft_tokens",
+            )
+        return tuple(validate_token_ids(draft_tokens, int(self.model.vocab_size)))
 
     def _close_request(self, request: Request) -> None:
         self._check_owner()
@@ -227,9 +269,33 @@ class Engine:
         self._release(state)
 
     def max_draft_tokens_per_proposal(self) -> int:
-        """Draft tokens one proposal may carry: 0, speculative verification is not implemented yet."""
+        """The most draft tokens one proposal may carry (``EngineConfig.max_draft_tokens``), or 0 when this
+        engine cannot verify drafts: static batching, or fixed conv / recurrent state, which would have to
+        be replayed to an accepted prefix. A per-request query limit (``chunk_size``, the sliding-window
+        rings' C) caps it to that limit minus the mandatory token. It is a capability, not a promise that
+        every draft fits the next step's token budget or free blocks: the scheduler cuts what does not."""
         self._check_owner()
-        return 0
+        if self._no_drafts_reason():
+            return 0
+        return self._draft_limit()
+
+    def _draft_limit(self) -> int:
+        """``max_draft_tokens`` within the per-request query limits (the decode token takes one)."""
+        limit = min(self.config.max_draft_tokens, self.config.max_scheduled_tokens - 1)
+        chunk = self._scheduler.chunk_size
+        return limit if chunk is None else min(limit, chunk - 1)
+
+    def _no_drafts_reason(self) -> str:
+        """Why drafts cannot be verified here ('' when they can)."""
+        if not self.config.dynamic_batching:
+            return "static batching does not verify drafts"
+        if self._scheduler.cache.fixed is not None:
+            return "the model keeps fixed conv / recurrent state, which cannot commit an accepted prefix"
+        if self.config.max_draft_tokens == 0:
+            return "EngineConfig.max_draft_tokens is 0"
+        if self._draft_limit() == 0:
+            return "max_scheduled_tokens or chunk_size leaves no room beside the decode token"
+        return ""
 
     # -- progress -------------------------------------------------------------------------------------
 
@@ -284,6 +350,8 @@ class Engine:
             window_free_blocks=window_free,
             fixed_total_slots=fixed_total,
             fixed_free_slots=fixed_free,
+            drafts_proposed=self._drafts_proposed,
+            drafts_accepted=self._drafts_accepted,
             prefix_caching=self._layout.prefix_caching,
             prefix_caching_off=self._layout.prefix_off,
             cached_blocks=0 if cache_stats is None else cache_stats.cached_blocks,
@@ -325,6 +393,8 @@ class Engine:
             return
         if result.outcome is StepOutcome.COMMITTED:
             self._steps += 1
+            self._drafts_proposed += result.drafts_proposed
+            self._drafts_accepted += result.drafts_accepted
         elif result.outcome.rolled_back:
             self._rollbacks += 1
         self._enqueue(result.events)

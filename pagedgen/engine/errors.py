@@ -53,7 +53,9 @@ class SessionLimitError(InvalidArgumentError):
 
 
 class DraftsUnsupportedError(EngineError):
-    """Caller-supplied speculative drafts are not implemented yet; only an empty proposal is accepted."""
+    """This engine cannot verify caller-supplied drafts (``max_draft_tokens_per_proposal()`` is 0: static
+    batching, a model with fixed conv / recurrent state, or ``max_draft_tokens=0``); only an empty proposal
+    is accepted."""
 
     code = EngineErrorCode.UNIMPLEMENTED
 

@@ -220,6 +220,11 @@ class RequestState:
     held_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     num_pending_events: int = 0
     first_prompt_len: int = 0
+    # Speculative drafts proposed for the next decode (request.set_draft_tokens); consumed by the committed
+    # step that schedules the request, untouched by a rolled-back one.
+    draft_tokens: tuple[int, ...] = ()
+    drafts_proposed: int = 0  # drafts committed steps verified (drafts cut by the step budget not counted)
+    drafts_accepted: int = 0  # of those, accepted (the prefix that matched the model)
     turn_reuse: TurnReuse = TurnReuse(0, 0)  # what the turn's first input step did not compute
     block_hashes: BlockHashes | None = None  # chained digests of ``tokens``' full blocks (prefix caching)
     priority: int = 0  # scheduler stamp of the current turn's submission: lower runs first, never re-stamped
@@ -233,6 +238,15 @@ class RequestState:
     @property
     def num_unprocessed(self) -> int:
         return len(self.tokens) - self.processed_len
+
+    @property
+    def ready_for_drafts(self) -> bool:
+        """ACTIVE past prefill with exactly the one token its previous step sampled left to process."""
+        return (
+            self.status is RequestStatus.ACTIVE
+            and self.turn_generated_tokens > 0
+            and len(self.tokens) - self.processed_len == 1
+        )
 
     def usage(self) -> Usage:
         return Usage(
@@ -279,6 +293,7 @@ class RequestState:
         self.finish_reason = FinishReason.NONE
         self.stop_matcher = stop_matcher
         self.held_logprobs = []
+        self.draft_tokens = ()
         self.status = RequestStatus.ASSIGNED
         return self.turn_id
 
@@ -306,8 +321,41 @@ class Request:
         return self._engine._cancel_turn(self, operator.index(turn_id))
 
     def set_draft_tokens(self, draft_tokens: Sequence[int]) -> None:
-        """Speculative drafts are not supported yet: ``[]`` (clear) is accepted, anything else raises."""
+        """Propose tokens that continue this request; the next step that schedules it verifies them.
+
+        The request must be ACTIVE and decode-ready (``ready_for_drafts``); at most
+        ``engine.max_draft_tokens_per_proposal()`` ids, each inside the vocabulary. A new proposal replaces a
+        pending one; ``[]`` clears it (legal in any open state). Misuse raises an ``EngineError`` and changes
+        nothing. Output is unchanged by drafts: greedy turns emit exactly their greedy tokens, sampled turns
+        keep their distribution (docs/engine.md, "Speculative drafts").
+        """
         self._engine._set_draft_tokens(self, draft_tokens)
+
+    @property
+    def ready_for_drafts(self) -> bool:
+        """Whether ``set_draft_tokens`` would accept a proposal now (ACTIVE, past prefill, one token left)."""
+        return self._state.ready_for_drafts
+
+    @property
+    def draft_tokens(self) -> tuple[int, ...]:
+        """The pending proposal (empty once a committed step consumed it)."""
+        return self._state.draft_tokens
+
+    @property
+    def drafts_proposed(self) -> int:
+        """Draft tokens of this request that committed steps verified."""
+        return self._state.drafts_proposed
+
+    @property
+    def drafts_accepted(self) -> int:
+        """Of :attr:`drafts_proposed`, those the model accepted."""
+        return self._state.drafts_accepted
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        """``drafts_accepted / drafts_proposed`` (0.0 before any draft was verified)."""
+        s = self._state
+        return s.drafts_accepted / s.drafts_proposed if s.drafts_proposed else 0.0
 
     def close(self) -> None:
         """End the request from any state (idempotent); frees its blocks and purges its pending events."""

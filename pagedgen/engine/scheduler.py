@@ -45,6 +45,14 @@ starts there (``cached_len``), so the step computes only the rest. An admission 
 is one that an earlier prefill of the same plan is about to compute is held back (it stays waiting, not
 deferred): requests that arrive together with a new shared prefix compute it once, the first of them now and
 the others from the cache once it is published, instead of each computing it side by side.
+
+Speculative drafts (``request.set_draft_tokens``) are optional decode work: after the cache selected the rows
+for their mandatory tokens, decodes in order take drafts from the remaining token budget and from the blocks
+the selection left allocatable (free ones, then unpinned cached ones, which the reservation evicts oldest
+first, like any allocation), cut where they do not fit (:mod:`pagedgen.engine.drafts`). Prefills never
+verify drafts. Drafts never defer, preempt or evict a resident: the relief above looks only at mandatory
+work. A resident that loses residency (preempted or yielding) loses its pending drafts with it: they were
+proposed after a token its re-prefill will process anew, so the caller proposes again once it decodes.
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pagedgen.cache import CacheCandidate, DeferReason, PagedCacheManager
+from pagedgen.engine.drafts import draft_width, extra_blocks, slot_capacity
 from pagedgen.engine.invariants import validate_cache, validate_prefix_content, validate_residents
 from pagedgen.engine.request import RequestState, RequestStatus
 
@@ -70,6 +79,7 @@ class RequestStepPlan:
     is_prefill: bool  # input still being prefilled (not the one token sampled by the previous step)
     is_new: bool  # not cache-resident: admitted by this step
     packed_offset: int = 0  # first row of this request in the flat token input
+    drafts: tuple[int, ...] = ()  # draft tokens verified after the decode's one token (never for prefill)
     cached_len: int = 0  # an admission's tokens found in the prefix cache (past_len includes them)
 
     @property
@@ -80,6 +90,16 @@ class RequestStepPlan:
     def target_slots(self) -> int:
         """Committed cache slots after the step commits."""
         return self.past_len + self.num_tokens
+
+    @property
+    def num_query_tokens(self) -> int:
+        """Rows of the flat input this request occupies: its tokens plus its drafts."""
+        return self.num_tokens + len(self.drafts)
+
+    @property
+    def required_slots(self) -> int:
+        """Slots the step's reservation must hold: the whole sequence, plus the drafts' K/V."""
+        return self.seq_len + len(self.drafts)
 
     @property
     def samples(self) -> bool:
@@ -115,12 +135,18 @@ class DynamicScheduler:
     """Owns request membership (waiting queue, resident order) and plans each step against the cache."""
 
     def __init__(
-        self, cache: PagedCacheManager, max_batch_size: int, max_scheduled_tokens: int, chunk_size: int | None
+        self,
+        cache: PagedCacheManager,
+        max_batch_size: int,
+        max_scheduled_tokens: int,
+        chunk_size: int | None,
+        max_draft_tokens: int = 0,
     ):
         self.cache = cache
         self.max_batch_size = max_batch_size
         self.max_scheduled_tokens = max_scheduled_tokens
         self.chunk_size = chunk_size
+        self.max_draft_tokens = max_draft_tokens  # 0: drafts are never scheduled
         self._waiting: dict[int, RequestState] = {}  # non-resident ASSIGNED requests, priority order
         self._residents: dict[int, RequestState] = {}  # cache residents, admission order
         self._next_priority = 1
@@ -227,10 +253,12 @@ class DynamicScheduler:
         return Relief(preempted=[state])
 
     def _drop_residency(self, state: RequestState) -> None:
-        """Release a resident's cache (blocks to the prefix cache) and forget that any of it was processed."""
+        """Release a resident's cache (blocks to the prefix cache) and forget that any of it was processed;
+        pending drafts go too (module docstring)."""
         self._residents.pop(state.request_id)
         self.cache.deallocate(state.request_id)
         state.processed_len = 0
+        state.draft_tokens = ()
 
     def is_resident(self, state: RequestState) -> bool:
         return state.request_id in self._residents
@@ -320,7 +348,8 @@ class DynamicScheduler:
         plan.short_of_blocks = [by_id[rid].state for rid in resources.short_of_blocks]
         plan.short_of_residency = [by_id[rid].state for rid in resources.short_of_residency]
         plan.rows = self._hold_back_duplicates(plan.rows)
-        plan.num_tokens = self._assign_tokens(plan.rows)
+        drafted = self._assign_drafts(plan.rows, resources.spare_blocks)
+        plan.num_tokens = self._assign_tokens(plan.rows, drafted)
         return plan
 
     def _candidates(self) -> list[RequestStepPlan]:
@@ -357,9 +386,33 @@ class DynamicScheduler:
             kept.append(row)
         return kept
 
-    def _assign_tokens(self, rows: list[RequestStepPlan]) -> int:
-        """Expand selected prefills in stable order within the token budget; set packed offsets."""
+    def _assign_drafts(self, rows: list[RequestStepPlan], spare_blocks: int) -> int:
+        """Give decodes with pending drafts what the mandatory tokens left of the budget and of the
+        allocatable blocks (``spare_blocks``: the cache plan's, after the selected rows), in order; returns
+        the drafts given."""
+        if not self.max_draft_tokens:
+            return 0
         budget = self.max_scheduled_tokens - len(rows)
+        free = spare_blocks
+        given = 0
+        for row in rows:
+            state = row.state
+            if row.is_prefill or row.is_new or not state.draft_tokens or budget <= 0:
+                continue
+            owned = len(self.cache.block_table(row.request_id))
+            bs = self.cache.block_size
+            capacity = slot_capacity(row.seq_len, owned, free, bs, self.cache.max_blocks_per_table)
+            width = draft_width(state, budget, self.max_draft_tokens, self.chunk_size, capacity)
+            row.drafts = state.draft_tokens[:width]
+            free -= extra_blocks(row.seq_len, width, owned, bs)
+            budget -= width
+            given += width
+        return given
+
+    def _assign_tokens(self, rows: list[RequestStepPlan], drafted: int = 0) -> int:
+        """Expand selected prefills in stable order within the token budget (less the ``drafted`` tokens);
+        set packed offsets."""
+        budget = self.max_scheduled_tokens - len(rows) - drafted
         chunk_extra = None if self.chunk_size is None else self.chunk_size - 1
         offset = 0
         for row in rows:
@@ -371,13 +424,16 @@ class DynamicScheduler:
                 row.num_tokens += extra
                 budget -= extra
             row.packed_offset = offset
-            offset += row.num_tokens
+            offset += row.num_query_tokens
         return offset
 
 
 def cache_candidates(rows: list[RequestStepPlan]) -> list[CacheCandidate]:
-    """The cache's view of rows: each must be able to hold its whole sequence (a prefill's whole input)."""
-    return [CacheCandidate(row.request_id, row.seq_len, row.is_new, row.state.block_hashes) for row in rows]
+    """The cache's view of rows: each must be able to hold its whole sequence (a prefill's whole input) and
+    the K/V of its drafts."""
+    return [
+        CacheCandidate(row.request_id, row.required_slots, row.is_new, row.state.block_hashes) for row in rows
+    ]
 
 
 def _provisional_row(state: RequestState, *, is_new: bool) -> RequestStepPlan:

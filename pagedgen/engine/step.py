@@ -35,25 +35,29 @@ from pagedgen.engine.turn_output import (
     commit_staged,
     finish_turn_now,
     sample_row,
-    stage_sampled,
+    stage_outputs,
 )
 from pagedgen.errors import CacheError
 from pagedgen.executor.inputs import SequenceChunk, pack_step
 from pagedgen.executor.runner import ModelRunner
-from pagedgen.sampling import RowSamplingError, SampledToken, Sampler
+from pagedgen.sampling import RowSamplingError, Sampler
+from pagedgen.sampling.drafts import VerifiedRow, sample_with_drafts
 
 
 @dataclass(slots=True)
 class StepResult:
     """A step's typed outcome, the events it publishes (scheduler order) and, on failure, the error.
 
-    ``affected`` lists the requests of a fatally failed step (their turns must be failed by the engine).
+    ``affected`` lists the requests of a fatally failed step (their turns must be failed by the engine);
+    ``drafts_proposed`` / ``drafts_accepted`` count the draft tokens a committed step verified / accepted.
     """
 
     outcome: StepOutcome
     events: list[EngineEvent] = field(default_factory=list)
     error: BaseException | None = None
     affected: list[RequestState] = field(default_factory=list)
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
 
 
 @dataclass(slots=True)
@@ -128,7 +132,7 @@ class DynamicStep:
             self._prepare(txn, reservation, advance)
             self._commit(txn, plan, staged, reservation, advance)
             self.isolator.on_progress()
-            return StepResult(StepOutcome.COMMITTED, self._publish(txn, staged))
+            return self._committed(txn, staged)
         except BaseException as error:
             return self._fail(txn, error)
 
@@ -196,31 +200,35 @@ class DynamicStep:
                     f"{remaining} remain and the cache holds {reservation.committed_slots(row.request_id)}"
                 )
             tokens = row.state.tokens[row.past_len : row.past_len + row.num_tokens]
+            if row.drafts:  # verified after the decode's token: one logits row per input token
+                tokens = [*tokens, *row.drafts]
             rid = row.request_id
             ring = reservation.window_ring(rid)
-            chunks.append(SequenceChunk(tokens, row.past_len, reservation.block_table(rid), window_ring=ring))
+            table = reservation.block_table(rid)
+            chunks.append(SequenceChunk(tokens, row.past_len, table, bool(row.drafts), window_ring=ring))
         inputs = pack_step(chunks, self.block_size, device=self.runner.device, window=self.window)
         inputs.fixed = reservation.fixed_bindings  # rows in step order, like the packed tokens
-        sampling = [i for i, row in enumerate(plan.rows) if row.samples]
-        if len(sampling) != len(plan.rows):  # partial prefills need no logits
-            inputs.logits_rows = inputs.logits_rows[torch.tensor(sampling, dtype=torch.long)]
+        if not all(row.samples for row in plan.rows):  # partial prefills need no logits
+            inputs.logits_rows = inputs.logits_rows[_sampled_logits(plan)]
         return inputs
 
     def _execute(self, txn: _Transaction, inputs: StepInputs) -> torch.Tensor:
         self._enter(txn, Phase.EXECUTE)
         return self.runner.execute(inputs)  # [num_sampling_rows, vocab]
 
-    def _sample(self, txn: _Transaction, plan: StepPlan, logits: torch.Tensor) -> list[SampledToken]:
-        """The sampling seam: one batched call over every row that finished its input this step."""
+    def _sample(self, txn: _Transaction, plan: StepPlan, logits: torch.Tensor) -> list[VerifiedRow]:
+        """The sampling seam: one batched call over every row that finished its input this step, verifying
+        the drafts of the rows that sent some (:mod:`pagedgen.sampling.drafts`)."""
         self._enter(txn, Phase.SAMPLE)
         sampling = plan.sampling_rows
         rows = [sample_row(row.state, self.eos_token_ids) for row in sampling]
+        drafts = [row.drafts for row in sampling]
         try:
-            return self.sampler.sample(logits, rows) if rows else []
+            return sample_with_drafts(self.sampler, logits, rows, drafts) if rows else []
         except RowSamplingError as error:  # the sampler names the row it cannot sample: only its turn fails
             raise RequestFailure(sampling[error.row].request_id, error) from error
 
-    def _stage(self, txn: _Transaction, plan: StepPlan, sampled: list[SampledToken]) -> list[StagedResult]:
+    def _stage(self, txn: _Transaction, plan: StepPlan, sampled: list[VerifiedRow]) -> list[StagedResult]:
         """Stage each row; a row's own failure (its stop matcher, say) is attributed to its request."""
         self._enter(txn, Phase.STAGE)
         tokens = iter(sampled)
@@ -229,9 +237,9 @@ class DynamicStep:
             if not row.samples:
                 staged.append(StagedResult(row.state, row.target_slots, reuse=_turn_reuse(row)))
                 continue
-            token = next(tokens)
+            verified = next(tokens)
             try:
-                staged.append(stage_sampled(row.state, token, row.seq_len, _turn_reuse(row)))
+                staged.append(_stage_row(row, verified))
             except Exception as error:
                 raise RequestFailure(row.request_id, error) from error
         return staged
@@ -249,9 +257,11 @@ class DynamicStep:
                 or state.processed_len != row.past_len - row.cached_len
             ):
                 raise ValueError(f"request {state.request_id} changed during the step")
-            if result.target_processed != row.target_slots:
+            if not row.target_slots <= result.target_processed <= row.target_slots + len(row.drafts):
                 raise ValueError(f"request {state.request_id}: staged length disagrees with the plan")
-        advance = {row.request_id: row.target_slots for row in plan.rows}
+        # Narrowed to what was accepted: the K/V of rejected drafts stays in slots past the committed length,
+        # never visible, and the next step overwrites them.
+        advance = {result.state.request_id: result.target_processed for result in staged}
         reservation.validate_commit(advance)
         return advance
 
@@ -288,6 +298,12 @@ class DynamicStep:
         for result in staged:
             events.extend(result.events)
         return events
+
+    def _committed(self, txn: _Transaction, staged: list[StagedResult]) -> StepResult:
+        result = StepResult(StepOutcome.COMMITTED, self._publish(txn, staged))
+        result.drafts_proposed = sum(row.num_drafts for row in staged)
+        result.drafts_accepted = sum(row.num_accepted for row in staged)
+        return result
 
     def _fail_unserviceable(self, plan: StepPlan) -> list[EngineEvent]:
         events = []
@@ -357,3 +373,23 @@ class DynamicStep:
                 reservation.discard()
         affected = [] if txn.plan is None else [row.state for row in txn.plan.rows]
         return StepResult(outcome, [], error, affected)
+
+
+def _stage_row(row: RequestStepPlan, verified: VerifiedRow) -> StagedResult:
+    """Stage a sampling row's outputs (its accepted drafts, then the replacement or bonus token)."""
+    return stage_outputs(
+        row.state, verified.outputs, row.seq_len, verified.num_drafts, verified.num_accepted, _turn_reuse(row)
+    )
+
+
+def _sampled_logits(plan: StepPlan) -> torch.Tensor:
+    """Indices of the packed logits rows that are sampled: every row of a sampling request (one, or K+1 with
+    drafts), none of a partial prefill (which never has drafts, so it owns exactly one packed logits row)."""
+    keep: list[int] = []
+    at = 0
+    for row in plan.rows:
+        width = len(row.drafts) + 1
+        if row.samples:
+            keep.extend(range(at, at + width))
+        at += width
+    return torch.tensor(keep, dtype=torch.long)

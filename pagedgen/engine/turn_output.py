@@ -8,10 +8,15 @@ matcher holds back are released (and emitted) once they cannot be part of a stop
 ends for another reason; on a match, the text of the unemitted tokens before the stop string travels on the
 terminal event as ``text_before_stop``. Staging mutates only the stop matcher and ``held_logprobs``, both
 checkpointed by the transaction; :func:`commit_staged` publishes the rest.
+
+A row that verified drafts has several outputs (the accepted drafts, then the replacement or bonus token):
+:func:`stage_outputs` runs them through the same end conditions in order and stops at the first that ends
+the turn, so nothing after an EOS, a stop string or a limit is appended or emitted.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pagedgen.engine.events import (
@@ -33,9 +38,11 @@ class StagedResult:
 
     state: RequestState
     target_processed: int  # processed length after commit (the cache's committed slots)
-    token: int | None = None  # appended to the sequence (None: partial prefill, or EOS)
+    tokens: list[int] = field(default_factory=list)  # appended to the sequence (none: partial prefill, EOS)
     finish: FinishReason = FinishReason.NONE
     events: list[EngineEvent] = field(default_factory=list)
+    num_drafts: int = 0  # drafts this row verified
+    num_accepted: int = 0  # of those, accepted
     reuse: TurnReuse | None = None  # set by the turn's first input step: what it did not compute
 
 
@@ -57,39 +64,72 @@ def stage_sampled(
 ) -> StagedResult:
     """Stage the token sampled after the request's last input token (sequence length ``seq_len``);
     ``reuse``: set by the turn's first input step."""
-    staged = StagedResult(state, target_processed=seq_len, reuse=reuse)
-    logprobs = None
-    if state.turn.num_logprobs and sampled.logprob is not None:
-        logprobs = TokenLogprobs(sampled.logprob, tuple(sampled.top_logprobs))
-    text_before_stop = ""
-    if sampled.token in state.eos_token_ids:
-        staged.finish = FinishReason.EOS
-        released = _flush(state)
-        matched = None
-    else:
-        staged.token = sampled.token
-        released, matched, text_before_stop = _feed(state, sampled.token, logprobs)
-        generated = state.turn_generated_tokens + 1
-        if matched is not None:
-            staged.finish = FinishReason.STOP_SEQUENCE
-            state.held_logprobs.clear()
-        elif state.turn.max_generated_tokens and generated >= state.turn.max_generated_tokens:
-            staged.finish = FinishReason.MAX_GENERATED_TOKENS
-        elif seq_len + 1 >= state.max_total_tokens:
-            staged.finish = FinishReason.MAX_SESSION_TOKENS
-        if staged.finish in (FinishReason.MAX_GENERATED_TOKENS, FinishReason.MAX_SESSION_TOKENS):
+    return stage_outputs(state, [sampled], seq_len, reuse=reuse)
+
+
+def stage_outputs(
+    state: RequestState,
+    outputs: Sequence[SampledToken],
+    seq_len: int,
+    num_drafts: int = 0,
+    num_accepted: int = 0,
+    reuse: TurnReuse | None = None,
+) -> StagedResult:
+    """Stage a row's outputs in order: output ``j`` (from 1) was sampled after the row's last input token
+    followed by outputs ``1..j-1`` (accepted drafts). Stops at the first output that ends the turn.
+
+    The committed length covers the inputs whose logits were used: ``seq_len + used - 1``, so the last
+    appended token stays the one unprocessed token, exactly as without drafts. ``reuse``: set by the turn's
+    first input step (never a row with drafts, which only a decode verifies).
+    """
+    tokens: list[int] = []
+    released: list[tuple[int, TokenLogprobs | None]] = []
+    finish, matched, text_before_stop, used = FinishReason.NONE, None, "", 0
+    for sampled in outputs:
+        used += 1
+        if sampled.token in state.eos_token_ids:
+            finish = FinishReason.EOS
             released += _flush(state)
-    generated = state.turn_generated_tokens + (staged.token is not None)
-    staged.events = turn_events(
+            break
+        tokens.append(sampled.token)
+        logprobs = None
+        if state.turn.num_logprobs and sampled.logprob is not None:
+            logprobs = TokenLogprobs(sampled.logprob, tuple(sampled.top_logprobs))
+        fed, matched, text_before_stop = _feed(state, sampled.token, logprobs)
+        released += fed
+        finish = _limit_reached(state, matched, len(tokens), seq_len)
+        if finish is FinishReason.STOP_SEQUENCE:
+            state.held_logprobs.clear()
+        elif finish is not FinishReason.NONE:
+            released += _flush(state)
+        if finish is not FinishReason.NONE:
+            break
+    generated = state.turn_generated_tokens + len(tokens)
+    events = turn_events(
+        state, released, finish, generated, matched, text_before_stop=text_before_stop, reuse=reuse
+    )
+    return StagedResult(
         state,
-        released,
-        staged.finish,
-        generated,
-        matched,
-        text_before_stop=text_before_stop,
+        seq_len + used - 1,
+        tokens,
+        finish,
+        events,
+        num_drafts=num_drafts,
+        num_accepted=num_accepted,
         reuse=reuse,
     )
-    return staged
+
+
+def _limit_reached(state: RequestState, matched: int | None, num_new: int, seq_len: int) -> FinishReason:
+    """Why the turn ends after its ``num_new``-th appended output of this step (NONE: it goes on)."""
+    if matched is not None:
+        return FinishReason.STOP_SEQUENCE
+    limit = state.turn.max_generated_tokens
+    if limit and state.turn_generated_tokens + num_new >= limit:
+        return FinishReason.MAX_GENERATED_TOKENS
+    if seq_len + num_new >= state.max_total_tokens:
+        return FinishReason.MAX_SESSION_TOKENS
+    return FinishReason.NONE
 
 
 def _feed(
@@ -181,10 +221,12 @@ def turn_events(
 def commit_staged(staged: StagedResult) -> None:
     """Publish a staged row into its request: token, counts, processed length, status. Cannot fail."""
     state = staged.state
-    if staged.token is not None:
-        state.tokens.append(staged.token)
-        state.generated.append(staged.token)
-        state.turn_generated_tokens += 1
+    state.tokens.extend(staged.tokens)
+    state.generated.extend(staged.tokens)
+    state.turn_generated_tokens += len(staged.tokens)
+    state.draft_tokens = ()  # the step consumed the proposal, drafts cut by its budget included
+    state.drafts_proposed += staged.num_drafts
+    state.drafts_accepted += staged.num_accepted
     state.processed_len = staged.target_processed
     if staged.reuse is not None:
         state.turn_reuse = staged.reuse
@@ -202,6 +244,7 @@ def finish_turn_now(
     """
     released = [] if reason is FinishReason.FAILED else _flush(state)
     state.held_logprobs.clear()
+    state.draft_tokens = ()
     state.status = RequestStatus.TURN_COMPLETE
     state.finish_reason = reason
     return turn_events(state, released, reason, state.turn_generated_tokens, error_code=error_code)

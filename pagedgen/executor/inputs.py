@@ -23,7 +23,8 @@ class SequenceChunk:
 
     ``tokens`` are the request's unprocessed tokens sent this step, ``past_len`` the number of tokens already
     in its committed KV cache, ``block_table`` its physical blocks (committed + reserved), in logical order.
-    ``all_logits`` asks for one logits row per token (draft verification) instead of only the last one.
+    ``all_logits`` asks for one logits row per token (draft verification) instead of only the last one; the
+    row is then a verification row (``StepInputs.verify_rows``), whose tokens attend as decodes.
     ``window_ring`` is the request's ring of window blocks when its sliding-window layers keep one.
     """
 
@@ -115,6 +116,7 @@ def pack_step(
         min_kv_len=int(kv_lens.min()),
         block_size=block_size,
         window=window_inputs,
+        verify_rows=tuple(int(i) for i in np.flatnonzero(want_all)),
     )
 
 

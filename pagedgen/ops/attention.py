@@ -189,6 +189,11 @@ def plan_attention(
 ) -> AttentionPlan:
     """Build the step's :class:`AttentionPlan` for caches like ``k_cache`` (any layer's; they share a layout).
 
+    The tokens of draft-verification rows (``inputs.verify_rows``) are planned as decodes of their own, each
+    over the keys through its position, not as a prefill SDPA: a step of decodes and drafts then stays a pure
+    decode step (the native kernel, the fused decoder), and each draft row attends exactly as the decode of
+    that position would.
+
     ``use_native=False`` forces the pure-torch decode path (tests and benchmarks compare the two).
     ``window`` plans for sliding-window layers: a query at ``p`` sees keys ``p - window + 1 .. p``, read
     from the step's rings (``inputs.window``) when it has them, else from the block tables.
@@ -197,16 +202,23 @@ def plan_attention(
     q_lens = inputs.query_lens.tolist()
     kv_lens = inputs.kv_lens.tolist()
     view = _full_view(inputs) if window is None else _window_view(inputs, window)
-    decode_rows = [i for i, n in enumerate(q_lens) if n == 1]
-    rows = torch.tensor(decode_rows, dtype=torch.long)  # [Bd]
+    verify = set(inputs.verify_rows)
+    decode_rows = [i for i, n in enumerate(q_lens) if n == 1 or i in verify]
     kernel = decode_kernel() if use_native and decode_rows else None
     if kernel is not None and not kernel.supports(k_cache, k_cache, k_cache):
         kernel = None
-    rel_lens = [kv_lens[i] - view.first_pos[i] for i in decode_rows]
+    # One decode entry per token: a verification row's token j sees the keys through its own position.
+    owner = [i for i in decode_rows for _ in range(q_lens[i])]  # the row of each entry
+    ends = [kv_lens[i] - q_lens[i] + 1 + j for i in decode_rows for j in range(q_lens[i])]  # keys seen
+    rel_lens = [end - view.first_pos[i] for i, end in zip(owner, ends, strict=True)]
     starts = None
     if window is not None:
-        starts = [max(0, kv_lens[i] - window) - view.first_pos[i] for i in decode_rows]
-    token_rows = inputs.cu_seqlens[:-1].long()[rows].to(device)
+        starts = [max(0, end - window) - view.first_pos[i] for i, end in zip(owner, ends, strict=True)]
+    cu = inputs.cu_seqlens.tolist()
+    token_rows = torch.tensor(
+        [cu[i] + j for i in decode_rows for j in range(q_lens[i])], dtype=torch.long, device=device
+    )
+    rows = torch.tensor(owner, dtype=torch.long)  # [Bd]
     tables = view.tables[rows].to(device=device, dtype=torch.int32).contiguous()
     return AttentionPlan(
         block_size=inputs.block_size,
@@ -216,7 +228,7 @@ def plan_attention(
         decode_buckets=None
         if kernel is not None
         else _decode_buckets(token_rows, tables, rel_lens, starts, inputs.block_size),
-        prefill=_prefill_rows(inputs, q_lens, view, window, device),
+        prefill=_prefill_rows(inputs, q_lens, view, window, device, verify),
         kernel=kernel,
         slot_mapping=view.slot_mapping,
         decode_starts=None if starts is None else torch.tensor(starts, dtype=torch.int32, device=device),
@@ -340,9 +352,14 @@ def _decode_bucket(
 
 
 def _prefill_rows(
-    inputs: StepInputs, q_lens: list[int], view: _KeyView, window: int | None, device: torch.device
+    inputs: StepInputs,
+    q_lens: list[int],
+    view: _KeyView,
+    window: int | None,
+    device: torch.device,
+    verify: set[int],
 ) -> list[PrefillRow]:
-    if all(n == 1 for n in q_lens):
+    if all(n == 1 or i in verify for i, n in enumerate(q_lens)):
         return []
     block_size = inputs.block_size
     cu = inputs.cu_seqlens.tolist()
@@ -350,7 +367,7 @@ def _prefill_rows(
     tables = view.tables.long()  # [B, W]
     rows = []
     for i, q_len in enumerate(q_lens):
-        if q_len == 1:
+        if q_len == 1 or i in verify:
             continue
         first = view.first_pos[i]
         kv_len = past[i] + q_len - first  # keys gathered, from position ``first``

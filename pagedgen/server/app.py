@@ -73,13 +73,16 @@ class ServerOptions:
     """What ``pagedgen serve`` configures beyond the engine.
 
     ``max_queued_requests``: how many requests may wait beyond a full batch (``max_batch_size`` running);
-    past that, 429 with ``Retry-After`` (see :mod:`pagedgen.server.admission`).
+    past that, 429 with ``Retry-After`` (see :mod:`pagedgen.server.admission`). ``speculative="ngram"``:
+    prompt-lookup drafts, up to ``num_speculative_tokens`` per step and request (:mod:`pagedgen.spec`).
     """
 
     model_name: str = "default"
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -89,6 +92,12 @@ class ServerOptions:
         if self.max_queued_requests < 0:
             raise ValueError(
                 f"ServerOptions.max_queued_requests must be >= 0, got {self.max_queued_requests}"
+            )
+        if self.speculative not in (None, "ngram"):  # pagedgen.spec.SPECULATIVE_METHODS
+            raise ValueError(f"ServerOptions.speculative must be None or 'ngram', got {self.speculative!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"ServerOptions.num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"
             )
 
 
@@ -108,7 +117,13 @@ class _Server:
 def build_app(model: Any, engine_config: Any, options: ServerOptions, *, tokenizer: Any = None) -> FastAPI:
     """A ready-to-serve app: the worker thread (and the engine on it) starts with the app's lifespan."""
     metrics = ServerMetrics(options.model_name)
-    worker = EngineWorker(model, engine_config, metrics=metrics)
+    worker = EngineWorker(
+        model,
+        engine_config,
+        metrics=metrics,
+        speculative=options.speculative,
+        num_speculative_tokens=options.num_speculative_tokens,
+    )
     tok = tokenizer if tokenizer is not None else tokenizer_for(model)
     return create_app(
         worker, tok, metrics, options, context=context_length(model), vocab_size=model.vocab_size

@@ -43,10 +43,13 @@ _GAUGES = {
     "fixed_state_slots_total": "Fixed conv/recurrent state slots (0 for a model without fixed state).",
     "fixed_state_slots_free": "Fixed conv/recurrent state slots free (each resident owns one).",
     "healthy": "1 while the engine is healthy, 0 once it failed.",
+    "spec_decode_draft_acceptance_rate": "Accepted / verified speculative draft tokens (0 before any).",
 }
 _COUNTERS = {
     "engine_steps": "Engine transactions committed.",
     "engine_rollbacks": "Engine transactions rolled back.",
+    "spec_decode_num_draft_tokens": "Speculative draft tokens verified by committed steps.",
+    "spec_decode_num_accepted_tokens": "Speculative draft tokens accepted.",
     "prefix_cache_queries": "Prompt tokens whose admission looked up the prefix cache.",
     "prefix_cache_hits": "Prompt tokens served from the prefix cache instead of computed.",
     "num_preemptions": "Running requests preempted (sent back to the queue, re-prefilled later).",
@@ -76,6 +79,9 @@ class _EngineCollector(Collector):
             "fixed_state_slots_total": snap.fixed_total_slots,
             "fixed_state_slots_free": snap.fixed_free_slots,
             "healthy": int(snap.healthy),
+            "spec_decode_draft_acceptance_rate": (
+                snap.drafts_accepted / snap.drafts_proposed if snap.drafts_proposed else 0.0
+            ),
         }
         for name, value in levels.items():
             yield self._sample(
@@ -84,6 +90,8 @@ class _EngineCollector(Collector):
         counts = {
             "engine_steps": snap.steps,
             "engine_rollbacks": snap.rollbacks,
+            "spec_decode_num_draft_tokens": snap.drafts_proposed,
+            "spec_decode_num_accepted_tokens": snap.drafts_accepted,
             "prefix_cache_queries": snap.prefix_queried_tokens,
             "prefix_cache_hits": snap.prefix_hit_tokens,
             "num_preemptions": snap.preemptions,

@@ -102,6 +102,8 @@ class EngineSnapshot:
     window_free_blocks: int = 0
     fixed_total_slots: int = 0  # fixed conv / recurrent state slots (0 without fixed state)
     fixed_free_slots: int = 0
+    drafts_proposed: int = 0  # speculative draft tokens the engine verified
+    drafts_accepted: int = 0  # of those, accepted
     prefix_queried_tokens: int = 0  # prompt tokens of committed admissions that looked up the prefix cache
     prefix_hit_tokens: int = 0  # of those, served from the cache
     preemptions: int = 0
@@ -158,11 +160,25 @@ class EngineWorker:
 
     ``metrics`` (optional) receives ``on_started / on_tokens / on_finished / on_cancelled`` calls from the
     owner thread. ``start`` creates the engine on the new thread and re-raises its construction error.
+    ``speculative="ngram"`` proposes up to ``num_speculative_tokens`` prompt-lookup drafts for every
+    decoding job before each step (:mod:`pagedgen.spec`); ``start`` raises ``ValueError`` for a bad setting.
     """
 
-    def __init__(self, model: Any, engine_config: Any, *, metrics: Any = None, max_events: int = 256):
+    def __init__(
+        self,
+        model: Any,
+        engine_config: Any,
+        *,
+        metrics: Any = None,
+        max_events: int = 256,
+        speculative: str | None = None,
+        num_speculative_tokens: int = 4,
+    ):
         self._model = model
         self._config = engine_config
+        self._speculative = speculative
+        self._num_speculative_tokens = num_speculative_tokens
+        self._drafter: Any = None
         self._metrics = metrics
         self._max_events = max_events
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -230,8 +246,10 @@ class EngineWorker:
     def _main(self) -> None:
         try:
             from pagedgen.engine.engine import Engine
+            from pagedgen.spec import make_driver
 
             self._engine = Engine(self._model, self._config)
+            self._drafter = make_driver(self._engine, self._speculative, self._num_speculative_tokens)
             self._buffer = self._engine.create_event_buffer(self._max_events)
             self._publish()
         except BaseException as exc:  # reported to start()'s caller
@@ -336,10 +354,14 @@ class EngineWorker:
         """Close the job's request (purging its undrained events, freeing its blocks) and drop it."""
         del self._jobs[job.job_id]
         del self._by_request[id(job.request)]
+        if self._drafter is not None:
+            self._drafter.forget(job.request)
         job.request.close()
 
     def _step(self) -> None:
         try:
+            if self._drafter is not None:
+                self._drafter.propose(job.request for job in self._jobs.values())
             events = self._engine.run(self._buffer)
         except Exception as exc:
             self._fail(exc)
@@ -420,6 +442,8 @@ class EngineWorker:
                 fixed_free_slots=self._snapshot.fixed_free_slots,
                 steps=self._snapshot.steps,
                 rollbacks=self._snapshot.rollbacks,
+                drafts_proposed=self._snapshot.drafts_proposed,
+                drafts_accepted=self._snapshot.drafts_accepted,
                 healthy=False,
                 prefix_queried_tokens=self._snapshot.prefix_queried_tokens,
                 prefix_hit_tokens=self._snapshot.prefix_hit_tokens,
@@ -439,6 +463,8 @@ class EngineWorker:
             window_free_blocks=stats.window_free_blocks,
             fixed_total_slots=stats.fixed_total_slots,
             fixed_free_slots=stats.fixed_free_slots,
+            drafts_proposed=stats.drafts_proposed,
+            drafts_accepted=stats.drafts_accepted,
             prefix_queried_tokens=stats.prefix_queried_tokens,
             prefix_hit_tokens=stats.prefix_hit_tokens,
             preemptions=stats.preemptions,

@@ -196,3 +196,31 @@ def test_metrics_report_empty_extra_pools_for_a_full_attention_model(synthetic_s
     text = settled_metrics(synthetic_server)
     for name in ("window_cache_blocks_total", "window_cache_blocks_free", "fixed_state_slots_total"):
         assert metric(text, f"pagedgen:{name}", model_name="synthetic") == 0
+
+
+def test_ngram_speculation_keeps_the_exact_tokens_and_reports_its_drafts():
+    """``--speculative ngram``: the worker proposes prompt-lookup drafts; output is unchanged, /metrics counts
+    the drafts. The prompt repeats the bigram (9, first generated token) so that a proposal exists."""
+    prompt = next(p for q in range(VOCAB) if synthetic_greedy(p := [3, 9, 4, 8, q, 9], 1, VOCAB) == [4])
+    server = serve(SyntheticModel(vocab_size=VOCAB), speculative="ngram", num_speculative_tokens=3)
+    try:
+        out = _client(server).completions.create(
+            model="synthetic", prompt=prompt, max_tokens=12, temperature=0
+        )
+        assert out.choices[0].text == SyntheticTokenizer(VOCAB).decode(synthetic_greedy(prompt, 12, VOCAB))
+        text = settled_metrics(server)
+        proposed = metric(text, "pagedgen:spec_decode_num_draft_tokens_total", model_name="synthetic")
+        accepted = metric(text, "pagedgen:spec_decode_num_accepted_tokens_total", model_name="synthetic")
+        rate = metric(text, "pagedgen:spec_decode_draft_acceptance_rate", model_name="synthetic")
+        assert proposed > 0 and 0 <= accepted <= proposed and rate == pytest.approx(accepted / proposed)
+    finally:
+        server.stop()
+
+
+def test_bad_speculative_settings_are_refused():
+    with pytest.raises(ValueError, match="speculative"):
+        serve(SyntheticModel(vocab_size=VOCAB), speculative="eagle")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        serve(SyntheticModel(vocab_size=VOCAB), speculative="ngram", num_speculative_tokens=0)
+    with pytest.raises(RuntimeError, match="did not start"):  # above max_draft_tokens: the engine refuses
+        serve(SyntheticModel(vocab_size=VOCAB), speculative="ngram", num_speculative_tokens=99)

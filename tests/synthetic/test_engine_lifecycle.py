@@ -245,8 +245,11 @@ def test_capacity_zero_is_a_no_op():
 
 def test_stats_and_capabilities():
     engine = make_engine(block_size=4, num_blocks=32)
-    assert engine.max_draft_tokens_per_proposal() == 0
+    assert engine.max_draft_tokens_per_proposal() == pg.EngineConfig().max_draft_tokens == 8
     waiting = submit(engine, list(range(1, 10)), 2)
+    waiting.set_draft_tokens([])
+    with pytest.raises(pg.EngineError, match="draft"):  # queued: drafts wait for a decode
+        waiting.set_draft_tokens([1, 2])
     stats = engine.stats()
     assert (stats.total_blocks, stats.free_blocks, stats.resident_requests, stats.queued_requests) == (
         32,
@@ -258,9 +261,7 @@ def test_stats_and_capabilities():
     stats = engine.stats()
     assert (stats.free_blocks, stats.resident_requests, stats.queued_requests, stats.steps) == (29, 1, 0, 1)
     assert stats.pending_events == 0 and stats.rollbacks == 0 and stats.healthy
-    waiting.set_draft_tokens([])
-    with pytest.raises(pg.EngineError, match="draft"):
-        waiting.set_draft_tokens([1, 2])
+    assert (stats.drafts_proposed, stats.drafts_accepted, stats.draft_acceptance_rate) == (0, 0, 0.0)
 
 
 def test_unserviceable_turn_fails_while_others_go_on():

@@ -24,6 +24,12 @@ except for cached blocks it evicted after its model may have run (they come back
 docs/cache.md). Every terminal event's ``cached_prompt_tokens`` lies within its ``prompt_tokens`` (0 with
 caching off).
 
+Speculative drafts are a rule too: correct, wrong or partly correct proposals (from the request's committed
+sequence), clears, and refused proposals (too many, out of the vocabulary, wrong state, or any proposal on the
+hybrid model, which cannot verify drafts). The exact-token check is unchanged: drafts never change output,
+with prefix caching on (a block published at commit holds only accepted tokens) and across preemption (a
+preempted request's pending drafts are dropped).
+
 Faults are transient (each clears after one step), so a rolled-back step changes nothing else, except that
 failure isolation may fail one turn (REQUEST_FAILED) once MAX_RETRIES steps in a row have rolled back without
 a commit between them: the machine counts those from the engine's stats and allows exactly that.
@@ -226,6 +232,64 @@ class EngineMachine(RuleBasedStateMachine):
         exp.handle = None  # our last reference (retained events may still hold it until drained)
         exp.dropped = True
 
+    @rule(
+        rid=requests,
+        kind=st.sampled_from(["correct", "wrong", "partly", "clear", "too_many", "out_of_vocab"]),
+        k=st.integers(1, 4),
+    )
+    def propose(self, rid, kind, k):
+        exp = self.expected[rid]
+        handle = exp.handle
+        if handle is None:
+            return
+        if kind == "clear":
+            if exp.closed:
+                self.assert_refused(lambda: handle.set_draft_tokens([]))
+            else:
+                handle.set_draft_tokens([])
+                assert handle.draft_tokens == ()
+            return
+        drafts = self.drafts_for(handle, kind, k)
+        legal = self.decoding(exp) and 0 < len(drafts) <= self.engine.max_draft_tokens_per_proposal()
+        if not legal or kind == "out_of_vocab":
+            self.assert_refused(lambda: handle.set_draft_tokens(drafts))
+            return
+        handle.set_draft_tokens(drafts)
+        assert handle.draft_tokens == tuple(drafts)
+        note(f"drafts {kind}")
+
+    @rule(kind=st.sampled_from(["correct", "wrong", "partly"]), k=st.integers(1, 4), calls=st.integers(1, 6))
+    def run_with_drafts(self, kind, k, calls):
+        """Propose for every decoding request before each run (what a proposer above the engine does)."""
+        for _ in range(calls):
+            for exp in self.expected.values():
+                if exp.handle is not None and self.decoding(exp) and self.hybrid is False:
+                    exp.handle.set_draft_tokens(self.drafts_for(exp.handle, kind, k))
+                    note(f"drafts {kind} before a run")
+            self.run(16, 1)
+
+    def decoding(self, exp: Expected) -> bool:
+        """ACTIVE with one token to process, and this turn generated already (judged from the handle)."""
+        handle = exp.handle
+        return (
+            not exp.closed
+            and handle.status is pg.RequestStatus.ACTIVE
+            and handle.processed_length == handle.sequence_length - 1
+            and handle.sequence_length > len(exp.seq)
+        )
+
+    def drafts_for(self, handle: pg.Request, kind: str, k: int) -> list[int]:
+        seq = list(handle.tokens)
+        truth = synthetic_greedy(seq, k, VOCAB, None, self.hybrid) if seq else [0] * k
+        wrong = [(t + 1) % VOCAB for t in truth]
+        return {
+            "correct": truth,
+            "wrong": wrong,
+            "partly": truth[:1] + wrong[1:],
+            "too_many": truth + [0] * self.engine.max_draft_tokens_per_proposal(),
+            "out_of_vocab": [VOCAB],
+        }[kind]
+
     @rule(phase=st.sampled_from(["checkpoint", "pack", "execute", "sample", "stage", "validate"]))
     def retryable_fault(self, phase):
         self.engine.has_pending_requests()  # reclaim first, so the snapshot is what the step starts from
@@ -314,9 +378,16 @@ class EngineMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self):
         assert self.engine.check_invariants() == []
+        stats = self.engine.stats()
+        assert 0 <= stats.drafts_accepted <= stats.drafts_proposed
+        assert self.hybrid is (self.engine.max_draft_tokens_per_proposal() == 0)
         for rid, exp in self.expected.items():
             if not exp.closed and not exp.dropped:
                 assert rid in self.engine._states
+            waiting_or_done = (pg.RequestStatus.ASSIGNED, pg.RequestStatus.TURN_COMPLETE)
+            if exp.handle is not None and exp.handle.status in waiting_or_done:
+                # pending drafts only ever wait for a decode: a finished turn or a preemption dropped them
+                assert exp.handle.draft_tokens == ()
 
     def teardown(self):
         for exp in self.expected.values():
@@ -339,3 +410,41 @@ class EngineMachine(RuleBasedStateMachine):
 
 EngineMachine.TestCase.settings = settings(max_examples=1000, stateful_step_count=30, deadline=None)
 test_engine_state_machine = EngineMachine.TestCase
+
+
+class DraftMachine(EngineMachine):
+    """The same machine on models that verify drafts, proposing before every run: drafts in most steps.
+    Without a window prefix caching is on, and the 5-block pools preempt often, so drafts meet cache hits,
+    blocks published at narrowed commits and preempted requests."""
+
+    @initialize(window=st.none() | st.integers(2, 9), num_blocks=st.sampled_from([12, 5]))
+    def start(self, window, num_blocks):
+        EngineMachine.start(self, window, False, num_blocks)
+
+    @rule(
+        capacity=st.sampled_from([0, 1, 2, 16]),
+        calls=st.integers(1, 12),
+        kind=st.sampled_from(["correct", "wrong", "partly"]),
+        k=st.integers(1, 4),
+    )
+    def run(self, capacity, calls=1, kind="correct", k=1):
+        for _ in range(calls):
+            proposed = []
+            for exp in self.expected.values():
+                if exp.handle is not None and self.decoding(exp):
+                    exp.handle.set_draft_tokens(self.drafts_for(exp.handle, kind, k))
+                    proposed.append(exp.handle)
+                    note(f"drafts {kind} before a run")
+            before = self.engine.stats()
+            super().run(capacity, 1)
+            after = self.engine.stats()
+            if after.preemptions > before.preemptions and any(
+                h.status is pg.RequestStatus.ASSIGNED for h in proposed
+            ):
+                note("preempted with drafts pending")
+            if self.caching and after.drafts_proposed > before.drafts_proposed:
+                note("drafts verified with prefix caching")
+
+
+DraftMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=30, deadline=None)
+test_draft_state_machine = DraftMachine.TestCase

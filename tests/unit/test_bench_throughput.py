@@ -39,6 +39,20 @@ def test_pagedgen_run_generates_each_requests_exact_greedy_tokens():
     assert paged.profiler is None
 
 
+def test_speculative_option_adds_a_pagedgen_ngram_record_with_its_drafts():
+    requests = build_workload(SPEC, MODEL.tokenizer)
+    options = PagedgenOptions(max_batch_size=4, num_blocks=64, speculative="ngram", num_speculative_tokens=3)
+    result = ThroughputResult()
+    bench_workload(SPEC, MODEL, MODEL.tokenizer, options, {}, peak_flops=None, result=result, log=str)
+    plain, drafted = result.records
+    assert (plain.system, drafted.system) == ("pagedgen", "pagedgen+ngram")
+    assert drafted.match_rate == 1.0 and drafted.exact_match_requests == len(requests)
+    details = drafted.details
+    assert details["num_speculative_tokens"] == 3 and details["speedup_vs_pagedgen"] > 0
+    assert 0 <= details["drafts_accepted"] <= details["drafts_proposed"]
+    assert "drafts_proposed" not in plain.details
+
+
 def _greedy_runner(requests, batch):
     return SystemRun(_expected(requests), wall_s=1.0)
 

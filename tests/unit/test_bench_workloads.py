@@ -1,4 +1,4 @@
-"""bench.workloads: W1/W2/B1 are exactly their definitions, deterministic, and cut from the built-in text."""
+"""bench.workloads: W1/W2/B1/R1 are exactly their definitions, deterministic, cut from the built-in text."""
 
 from __future__ import annotations
 
@@ -6,11 +6,16 @@ import pytest
 
 from pagedgen.bench.workloads import (
     B1,
+    BENCH_TEXT,
+    R1,
+    REPEAT_INSTRUCTION,
     W1,
     W2,
     LengthRange,
     WorkloadSpec,
     build_workload,
+    repeat_prompt,
+    repeat_text,
     text_tokens,
     workload_by_name,
     workload_totals,
@@ -114,3 +119,45 @@ def test_lookup_and_parsing():
 def test_spec_validation(build, message):
     with pytest.raises(ValueError, match=message):
         build()
+
+
+def test_r1_asks_to_repeat_whole_sentences_of_the_text_at_batch_one():
+    requests = build_workload(R1, TOKENIZER)
+    assert len(requests) == 4 and R1.max_batch_size == 1 and {r.output_len for r in requests} == {128}
+    instruction = TOKENIZER.encode(REPEAT_INSTRUCTION)
+    flat = " ".join(BENCH_TEXT.split())
+    for request in requests:  # the synthetic codec is one token per character
+        assert list(request.prompt_ids[: len(instruction)]) == instruction
+        text = TOKENIZER.decode(list(request.prompt_ids[len(instruction) :]))
+        assert 0 < len(text) <= 160 and text.endswith(".") and text[0].isupper()
+        assert text in flat + " " + flat  # a paragraph start, whole sentences, wrapping to the first
+    assert build_workload(R1, TOKENIZER) == requests
+    assert len({r.prompt_ids for r in requests}) == 4  # paragraphs 0..3
+    assert "repeat <= 160 text tokens" in R1.describe()
+
+
+def test_repeat_text_takes_whole_sentences_from_a_paragraph_start():
+    text = repeat_text(TOKENIZER, 6, 120)  # paragraph 6 mod 6: the first
+    assert text.startswith("The harbour town woke slowly") and text.endswith(".") and len(text) <= 120
+    assert repeat_text(TOKENIZER, 1, 5) == ""  # not even one sentence fits
+
+
+class TemplateTokenizer:
+    """The synthetic codec plus a chat template: repeat prompts go through it."""
+
+    def __init__(self):
+        self.inner = TOKENIZER
+
+    def encode(self, text):
+        return self.inner.encode(text)
+
+    def decode(self, ids):
+        return self.inner.decode(ids)
+
+    def apply_chat_template(self, messages):
+        return f"<user>{messages[0]['content']}</user>"
+
+
+def test_repeat_prompts_use_the_chat_template_when_there_is_one():
+    prompt = repeat_prompt(TemplateTokenizer(), "Hello.")
+    assert prompt == TOKENIZER.encode("<user>" + REPEAT_INSTRUCTION + "Hello.</user>")

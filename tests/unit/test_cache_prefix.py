@@ -176,6 +176,28 @@ def test_planning_counts_cached_blocks_as_free_but_a_claimed_hit_only_once() -> 
     assert [c.request_id for c in plan.selected] == ["b", "c"] and plan.short_of_blocks == ("d",)
 
 
+def test_spare_blocks_are_the_supply_the_selection_left_for_drafts() -> None:
+    """Free plus evictable cached blocks, less the selection's own blocks and the cached hits it claimed: what
+    a resident's speculative drafts may still take. Reserving it all succeeds, evicting only unpinned
+    blocks."""
+    m = manager(num_blocks=6)
+    admit(m, "a", list(range(13)))  # 0, 1, 2 named, 3 partial
+    m.deallocate("a")  # 0, 1, 2 CACHED
+    admit(m, "r", [50 + i for i in range(5)])  # a resident (2 blocks): 1 FREE block left
+    r_hashes = BlockHashes([50 + i for i in range(6)], BS)
+    decode = CacheCandidate("r", 6, False, r_hashes)
+    b = new("b", list(range(8)) + [1])  # hits 0, 1 and needs one block of its own
+    plan = m.plan_step_resources([decode, b])
+    assert plan.new_blocks == 1 and plan.spare_blocks == (1 + 3) - 1 - 2  # cached block 2, unclaimed
+    drafted = CacheCandidate("r", 6 + 4 * plan.spare_blocks, False, r_hashes)  # drafts up to slot 10
+    reservation = m.reserve([drafted, b])
+    assert [block for block, _, _ in reservation.evicted] == [2]  # never the pinned 0 and 1
+    assert reservation.row("b").cached_blocks == (0, 1) and len(reservation.row("r").new_blocks) == 1
+    assert validate_cache(m) == []
+    reservation.discard(restore_evicted=True)
+    assert sorted(m.pool.cached_list()) == [0, 1, 2] and validate_cache(m) == []
+
+
 def test_reserve_refuses_what_eviction_cannot_cover_and_changes_nothing() -> None:
     m = manager(num_blocks=3)
     admit(m, "a", list(range(9)))

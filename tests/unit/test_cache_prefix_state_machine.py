@@ -6,7 +6,9 @@ machine simulates the model: a step "runs" by writing each row's new tokens into
 table (``slots``), and a rolled-back step either ran (its writes stay, as on a device) or did not. The oracle:
 after every operation the invariant validators find nothing, and every committed slot of every resident holds
 exactly that request's own token, which a wrongly shared, wrongly evicted or wrongly restored block breaks.
-Releasing everything leaves every block free or cached (so ``free_blocks`` is the whole pool).
+Releasing everything leaves every block free or cached (so ``free_blocks`` is the whole pool). Speculative
+decodes write draft tokens past the sequence and commit only the accepted ones: a block that only the rejected
+drafts filled is never published, and the slot oracle proves no admission ever reads one.
 """
 
 from __future__ import annotations
@@ -102,6 +104,42 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.tokens[rid] += extra  # the request's input grows (its digests follow the same list)
         self.ran = False
         self._step(data, [self._candidate(rid, self.tokens[rid], False)], {rid: self.tokens[rid]})
+
+    @rule(data=st.data(), drafts=st.lists(st.integers(0, 1), min_size=1, max_size=4))
+    def speculate(self, data, drafts) -> None:
+        """A decode that verifies drafts: its reservation also holds the drafts' slots, the model writes the
+        drafts there, and the commit narrows to the accepted prefix. The sequence then grows by the accepted
+        drafts and one more token (the replacement, unlike the rejected draft, or the bonus), so a block the
+        rejected drafts filled holds other tokens than the sequence's and must never be published."""
+        if self.reservation is not None:
+            return
+        tables = self.manager.tables()
+        decodes = sorted(rid for rid, t in tables.items() if t.committed_slots >= len(self.tokens[rid]) - 1)
+        if not decodes:
+            return
+        rid = data.draw(st.sampled_from(decodes))
+        seq = self.tokens[rid]
+        if tables[rid].committed_slots == len(seq):
+            seq.append(data.draw(st.integers(0, 1), label="sampled"))  # the token its last step sampled
+        self.ran = False
+        self._step(
+            data, [CacheCandidate(rid, len(seq) + len(drafts), False, self.hashes[rid])], {rid: seq + drafts}
+        )
+        if self.reservation is None:
+            return
+        if not self.ran:
+            self._run_model()
+        accepted = data.draw(st.integers(0, len(drafts)), label="accepted")
+        last = data.draw(st.integers(0, 1)) if accepted == len(drafts) else 1 - drafts[accepted]
+        event(f"speculate: {accepted} of {len(drafts)} accepted")
+        committed = len(seq) + accepted
+        if (len(seq) + len(drafts)) // BS > committed // BS:
+            event("speculate: rejected drafts filled a block")
+        # The engine appends the outputs first (commit_staged), then commits the cache, which names the blocks
+        # it filled from the request's digests: extended in place, they cover the accepted tokens only.
+        seq += drafts[:accepted] + [last]
+        self.reservation.commit({rid: committed})
+        self.reservation = None
 
     @rule(data=st.data())
     def commit(self, data) -> None:

@@ -122,6 +122,17 @@ def test_generate_prints_one_json_record_per_prompt(monkeypatch, capsys):
         assert record["prompt_tokens"] == len(record["prompt"])
 
 
+def test_generate_with_ngram_speculation_prints_the_same_tokens_and_its_drafts(monkeypatch, capsys):
+    vocab = 13  # a small vocabulary: the synthetic output repeats bigrams, so prompt lookup proposes
+    monkeypatch.setattr(cli, "_load_model", lambda name, weights: SyntheticModel(vocab_size=vocab))
+    argv = ["generate", "abcab", "--max-tokens", "30", "--num-blocks", "16", "--json"]
+    assert cli.main([*argv, "--speculative", "ngram", "--num-speculative-tokens", "3"]) == 0
+    (record,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    tokenizer = SyntheticTokenizer(vocab)
+    assert record["token_ids"] == synthetic_greedy(tokenizer.encode("abcab"), 30, vocab)
+    assert record["drafts_proposed"] > 0 and 0 <= record["drafts_accepted"] <= record["drafts_proposed"]
+
+
 def test_generate_plain_output_is_the_completion_text(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_load_model", lambda name, weights: SyntheticModel(vocab_size=95))
     assert cli.main(["generate", "abc", "--max-tokens", "3", "--num-blocks", "16"]) == 0

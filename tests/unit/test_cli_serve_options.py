@@ -25,3 +25,24 @@ def test_a_negative_max_queued_requests_is_a_usage_error(capsys):
 def test_server_options_refuse_a_negative_queue():
     with pytest.raises(ValueError, match="max_queued_requests"):
         ServerOptions(max_queued_requests=-1)
+
+
+def test_speculative_options_default_off_and_reach_the_server_options():
+    args = cli.build_parser().parse_args(["serve"])
+    assert (args.speculative, args.num_speculative_tokens) == (None, 4)
+    args = cli.build_parser().parse_args(["serve", "--speculative", "ngram", "--num-speculative-tokens", "6"])
+    assert (args.speculative, args.num_speculative_tokens) == ("ngram", 6)
+    for command in ("generate", "chat"):
+        assert (
+            cli.build_parser()
+            .parse_args([command, "--speculative", "ngram"] + (["x"] if command == "generate" else []))
+            .speculative
+            == "ngram"
+        )
+
+
+def test_an_unknown_speculative_method_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["serve", "--speculative", "eagle"])
+    assert info.value.code == 2
+    assert "ngram" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import resource
 import shutil
@@ -316,3 +317,30 @@ def test_retained_cpu_memory_stops_page_faults_in_the_decode_gather():
     # untuned, every single call faults the whole gather in again.
     assert min(faults) < 200, faults
     assert retain_freed_cpu_memory()  # idempotent
+
+
+@pytest.mark.parametrize("use_native", [True, False], ids=["native", "torch"])
+@settings(max_examples=60)
+@given(
+    seqs=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 9)), min_size=1, max_size=5),
+    flags=st.lists(st.booleans(), min_size=5, max_size=5),
+    block_size=st.integers(min_value=1, max_value=16),
+    group=st.sampled_from([1, 2]),
+    seed=st.integers(min_value=0, max_value=2**31 - 1),
+)
+def test_verification_rows_attend_token_by_token_like_decodes(
+    use_native, seqs, flags, block_size, group, seed
+):
+    """A draft-verification row's tokens are planned as decodes (no prefill SDPA): each sees the keys
+    through its own position, exactly as the reference, and as a single-token decode there would."""
+    case = build_case(seqs, block_size, 2, group, 64, seed)
+    verify = tuple(i for i, (_, q) in enumerate(seqs) if flags[i] and q > 1)
+    inputs = dataclasses.replace(case.inputs, verify_rows=verify)
+    plan = plan_attention(inputs, case.k_cache, use_native=use_native)
+    planned_as_decodes = sum(q for i, (_, q) in enumerate(seqs) if q == 1 or i in verify)
+    assert plan.decode_token_rows.numel() == planned_as_decodes
+    assert len(plan.prefill) == sum(1 for i, (_, q) in enumerate(seqs) if q > 1 and i not in verify)
+    scale = 64**-0.5
+    fast = paged_attention(case.query, case.k_cache, case.v_cache, inputs, scale, plan)
+    ref = paged_attention_reference(case.query, case.k_cache, case.v_cache, inputs, scale)
+    assert (fast - ref).abs().max().item() <= 1e-5

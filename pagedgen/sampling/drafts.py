@@ -1,0 +1,96 @@
+"""Verifying speculative drafts: from a request's K+1 logits rows to the tokens it emits this step.
+
+A request that sends its one unprocessed token followed by drafts ``d_1..d_K`` gets K+1 logits rows: row
+``i`` predicts the token after ``d_i`` (row 0: after the unprocessed token). Row ``i`` is processed as if
+``d_1..d_i`` had already been accepted: its :class:`SampleRow` carries that extended context, so a processor
+that reads the sequence (repetition penalty, no-repeat n-gram, ``min_length``, presence / frequency
+penalties) sees exactly what it would have seen without speculation. That is why drafts need no restriction
+on the logits processors.
+
+Every row is sampled by the ordinary batched sampler: greedy rows take the argmax, sampled rows draw from
+their processed and warped distribution ``p_i`` with the request's stream at draw index ``draws + i``, the
+index that token would have used without drafts. The longest prefix of drafts equal to the rows' tokens is
+accepted; the first row that disagrees supplies the replacement token, or row K a bonus token when every
+draft matched. The request's stream then advances by the number of emitted tokens only.
+
+For sampled rows this is speculative rejection sampling (Leviathan et al. 2023; vLLM's ``RejectionSampler``)
+with the caller's draft as a point-mass proposal ``q = delta(d_i)``, the uniform shared with the target draw:
+``d_i`` is accepted with probability ``P(t_i = d_i) = p_i(d_i) = min(1, p_i(d_i) / q(d_i))``, and a rejected
+row emits ``t_i`` given ``t_i != d_i``, i.e. a draw from the residual ``norm(max(0, p_i - q))`` (``p_i``
+without ``d_i``). The acceptance rate is the rejection sampler's, the output distribution is exact, and
+because the uniforms are coupled the emitted tokens are exactly those of the same request without drafts (same
+seed), in any batch, whatever the drafts and however many of them the step's budget kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pagedgen.sampling.errors import RowSamplingError
+from pagedgen.sampling.sampler import SampledToken, Sampler, SampleRow
+
+
+@dataclass(slots=True)
+class VerifiedRow:
+    """What one sampling row produced: the accepted drafts, then the replacement or bonus token."""
+
+    outputs: list[SampledToken]
+    num_drafts: int = 0  # drafts verified for this row
+    num_accepted: int = 0  # of those, accepted (the matching prefix)
+
+
+def sample_with_drafts(
+    sampler: Sampler, logits, rows: Sequence[SampleRow], drafts: Sequence[Sequence[int]]
+) -> list[VerifiedRow]:
+    """Sample every row of a step, verifying each row's drafts (``drafts[r]``, maybe empty).
+
+    ``logits`` (a ``[sum_r (len(drafts[r]) + 1), vocab]`` tensor) holds ``len(drafts[r]) + 1`` consecutive
+    rows per sampling row ``r``. Raises :class:`RowSamplingError` naming the sampling row ``r`` that cannot be
+    sampled, changing no sampler state.
+    """
+    if not any(drafts):
+        return [VerifiedRow([token]) for token in sampler.sample(logits, rows)]
+    expanded = [ext for row, d in zip(rows, drafts, strict=True) for ext in _extend(row, d)]
+    owner = [r for r, d in enumerate(drafts) for _ in range(len(d) + 1)]
+    before = [row.sampler.checkpoint() for row in rows]
+    try:
+        tokens = sampler.sample(logits, expanded)
+    except RowSamplingError as error:
+        raise RowSamplingError(str(error), owner[error.row]) from error
+    result = []
+    at = 0
+    for row, d, checkpoint in zip(rows, drafts, before, strict=True):
+        verified = _accept(tokens[at : at + len(d) + 1], d)
+        at += len(d) + 1
+        if not row.sampler.options.is_greedy:  # one draw per emitted token, as without drafts
+            row.sampler.restore(checkpoint)
+            for _ in verified.outputs:
+                row.sampler.advance()
+        result.append(verified)
+    return result
+
+
+def _extend(row: SampleRow, drafts: Sequence[int]) -> list[SampleRow]:
+    """The K+1 sample rows of one request: row i's context ends with ``drafts[:i]``."""
+    out = [row]
+    for i in range(1, len(drafts) + 1):
+        head = list(drafts[:i])
+        out.append(
+            dataclasses.replace(
+                row,
+                tokens=[*row.tokens, *head],
+                generated=[*row.generated, *head],
+                turn_generated=row.turn_generated + i,
+            )
+        )
+    return out
+
+
+def _accept(tokens: list[SampledToken], drafts: Sequence[int]) -> VerifiedRow:
+    """Longest prefix of ``drafts`` equal to the rows' tokens, then the first row that disagrees (or K)."""
+    accepted = 0
+    while accepted < len(drafts) and tokens[accepted].token == drafts[accepted]:
+        accepted += 1
+    return VerifiedRow(tokens[: accepted + 1], len(drafts), accepted)
