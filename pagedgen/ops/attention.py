@@ -10,9 +10,10 @@ head ``h // (Hq // Hkv)``.
 :func:`paged_attention_reference` is the obviously-correct oracle (one request, one query token at a time in
 float32); :func:`paged_attention` is what models call, with the step's :class:`AttentionPlan` built once by
 :func:`plan_attention`. Single-token (decode) rows go to the native kernel (:mod:`pagedgen.ops.native`),
-which reads the blocks in place, or, without it, to one masked SDPA per bucket over gathered blocks;
-multi-token (prefill / draft) rows get one causal SDPA each, so the Python loop is over requests, never
-over tokens. Soft-capped scores (Gemma 2) take the torch path with explicit attention instead of SDPA.
+which reads the blocks in place, or, without it, to one masked SDPA per bucket over gathered blocks; the
+tokens of a draft-verification row are planned as decodes too, each over the keys through its position.
+Multi-token prefill rows get one causal SDPA each, so the Python loop is over requests, never over tokens.
+Soft-capped scores (Gemma 2) take the torch path with explicit attention instead of SDPA.
 """
 
 from __future__ import annotations
