@@ -29,7 +29,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from pagedgen.engine.errors import EngineClosedError, EngineUnhealthyError
@@ -112,6 +112,9 @@ class EngineSnapshot:
     def used_blocks(self) -> int:
         return self.total_blocks - self.free_blocks
 
+
+# The snapshot's fields copied from ``engine.stats()`` under the same name (all but the worker's own).
+_ENGINE_COUNTS = tuple(f.name for f in fields(EngineSnapshot) if f.name not in ("jobs", "healthy"))
 
 Sink = Callable[[JobUpdate], None]
 
@@ -433,42 +436,13 @@ class EngineWorker:
 
     def _publish(self) -> None:
         if self._error is not None:  # the engine may not be asked any more: keep its last counts
-            self._snapshot = EngineSnapshot(
-                total_blocks=self._snapshot.total_blocks,
-                free_blocks=self._snapshot.free_blocks,
-                window_total_blocks=self._snapshot.window_total_blocks,
-                window_free_blocks=self._snapshot.window_free_blocks,
-                fixed_total_slots=self._snapshot.fixed_total_slots,
-                fixed_free_slots=self._snapshot.fixed_free_slots,
-                steps=self._snapshot.steps,
-                rollbacks=self._snapshot.rollbacks,
-                drafts_proposed=self._snapshot.drafts_proposed,
-                drafts_accepted=self._snapshot.drafts_accepted,
-                healthy=False,
-                prefix_queried_tokens=self._snapshot.prefix_queried_tokens,
-                prefix_hit_tokens=self._snapshot.prefix_hit_tokens,
-                preemptions=self._snapshot.preemptions,
+            self._snapshot = replace(
+                self._snapshot, resident_requests=0, queued_requests=0, jobs=0, healthy=False
             )
             return
         stats = self._engine.stats()
-        self._snapshot = EngineSnapshot(
-            total_blocks=stats.total_blocks,
-            free_blocks=stats.free_blocks,
-            resident_requests=stats.resident_requests,
-            queued_requests=stats.queued_requests,
-            steps=stats.steps,
-            rollbacks=stats.rollbacks,
-            jobs=len(self._jobs),
-            window_total_blocks=stats.window_total_blocks,
-            window_free_blocks=stats.window_free_blocks,
-            fixed_total_slots=stats.fixed_total_slots,
-            fixed_free_slots=stats.fixed_free_slots,
-            drafts_proposed=stats.drafts_proposed,
-            drafts_accepted=stats.drafts_accepted,
-            prefix_queried_tokens=stats.prefix_queried_tokens,
-            prefix_hit_tokens=stats.prefix_hit_tokens,
-            preemptions=stats.preemptions,
-        )
+        counts = {name: getattr(stats, name) for name in _ENGINE_COUNTS}
+        self._snapshot = EngineSnapshot(jobs=len(self._jobs), **counts)
 
     def _teardown(self) -> None:
         for job in list(self._jobs.values()):
