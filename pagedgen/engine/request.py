@@ -29,6 +29,7 @@ import numpy as np
 from pagedgen.cache.prefix import BlockHashes
 from pagedgen.engine.errors import InvalidArgumentError, SessionLimitError
 from pagedgen.engine.events import FinishReason, TokenLogprobs, TurnReuse, Usage
+from pagedgen.guidance import GuidanceError, GuidanceSpec, compile_guidance
 from pagedgen.sampling import RequestSampler, SamplingOptions, SamplingOptionsError, StopStringMatcher
 from pagedgen.sampling.options import (
     check_max_generated_tokens,
@@ -66,6 +67,16 @@ class GeneratorParams:
         self.model = model
         self.max_length: int = int(model.max_context)
         self.sampling = SamplingOptions()
+        self.guidance: GuidanceSpec | None = None
+
+    def set_guidance(self, kind: str | None, data: Any = "") -> None:
+        """Constrain every turn's output to a ``"json_schema"``, ``"regex"`` or ``"lark_grammar"``.
+
+        ``kind=None`` clears it. A per-turn ``TurnOptions.set_guidance`` overrides it for one turn. A kind
+        that is unknown or a schema / grammar that does not compile is refused here with an
+        :class:`InvalidArgumentError` (``field="guidance"``) and the params keep what they had.
+        """
+        self.guidance = _compiled_guidance(kind, data)
 
     def set_search_options(self, **options: Any) -> None:
         """Set any of ``max_length`` and the SamplingOptions fields; all-or-nothing, unknown names raise.
@@ -128,6 +139,8 @@ class TurnSpec:
     max_generated_tokens: int = 0  # 0: no per-turn limit
     stop_strings: tuple[str, ...] = ()
     num_logprobs: int = 0
+    guidance_set: bool = False  # False: the turn uses the request's params guidance
+    guidance: GuidanceSpec | None = None  # with guidance_set: this turn's constraint (None: unconstrained)
 
 
 class TurnOptions:
@@ -157,9 +170,25 @@ class TurnOptions:
             check_num_logprobs(num_logprobs, "TurnOptions")
         self._spec = dataclasses.replace(self._spec, num_logprobs=num_logprobs)
 
+    def set_guidance(self, kind: str | None, data: Any = "") -> None:
+        """Constrain this turn's output (kinds as ``GeneratorParams.set_guidance``), overriding the params;
+        ``kind=None`` makes the turn unconstrained even when the params set guidance. Refused like there."""
+        guidance = _compiled_guidance(kind, data)
+        self._spec = dataclasses.replace(self._spec, guidance_set=True, guidance=guidance)
+
     @property
     def spec(self) -> TurnSpec:
         return self._spec
+
+
+def _compiled_guidance(kind: str | None, data: Any) -> GuidanceSpec | None:
+    """None for ``kind=None``, else the compiled spec; an InvalidArgumentError (field "guidance") if not."""
+    if kind is None:
+        return None
+    try:
+        return compile_guidance(kind, data)
+    except GuidanceError as exc:
+        raise InvalidArgumentError(str(exc), "guidance") from exc
 
 
 @contextlib.contextmanager

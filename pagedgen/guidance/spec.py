@@ -1,0 +1,94 @@
+"""What a request asks its output to match, compiled to an llguidance grammar when it is set.
+
+``GuidanceSpec(kind, data)`` is the immutable value ``GeneratorParams.set_guidance`` and
+``TurnOptions.set_guidance`` snapshot. ``kind`` is one of :data:`GUIDANCE_KINDS`:
+
+- ``"json_schema"``: a JSON Schema (a JSON string, or a dict / bool that is serialised);
+- ``"regex"``: a regular expression the whole output must match (Rust ``regex`` syntax, as llguidance);
+- ``"lark_grammar"``: a Lark grammar in llguidance's dialect (``start`` is the root rule).
+
+:func:`compile_guidance` turns the spec into llguidance's grammar text and validates it without a tokenizer,
+so a schema or grammar that does not compile is refused at the call that sets it, with llguidance's own
+message (:class:`GuidanceError`). What depends on the model's tokenizer is checked when the matcher is
+built (:mod:`pagedgen.guidance.matcher`).
+
+JSON output is compact by default (``whitespace_flexible: false``: no free whitespace between tokens, as
+``json.dumps(..., separators=(",", ":"))``): a small model given free whitespace can spend its whole token
+budget on newlines. A schema's own ``x-guidance`` options override this default.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+
+from pagedgen.errors import PagedGenError
+
+GUIDANCE_KINDS = ("json_schema", "regex", "lark_grammar")
+JSON_DEFAULTS: dict[str, Any] = {"whitespace_flexible": False}
+MAX_GUIDANCE_CHARS = 1 << 20  # a grammar or schema larger than 1 MiB of text is refused
+
+
+class GuidanceError(PagedGenError, ValueError):
+    """A guidance kind is unknown or its schema / grammar does not compile; the message says which."""
+
+
+@dataclass(frozen=True, slots=True)
+class GuidanceSpec:
+    """One compiled constraint: ``kind`` and ``data`` as given, ``grammar`` as llguidance reads it."""
+
+    kind: str
+    data: str
+    grammar: str
+
+    def __repr__(self) -> str:
+        shown = self.data if len(self.data) <= 60 else self.data[:60] + "..."
+        return f"GuidanceSpec({self.kind!r}, {shown!r})"
+
+
+def compile_guidance(kind: object, data: object) -> GuidanceSpec:
+    """Check ``kind`` and ``data`` and compile them; raises :class:`GuidanceError` naming the problem."""
+    if kind not in GUIDANCE_KINDS:
+        raise GuidanceError(f"guidance kind must be one of {', '.join(GUIDANCE_KINDS)}; got {kind!r}")
+    text = _data_text(kind, data)
+    if len(text) > MAX_GUIDANCE_CHARS:
+        raise GuidanceError(f"{kind} is {len(text)} characters; at most {MAX_GUIDANCE_CHARS} are accepted")
+    grammar = _grammar(kind, text)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise GuidanceError(f"{kind} does not compile: {messages[0].strip()}")
+    return GuidanceSpec(kind, text, grammar)
+
+
+def _data_text(kind: str, data: object) -> str:
+    if kind == "json_schema" and isinstance(data, Mapping | bool):
+        try:
+            return json.dumps(data)
+        except (TypeError, ValueError) as exc:
+            raise GuidanceError(f"json_schema is not JSON-serialisable: {exc}") from exc
+    if not isinstance(data, str):
+        raise GuidanceError(f"{kind} must be given as a str, got {type(data).__name__}")
+    if not data:
+        raise GuidanceError(f"{kind} is empty")
+    return data
+
+
+def _grammar(kind: str, text: str) -> str:
+    if kind == "json_schema":
+        try:
+            schema = json.loads(text)
+        except ValueError as exc:
+            raise GuidanceError(f"json_schema is not valid JSON: {exc}") from exc
+        if not isinstance(schema, dict | bool):
+            raise GuidanceError(f"json_schema must be a JSON object or boolean, got {type(schema).__name__}")
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_DEFAULTS)
+        except ValueError as exc:
+            raise GuidanceError(f"json_schema does not compile: {exc}") from exc
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(text)
+    return llguidance.LLMatcher.grammar_from_lark(text)
