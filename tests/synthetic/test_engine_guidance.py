@@ -252,6 +252,28 @@ def test_a_complete_grammar_ends_the_turn_even_with_ignore_eos():
     assert [e.finish_reason for e in finishes_of(events)[request]] == [R.EOS]
 
 
+def test_with_ignore_eos_an_eos_token_is_output_and_completes_the_grammar():
+    """``[a-z]+`` accepts after one letter but never completes on its own; a biased EOS is then sampled,
+    emitted as an ordinary token (``ignore_eos``), and consuming it completes the grammar."""
+    engine = make_engine(model(), block_size=4)
+    request = guided(engine, [5, 6, 7], "regex", r"[a-z]+", ignore_eos=True, logit_bias={EOS: 50.0})
+    events = drain(engine)
+    out = tokens_of(events)[request]
+    assert len(out) == 2 and re.fullmatch(r"[a-z]", text(engine, out[:1])) and out[1] == EOS
+    assert [e.finish_reason for e in finishes_of(events)[request]] == [R.EOS]
+
+
+def test_completion_at_the_token_limit_is_reported_as_eos():
+    engine = make_engine(model(), block_size=4)
+    reference = guided(engine, [5, 6, 7], "regex", EMAIL)
+    length = len(tokens_of(drain(engine))[reference])
+    engine = make_engine(model(), block_size=4)
+    request = guided(engine, [5, 6, 7], "regex", EMAIL, max_new=length)
+    events = drain(engine)
+    assert len(tokens_of(events)[request]) == length
+    assert [e.finish_reason for e in finishes_of(events)[request]] == [R.EOS]
+
+
 def test_a_model_without_eos_ends_at_the_grammar_or_the_limit():
     engine = make_engine(model(eos=None), block_size=4)
     complete = guided(engine, [5, 6, 7], "regex", EMAIL)
@@ -433,6 +455,21 @@ def test_a_token_the_grammar_rejects_at_staging_fails_only_that_turn(monkeypatch
     assert end.error_code is E.REQUEST_FAILED and tokens_of(events)[victim] == []
     assert tokens_of(events)[free] == expected_greedy([9, 8], 20, VOCAB, EOS)
     assert engine.stats().healthy
+
+
+def test_an_llguidance_error_on_the_static_path_fails_only_that_turn():
+    engine = make_engine(model(), block_size=4, dynamic_batching=False)
+    victim = guided(engine, [5, 6, 7], "regex", EMAIL, max_session_tokens=64)
+    other = guided(engine, [8, 9], "regex", WORDS, max_session_tokens=64)
+    free = guided(engine, [9, 8], None, max_new=20, max_session_tokens=64)
+    events = list(engine.run(max_events=64))  # the first step: every row emits its first token
+    victim._state.cursor._matcher.consume_token(0)
+    events += drain(engine)
+    (end,) = finishes_of(events)[victim]
+    assert end.error_code is E.REQUEST_FAILED and engine.stats().healthy
+    assert re.fullmatch(WORDS, text(engine, tokens_of(events)[other]))
+    assert [e.finish_reason for e in finishes_of(events)[other]] == [R.EOS]
+    assert tokens_of(events)[free] == expected_greedy([9, 8], 20, VOCAB, EOS)
 
 
 # -- drafts, static path, stats ---------------------------------------------------------------------------
