@@ -211,7 +211,8 @@ class StaticStep:
 
     def _masks(self, rows: list[RequestState]) -> TokenMasks | None:
         """The guided rows' masks, computed now (the static path does not overlap them); a request whose
-        grammar fails is a RequestFailure (it fails alone)."""
+        grammar fails is a RequestFailure (it fails alone). Cursors advance when the rows are applied: a
+        token its mask allowed is never rejected there."""
         guided = [MaskRow(s.request_id, s.cursor, r) for r, s in enumerate(rows) if s.cursor is not None]
         if not guided:
             return None

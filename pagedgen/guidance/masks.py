@@ -1,7 +1,8 @@
 """The step's token masks: one batched llguidance call for every guided row, overlapped with the forward.
 
 A dynamic step submits its guided rows (:class:`MaskRow`: a cursor, its first logits row and its drafts)
-before the model runs; a worker thread runs one ``LLExecutor`` call over all of them (llguidance drops the
+before the model runs; a worker thread runs one ``LLExecutor`` call over all of them (two when some rows
+verify drafts and others do not: llguidance's draft call takes only rows with drafts) (llguidance drops the
 GIL and spreads the rows over its own threads, as many as this process may use) while the owner thread
 runs the forward pass, and the sampler joins the result. A row with drafts ``d_1..d_K`` gets K+1 masks: row
 ``i`` is the mask after ``d_1..d_i``; llguidance stops at the first draft its grammar rejects and the rows
@@ -65,6 +66,12 @@ class MaskStats:
     mask_seconds: float = 0.0  # wall time of the batched llguidance calls (on the worker)
     wait_seconds: float = 0.0  # wall time sampling waited for masks after the forward pass
 
+    def account(self, result: MaskResult, waited: float) -> MaskResult:
+        self.rows_masked += result.masks.rows.numel()
+        self.mask_seconds += result.seconds
+        self.wait_seconds += waited
+        return result
+
 
 class PendingMasks:
     """A submitted computation; :meth:`result` joins it (once) and accounts for the wait."""
@@ -78,10 +85,7 @@ class PendingMasks:
         if self._result is None:
             start = time.perf_counter()
             result = self._future.result()
-            self._stats.wait_seconds += time.perf_counter() - start
-            self._stats.rows_masked += result.masks.rows.numel()
-            self._stats.mask_seconds += result.seconds
-            self._result = result
+            self._result = self._stats.account(result, time.perf_counter() - start)
         return self._result
 
     def wait(self) -> None:
@@ -100,10 +104,9 @@ class MaskComputer:
         self._worker: ThreadPoolExecutor | None = None
 
     def compute(self, rows: Sequence[MaskRow]) -> MaskResult:
-        """The masks of ``rows`` now, on this thread (the static path), accounted in :attr:`stats`."""
-        future: Future[MaskResult] = Future()
-        future.set_result(self._compute(list(rows)))
-        return PendingMasks(future, self.stats).result()
+        """The masks of ``rows`` now, on this thread (the static path: sampling waits for all of it)."""
+        result = self._compute(list(rows))
+        return self.stats.account(result, result.seconds)
 
     def submit(self, rows: Sequence[MaskRow]) -> PendingMasks:
         """Start computing the masks of ``rows`` on the worker thread; the cursors must not change until
@@ -131,15 +134,7 @@ class MaskComputer:
             except GuidanceError as error:  # poisoned earlier: no mask, the request fails
                 failed.append((r.request_id, error))
             logits_rows.extend(range(r.row, r.row + len(r.drafts) + 1))
-        if entries:
-            executor = self._llg_executor()
-            if any(drafts for _, _, drafts in entries):
-                executor.unsafe_compute_mask_ptr_with_draft_token(
-                    entries, bitmask.data_ptr(), words * 4, total
-                )
-            else:
-                plain = [(matcher, at) for matcher, at, _ in entries]
-                executor.unsafe_compute_mask_ptr(plain, bitmask.data_ptr(), words * 4, total)
+        self._fill(entries, bitmask)
         reported = {rid for rid, _ in failed}
         for r in rows:
             if r.request_id not in reported:
@@ -149,6 +144,20 @@ class MaskComputer:
                     failed.append((r.request_id, error))
         masks = TokenMasks(torch.tensor(logits_rows, dtype=torch.long), bitmask)
         return MaskResult(masks, failed, time.perf_counter() - start)
+
+    def _fill(
+        self, entries: list[tuple[llguidance.LLMatcher, int, list[int]]], bitmask: torch.Tensor
+    ) -> None:
+        """Write the entries' masks into ``bitmask``: one llguidance call for the rows without drafts and one
+        for those with drafts (llguidance's draft call refuses an empty draft list)."""
+        rows, words = bitmask.shape
+        plain = [(matcher, at) for matcher, at, drafts in entries if not drafts]
+        drafted = [entry for entry in entries if entry[2]]
+        executor = self._llg_executor()
+        if plain:
+            executor.unsafe_compute_mask_ptr(plain, bitmask.data_ptr(), words * 4, rows)
+        if drafted:
+            executor.unsafe_compute_mask_ptr_with_draft_token(drafted, bitmask.data_ptr(), words * 4, rows)
 
     def _llg_executor(self) -> llguidance.LLExecutor:
         if self._executor is None:

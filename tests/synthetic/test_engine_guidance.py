@@ -107,6 +107,7 @@ def test_regex_outputs_fully_match_in_a_batch_with_unguided_requests(sampled):
     for request, prompt in zip(free, PROMPTS, strict=True):
         assert tokens[request] == expected_greedy(prompt, 30, VOCAB, EOS)
     assert engine.stats().guided_rows_masked == sum(len(tokens[r]) for r in guided_requests)
+    assert engine.stats().rollbacks == 0
 
 
 def test_guidance_changes_what_the_model_would_emit():
@@ -490,6 +491,7 @@ def test_drafts_with_guidance_emit_exactly_the_draft_free_tokens(sampled, drafts
     engine = make_engine(model(), block_size=4)
     requests = {guided(engine, prompt, "regex", regex, **search): regex for regex, prompt in prompts.items()}
     free = guided(engine, [9, 8], None, max_new=20)
+    undrafted = guided(engine, [70], "regex", WORDS, **search)  # guided rows with and without drafts mix
 
     def proposal(request: pg.Request) -> list[int]:
         done = request._state.turn_generated_tokens
@@ -512,7 +514,9 @@ def test_drafts_with_guidance_emit_exactly_the_draft_free_tokens(sampled, drafts
     tokens = tokens_of(events)
     assert {requests[r]: tokens[r] for r in requests} == truth
     assert tokens[free] == expected_greedy([9, 8], 20, VOCAB, EOS)
+    assert tokens[undrafted] == guided_reference(WORDS, [70], **search)
     stats = engine.stats()
+    assert stats.rollbacks == 0  # (failure isolation would hide a failing mask batch behind exact outputs)
     assert stats.drafts_proposed > 0
     assert (stats.drafts_accepted > 0) == (drafts in ("correct", "partly"))
 

@@ -30,6 +30,12 @@ hybrid model, which cannot verify drafts). The exact-token check is unchanged: d
 with prefix caching on (a block published at commit holds only accepted tokens) and across preemption (a
 preempted request's pending drafts are dropped).
 
+Turns may be guided (a regex set on the turn's options; chars are ``chr(32 + t)``): their exact tokens are the
+synthetic greedy choice under llguidance's mask (the formula's token if allowed, else its bumped neighbour,
+else the lowest allowed id), a turn ends by EOS when its grammar is complete or the masked choice is EOS, and
+the snapshot a rolled-back step must restore holds each grammar cursor's position and next mask. The drafts
+proposed for a guided turn are its guided continuation (correct, wrong or partly so, as for any turn).
+
 Faults are transient (each clears after one step), so a rolled-back step changes nothing else, except that
 failure isolation may fail one turn (REQUEST_FAILED) once MAX_RETRIES steps in a row have rolled back without
 a commit between them: the machine counts those from the engine's stats and allows exactly that.
@@ -46,6 +52,8 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invar
 
 import pagedgen as pg
 from pagedgen.executor.runner import RetryableExecutionError
+from pagedgen.guidance import compile_guidance
+from pagedgen.guidance.cursor import GrammarCursor
 from pagedgen.models.synthetic import SyntheticModel, synthetic_greedy
 from tests.helpers import after_rollback, engine_snapshot, spy_evictions
 
@@ -53,6 +61,9 @@ VOCAB = 31
 EOS = 5
 STEMS = ([1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [20, 21, 22, 23, 24, 25, 26, 27] * 2)
 MAX_RETRIES = 2  # small, so that isolation happens in the random sequences too
+# Grammars over the 31-token vocabulary ("0"-"9" are ids 16-25, ":" 26, ";" 27): one that completes, one that
+# accepts from its second token on and never completes (EOS may end it).
+GRAMMARS = (r"[0-9]{2}:[0-9;]{1,3}=", r"[0-9][0-9;]+")
 F = pg.EngineEventFlags
 R = pg.FinishReason
 
@@ -68,6 +79,8 @@ class Expected:
     max_new: int = 0
     emitted: list[int] = field(default_factory=list)
     greedy: list[int] = field(default_factory=list)  # the turn's exact greedy continuation
+    ends_by_eos: bool = True  # the greedy continuation stops by EOS (or a complete grammar) before its cap
+    guided: bool = False  # the turn has a grammar
     open: bool = False  # a turn began and its terminal event was not received yet
     closed: bool = False
     dropped: bool = False
@@ -121,13 +134,16 @@ class EngineMachine(RuleBasedStateMachine):
         rid=requests,
         tokens=st.lists(st.integers(0, VOCAB - 1), max_size=12),
         max_new=st.integers(0, 6),
+        grammar=st.sampled_from([None, None, *GRAMMARS]),
     )
-    def begin_turn(self, rid, tokens, max_new):
+    def begin_turn(self, rid, tokens, max_new, grammar=None):
         exp = self.expected[rid]
         if exp.handle is None:
             return
         options = pg.TurnOptions(exp.handle)
         options.set_max_generated_tokens(max_new)
+        if grammar is not None:
+            options.set_guidance("regex", grammar)
         legal = not exp.closed and not exp.open and tokens and len(exp.seq) + len(tokens) < exp.session
         if not legal:
             self.assert_refused(lambda: exp.handle.begin_turn(tokens, options))
@@ -137,9 +153,33 @@ class EngineMachine(RuleBasedStateMachine):
         exp.seq += tokens
         exp.max_new = max_new
         exp.emitted = []
-        cap = max_new or exp.session - len(exp.seq)
-        exp.greedy = synthetic_greedy(exp.seq, min(cap, exp.session - len(exp.seq)), VOCAB, EOS, self.hybrid)
+        cap = min(max_new or exp.session - len(exp.seq), exp.session - len(exp.seq))
+        exp.guided = grammar is not None
+        if exp.guided:
+            exp.greedy, exp.ends_by_eos = self.guided_greedy(exp.seq, cap, grammar)
+            note("guided turn")
+        else:
+            exp.greedy = synthetic_greedy(exp.seq, cap, VOCAB, EOS, self.hybrid)
+            exp.ends_by_eos = synthetic_greedy(exp.seq + exp.greedy, 1, VOCAB, EOS, self.hybrid) == []
         exp.open = True
+
+    def guided_greedy(self, seq: list[int], cap: int, grammar: str) -> tuple[list[int], bool]:
+        """The synthetic greedy continuation under the grammar's masks, and whether it ends by EOS or a
+        complete grammar (rather than at ``cap``)."""
+        cursor = GrammarCursor.for_model(self.model, compile_guidance("regex", grammar))
+        out: list[int] = []
+        while len(out) < cap:
+            nxt = synthetic_greedy(seq + out, 1, VOCAB, None, self.hybrid)[0]
+            mask = int.from_bytes(cursor.allowed_bitmask(), "little")
+            allowed = [t for t in range(VOCAB) if mask >> t & 1]
+            token = next(t for t in (nxt, (nxt + 1) % VOCAB, *allowed) if t in allowed)
+            if token == EOS:
+                return out, True
+            out.append(token)
+            cursor.consume(token)
+            if cursor.complete:
+                return out, True
+        return out, False
 
     @rule(capacity=st.sampled_from([0, 1, 2, 16]), calls=st.integers(1, 12))
     def run(self, capacity, calls=1):
@@ -281,6 +321,10 @@ class EngineMachine(RuleBasedStateMachine):
     def drafts_for(self, handle: pg.Request, kind: str, k: int) -> list[int]:
         seq = list(handle.tokens)
         truth = synthetic_greedy(seq, k, VOCAB, None, self.hybrid) if seq else [0] * k
+        exp = self.expected[handle.id]
+        if exp.guided and exp.open:  # the guided continuation where it is known, the formula's after it
+            done = len(seq) - len(exp.seq)
+            truth = (exp.greedy[done : done + k] + truth)[:k] if done >= 0 else truth
         wrong = [(t + 1) % VOCAB for t in truth]
         return {
             "correct": truth,
@@ -315,7 +359,7 @@ class EngineMachine(RuleBasedStateMachine):
                 assert self.engine.stats().rollbacks - self.rollbacks_at_commit >= MAX_RETRIES
                 assert len(events) == 2 and events[1].error_code is pg.EngineErrorCode.REQUEST_FAILED
                 note("isolated")
-                self.observe(events[1])
+                self.observe(events[1], isolated=True)
         else:  # no executable step this time (no work, or capacity deferred): the phase was never reached
             for event in events:
                 self.observe(event)
@@ -323,7 +367,9 @@ class EngineMachine(RuleBasedStateMachine):
 
     # -- checks ---------------------------------------------------------------------------------------
 
-    def observe(self, event: pg.EngineEvent) -> None:
+    def observe(self, event: pg.EngineEvent, isolated: bool = False) -> None:
+        """Check one event; ``isolated``: failure isolation just named this request's turn the culprit (the
+        only way a turn may fail here)."""
         if event.request is None:
             note("capacity deferred")
             assert (
@@ -333,6 +379,7 @@ class EngineMachine(RuleBasedStateMachine):
         exp = self.expected[event.request.id]
         failed = event.error_code is pg.EngineErrorCode.REQUEST_FAILED
         assert event.turn_id == exp.turn_id and bool(event.flags & F.FAILED) is failed
+        assert failed is isolated
         if event.flags & F.TOKEN:
             exp.emitted.append(event.token)
             assert exp.emitted == exp.greedy[: len(exp.emitted)]
@@ -358,8 +405,7 @@ class EngineMachine(RuleBasedStateMachine):
         elif reason is R.MAX_SESSION_TOKENS:
             assert len(exp.seq) + n == exp.session
         elif reason is R.EOS:
-            after = synthetic_greedy(exp.seq + exp.emitted, 1, VOCAB, EOS, self.hybrid)
-            assert n == len(exp.greedy) and after == []
+            assert n == len(exp.greedy) and exp.ends_by_eos
         elif reason is R.FAILED:
             assert event.error_code is pg.EngineErrorCode.REQUEST_FAILED
         else:

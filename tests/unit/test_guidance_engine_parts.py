@@ -156,6 +156,18 @@ def test_draft_rows_get_the_masks_after_their_drafts_and_pass_through_after_a_re
     assert computer.stats.rows_masked == len(drafts) + 1 and computer.stats.mask_seconds > 0
 
 
+def test_rows_with_and_without_drafts_mix_in_one_batch(model):
+    plain, drafted = cursor(model, text="ab"), cursor(model, DIGITS, "1")
+    result = MaskComputer(num_threads=2).compute(
+        [MaskRow(1, plain, row=0), MaskRow(2, drafted, row=1, drafts=tuple(tok("23")))]
+    )
+    masks = result.masks.bitmask
+    assert result.failed == [] and result.masks.rows.tolist() == [0, 1, 2, 3]
+    assert masks[0].numpy().tobytes() == plain.allowed_bitmask()
+    for i, text in enumerate(("1", "12", "123")):
+        assert masks[1 + i].numpy().tobytes() == cursor(model, DIGITS, text).allowed_bitmask()
+
+
 def test_a_poisoned_cursor_is_reported_and_the_others_still_get_masks(model):
     bad, good = cursor(model, text="ab"), cursor(model, text="ab")
     with pytest.raises(GuidanceError):
