@@ -264,6 +264,15 @@ def test_with_ignore_eos_an_eos_token_is_output_and_completes_the_grammar():
     assert [e.finish_reason for e in finishes_of(events)[request]] == [R.EOS]
 
 
+def test_completion_ends_the_turn_below_a_minimum_length():
+    """``min_new_tokens`` suppresses EOS, but a complete grammar allows nothing else: the turn ends."""
+    engine = make_engine(model(), block_size=4)
+    request = guided(engine, [5, 6, 7], "regex", EMAIL, min_new_tokens=40)
+    events = drain(engine)
+    assert re.fullmatch(EMAIL, text(engine, tokens_of(events)[request]))
+    assert [e.finish_reason for e in finishes_of(events)[request]] == [R.EOS]
+
+
 def test_completion_at_the_token_limit_is_reported_as_eos():
     engine = make_engine(model(), block_size=4)
     reference = guided(engine, [5, 6, 7], "regex", EMAIL)
