@@ -70,7 +70,7 @@ class GrammarCursor:
     @classmethod
     def for_model(cls, model: Any, spec: GuidanceSpec) -> GrammarCursor:
         """A fresh cursor at the grammar's start; :class:`GuidanceError` if it fails for the model."""
-        tokenizer = guidance_tokenizer(model)
+        tokenizer = guidance_tokenizer(model, json=spec.kind == "json_schema")
         return cls(spec, compiled_matcher(tokenizer, spec.grammar).deep_copy(), tokenizer.vocab_size)
 
     @property

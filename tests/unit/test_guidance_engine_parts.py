@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pagedgen.guidance import compile_guidance
-from pagedgen.guidance.bitmask import TokenMasks, allowed_tokens, apply_token_bitmask_, bitmask_words
+from pagedgen.guidance.bitmask import TokenMasks, apply_token_bitmask_, bitmask_words
 from pagedgen.guidance.cursor import GrammarCursor, compiled_matcher
 from pagedgen.guidance.masks import MaskComputer, MaskRow, available_cpus
 from pagedgen.guidance.spec import GuidanceError
@@ -69,6 +69,21 @@ def test_the_synthetic_tokenizer_view_spells_tokens_as_the_model_does(model):
     assert view.is_special_token(EOS) and not view.is_special_token(33)
     assert guidance_tokenizer(model) is view  # built once per model
     assert guidance_tokenizer(SyntheticModel(vocab_size=V, eos_token_id=EOS)) is not view
+
+
+def test_json_schemas_use_the_json_sliced_view_with_the_same_masks(model):
+    general, sliced = guidance_tokenizer(model), guidance_tokenizer(model, json=True)
+    assert sliced is not general and guidance_tokenizer(model, json=True) is sliced
+    assert sliced.vocab_size == general.vocab_size and sliced.eos_tokens == general.eos_tokens
+    spec = compile_guidance("json_schema", {"type": "object", "properties": {"a": {"type": "string"}}})
+    fast, plain = (
+        GrammarCursor.for_model(model, spec),
+        GrammarCursor(spec, compiled_matcher(general, spec.grammar).deep_copy(), general.vocab_size),
+    )
+    for t in tok('{"a":"x y'):
+        assert fast.allowed_bitmask() == plain.allowed_bitmask()
+        fast.consume(t)
+        plain.consume(t)
 
 
 def test_a_model_without_eos_gets_llguidance_s_virtual_eos_past_the_logits():
@@ -198,15 +213,17 @@ def test_the_executor_uses_the_cpus_this_process_may_run_on():
 # -- apply --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("rows", [[3, 1], [0, 1, 2, 3, 4]], ids=["some-rows", "every-row"])
 @pytest.mark.parametrize("vocab", [1, 31, 32, 33, 257])
-def test_apply_masks_exactly_the_cleared_bits_of_the_named_rows(vocab):
+def test_apply_masks_exactly_the_cleared_bits_of_the_named_rows(vocab, rows):
     gen = torch.Generator().manual_seed(vocab)
     logits = torch.randn(5, vocab, generator=gen)
-    bitmask = torch.randint(-(2**31), 2**31 - 1, (2, bitmask_words(vocab)), dtype=torch.int32, generator=gen)
+    shape = (len(rows), bitmask_words(vocab))
+    bitmask = torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32, generator=gen)
     out = logits.clone()
-    apply_token_bitmask_(out, TokenMasks(torch.tensor([3, 1]), bitmask))
+    apply_token_bitmask_(out, TokenMasks(torch.tensor(rows), bitmask))
     expected = logits.clone()
-    for mask_row, row in ((0, 3), (1, 1)):
+    for mask_row, row in enumerate(rows):
         for t in range(vocab):
             if not (int(bitmask[mask_row, t // 32]) >> (t % 32)) & 1:
                 expected[row, t] = -float("inf")
@@ -214,8 +231,17 @@ def test_apply_masks_exactly_the_cleared_bits_of_the_named_rows(vocab):
 
 
 def test_tokens_past_the_bitmask_are_masked():
-    allowed = allowed_tokens(torch.full((1, 1), -1, dtype=torch.int32), 40)
-    assert allowed[0, :32].all() and not allowed[0, 32:].any()
+    logits = torch.zeros(2, 40)
+    apply_token_bitmask_(logits, TokenMasks(torch.tensor([1]), torch.full((1, 1), -1, dtype=torch.int32)))
+    assert (logits[0] == 0).all() and (logits[1, :32] == 0).all() and torch.isinf(logits[1, 32:]).all()
+
+
+def test_allowed_logits_keep_their_exact_bits_signed_zeros_included():
+    logits = torch.tensor([[-0.0, 0.0, 1e-38, -3.5, float("-inf"), 7.0]])
+    out = logits.clone()
+    apply_token_bitmask_(out, TokenMasks(torch.tensor([0]), torch.tensor([[0b011111]], dtype=torch.int32)))
+    assert torch.equal(out[0, :5].view(torch.int32), logits[0, :5].view(torch.int32))
+    assert out[0, 5] == -float("inf")
 
 
 def test_the_mask_is_applied_before_every_other_processor(monkeypatch):
