@@ -35,7 +35,7 @@ _BYTES = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokenizer()))
 
 def accepts(kind: str, data: object, text: str) -> bool:
     """True when the whole of ``text`` is a complete output of the constraint ``(kind, data)``."""
-    matcher = llguidance.LLMatcher(_BYTES, compile_guidance(kind, data).grammar)
+    matcher = llguidance.LLMatcher(_BYTES, compile_guidance(kind, data).grammar, log_level=0)
     return matcher.consume_tokens(list(text.encode("utf-8"))) and matcher.is_accepting()
 
 
