@@ -149,6 +149,7 @@ def engine_snapshot(engine: pg.Engine) -> dict[str, Any]:
             s.draft_tokens,
             s.drafts_proposed,
             s.drafts_accepted,
+            cursor_state(s.cursor),
         )
     scheduler = engine._scheduler
     snap: dict[str, Any] = {
@@ -173,6 +174,13 @@ def engine_snapshot(engine: pg.Engine) -> dict[str, Any]:
         snap["waiting"] = [s.request_id for s in scheduler.waiting]
         snap["resident_order"] = [s.request_id for s in scheduler.residents]
     return snap
+
+
+def cursor_state(cursor) -> tuple | None:
+    """A grammar cursor's observable state: tokens consumed, next-token mask, stopped, poisoned."""
+    if cursor is None:
+        return None
+    return (cursor.num_consumed, cursor.allowed_bitmask(), cursor.complete, cursor.error)
 
 
 def prefix_snapshot(cache) -> dict[str, Any]:

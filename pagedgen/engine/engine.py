@@ -44,6 +44,7 @@ from pagedgen.engine.request import (
     RequestStatus,
     TurnOptions,
     TurnSpec,
+    new_cursor,
     validate_token_ids,
 )
 from pagedgen.engine.scheduler import DynamicScheduler
@@ -91,6 +92,9 @@ class EngineStats:
     prefix_hit_tokens: int = 0  # tokens served from the prefix cache instead of computed
     preemptions: int = 0  # running requests sent back to the waiting queue (re-prefilled later)
     idle_evictions: int = 0  # turn-complete residents that yielded their place and blocks
+    guided_rows_masked: int = 0  # guidance mask rows computed (a row verifying K drafts counts K + 1)
+    mask_seconds: float = 0.0  # wall time of the batched llguidance mask calls (on the mask worker)
+    mask_wait_seconds: float = 0.0  # wall time sampling waited for masks after the forward pass
 
 
 class Engine:
@@ -176,6 +180,7 @@ class Engine:
             return RequestState(request_id, handle_ref, sampler, session or params.max_length, eos)
 
         request = Request(self, make_state)
+        request._state.guidance = params.guidance  # immutable: later set_guidance calls do not leak
         if self._layout.prefix_caching:
             state = request._state
             state.block_hashes = BlockHashes(state.tokens, self.config.block_size)
@@ -206,8 +211,9 @@ class Engine:
                 f"request {state.request_id} lost its cache state (its static batch was recycled); "
                 "close it and create a new request"
             )
+        cursor = new_cursor(self.model, spec.guidance if spec.guidance_set else state.guidance)
         matcher = StopStringMatcher(spec.stop_strings, self._decode) if spec.stop_strings else None
-        turn_id = state.start_turn(tokens, spec, matcher)
+        turn_id = state.start_turn(tokens, spec, matcher, cursor)
         self._scheduler.submit(state)
         return turn_id
 
@@ -337,6 +343,7 @@ class Engine:
         cache = getattr(self._scheduler, "cache", None)
         cache_stats = None if cache is None else cache.stats()
         prefix = None if cache_stats is None else cache_stats.prefix
+        masks = self._step.masker.stats
         return EngineStats(
             total_blocks=total,
             free_blocks=free,
@@ -362,6 +369,9 @@ class Engine:
             prefix_hit_tokens=0 if prefix is None else prefix.hit_tokens,
             preemptions=getattr(self._scheduler, "num_preemptions", 0),
             idle_evictions=getattr(self._scheduler, "num_yields", 0),
+            guided_rows_masked=masks.rows_masked,
+            mask_seconds=masks.mask_seconds,
+            mask_wait_seconds=masks.wait_seconds,
         )
 
     def check_invariants(self) -> list[str]:
@@ -381,6 +391,7 @@ class Engine:
             self._release(state)
         self._abandoned.clear()
         self._pending.clear()
+        self._step.masker.close()
         self._runner.release()
         self._closed = True
 
@@ -440,6 +451,7 @@ class Engine:
             state.num_pending_events = 0
         state.status = RequestStatus.CLOSED
         state.stop_matcher = None
+        state.cursor = None
         state.held_logprobs = []
         del self._states[state.request_id]
 

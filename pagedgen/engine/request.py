@@ -30,6 +30,7 @@ from pagedgen.cache.prefix import BlockHashes
 from pagedgen.engine.errors import InvalidArgumentError, SessionLimitError
 from pagedgen.engine.events import FinishReason, TokenLogprobs, TurnReuse, Usage
 from pagedgen.guidance import GuidanceError, GuidanceSpec, compile_guidance
+from pagedgen.guidance.cursor import GrammarCursor
 from pagedgen.sampling import RequestSampler, SamplingOptions, SamplingOptionsError, StopStringMatcher
 from pagedgen.sampling.options import (
     check_max_generated_tokens,
@@ -73,10 +74,13 @@ class GeneratorParams:
         """Constrain every turn's output to a ``"json_schema"``, ``"regex"`` or ``"lark_grammar"``.
 
         ``kind=None`` clears it. A per-turn ``TurnOptions.set_guidance`` overrides it for one turn. A kind
-        that is unknown or a schema / grammar that does not compile is refused here with an
-        :class:`InvalidArgumentError` (``field="guidance"``) and the params keep what they had.
+        that is unknown, or a schema / grammar that does not compile (on its own or against this model's
+        tokenizer), is refused here with an :class:`InvalidArgumentError` (``field="guidance"``) and the
+        params keep what they had.
         """
-        self.guidance = _compiled_guidance(kind, data)
+        guidance = _compiled_guidance(kind, data)
+        new_cursor(self.model, guidance)  # compiles (cached) against the tokenizer, or refuses
+        self.guidance = guidance
 
     def set_search_options(self, **options: Any) -> None:
         """Set any of ``max_length`` and the SamplingOptions fields; all-or-nothing, unknown names raise.
@@ -191,6 +195,17 @@ def _compiled_guidance(kind: str | None, data: Any) -> GuidanceSpec | None:
         raise InvalidArgumentError(str(exc), "guidance") from exc
 
 
+def new_cursor(model: Any, guidance: GuidanceSpec | None) -> GrammarCursor | None:
+    """A fresh grammar cursor of ``guidance`` on ``model``'s tokenizer (None without guidance); refuses a
+    grammar that fails against the tokenizer with an InvalidArgumentError (field "guidance")."""
+    if guidance is None:
+        return None
+    try:
+        return GrammarCursor.for_model(model, guidance)
+    except GuidanceError as exc:
+        raise InvalidArgumentError(str(exc), "guidance") from exc
+
+
 @contextlib.contextmanager
 def _as_invalid_argument() -> Iterator[None]:
     """Report a shared sampling rule's refusal as the engine API's InvalidArgumentError (same field)."""
@@ -226,7 +241,8 @@ class RequestState:
 
     Step staging never touches these fields: a committed step publishes a token, the processed length, the
     turn's generated count and the status together (``commit_step``); a rolled-back step leaves them as they
-    were. ``sampler`` and ``stop_matcher`` are mutated by sampling and are checkpointed by the transaction.
+    were. ``sampler``, ``stop_matcher`` and ``cursor`` are mutated by sampling and staging and are
+    checkpointed by the transaction.
     """
 
     request_id: int
@@ -245,6 +261,8 @@ class RequestState:
     finish_reason: FinishReason = FinishReason.NONE
     turn: TurnSpec = field(default_factory=TurnSpec)
     stop_matcher: StopStringMatcher | None = None
+    guidance: GuidanceSpec | None = None  # the params' guidance, snapshotted at create_request
+    cursor: GrammarCursor | None = None  # the current turn's grammar cursor (None: unconstrained, or ended)
     # Logprobs of the tokens the stop matcher still holds back, oldest first (released in the same order).
     held_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     num_pending_events: int = 0
@@ -309,7 +327,13 @@ class RequestState:
                 f"max_session_tokens {self.max_total_tokens} leaves no room for a generated token"
             )
 
-    def start_turn(self, tokens: list[int], spec: TurnSpec, stop_matcher: StopStringMatcher | None) -> int:
+    def start_turn(
+        self,
+        tokens: list[int],
+        spec: TurnSpec,
+        stop_matcher: StopStringMatcher | None,
+        cursor: GrammarCursor | None = None,
+    ) -> int:
         """Append a validated input fragment and queue a new turn; returns the new turn id. Cannot fail."""
         if not self.tokens:
             self.first_prompt_len = len(tokens)
@@ -321,6 +345,7 @@ class RequestState:
         self.turn_reuse = TurnReuse(0, 0)
         self.finish_reason = FinishReason.NONE
         self.stop_matcher = stop_matcher
+        self.cursor = cursor
         self.held_logprobs = []
         self.draft_tokens = ()
         self.status = RequestStatus.ASSIGNED

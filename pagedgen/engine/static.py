@@ -27,6 +27,8 @@ from pagedgen.engine.step import StepResult
 from pagedgen.engine.turn_output import commit_staged, finish_turn_now, sample_row, stage_sampled
 from pagedgen.executor.inputs import SequenceChunk, pack_step
 from pagedgen.executor.runner import ModelRunner
+from pagedgen.guidance.bitmask import TokenMasks
+from pagedgen.guidance.masks import MaskComputer, MaskRow
 from pagedgen.sampling import RowSamplingError, Sampler
 
 
@@ -156,6 +158,7 @@ class StaticStep:
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()
         self.isolator = FailureIsolator() if isolator is None else isolator
+        self.masker = MaskComputer()
         self._phase = Phase.PLAN
         self._ids: tuple[int, ...] = ()
 
@@ -176,7 +179,10 @@ class StaticStep:
             logits = self._execute(rows)
             self._enter(Phase.SAMPLE)
             try:
-                sampled = self.sampler.sample(logits, [sample_row(s, self.eos_token_ids) for s in rows])
+                masks = self._masks(rows)
+                sampled = self.sampler.sample(
+                    logits, [sample_row(s, self.eos_token_ids) for s in rows], masks
+                )
             except RowSamplingError as error:
                 return StepResult(StepOutcome.REQUEST_FAILED, failed + self._fail(rows[error.row]), error)
             self._enter(Phase.COMMIT_REQUEST)
@@ -202,6 +208,17 @@ class StaticStep:
                     events += self._fail(next(s for s in rows if s.request_id == culprit_id))
                 return StepResult(outcome, events, error)
             return StepResult(outcome, failed, error, rows)
+
+    def _masks(self, rows: list[RequestState]) -> TokenMasks | None:
+        """The guided rows' masks, computed now (the static path does not overlap them); a request whose
+        grammar fails is a RequestFailure (it fails alone)."""
+        guided = [MaskRow(s.request_id, s.cursor, r) for r, s in enumerate(rows) if s.cursor is not None]
+        if not guided:
+            return None
+        result = self.masker.compute(guided)
+        if result.failed:
+            raise RequestFailure(*result.failed[0])
+        return result.masks
 
     def _isolated(self, rows: list[RequestState]) -> list[RequestState]:
         """The rows the isolator allows (all of them unless it is narrowing down a recurring failure)."""

@@ -40,6 +40,8 @@ from pagedgen.engine.turn_output import (
 from pagedgen.errors import CacheError
 from pagedgen.executor.inputs import SequenceChunk, pack_step
 from pagedgen.executor.runner import ModelRunner
+from pagedgen.guidance.bitmask import TokenMasks
+from pagedgen.guidance.masks import MaskComputer, MaskRow, PendingMasks
 from pagedgen.sampling import RowSamplingError, Sampler
 from pagedgen.sampling.drafts import VerifiedRow, sample_with_drafts
 
@@ -62,12 +64,14 @@ class StepResult:
 
 @dataclass(slots=True)
 class _Checkpoint:
-    """The transactional part of one sampled request: its random stream and its stop-string matcher."""
+    """The transactional part of one sampled request: its random stream, stop-string matcher and grammar
+    cursor."""
 
     state: RequestState
     sampler: Any
     matcher: Any
     held_logprobs: list[TokenLogprobs | None]
+    cursor: Any = None
 
 
 @dataclass(slots=True)
@@ -78,6 +82,7 @@ class _Transaction:
     reservation: Reservation | None = None
     checkpoints: list[_Checkpoint] = field(default_factory=list)
     early_events: list[EngineEvent] = field(default_factory=list)  # unserviceable turns, published first
+    masks: PendingMasks | None = None  # the guided rows' masks, computed while the model runs
     failed_in: Phase | None = None  # where a failed step failed (decides what its rollback can restore)
 
 
@@ -112,6 +117,7 @@ class DynamicStep:
         self.window = None if window is None else window.window  # sliding window of the ring layers
         self.sampler = Sampler()
         self.isolator = FailureIsolator() if isolator is None else isolator
+        self.masker = MaskComputer()
 
     def run(self) -> StepResult:
         """Plan and execute at most one transaction. Never raises except for a planning MemoryError."""
@@ -125,6 +131,7 @@ class DynamicStep:
             reservation = self._reserve(txn, plan)
             self._checkpoint(txn, plan)
             inputs = self._pack(txn, plan, reservation)
+            txn.masks = self._submit_masks(plan)
             logits = self._execute(txn, inputs)
             sampled = self._sample(txn, plan, logits)
             staged = self._stage(txn, plan, sampled)
@@ -176,14 +183,16 @@ class DynamicStep:
         return txn.reservation
 
     def _checkpoint(self, txn: _Transaction, plan: StepPlan) -> None:
-        """Snapshot the sampler and stop matcher of every row that samples (the only pre-commit mutations)."""
+        """Snapshot the sampler, stop matcher and grammar cursor of every row that samples (the only
+        pre-commit mutations)."""
         self._enter(txn, Phase.CHECKPOINT)
         for row in plan.rows:
             if row.samples:
                 state = row.state
                 matcher = None if state.stop_matcher is None else state.stop_matcher.checkpoint()
+                cursor = None if state.cursor is None else state.cursor.checkpoint()
                 txn.checkpoints.append(
-                    _Checkpoint(state, state.sampler.checkpoint(), matcher, list(state.held_logprobs))
+                    _Checkpoint(state, state.sampler.checkpoint(), matcher, list(state.held_logprobs), cursor)
                 )
 
     def _pack(self, txn: _Transaction, plan: StepPlan, reservation: Reservation) -> StepInputs:
@@ -212,6 +221,19 @@ class DynamicStep:
             inputs.logits_rows = inputs.logits_rows[_sampled_logits(plan)]
         return inputs
 
+    def _submit_masks(self, plan: StepPlan) -> PendingMasks | None:
+        """Start the guided sampling rows' masks on the mask worker, so they overlap the forward pass.
+
+        Rows are numbered as the sampled logits rows: one per sampling row, K+1 for a row with K drafts.
+        """
+        rows: list[MaskRow] = []
+        at = 0
+        for row in plan.sampling_rows:
+            if row.state.cursor is not None:
+                rows.append(MaskRow(row.request_id, row.state.cursor, at, row.drafts))
+            at += len(row.drafts) + 1
+        return self.masker.submit(rows) if rows else None
+
     def _execute(self, txn: _Transaction, inputs: StepInputs) -> torch.Tensor:
         self._enter(txn, Phase.EXECUTE)
         return self.runner.execute(inputs)  # [num_sampling_rows, vocab]
@@ -221,12 +243,25 @@ class DynamicStep:
         the drafts of the rows that sent some (:mod:`pagedgen.sampling.drafts`)."""
         self._enter(txn, Phase.SAMPLE)
         sampling = plan.sampling_rows
+        masks = self._joined_masks(txn)
         rows = [sample_row(row.state, self.eos_token_ids) for row in sampling]
         drafts = [row.drafts for row in sampling]
         try:
-            return sample_with_drafts(self.sampler, logits, rows, drafts) if rows else []
+            return sample_with_drafts(self.sampler, logits, rows, drafts, masks) if rows else []
         except RowSamplingError as error:  # the sampler names the row it cannot sample: only its turn fails
             raise RequestFailure(sampling[error.row].request_id, error) from error
+
+    @staticmethod
+    def _joined_masks(txn: _Transaction) -> TokenMasks | None:
+        """The step's guidance masks (waiting for the worker if it is not done); a request whose grammar
+        failed fails alone."""
+        if txn.masks is None:
+            return None
+        result = txn.masks.result()
+        if result.failed:
+            request_id, error = result.failed[0]
+            raise RequestFailure(request_id, error)
+        return result.masks
 
     def _stage(self, txn: _Transaction, plan: StepPlan, sampled: list[VerifiedRow]) -> list[StagedResult]:
         """Stage each row; a row's own failure (its stop matcher, say) is attributed to its request."""
@@ -318,6 +353,8 @@ class DynamicStep:
         """Classify ``error`` by phase; roll back a recoverable step, otherwise report it as fatal."""
         outcome = classify_failure(txn.phase, error)
         txn.failed_in = txn.phase
+        if txn.masks is not None:
+            txn.masks.wait()  # the worker must be done with the cursors before they are restored
         if not isinstance(error, Exception) or (txn.phase is Phase.PLAN and isinstance(error, MemoryError)):
             # An interrupt, or a planning allocation failure: undo what is undoable and let it propagate.
             if not txn.phase.fail_stop:
@@ -359,6 +396,8 @@ class DynamicStep:
             cp.state.sampler.restore(cp.sampler)
             if cp.matcher is not None:
                 cp.state.stop_matcher.restore(cp.matcher)
+            if cp.cursor is not None:
+                cp.state.cursor.restore(cp.cursor)
             cp.state.held_logprobs = cp.held_logprobs
         txn.checkpoints.clear()
         if txn.reservation is not None:

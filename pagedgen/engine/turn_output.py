@@ -3,11 +3,13 @@
 Staging decides, without touching committed request fields, whether the token is appended, whether the
 turn ends and why, and which events the caller will see. End conditions, in order: a generated EOS (never
 appended, never emitted, unless ``ignore_eos``), a stop string (the token is appended; the stop text is never
-emitted), the turn's ``max_generated_tokens``, the request's ``max_session_tokens``. Tokens the stop-string
+emitted), a guided turn's grammar complete (EOS: the token is appended, nothing but EOS could follow), the
+turn's ``max_generated_tokens``, the request's ``max_session_tokens``. Every appended token of a guided
+turn advances its grammar cursor (an EOS that ends the turn does not). Tokens the stop-string
 matcher holds back are released (and emitted) once they cannot be part of a stop string, or when the turn
 ends for another reason; on a match, the text of the unemitted tokens before the stop string travels on the
-terminal event as ``text_before_stop``. Staging mutates only the stop matcher and ``held_logprobs``, both
-checkpointed by the transaction; :func:`commit_staged` publishes the rest.
+terminal event as ``text_before_stop``. Staging mutates only the stop matcher, the grammar cursor and
+``held_logprobs``, all checkpointed by the transaction; :func:`commit_staged` publishes the rest.
 
 A row that verified drafts has several outputs (the accepted drafts, then the replacement or bonus token):
 :func:`stage_outputs` runs them through the same end conditions in order and stops at the first that ends
@@ -92,6 +94,8 @@ def stage_outputs(
             released += _flush(state)
             break
         tokens.append(sampled.token)
+        if state.cursor is not None:  # raises GuidanceError (the step fails this request) on a rejection
+            state.cursor.consume(sampled.token)
         logprobs = None
         if state.turn.num_logprobs and sampled.logprob is not None:
             logprobs = TokenLogprobs(sampled.logprob, tuple(sampled.top_logprobs))
@@ -121,9 +125,15 @@ def stage_outputs(
 
 
 def _limit_reached(state: RequestState, matched: int | None, num_new: int, seq_len: int) -> FinishReason:
-    """Why the turn ends after its ``num_new``-th appended output of this step (NONE: it goes on)."""
+    """Why the turn ends after its ``num_new``-th appended output of this step (NONE: it goes on).
+
+    A complete grammar ends the turn as EOS would (only EOS could follow, so it is not sampled): after a
+    stop string, before the limits, since the output is whole.
+    """
     if matched is not None:
         return FinishReason.STOP_SEQUENCE
+    if state.cursor is not None and state.cursor.complete:
+        return FinishReason.EOS
     limit = state.turn.max_generated_tokens
     if limit and state.turn_generated_tokens + num_new >= limit:
         return FinishReason.MAX_GENERATED_TOKENS
@@ -231,7 +241,11 @@ def commit_staged(staged: StagedResult) -> None:
     if staged.reuse is not None:
         state.turn_reuse = staged.reuse
     state.finish_reason = staged.finish
-    state.status = RequestStatus.ACTIVE if staged.finish is FinishReason.NONE else RequestStatus.TURN_COMPLETE
+    if staged.finish is FinishReason.NONE:
+        state.status = RequestStatus.ACTIVE
+    else:
+        state.status = RequestStatus.TURN_COMPLETE
+        state.cursor = None  # the turn's grammar is done with
 
 
 def finish_turn_now(
@@ -244,6 +258,7 @@ def finish_turn_now(
     """
     released = [] if reason is FinishReason.FAILED else _flush(state)
     state.held_logprobs.clear()
+    state.cursor = None
     state.draft_tokens = ()
     state.status = RequestStatus.TURN_COMPLETE
     state.finish_reason = reason

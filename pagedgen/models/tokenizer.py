@@ -65,6 +65,10 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = self._eos_ids(config_eos)
         self._cleanup = bool(self._config.get("clean_up_tokenization_spaces", False))
 
+    def to_json(self) -> str:
+        """The ``tokenizer.json`` text of this tokenizer (what llguidance builds its vocabulary view from)."""
+        return self._backend.to_str()
+
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self._backend.token_to_id(token)
 

@@ -28,6 +28,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pagedgen.guidance.bitmask import TokenMasks
 from pagedgen.sampling.errors import RowSamplingError
 from pagedgen.sampling.sampler import SampledToken, Sampler, SampleRow
 
@@ -42,21 +43,28 @@ class VerifiedRow:
 
 
 def sample_with_drafts(
-    sampler: Sampler, logits, rows: Sequence[SampleRow], drafts: Sequence[Sequence[int]]
+    sampler: Sampler,
+    logits,
+    rows: Sequence[SampleRow],
+    drafts: Sequence[Sequence[int]],
+    masks: TokenMasks | None = None,
 ) -> list[VerifiedRow]:
     """Sample every row of a step, verifying each row's drafts (``drafts[r]``, maybe empty).
+
+    ``masks`` (guidance) index the logits rows, draft rows included: row ``i`` of a request is masked by
+    its grammar after ``d_1..d_i``, so a draft the grammar rejects is never accepted.
 
     ``logits`` (a ``[sum_r (len(drafts[r]) + 1), vocab]`` tensor) holds ``len(drafts[r]) + 1`` consecutive
     rows per sampling row ``r``. Raises :class:`RowSamplingError` naming the sampling row ``r`` that cannot be
     sampled, changing no sampler state.
     """
     if not any(drafts):
-        return [VerifiedRow([token]) for token in sampler.sample(logits, rows)]
+        return [VerifiedRow([token]) for token in sampler.sample(logits, rows, masks)]
     expanded = [ext for row, d in zip(rows, drafts, strict=True) for ext in _extend(row, d)]
     owner = [r for r, d in enumerate(drafts) for _ in range(len(d) + 1)]
     before = [row.sampler.checkpoint() for row in rows]
     try:
-        tokens = sampler.sample(logits, expanded)
+        tokens = sampler.sample(logits, expanded, masks)
     except RowSamplingError as error:
         raise RowSamplingError(str(error), owner[error.row]) from error
     result = []

@@ -2,7 +2,8 @@
 
 Pipeline for a step (every stage vectorised over the rows that need it; rows that do not are untouched):
 
-1. processors (all rows): EOS suppression under min_length / min_new_tokens, repetition penalty, no-repeat
+1. processors (all rows): the guidance token mask (rows that have one, :mod:`pagedgen.guidance.bitmask`),
+   EOS suppression under min_length / min_new_tokens, repetition penalty, no-repeat
    n-gram, presence / frequency penalties, logit bias (:mod:`pagedgen.sampling.processors`);
 2. greedy rows: argmax of the processed logits (first index on ties, as ``torch.argmax`` / transformers);
 3. sampled rows: temperature, top-k, top-p, min-p (:mod:`pagedgen.sampling.warpers`), then one uniform from
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedgen.guidance.bitmask import TokenMasks, apply_token_bitmask_
 from pagedgen.sampling.errors import RowSamplingError, SamplingError
 from pagedgen.sampling.logprobs import compute_logprobs
 from pagedgen.sampling.processors import (
@@ -111,12 +113,16 @@ def _bad_rows(logits: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(logits.amax(dim=-1))
 
 
-def process_logits(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+def process_logits(
+    logits: torch.Tensor, rows: Sequence[SampleRow], masks: TokenMasks | None = None
+) -> torch.Tensor:
     """Apply every row's logits processors (float32); returns ``logits`` itself when no row has any.
 
-    The processors run on the rows that use them, in this order: EOS suppression under ``min_length``
-    (whole sequence) / ``min_new_tokens`` (this turn), repetition penalty, no-repeat n-gram (one call per
-    distinct n), presence / frequency penalties, logit bias. The caller's tensor is never modified.
+    The processors run on the rows that use them, in this order (the reference's Generator order): the
+    guidance mask of the rows ``masks`` names (first: every later processor sees only allowed tokens), EOS
+    suppression under ``min_length`` (whole sequence) / ``min_new_tokens`` (this turn), repetition penalty,
+    no-repeat n-gram (one call per distinct n), presence / frequency penalties, logit bias. The caller's
+    tensor is never modified.
     """
     options = [row.sampler.options for row in rows]
     vocab = logits.shape[1]
@@ -131,10 +137,13 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Ten
     ngram_sizes = sorted({o.no_repeat_ngram_size for o in options if o.no_repeat_ngram_size > 0})
     pen = [r for r, o in enumerate(options) if o.uses_generated]
     bias = [(r, t, b) for r, o in enumerate(options) for t, b in o.logit_bias]
-    if not (eos_rows or rep or ngram_sizes or pen or bias):
+    guided = masks is not None and masks.rows.numel() > 0
+    if not (guided or eos_rows or rep or ngram_sizes or pen or bias):
         return x
     if x is logits:
         x = x.clone()  # the caller may still need its logits; the processors below work in place
+    if guided:
+        apply_token_bitmask_(x, masks)
     suppress_tokens_(x, eos_rows, eos_ids)
     if rep:
         penalties = [options[r].repetition_penalty for r in rep]
@@ -155,15 +164,19 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Ten
 class Sampler:
     """Stateless batched sampler (all per-request state lives in each row's :class:`RequestSampler`)."""
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[SampledToken]:
+    def sample(
+        self, logits: torch.Tensor, rows: Sequence[SampleRow], masks: TokenMasks | None = None
+    ) -> list[SampledToken]:
         """Sample one token per row of ``logits [R, vocab]``; ``logits`` is never modified.
+
+        ``masks``: guidance token masks of some rows, applied before every other processor.
 
         Advances the :class:`RequestSampler` of every row that drew a random number (non-greedy rows); two
         rows of the same request draw consecutive numbers in row order. Raises :class:`SamplingError`,
         changing nothing, on a shape mismatch, a bad row field, or a row with no sampleable token.
         """
         self._validate(logits, rows)
-        x = process_logits(logits, rows)  # [R, V] float32
+        x = process_logits(logits, rows, masks)  # [R, V] float32
         sampled = [r for r, row in enumerate(rows) if not row.sampler.options.is_greedy]
         if not sampled:
             self._raise_on_bad(_bad_rows(x))

@@ -1,0 +1,125 @@
+"""A turn's grammar cursor: an llguidance matcher as transactional per-request state.
+
+Compiling a grammar against a tokenizer is the expensive part (~1 ms for a small grammar, far more for a big
+schema), so the compiled matcher of each ``(tokenizer, grammar)`` pair is kept in a small LRU cache and every
+turn starts from a ``deep_copy`` of it (~1 µs). The cursor then advances by the tokens its turn emits.
+
+Transactions: :meth:`GrammarCursor.checkpoint` is a ``deep_copy`` and :meth:`GrammarCursor.restore` puts it
+back, so a restored cursor is exactly the checkpointed one (llguidance's own ``rollback`` cannot recover a
+matcher in error state). An llguidance error (a token the grammar rejects, a parser limit hit while
+computing a mask) *poisons* the cursor for good: :attr:`GrammarCursor.error` keeps llguidance's text,
+``restore`` does not clear it, and every later use raises :class:`GuidanceError`, so generation never
+continues with a stale mask.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import llguidance
+
+from pagedgen.guidance.spec import GuidanceError, GuidanceSpec
+from pagedgen.guidance.tokenizer import guidance_tokenizer
+
+COMPILED_CACHE_SIZE = 128  # compiled (tokenizer, grammar) matchers kept; a server reuses a few schemas a lot
+
+_lock = threading.Lock()
+_compiled: OrderedDict[tuple[int, str], tuple[llguidance.LLTokenizer, llguidance.LLMatcher]] = OrderedDict()
+
+
+def compiled_matcher(tokenizer: llguidance.LLTokenizer, grammar: str) -> llguidance.LLMatcher:
+    """The pristine compiled matcher of ``grammar`` on ``tokenizer`` (shared: deep-copy it, never advance it).
+
+    Raises :class:`GuidanceError` with llguidance's message when the grammar fails against this tokenizer;
+    failures are not cached.
+    """
+    key = (id(tokenizer), grammar)
+    with _lock:
+        entry = _compiled.get(key)
+        if entry is not None and entry[0] is tokenizer:
+            _compiled.move_to_end(key)
+            return entry[1]
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    if matcher.is_error():
+        raise GuidanceError(
+            f"the grammar does not compile for this model's tokenizer: {_first_line_of(matcher.get_error())}"
+        )
+    with _lock:
+        _compiled[key] = (tokenizer, matcher)  # the tokenizer is held so that its id stays unique
+        _compiled.move_to_end(key)
+        while len(_compiled) > COMPILED_CACHE_SIZE:
+            _compiled.popitem(last=False)
+    return matcher
+
+
+class GrammarCursor:
+    """Where one turn's output stands in its grammar. Owned by the engine's request state; not thread-safe
+    (the mask worker reads it only while the owner thread waits for the step's forward pass)."""
+
+    __slots__ = ("spec", "vocab_size", "_matcher", "num_consumed", "error")
+
+    def __init__(self, spec: GuidanceSpec, matcher: llguidance.LLMatcher, vocab_size: int):
+        self.spec = spec
+        self.vocab_size = vocab_size  # llguidance's vocabulary (the logits width, + 1 without an EOS id)
+        self._matcher = matcher
+        self.num_consumed = 0  # tokens this turn's output advanced the grammar by
+        self.error: str | None = None  # llguidance's error text once poisoned (permanent)
+
+    @classmethod
+    def for_model(cls, model: Any, spec: GuidanceSpec) -> GrammarCursor:
+        """A fresh cursor at the grammar's start; :class:`GuidanceError` if it fails for the model."""
+        tokenizer = guidance_tokenizer(model)
+        return cls(spec, compiled_matcher(tokenizer, spec.grammar).deep_copy(), tokenizer.vocab_size)
+
+    @property
+    def matcher(self) -> llguidance.LLMatcher:
+        """The live matcher (for the batched mask computation); raises if the cursor is poisoned."""
+        self.check()
+        return self._matcher
+
+    @property
+    def complete(self) -> bool:
+        """The grammar is satisfied and admits nothing more (only EOS): the turn's output is complete."""
+        return self.error is None and self._matcher.is_stopped() and not self._matcher.is_error()
+
+    def check(self) -> None:
+        """Raise :class:`GuidanceError` if the cursor is poisoned (picking up a matcher error just made)."""
+        if self.error is None and self._matcher.is_error():
+            self.error = self._matcher.get_error()
+        if self.error is not None:
+            raise GuidanceError(f"guidance failed: {_first_line_of(self.error)}")
+
+    def consume(self, token: int) -> None:
+        """Advance by one emitted token; a token the grammar rejects poisons the cursor and raises."""
+        self.check()
+        if not self._matcher.consume_token(int(token)):
+            self.check()
+            raise GuidanceError(f"guidance failed: token {token} was rejected")  # pragma: no cover
+        self.num_consumed += 1
+
+    def checkpoint(self) -> tuple[llguidance.LLMatcher, int]:
+        """An exact copy of the cursor's position, for :meth:`restore`."""
+        return self._matcher.deep_copy(), self.num_consumed
+
+    def restore(self, checkpoint: tuple[llguidance.LLMatcher, int]) -> None:
+        """Return to ``checkpoint`` (taking ownership of it). A poisoned cursor stays poisoned."""
+        self._matcher, self.num_consumed = checkpoint
+
+    def allowed_bitmask(self) -> bytes:
+        """The mask of the next token as llguidance computes it for one matcher (tests, diagnostics)."""
+        return self._matcher.deep_copy().compute_bitmask()
+
+    def poison(self, error: str) -> None:
+        """Mark the cursor failed with ``error`` (llguidance's text), permanently."""
+        if self.error is None:
+            self.error = error
+
+    def __repr__(self) -> str:
+        state = "poisoned" if self.error is not None else "complete" if self.complete else "open"
+        return f"GrammarCursor({self.spec!r}, {state})"
+
+
+def _first_line_of(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else "unknown llguidance error"

@@ -1,0 +1,79 @@
+"""The llguidance view of a model's tokenizer, built once per model and shared by every grammar on it.
+
+llguidance computes masks over token *bytes*, so it needs the whole vocabulary: a real model's
+``tokenizer.json`` text (:meth:`pagedgen.models.tokenizer.Tokenizer.to_json`), or, for a tokenizer without
+one (the synthetic model's), one byte string per token through llguidance's ``TokenizerWrapper``. Building
+the view costs ~0.2 s for a 49k vocabulary, so it is cached per model object (dropped with the model).
+
+Its vocabulary is the model's logits width (``model.vocab_size``) and its EOS ids are the engine's
+(``model.eos_token_ids``): a grammar that is complete allows exactly those. A model without EOS ids gets
+llguidance's own virtual EOS one past the logits width, which the bitmask apply masks away, so such a model
+can never end a turn by EOS (only its grammar's completion or a limit ends it).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import llguidance
+from llguidance._tokenizer import TokenizerWrapper
+
+from pagedgen.errors import TokenizerError
+from pagedgen.guidance.spec import GuidanceError
+
+_lock = threading.Lock()
+_by_model: dict[int, tuple[weakref.ref[Any], llguidance.LLTokenizer]] = {}
+
+
+def guidance_tokenizer(model: Any) -> llguidance.LLTokenizer:
+    """The cached llguidance tokenizer of ``model``; :class:`GuidanceError` if it has no usable tokenizer."""
+    key = id(model)
+    with _lock:
+        entry = _by_model.get(key)
+        if entry is not None and entry[0]() is model:
+            return entry[1]
+    built = _build(model)
+    with _lock:
+        _by_model[key] = (weakref.ref(model, lambda _ref, key=key: _by_model.pop(key, None)), built)
+    return built
+
+
+def _build(model: Any) -> llguidance.LLTokenizer:
+    n_vocab = int(model.vocab_size)
+    eos = [int(e) for e in model.eos_token_ids] or None
+    try:
+        tokenizer = model.tokenizer
+        source = tokenizer.to_json() if hasattr(tokenizer, "to_json") else _ByteVocab(tokenizer, n_vocab, eos)
+        if isinstance(source, _ByteVocab):
+            source = TokenizerWrapper(source)
+        return llguidance.LLTokenizer(source, n_vocab=n_vocab, eos_token=eos)
+    except (TokenizerError, ValueError, TypeError) as exc:
+        raise GuidanceError(
+            f"guidance needs the model's tokenizer, which llguidance cannot read: {exc}"
+        ) from exc
+
+
+class _ByteVocab:
+    """A vocabulary as llguidance's ``TokenizerWrapper`` reads it: ``tokens[t]`` is token t's bytes.
+
+    For tokenizers without a ``tokenizer.json`` (the synthetic model's): each token's text is its
+    ``decode([t])``; EOS ids are special tokens (never text), so a grammar cannot spell them.
+    """
+
+    def __init__(self, tokenizer: Any, n_vocab: int, eos: list[int] | None):
+        self._tokenizer = tokenizer
+        special = sorted(set(eos or ()))
+        self.tokens = [
+            f"<|eos_{t}|>".encode() if t in special else tokenizer.decode([t], False).encode("utf-8")
+            for t in range(n_vocab)
+        ]
+        self.special_token_ids = special
+        self.eos_token_id = special[0] if special else None
+        self.bos_token_id = None
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return list(self._tokenizer.encode(text))
