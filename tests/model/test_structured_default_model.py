@@ -218,6 +218,16 @@ def test_unconstrained_neighbours_equal_their_outputs_alone(llm, batch):
         assert output.text == alone.text
 
 
+def test_llm_chat_takes_structured_outputs(llm):
+    conversations = [[{"role": "user", "content": f"Rate {thing} from 1 to 5."}] for thing in ("tea", "rain")]
+    params = pg.SamplingParams(
+        max_tokens=8, temperature=0, structured_outputs=pg.StructuredOutputsParams(regex="[1-5]")
+    )
+    outputs = llm.chat(conversations, params, use_tqdm=False)
+    assert [o.finish_reason for o in outputs] == ["stop", "stop"]
+    assert all(re.fullmatch("[1-5]", o.text) for o in outputs)
+
+
 def test_chat_session_constrains_one_turn_only(llm):
     session = llm.start_chat(pg.SamplingParams(max_tokens=40, temperature=0))
     try:
