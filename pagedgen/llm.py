@@ -246,11 +246,18 @@ class SamplingParams:
         return options
 
     def generator_params(self, model: Any) -> Any:
-        """A fresh ``pg.GeneratorParams`` carrying these options (raises if the sampler refuses one)."""
+        """A fresh ``pg.GeneratorParams`` carrying these options (raises if the sampler refuses one).
+
+        The structured-outputs constraint is set here too, although each turn sets its own
+        (:meth:`turn_options`): ``GeneratorParams.set_guidance`` checks it against the model's tokenizer,
+        so ``LLM.generate`` refuses a constraint the vocabulary cannot follow before submitting anything.
+        """
         from pagedgen.engine.request import GeneratorParams
 
         params = GeneratorParams(model)
         params.set_search_options(**self.search_options())
+        if self.structured_outputs is not None:
+            params.set_guidance(*self.structured_outputs.guidance())
         return params
 
     def turn_options(self, request: Any) -> Any:

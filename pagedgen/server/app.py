@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive
 
+from pagedgen.engine.errors import InvalidArgumentError
 from pagedgen.engine.events import EngineErrorCode
 from pagedgen.llm import (
     SamplingParams,
@@ -113,6 +114,7 @@ class _Server:
     context: int
     vocab_size: int
     admission: Admission
+    model: Any  # for checks that need it off the engine thread (a constraint against its tokenizer)
 
 
 def build_app(model: Any, engine_config: Any, options: ServerOptions, *, tokenizer: Any = None) -> FastAPI:
@@ -156,7 +158,9 @@ def create_app(
     app.state.worker = worker
     app.state.metrics = metrics
     app.state.admission = admission
-    server = _Server(AsyncEngineClient(worker), tokenizer, metrics, options, context, vocab_size, admission)
+    server = _Server(
+        AsyncEngineClient(worker), tokenizer, metrics, options, context, vocab_size, admission, worker.model
+    )
     app.add_middleware(
         GuardMiddleware,
         healthy=lambda: worker.healthy,
@@ -310,15 +314,25 @@ async def _serve(
 
 
 async def _sampling_params(server: _Server, body: Any) -> SamplingParams:
-    """The request's engine parameters, or a 400 naming the bad field. An output constraint is compiled
-    here (in a worker thread: a large schema or grammar can take milliseconds), before the engine sees it.
+    """The request's engine parameters, or a 400 naming the bad field.
+
+    An output constraint is compiled here, and against the model's tokenizer, in a worker thread (a large
+    schema can take many milliseconds): a refusal is a 400 before the engine sees the request, and the
+    compiled grammar is cached for the engine thread, which then does not stall the batch compiling it.
     """
     build = functools.partial(body.to_sampling_params, body.requested_max_tokens)
     try:  # the engine's one rule set, and the rule that needs the model (token ids in its vocabulary)
-        params = await asyncio.to_thread(build) if body.constrains_output else build()
+        if not body.constrains_output:
+            params = build()
+        else:
+            params = await asyncio.to_thread(build)
+            await asyncio.to_thread(params.generator_params, server.model)
         params.check_vocabulary(server.vocab_size)
     except SamplingOptionsError as exc:
         raise ApiError(400, str(exc), param=body.wire_name(exc.field)) from exc
+    except InvalidArgumentError as exc:  # the constraint does not compile for this model's tokenizer
+        param = body.constraint_param if exc.field == "guidance" else body.wire_name(exc.field)
+        raise ApiError(400, str(exc), param=param) from exc
     return params
 
 

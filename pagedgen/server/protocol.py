@@ -205,6 +205,11 @@ class _SamplingFields(_Strict):
         formatted = self.response_format is not None and self.response_format.type != "text"
         return formatted or self.structured_outputs is not None
 
+    @property
+    def constraint_param(self) -> str:
+        """The field whose constraint the request carries (named when the model's tokenizer refuses it)."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
+
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The output constraint of ``response_format`` or ``structured_outputs`` (at most one may be
         given); raises :class:`SamplingOptionsError` naming the field that is wrong."""
@@ -295,6 +300,10 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def constrains_output(self) -> bool:
         return super().constrains_output or self.forced_tool_calls is not None
+
+    @property
+    def constraint_param(self) -> str:
+        return "tools" if self.forced_tool_calls is not None else super().constraint_param
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         tool_constraint = self._tool_constraint()

@@ -119,17 +119,19 @@ def test_sampling_params_takes_only_structured_outputs_params():
     assert info.value.field == "structured_outputs"
 
 
-def test_the_constraint_is_a_turn_option_and_not_a_request_option():
-    """On the turn, so ``ChatSession.send`` can constrain one turn; the request's params stay free."""
+def test_the_constraint_is_set_on_the_params_and_on_every_turn():
+    """On the turn, so ``ChatSession.send`` can constrain one turn; on the params too, where it is checked
+    against the model's tokenizer before ``LLM.generate`` submits anything."""
     model = SyntheticModel(vocab_size=95)
     engine = pg.Engine(model, pg.EngineConfig(max_batch_size=2, num_blocks=8))
     try:
         params = pg.SamplingParams(structured_outputs=pg.StructuredOutputsParams(regex="[a-z]+"))
         generator_params = params.generator_params(model)
-        assert generator_params.guidance is None
+        assert generator_params.guidance.kind == "regex" and generator_params.guidance.data == "[a-z]+"
         request = engine.create_request(generator_params, pg.RequestOptions())
         spec = params.turn_options(request).spec
         assert spec.guidance_set and spec.guidance.kind == "regex" and spec.guidance.data == "[a-z]+"
+        assert pg.SamplingParams().generator_params(model).guidance is None
         assert not pg.SamplingParams().turn_options(request).spec.guidance_set
         request.close()
     finally:
@@ -141,3 +143,16 @@ def test_a_json_dict_and_its_text_compile_to_the_same_grammar():
     from_dict = compile_guidance(*pg.StructuredOutputsParams(json=schema).guidance())
     from_text = compile_guidance(*pg.StructuredOutputsParams(json=json.dumps(schema)).guidance())
     assert from_dict.grammar == from_text.grammar
+
+
+def test_generate_refuses_a_constraint_the_tokenizer_cannot_follow_before_submitting_anything():
+    """``<[500]>`` (token 500) compiles as a grammar but not for a 95-token vocabulary."""
+    llm = pg.LLM(SyntheticModel(vocab_size=95), pg.EngineConfig(max_batch_size=4, num_blocks=16))
+    bad = pg.StructuredOutputsParams(grammar="start: <[500]>")
+    with pytest.raises(ValueError, match="tokenizer") as info:
+        llm.generate([[1, 2], [3, 4]], [pg.SamplingParams(), pg.SamplingParams(structured_outputs=bad)])
+    assert info.value.field == "guidance"
+    stats = llm.engine.stats()
+    assert (
+        stats.steps == 0 and not llm.engine.has_pending_requests() and stats.free_blocks == stats.total_blocks
+    )
