@@ -172,3 +172,22 @@ def test_streamed_tool_calls_equal_the_whole_response(client):
     assert [(c.function.name, c.function.arguments) for c in streamed] == [
         (c.function.name, c.function.arguments) for c in required
     ]
+
+
+def test_the_openai_clients_parse_helper_gets_its_pydantic_model(client):
+    """``client.chat.completions.parse`` sends a strict ``json_schema`` built from a pydantic model."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Forecast(BaseModel):
+        city: str = Field(max_length=16)
+        unit: Literal["celsius", "fahrenheit"]
+        days: int = Field(ge=1, le=7)
+
+    completion = client.chat.completions.parse(
+        model=MODEL_NAME, messages=ASK_WEATHER, response_format=Forecast, max_tokens=MAX_TOKENS, temperature=0
+    )
+    message = completion.choices[0].message
+    assert isinstance(message.parsed, Forecast)
+    assert Forecast.model_validate_json(message.content) == message.parsed
