@@ -33,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     "TokenLogprobs": "pagedgen.engine.events",
     "LLM": "pagedgen.llm",
     "SamplingParams": "pagedgen.llm",
+    "StructuredOutputsParams": "pagedgen.llm",
     "CompletionOutput": "pagedgen.llm",
     "NgramProposer": "pagedgen.spec",
     "DraftDriver": "pagedgen.spec",

@@ -15,7 +15,9 @@ verifies. Greedy output is unchanged, sampled output too (same seed), only faste
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import json
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ from pagedgen.sampling.errors import SamplingOptionsError
 from pagedgen.sampling.options import SamplingOptions, check_num_logprobs, check_stop_strings
 
 _MAX_EVENTS = 256
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 # SamplingOptions' field names that SamplingParams calls differently.
@@ -40,6 +43,101 @@ def _is_real(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def choice_grammar(choices: Sequence[str]) -> str:
+    """A Lark grammar (llguidance's dialect) matching exactly one of ``choices``, nothing more.
+
+    Each choice is a JSON-escaped string literal (llguidance reads Lark literals with JSON escapes), so
+    quotes, backslashes, newlines, ``|`` and non-ASCII text match literally, never as grammar syntax.
+    """
+    return "start: " + " | ".join(json.dumps(choice) for choice in choices)
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """Constrain a completion's text (vLLM's ``StructuredOutputsParams``); set exactly one field.
+
+    - ``json``: a JSON Schema, as a dict or as JSON text; the output is compact JSON valid against it;
+    - ``regex``: a regular expression the whole output matches (llguidance's Rust ``regex`` syntax);
+    - ``choice``: a non-empty list of strings; the output is exactly one of them;
+    - ``grammar``: a Lark grammar in llguidance's dialect (``start`` is the root rule);
+    - ``json_object=True``: any JSON object.
+
+    The constraint is compiled here, so a schema, regex or grammar that llguidance refuses raises
+    :class:`SamplingOptionsError` now, naming the field (``field`` is ``"structured_outputs.<name>"``).
+    """
+
+    json: Mapping[str, Any] | str | None = None
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [name for name in _CONSTRAINTS if self._is_set(name)]
+        if len(given) != 1:
+            found = ", ".join(given) if given else "none"
+            raise SamplingOptionsError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar, "
+                f"json_object=True; got {found}",
+                "structured_outputs",
+            )
+        name = given[0]
+        self._check_types(name)
+        from pagedgen.guidance import GuidanceError, compile_guidance
+
+        try:
+            compile_guidance(*self.guidance())
+        except GuidanceError as exc:
+            raise SamplingOptionsError(
+                f"structured_outputs.{name}: {exc}", f"structured_outputs.{name}"
+            ) from None
+
+    def _is_set(self, name: str) -> bool:
+        value = getattr(self, name)
+        return value is not None and not (name == "json_object" and value is False)
+
+    def _check_types(self, name: str) -> None:
+        value = getattr(self, name)
+        field_name = f"structured_outputs.{name}"
+        if name == "json_object" and value is not True:
+            raise SamplingOptionsError(f"{field_name} must be true or None, got {value!r}", field_name)
+        if name == "json" and not isinstance(value, Mapping | str):
+            raise SamplingOptionsError(
+                f"{field_name} must be a JSON Schema as a dict or JSON text, got {type(value).__name__}",
+                field_name,
+            )
+        if name in ("regex", "grammar") and not isinstance(value, str):
+            raise SamplingOptionsError(f"{field_name} must be a str, got {type(value).__name__}", field_name)
+        if name == "choice":
+            if isinstance(value, str) or not isinstance(value, Sequence) or not value:
+                raise SamplingOptionsError(f"{field_name} must be a non-empty list of strings", field_name)
+            bad = next((c for c in value if not isinstance(c, str)), None)
+            if bad is not None:
+                raise SamplingOptionsError(
+                    f"{field_name} must hold only strings, got {type(bad).__name__} {bad!r}", field_name
+                )
+
+    @property
+    def kind(self) -> str:
+        """Which field is set: ``"json"``, ``"regex"``, ``"choice"``, ``"grammar"`` or ``"json_object"``."""
+        return next(name for name in _CONSTRAINTS if self._is_set(name))
+
+    def guidance(self) -> tuple[str, Any]:
+        """The ``(kind, data)`` of ``TurnOptions.set_guidance`` that applies this constraint."""
+        kind = self.kind
+        if kind == "json":
+            return "json_schema", dict(self.json) if isinstance(self.json, Mapping) else self.json
+        if kind == "json_object":
+            return "json_schema", {"type": "object"}
+        if kind == "regex":
+            return "regex", self.regex
+        if kind == "choice":
+            return "lark_grammar", choice_grammar(self.choice or ())
+        return "lark_grammar", self.grammar
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to generate one completion (vLLM's ``SamplingParams`` names; OpenAI semantics).
@@ -47,6 +145,7 @@ class SamplingParams:
     ``temperature=0`` is greedy. ``max_tokens=None`` generates until EOS, a stop string or the context ends.
     ``top_k=0`` and ``top_p=1`` disable those filters. ``stop`` strings are never part of the returned text.
     ``logprobs=k`` returns the sampled token's logprob and the top-``k`` alternatives per token.
+    ``structured_outputs`` constrains each turn's output (a :class:`StructuredOutputsParams`).
     Raises ``ValueError`` naming the first bad field.
     """
 
@@ -64,6 +163,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -79,6 +179,14 @@ class SamplingParams:
         check_stop_strings(self.stop, owner, "stop")
         if self.logprobs is not None:
             check_num_logprobs(self.logprobs, owner)
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise SamplingOptionsError(
+                "SamplingParams.structured_outputs must be None or a StructuredOutputsParams, got "
+                f"{type(self.structured_outputs).__name__}",
+                "structured_outputs",
+            )
         if self.logit_bias is not None and not isinstance(self.logit_bias, Mapping):
             raise SamplingOptionsError(
                 f"SamplingParams.logit_bias must be a mapping {{token_id: bias}}, got {self.logit_bias!r}",
@@ -138,18 +246,28 @@ class SamplingParams:
         return options
 
     def generator_params(self, model: Any) -> Any:
-        """A fresh ``pg.GeneratorParams`` carrying these options (raises if the sampler refuses one)."""
+        """A fresh ``pg.GeneratorParams`` carrying these options (raises if the sampler refuses one).
+
+        The structured-outputs constraint is set here too, although each turn sets its own
+        (:meth:`turn_options`): ``GeneratorParams.set_guidance`` checks it against the model's tokenizer,
+        so ``LLM.generate`` refuses a constraint the vocabulary cannot follow before submitting anything.
+        """
         from pagedgen.engine.request import GeneratorParams
 
         params = GeneratorParams(model)
         params.set_search_options(**self.search_options())
+        if self.structured_outputs is not None:
+            params.set_guidance(*self.structured_outputs.guidance())
         return params
 
     def turn_options(self, request: Any) -> Any:
-        """A ``pg.TurnOptions`` for one turn of ``request``: token limit, stop strings, logprobs."""
+        """A ``pg.TurnOptions`` for one turn of ``request``: token limit, stop strings, logprobs, and the
+        structured-outputs constraint (a turn option, so a chat session can constrain one turn only)."""
         from pagedgen.engine.request import TurnOptions
 
         options = TurnOptions(request)
+        if self.structured_outputs is not None:
+            options.set_guidance(*self.structured_outputs.guidance())
         if self.max_tokens is not None:
             options.set_max_generated_tokens(self.max_tokens)
         if self.stop:
@@ -495,13 +613,20 @@ class ChatSession:
         self._held_tokens = 0
         self.last: TurnResult | None = None
 
-    def send(self, user_text: str) -> Iterator[str]:
+    def send(
+        self, user_text: str, *, structured_outputs: StructuredOutputsParams | None = None
+    ) -> Iterator[str]:
         """Stream the assistant's reply to ``user_text`` as text deltas; afterwards ``self.last`` is set.
 
-        Raises ``ValueError`` (nothing changed) when the conversation no longer fits the context.
+        ``structured_outputs`` constrains this turn only (the session's ``SamplingParams`` constraint, if
+        any, applies to the turns that give none). Raises ``ValueError`` (nothing changed) when the
+        conversation no longer fits the context.
         """
         from pagedgen.models.tokenizer import IncrementalDetokenizer
 
+        turn_params = self._params
+        if structured_outputs is not None:
+            turn_params = dataclasses.replace(self._params, structured_outputs=structured_outputs)
         messages = [*self.messages, {"role": "user", "content": user_text}]
         rendered = self._llm.render_chat(messages)
         ids = self._turn_input(rendered)
@@ -514,7 +639,7 @@ class ChatSession:
             self._request = self._llm.engine.create_request(
                 self._params.generator_params(self._llm.model), _request_options()
             )
-        self._request.begin_turn(ids, self._params.turn_options(self._request))
+        self._request.begin_turn(ids, turn_params.turn_options(self._request))
         detok = IncrementalDetokenizer(self._llm.tokenizer)
         tokens: list[int] = []
         event = None

@@ -29,8 +29,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive
 
+from pagedgen.engine.errors import InvalidArgumentError
 from pagedgen.engine.events import EngineErrorCode
 from pagedgen.llm import (
+    SamplingParams,
     TokenLogprob,
     check_prompt_fits,
     context_length,
@@ -112,6 +114,7 @@ class _Server:
     context: int
     vocab_size: int
     admission: Admission
+    model: Any  # for checks that need it off the engine thread (a constraint against its tokenizer)
 
 
 def build_app(model: Any, engine_config: Any, options: ServerOptions, *, tokenizer: Any = None) -> FastAPI:
@@ -155,7 +158,9 @@ def create_app(
     app.state.worker = worker
     app.state.metrics = metrics
     app.state.admission = admission
-    server = _Server(AsyncEngineClient(worker), tokenizer, metrics, options, context, vocab_size, admission)
+    server = _Server(
+        AsyncEngineClient(worker), tokenizer, metrics, options, context, vocab_size, admission, worker.model
+    )
     app.add_middleware(
         GuardMiddleware,
         healthy=lambda: worker.healthy,
@@ -232,8 +237,10 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
         if not hasattr(server.tokenizer, "apply_chat_template"):
             raise ApiError(400, f"model {name!r} has no chat template: use /v1/completions", param="messages")
         messages = [m.as_template_message() for m in body.messages]
-        builder = ChatResponses(name, server.tokenizer, body.requested_logprobs, body.include_usage)
-        prepare = functools.partial(_chat_ids, server.tokenizer, messages)
+        builder = ChatResponses(
+            name, server.tokenizer, body.requested_logprobs, body.include_usage, body.forced_tool_calls
+        )
+        prepare = functools.partial(_chat_ids, server.tokenizer, messages, body.template_tools)
         return await _serve(server, body, prepare, builder, arrived, "messages", request)
 
     @app.post("/v1/completions")
@@ -258,10 +265,16 @@ def _check_model(requested: str, served: str) -> None:
         raise ApiError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
 
 
-def _chat_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
-    """The prompt ids of a chat (runs in a worker thread: templating and tokenizing can be slow)."""
+def _chat_ids(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> list[int]:
+    """The prompt ids of a chat (runs in a worker thread: templating and tokenizing can be slow).
+
+    ``tools`` go to the template as transformers passes them (a template that does not mention them
+    ignores them)."""
+    extra = {} if tools is None else {"tools": tools}
     try:
-        return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra))
     except ValueError as exc:
         raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
 
@@ -286,22 +299,47 @@ async def _serve(
     prompt_param: str,
     request: Request,
 ) -> Any:
-    """Admit the request, tokenize it off the loop, then run its job; the ticket is released when the
-    response ends (a stream's own cleanup releases it)."""
+    """Admit the request, check its parameters and tokenize it off the loop, then run its job; the ticket
+    is released when the response ends (a stream's own cleanup releases it)."""
     ticket = _admit(server.admission)
     response: Any = None
     try:
+        params = await _sampling_params(server, body)
         ids = await asyncio.to_thread(prepare)
-        response = await _run_job(server, body, ids, builder, arrived, prompt_param, request, ticket)
+        response = await _run_job(server, body, params, ids, builder, arrived, prompt_param, request, ticket)
         return response
     finally:
         if not isinstance(response, EventStreamResponse):
             ticket.release()
 
 
+async def _sampling_params(server: _Server, body: Any) -> SamplingParams:
+    """The request's engine parameters, or a 400 naming the bad field.
+
+    An output constraint is compiled here, and against the model's tokenizer, in a worker thread (a large
+    schema can take many milliseconds): a refusal is a 400 before the engine sees the request, and the
+    compiled grammar is cached for the engine thread, which then does not stall the batch compiling it.
+    """
+    build = functools.partial(body.to_sampling_params, body.requested_max_tokens)
+    try:  # the engine's one rule set, and the rule that needs the model (token ids in its vocabulary)
+        if not body.constrains_output:
+            params = build()
+        else:
+            params = await asyncio.to_thread(build)
+            await asyncio.to_thread(params.generator_params, server.model)
+        params.check_vocabulary(server.vocab_size)
+    except SamplingOptionsError as exc:
+        raise ApiError(400, str(exc), param=body.wire_name(exc.field)) from exc
+    except InvalidArgumentError as exc:  # the constraint does not compile for this model's tokenizer
+        param = body.constraint_param if exc.field == "guidance" else body.wire_name(exc.field)
+        raise ApiError(400, str(exc), param=param) from exc
+    return params
+
+
 async def _run_job(
     server: _Server,
     body: Any,
+    params: SamplingParams,
     ids: list[int],
     builder: Any,
     arrived: float,
@@ -312,13 +350,7 @@ async def _run_job(
     """Validate the prompt length, submit the job, then stream or collect its output."""
     if not ids:
         raise ApiError(400, "the prompt is empty: at least one input token is required", param=prompt_param)
-    max_tokens = body.requested_max_tokens
-    try:  # the engine's one rule set, and the rule that needs the model (token ids in its vocabulary)
-        params = body.to_sampling_params(max_tokens)
-        params.check_vocabulary(server.vocab_size)
-    except SamplingOptionsError as exc:
-        raise ApiError(400, str(exc), param=body.wire_name(exc.field)) from exc
-    problem = check_prompt_fits(len(ids), max_tokens, server.context)
+    problem = check_prompt_fits(len(ids), params.max_tokens, server.context)
     if problem is not None:
         raise ApiError(400, problem, param=prompt_param, code="context_length_exceeded")
     handle = server.client.submit(ids, params, arrived, request_id_of(request.scope) or "")
@@ -336,10 +368,11 @@ async def _run_job(
         close = functools.partial(_close_stream, handle, ticket, server.metrics)
         return EventStreamResponse(_stream(handle, text, builder, server.metrics), on_close=close)
     try:
-        result = await _unless_disconnected(_collect(handle, text, builder), request.receive)
-        if result is _CLIENT_GONE:
+        collected = await _unless_disconnected(_collect(handle, text, builder), request.receive)
+        if collected is _CLIENT_GONE:
             return _client_gone(handle, server.metrics)
-        server.metrics.on_success(result["choices"][0]["finish_reason"])
+        result, reason = collected
+        server.metrics.on_success(reason)
         return result
     finally:
         handle.cancel()  # no-op unless the client left or the handler was interrupted
@@ -381,7 +414,10 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
-async def _collect(handle: JobHandle, text: IncrementalDetokenizer, builder: Any) -> dict[str, Any]:
+async def _collect(
+    handle: JobHandle, text: IncrementalDetokenizer, builder: Any
+) -> tuple[dict[str, Any], str]:
+    """The whole response and the engine's finish reason (the response's may say "tool_calls")."""
     parts: list[str] = []
     logprobs = []
     while True:
@@ -392,7 +428,8 @@ async def _collect(handle: JobHandle, text: IncrementalDetokenizer, builder: Any
         if update.finish is not None:
             parts.append(await asyncio.to_thread(text.flush) + update.finish.text_before_stop)
             reason = finish_reason_text(update.finish.reason)
-            return await asyncio.to_thread(builder.full, "".join(parts), logprobs, reason, update.finish)
+            full = await asyncio.to_thread(builder.full, "".join(parts), logprobs, reason, update.finish)
+            return full, reason
 
 
 def _raise_for(update: JobUpdate) -> None:
@@ -429,7 +466,9 @@ async def _stream(
             finish = update.finish
             if finish is None:
                 if delta or update.logprobs:
-                    yield sse_event(await _chunk(builder, delta, update.logprobs, None))
+                    chunk = await _chunk(builder, delta, update.logprobs, None)
+                    if chunk is not None:  # None: the builder holds the text until the turn ends
+                        yield sse_event(chunk)
                 continue
             delta += await asyncio.to_thread(text.flush) + finish.text_before_stop
             reason = finish_reason_text(finish.reason)

@@ -12,12 +12,13 @@ Responses are built as plain dicts by :mod:`pagedgen.server.responses`.
 from __future__ import annotations
 
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pagedgen.llm import SamplingParams
+from pagedgen.llm import SamplingParams, StructuredOutputsParams
 from pagedgen.sampling.errors import SamplingOptionsError
+from pagedgen.server.tools import ForcedToolCalls, parameters_schema, required_schema
 
 PositiveInt = Annotated[int, Field(ge=1)]
 
@@ -36,13 +37,29 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    """A tool call of an earlier assistant message, sent back with the conversation."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant message's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
-    def as_template_message(self) -> dict[str, str]:
-        """The ``{"role", "content"}`` dict a chat template expects (``developer`` -> ``system``)."""
+    def as_template_message(self) -> dict[str, Any]:
+        """The ``{"role", "content"}`` dict a chat template expects (``developer`` -> ``system``), with
+        ``tool_calls`` / ``tool_call_id`` when the message has them (a template may ignore them)."""
         role = "system" if self.role == "developer" else self.role
         if self.content is None:
             content = ""
@@ -50,7 +67,76 @@ class ChatMessage(_Strict):
             content = self.content
         else:
             content = "".join(part.text for part in self.content)
-        return {"role": role, "content": content}
+        message: dict[str, Any] = {"role": role, "content": content}
+        if self.tool_calls is not None:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class TextFormat(_Strict):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Strict):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # accepted; the output always follows the schema as llguidance reads it
+
+
+class JsonSchemaFormat(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs`` request field; exactly one constraint (checked when compiled)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def params(self) -> StructuredOutputsParams:
+        """Raises :class:`SamplingOptionsError` naming ``structured_outputs.<field>``."""
+        return StructuredOutputsParams(
+            json=self.json_,
+            regex=self.regex,
+            choice=self.choice,
+            grammar=self.grammar,
+            json_object=self.json_object,
+        )
+
+
+class FunctionDefinition(_Strict):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class _SamplingFields(_Strict):
@@ -74,6 +160,8 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
     min_tokens: int = 0
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("n")
     @classmethod
@@ -111,6 +199,38 @@ class _SamplingFields(_Strict):
             )
         return {int(k): v for k, v in self.logit_bias.items()}
 
+    @property
+    def constrains_output(self) -> bool:
+        """True when the request asks for an output constraint (compiling it may take a while)."""
+        formatted = self.response_format is not None and self.response_format.type != "text"
+        return formatted or self.structured_outputs is not None
+
+    @property
+    def constraint_param(self) -> str:
+        """The field whose constraint the request carries (named when the model's tokenizer refuses it)."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The output constraint of ``response_format`` or ``structured_outputs`` (at most one may be
+        given); raises :class:`SamplingOptionsError` naming the field that is wrong."""
+        formatted = self.response_format is not None and self.response_format.type != "text"
+        if formatted and self.structured_outputs is not None:
+            raise SamplingOptionsError(
+                "response_format and structured_outputs both constrain the output; send one of them",
+                "structured_outputs",
+            )
+        if self.structured_outputs is not None:
+            return self.structured_outputs.params()
+        if isinstance(self.response_format, JsonObjectFormat):
+            return StructuredOutputsParams(json_object=True)
+        if isinstance(self.response_format, JsonSchemaFormat):
+            try:
+                return StructuredOutputsParams(json=self.response_format.json_schema.json_schema)
+            except SamplingOptionsError as exc:
+                message = str(exc).replace("structured_outputs.json:", "response_format.json_schema.schema:")
+                raise SamplingOptionsError(message, "response_format") from None
+        return None
+
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises :class:`SamplingOptionsError` naming the first bad field (the engine's one rule set)."""
         return SamplingParams(
@@ -128,6 +248,7 @@ class _SamplingFields(_Strict):
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
+            structured_outputs=self.structured_outputs_params(),
         )
 
 
@@ -136,6 +257,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: Annotated[list[Tool], Field(min_length=1)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True  # False: "required" makes exactly one call
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
@@ -156,6 +280,84 @@ class ChatCompletionRequest(_SamplingFields):
 
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
         return self._sampling_params(max_tokens, self.requested_logprobs)
+
+    @property
+    def forced_tool_calls(self) -> ForcedToolCalls | None:
+        """How the output becomes tool calls, or None when it is a plain message (no tools, or "none")."""
+        if self.tools is None or self.tool_choice in (None, "none", "auto"):
+            return None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return ForcedToolCalls(self.tool_choice.function.name)
+        return ForcedToolCalls(None)
+
+    @property
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the chat template sees: none when ``tool_choice`` is ``"none"`` (they are ignored)."""
+        if self.tools is None or self.tool_choice == "none":
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    @property
+    def constrains_output(self) -> bool:
+        return super().constrains_output or self.forced_tool_calls is not None
+
+    @property
+    def constraint_param(self) -> str:
+        return "tools" if self.forced_tool_calls is not None else super().constraint_param
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        tool_constraint = self._tool_constraint()
+        other = super().structured_outputs_params()
+        if tool_constraint is not None and other is not None:
+            source = "structured_outputs" if self.structured_outputs is not None else "response_format"
+            raise SamplingOptionsError(
+                f"tool_choice and {source} both constrain the output; send one of them", "tool_choice"
+            )
+        return tool_constraint or other
+
+    def _tool_constraint(self) -> StructuredOutputsParams | None:
+        """The constraint of a forced tool call; raises :class:`SamplingOptionsError` naming the field."""
+        choice = self.tool_choice
+        if choice == "none" or (choice is None and self.tools is None):
+            return None
+        if self.tools is None:
+            raise SamplingOptionsError("tool_choice is set but no tools are given", "tool_choice")
+        if choice in (None, "auto"):
+            raise SamplingOptionsError(
+                'tool_choice "auto" (the default when tools are given) needs a tool-call parser, which '
+                'pagedgen does not have: set tool_choice to "required" or to a named function '
+                '({"type": "function", "function": {"name": ...}})',
+                "tool_choice",
+            )
+        names = [tool.function.name for tool in self.tools]
+        for index, name in enumerate(names):
+            if name in names[:index]:
+                raise SamplingOptionsError(f"two tools are named {name!r}", f"tools[{index}].function.name")
+        for index, tool in enumerate(self.tools):
+            field = f"tools[{index}].function.parameters"
+            try:
+                StructuredOutputsParams(json=parameters_schema(tool.function.parameters))
+            except SamplingOptionsError as exc:
+                message = str(exc).replace("structured_outputs.json:", f"{field}:")
+                raise SamplingOptionsError(message, field) from None
+        if isinstance(choice, NamedToolChoice):
+            by_name = {tool.function.name: tool.function for tool in self.tools}
+            function = by_name.get(choice.function.name)
+            if function is None:
+                raise SamplingOptionsError(
+                    f"tool_choice names function {choice.function.name!r}, which is not among the tools "
+                    f"({', '.join(sorted(by_name))})",
+                    "tool_choice",
+                )
+            return StructuredOutputsParams(json=parameters_schema(function.parameters))
+        pairs = [(tool.function.name, tool.function.parameters) for tool in self.tools]
+        try:
+            return StructuredOutputsParams(json=required_schema(pairs, self.parallel_tool_calls))
+        except SamplingOptionsError as exc:
+            if exc.field is not None and exc.field.startswith("tools["):
+                raise
+            message = str(exc).replace("structured_outputs.json:", "tools:")
+            raise SamplingOptionsError(message, "tools") from None
 
     def wire_name(self, field: str | None) -> str | None:
         if field == "logprobs":

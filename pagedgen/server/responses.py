@@ -3,6 +3,13 @@
 One builder per HTTP request keeps what the chunks of one stream share (id, creation time, model name) and,
 for the completions API, the running text offset of its logprobs. Payloads are plain dicts: they go straight
 to ``json.dumps`` on the hot streaming path.
+
+A chat turn forced to call tools (:mod:`pagedgen.server.tools`) answers ``message.tool_calls`` with
+``content`` null. A named function's call streams its ``arguments`` as they are generated (the first chunk
+carries the call's id and name, as OpenAI streams). A ``"required"`` list is parsed when the turn ends, so
+its stream sends every call in the last chunk; its ``finish_reason`` is ``"tool_calls"`` where the output
+ended normally (``"stop"`` for a named function, as OpenAI and vLLM answer). Output that does not parse
+(cut short by ``max_tokens`` or a stop string) is returned as ``content`` with the engine's finish reason.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from typing import Any
 
 from pagedgen.llm import TokenLogprob
 from pagedgen.server.protocol import new_id
+from pagedgen.server.tools import ForcedToolCalls, new_tool_call_id, parse_required_calls, tool_call
 from pagedgen.server.worker import Finish
 
 
@@ -51,16 +59,52 @@ class _Builder:
 
 
 class ChatResponses(_Builder):
-    """``chat.completion`` and ``chat.completion.chunk`` payloads."""
+    """``chat.completion`` and ``chat.completion.chunk`` payloads; ``tools`` when the turn is a forced tool
+    call (see the module docstring)."""
 
     id_prefix = "chatcmpl"
 
-    def first_chunk(self) -> dict[str, Any]:
-        return self._chunk({"role": "assistant", "content": ""}, None, None)
+    def __init__(
+        self,
+        model_name: str,
+        tokenizer: Any,
+        logprobs: int | None,
+        include_usage: bool,
+        tools: ForcedToolCalls | None = None,
+    ):
+        super().__init__(model_name, tokenizer, logprobs, include_usage)
+        self._tools = tools
+        self._call_id = new_tool_call_id()
+        self._held: list[str] = []  # a "required" stream's text, parsed when it ends
 
-    def chunk(self, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str | None) -> dict[str, Any]:
-        delta = {"content": text} if text else {}
-        return self._chunk(delta, self.logprobs(logprobs) if logprobs else None, finish_reason)
+    def first_chunk(self) -> dict[str, Any]:
+        if self._tools is None:
+            return self._chunk({"role": "assistant", "content": ""}, None, None)
+        delta: dict[str, Any] = {"role": "assistant", "content": None}
+        if self._tools.function is not None:
+            call = tool_call(self._call_id, self._tools.function, "")
+            delta["tool_calls"] = [{"index": 0, **call}]
+        return self._chunk(delta, None, None)
+
+    def chunk(
+        self, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str | None
+    ) -> dict[str, Any] | None:
+        """One stream chunk, or None when there is nothing to send yet (a "required" list being held)."""
+        entries = self.logprobs(logprobs) if logprobs else None
+        if self._tools is None:
+            return self._chunk({"content": text} if text else {}, entries, finish_reason)
+        if self._tools.function is not None:
+            delta = {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
+            return self._chunk(delta, entries, finish_reason)
+        self._held.append(text)
+        if finish_reason is None:
+            return self._chunk({}, entries, None) if entries else None
+        message, reason = self._required_message("".join(self._held), finish_reason)
+        if message["tool_calls"] is None:
+            delta = {"content": message["content"]}
+        else:
+            delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]}
+        return self._chunk(delta, entries, reason)
 
     def _chunk(self, delta: dict[str, Any], logprobs: Any, finish_reason: str | None) -> dict[str, Any]:
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -73,13 +117,30 @@ class ChatResponses(_Builder):
     def full(
         self, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str, finish: Finish
     ) -> dict[str, Any]:
+        message, finish_reason = self._message(text, finish_reason)
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": text},
+            "message": message,
             "logprobs": self.logprobs(logprobs) if self.top_n is not None else None,
             "finish_reason": finish_reason,
         }
         return self._envelope("chat.completion", [choice], usage=usage_dict(finish))
+
+    def _message(self, text: str, finish_reason: str) -> tuple[dict[str, Any], str]:
+        """The assistant message of a whole turn and its finish reason."""
+        if self._tools is None:
+            return {"role": "assistant", "content": text}, finish_reason
+        if self._tools.function is not None:
+            call = tool_call(self._call_id, self._tools.function, text)
+            return {"role": "assistant", "content": None, "tool_calls": [call]}, finish_reason
+        return self._required_message(text, finish_reason)
+
+    def _required_message(self, text: str, finish_reason: str) -> tuple[dict[str, Any], str]:
+        calls = parse_required_calls(text) if finish_reason == "stop" else None
+        if calls is None:
+            return {"role": "assistant", "content": text, "tool_calls": None}, finish_reason
+        tool_calls = [tool_call(new_tool_call_id(), name, arguments) for name, arguments in calls]
+        return {"role": "assistant", "content": None, "tool_calls": tool_calls}, "tool_calls"
 
     def logprobs(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
         content = []

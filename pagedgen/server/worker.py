@@ -219,6 +219,11 @@ class EngineWorker:
         return self._snapshot
 
     @property
+    def model(self) -> Any:
+        """The served model (read-only: parameters are checked against it off the owner thread)."""
+        return self._model
+
+    @property
     def max_batch_size(self) -> int:
         return int(getattr(self._config, "max_batch_size", 1))
 

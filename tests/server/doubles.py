@@ -50,10 +50,12 @@ class GatedModel(SyntheticModel):
         return super().forward(inputs, kv_cache)
 
 
-def serve(model, *, max_batch_size: int = 8, **options) -> LiveServer:
+def serve(model, *, max_batch_size: int = 8, tokenizer=None, **options) -> LiveServer:
+    """A live server of ``model`` (the synthetic codec unless ``tokenizer`` is given)."""
     config = pg.EngineConfig(max_batch_size=max_batch_size, num_blocks=NUM_BLOCKS, debug_invariants=True)
     server_options = ServerOptions(model_name="synthetic", **options)
-    app = build_app(model, config, server_options, tokenizer=SyntheticTokenizer(VOCAB))
+    tokenizer = tokenizer if tokenizer is not None else SyntheticTokenizer(VOCAB)
+    app = build_app(model, config, server_options, tokenizer=tokenizer)
     return LiveServer(app).start()
 
 
