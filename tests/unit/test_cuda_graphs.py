@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import pagedgen as pg
+from pagedgen.core.kv import KVSpec
 from pagedgen.core.step_inputs import FixedStateInputs, StepInputs
 from pagedgen.executor import cuda_graphs
 from pagedgen.executor.cuda_graphs import (
@@ -389,3 +390,47 @@ def test_an_engine_on_the_cpu_runs_with_cuda_graphs_on():
         assert engine._runner.graphs is None
     finally:
         engine.close()
+
+
+class MetaModel:
+    """A model on the meta device (no data: any host read of a step tensor raises). Its forward uses
+    the packed inputs the way a model does, without synchronising."""
+
+    def __init__(self) -> None:
+        self.device = torch.device("meta")
+        self.vocab_size = 7
+        self.max_context = 64
+        self.kv_spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=1)
+        self.fixed_state_specs = ()
+        self.runtime = self
+
+    def forward(self, inputs: StepInputs, kv_cache) -> torch.Tensor:
+        cache = kv_cache.keys[0].view(-1)
+        cache[inputs.slot_mapping] = inputs.input_ids.float()
+        read = cache[inputs.block_tables.long()[:, 0] * inputs.block_size]  # [B]
+        rows = inputs.logits_rows
+        return (read[: rows.shape[0], None] + inputs.positions[rows, None]).repeat(1, self.vocab_size)
+
+
+def test_the_runner_path_reads_nothing_back_from_the_device():
+    """Packing, the graph bookkeeping (eager, capture, replay) and the eager path all run on meta tensors,
+    so none of them reads a device value on the host; only the forward itself is the model's business."""
+    runner = ModelRunner(
+        MetaModel(), num_blocks=16, block_size=BS, max_batch_size=4, graph_capture=CallingCapture()
+    )
+    for past in (2, 3, 4):
+        chunks = [SequenceChunk([1], past, [0, 1]), SequenceChunk([2], past + 1, [2, 3])]
+        logits = runner.execute(pack_step(chunks, BS, device="meta"))
+        assert logits.device.type == "meta" and tuple(logits.shape) == (2, 7)
+    prefill = runner.execute(pack_step([SequenceChunk([1, 2, 3], 2, [0, 1])], BS, device="meta"))
+    assert tuple(prefill.shape) == (1, 7)
+    assert runner.graphs.stats.to_dict() | {"eager": None} == {
+        "replays": 2,
+        "captures": 1,
+        "capture_failures": 0,
+        "graph_bytes": 100,
+        "refused_keys": 0,
+        "eager": None,
+        "last_error": None,
+    }
+    assert runner.graphs.stats.eager == {"WARMING": 1, "MULTI_TOKEN_ROWS": 1}
