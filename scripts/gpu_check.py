@@ -108,12 +108,14 @@ def bench_requests(workload: Workload, vocab: int, seed: int) -> list[Any]:
     return [BenchRequest(i, p, workload.output_len) for i, p in enumerate(ids)]
 
 
-def engine_config(max_batch: int, longest: int, block_size: int = 16) -> Any:
+def engine_config(max_batch: int, longest: int, graphs: bool = True, block_size: int = 16) -> Any:
     """A pool sized for the workload (not a quarter of the GPU), so start-up cost stays small."""
     from pagedgen.engine.config import EngineConfig
 
     blocks = max_batch * -(-longest // block_size) + 16
-    return EngineConfig(max_batch_size=max_batch, block_size=block_size, num_blocks=blocks, cuda_graphs=True)
+    return EngineConfig(
+        max_batch_size=max_batch, block_size=block_size, num_blocks=blocks, cuda_graphs=graphs
+    )
 
 
 def sync(device: torch.device) -> None:
@@ -148,12 +150,12 @@ def match(outputs: list[list[int]], reference: list[list[int]]) -> dict[str, Any
 # -- sections ------------------------------------------------------------------------------------------
 
 
-def throughput(model: Any, hf: Any, workload: Workload, seed: int) -> dict[str, Any]:
+def throughput(model: Any, hf: Any, workload: Workload, seed: int, graphs: bool) -> dict[str, Any]:
     """pagedgen then transformers on one workload (each warmed up first)."""
     from pagedgen.bench.throughput import run_pagedgen, warmup_requests
 
     requests = bench_requests(workload, int(model.vocab_size), seed)
-    config = engine_config(workload.max_batch, workload.prompt_len + workload.output_len)
+    config = engine_config(workload.max_batch, workload.prompt_len + workload.output_len, graphs)
     run_pagedgen(model, warmup_requests(requests), config)
     paged = run_pagedgen(model, requests, config).run
     hf.run_static(warmup_requests(requests), workload.max_batch)
@@ -170,14 +172,14 @@ def throughput(model: Any, hf: Any, workload: Workload, seed: int) -> dict[str, 
     }
 
 
-def decode_step(model: Any, rows: int, steps: int, seed: int) -> dict[str, Any]:
+def decode_step(model: Any, rows: int, steps: int, seed: int, graphs: bool) -> dict[str, Any]:
     """Time ``steps`` decode steps at ``rows`` rows, then profile a few of them."""
     from pagedgen.engine.engine import Engine
     from pagedgen.engine.request import GeneratorParams, RequestOptions, TurnOptions
 
     device = torch.device(model.device)
     output_len = 4 * steps + 16
-    engine = Engine(model, engine_config(rows, 100 + output_len))
+    engine = Engine(model, engine_config(rows, 100 + output_len, graphs))
     try:
         params = GeneratorParams(model)
         params.set_search_options(do_sample=False, ignore_eos=True)
@@ -313,6 +315,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     sizes = SMOKE if args.smoke else FULL
     document: dict[str, Any] = {"command": " ".join(sys.argv), "smoke": args.smoke, "dtype": args.dtype}
+    document["cuda_graphs"] = not args.no_cuda_graphs
     document["environment"] = environment(device)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -342,11 +345,12 @@ def _low_precision_sections(
 
     model = pg.Model(str(checkpoint), dtype=args.dtype, device=str(device))
     hf = TransformersBaselines(checkpoint, device=device, dtype=model.dtype)
+    graphs = not args.no_cuda_graphs
     for workload in sizes.workloads:
-        document[workload.name] = _timed(lambda w=workload: throughput(model, hf, w, args.seed))
+        document[workload.name] = _timed(lambda w=workload: throughput(model, hf, w, args.seed, graphs))
         save()
     document["decode_step"] = _timed(
-        lambda: decode_step(model, sizes.decode_rows, sizes.decode_steps, args.seed)
+        lambda: decode_step(model, sizes.decode_rows, sizes.decode_steps, args.seed, graphs)
     )
     save()
 
@@ -373,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         "--config", type=Path, default=DEFAULT_CONFIG, help="dir holding the model's config.json"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompts")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="EngineConfig(cuda_graphs=False)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, to prove the script works (CPU)")
     args = parser.parse_args(argv)
     document = run(args)
