@@ -51,6 +51,7 @@ BATCH_STEP = 16
 DEFAULT_MAX_GRAPHS = 64
 DEFAULT_MAX_GRAPH_BYTES = 2 << 30  # graph-pool memory (activations of the largest captured shapes)
 CAPTURE_AFTER_USES = 2  # a key is captured the second time a step needs it
+EAGER_GRAPH_ID = -1  # the seed's graph id of a step that runs eagerly (reports only)
 _ALIGN = 8
 
 
@@ -127,6 +128,13 @@ class GraphGeometry:
     def largest(self) -> GraphKey:
         return GraphKey(self.batches[-1], self.widths[-1])
 
+    def graph_id(self, decision: GraphKey | EagerReason) -> int:
+        """The seed's numeric graph id, for logs and reports: the key's index in (batch, width) order, or
+        -1 for a step that runs eagerly. The code itself passes :class:`GraphKey` / :class:`EagerReason`."""
+        if isinstance(decision, EagerReason):
+            return EAGER_GRAPH_ID
+        return self.batches.index(decision.batch) * len(self.widths) + self.widths.index(decision.width)
+
     def kv_bounds(self, key: GraphKey) -> tuple[int, int]:
         """(upper bound on every row's KV length, lower bound on the longest) valid for every replay of
         ``key``, the seed's rule for reservations of exactly ceil(kv_len / block_size) blocks: the lower
@@ -182,7 +190,7 @@ def key_layout(key: GraphKey) -> tuple[dict[str, int], int]:
     total = 0
     for name, dtype, length in _FIELDS:
         offsets[name] = total
-        nbytes = length(key) * torch.empty((), dtype=dtype).element_size()
+        nbytes = length(key) * dtype.itemsize
         total += -(-nbytes // _ALIGN) * _ALIGN
     return offsets, total
 
@@ -249,7 +257,7 @@ class StaticDecodeBuffers:
         offsets, _total = key_layout(key)
         t: dict[str, torch.Tensor] = {}
         for name, dtype, length in _FIELDS:
-            size = torch.empty((), dtype=dtype).element_size()
+            size = dtype.itemsize
             start = offsets[name]
             t[name] = self.buffer[start : start + length(key) * size].view(dtype)
         upper, _lower = self.geometry.kv_bounds(key)

@@ -174,7 +174,7 @@ def stage_arrays(
     total = 0
     for name, (array, dtype) in fields.items():
         offsets[name] = total
-        nbytes = array.size * torch.empty((), dtype=dtype).element_size()
+        nbytes = array.size * dtype.itemsize
         total += -(-nbytes // _ALIGN) * _ALIGN
     staging = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=device.type == "cuda")  # [bytes]
     flat = staging.numpy()
@@ -187,7 +187,7 @@ def stage_arrays(
     def views(buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         out = {}
         for name, (array, dtype) in fields.items():
-            size = torch.empty((), dtype=dtype).element_size()
+            size = dtype.itemsize
             start = offsets[name]
             out[name] = buffer[start : start + array.size * size].view(dtype).view(array.shape)
         return out

@@ -126,6 +126,15 @@ def test_kv_bounds_follow_the_seed():
     assert GraphGeometry(4, 3, 16).kv_bounds(GraphKey(1, 3)) == (48, 1)  # clamped sub-minimum
 
 
+def test_graph_ids_number_the_keys_and_eager_is_minus_one():
+    geometry = GraphGeometry(max_batch_size=4, max_width=40, block_size=16)
+    assert geometry.batches == (1, 2, 4) and geometry.widths == (8, 16, 32, 40)
+    assert geometry.graph_id(GraphKey(1, 8)) == 0
+    assert geometry.graph_id(GraphKey(2, 16)) == 5
+    assert geometry.graph_id(GraphKey(4, 40)) == 11
+    assert geometry.graph_id(EagerReason.MULTI_TOKEN_ROWS) == -1
+
+
 # -- eligibility -----------------------------------------------------------------------------------------
 
 
