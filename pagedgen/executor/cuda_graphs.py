@@ -22,8 +22,9 @@ everything else eagerly (graph id -1). Here:
   budget is spent, new keys are **refused** and run eagerly; nothing is evicted. Why not evict: the graphs
   share a pool, so dropping one returns no memory while the others live, and a re-capture costs more than
   the eager steps it would save. A capture that fails (a host synchronisation inside the forward, caught
-  while warming up with ``torch.cuda.set_sync_debug_mode("error")``) turns graphs off for the runner, and
-  the step runs eagerly.
+  while warming up with ``torch.cuda.set_sync_debug_mode("error")``, or a first replay that differs from an
+  eager run) turns graphs off for the runner, and the step runs eagerly. A capture that runs out of memory
+  refuses only its key.
 * **Replay contract**: copy the step's inputs into the key's static views once (one transfer), replay,
   read the first ``B`` rows of the graph's logits (cloned: the next replay overwrites them).
 
@@ -316,11 +317,15 @@ class CudaGraphCapture:
     Warm-up runs go on a side stream (as torch's capture recipe asks) with
     ``torch.cuda.set_sync_debug_mode("error")``, so a forward that synchronises with the host (``.item()``,
     ``.tolist()``, a pageable copy) raises there, before any capture starts, instead of invalidating it.
+    Then, once per capture, the graph's replay is compared with an eager run on the same static inputs
+    (``check_replay``): a forward that captured something that does not replay (a host value baked in, a
+    copy from a temporary host buffer) raises instead of silently giving wrong logits.
     """
 
-    def __init__(self, device: torch.device, warmup_runs: int = 2):
+    def __init__(self, device: torch.device, warmup_runs: int = 2, check_replay: bool = True):
         self.device = device
         self.warmup_runs = warmup_runs
+        self.check_replay = check_replay
         self.pool = torch.cuda.graph_pool_handle()
 
     def capture(self, run: Callable[[], torch.Tensor]) -> CapturedGraph:
@@ -342,7 +347,18 @@ class CudaGraphCapture:
         with torch.cuda.graph(graph, pool=self.pool):
             output = run()
         nbytes = max(0, torch.cuda.memory_reserved(self.device) - before)
+        if self.check_replay:
+            _check_replay(graph, output, run())
         return CapturedGraph(output, graph.replay, nbytes)
+
+
+def _check_replay(graph: torch.cuda.CUDAGraph, output: torch.Tensor, eager: torch.Tensor) -> None:
+    """Raise unless a replay gives the eager logits (to a tolerance for reassociation; a sync, once)."""
+    graph.replay()
+    diff = float((output.float() - eager.float()).abs().max())
+    bound = 1e-3 * (1.0 + float(eager.float().abs().max()))
+    if not diff <= bound:
+        raise RuntimeError(f"the captured graph's logits differ from eager by {diff:.3g} (bound {bound:.3g})")
 
 
 # -- the registry --------------------------------------------------------------------------------------
