@@ -47,10 +47,15 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[list[list[i
 
 
 class TransformersBaselines:
-    """``hf-static`` and ``hf-cb`` over one lazily loaded transformers model of ``checkpoint_dir``."""
+    """``hf-static`` and ``hf-cb`` over one lazily loaded transformers model of ``checkpoint_dir``.
 
-    def __init__(self, checkpoint_dir: Path | None):
+    ``device`` / ``dtype`` (default: the CPU, float32) are pagedgen's, so a GPU run compares like with like.
+    """
+
+    def __init__(self, checkpoint_dir: Path | None, device: Any = None, dtype: Any = None):
         self.checkpoint_dir = checkpoint_dir
+        self.device = "cpu" if device is None else device
+        self.dtype = dtype
         self._model: Any = None
 
     def model(self) -> Any:
@@ -63,10 +68,10 @@ class TransformersBaselines:
             if not (self.checkpoint_dir / "config.json").is_file():
                 raise SystemSkipped(f"{self.checkpoint_dir} has no config.json for transformers to load")
             model = AutoModelForCausalLM.from_pretrained(
-                self.checkpoint_dir, dtype=torch.float32, attn_implementation="sdpa"
+                self.checkpoint_dir, dtype=self.dtype or torch.float32, attn_implementation="sdpa"
             )
             model.generation_config.eos_token_id = None  # ignore EOS, like every system here
-            self._model = model.eval()
+            self._model = model.to(self.device).eval()
         return self._model
 
     def run_static(self, requests: Sequence[BenchRequest], max_batch_size: int) -> SystemRun:
@@ -88,8 +93,8 @@ class TransformersBaselines:
                     pad_token_id=pad_id,
                 )
                 out = model.generate(
-                    input_ids=torch.tensor(ids),
-                    attention_mask=torch.tensor(masks),
+                    input_ids=torch.tensor(ids, device=self.device),
+                    attention_mask=torch.tensor(masks, device=self.device),
                     generation_config=config,
                 )  # [batch, width + longest]
                 new = out[:, len(ids[0]) :].tolist()
@@ -187,12 +192,18 @@ def hf_dir_for_loaders(checkpoint_dir: Path, staging: Path) -> Path:
 
 
 def baseline_runners(
-    names: Sequence[str], checkpoint_dir: Path | None, *, vllm_venv: Path | None = None, threads: int = 1
+    names: Sequence[str],
+    checkpoint_dir: Path | None,
+    *,
+    vllm_venv: Path | None = None,
+    threads: int = 1,
+    device: Any = None,
+    dtype: Any = None,
 ) -> dict[str, Callable[[Sequence[BenchRequest], int], SystemRun]]:
     """Runners for ``names`` (in order); raises ValueError naming an unknown baseline.
 
     ``vllm_venv`` is the root of the venv holding vLLM (default: this interpreter's), ``threads`` the number
-    of cores the vLLM baselines are bound to.
+    of cores the vLLM baselines are bound to; ``device`` / ``dtype`` those of the transformers baselines.
     """
     from pagedgen.bench.ort_genai import OrtGenai
     from pagedgen.bench.vllm_runner import Vllm
@@ -200,7 +211,7 @@ def baseline_runners(
     unknown = [n for n in names if n not in BASELINE_NAMES]
     if unknown:
         raise ValueError(f"unknown baseline(s) {unknown}; known: {', '.join(BASELINE_NAMES)}")
-    hf = TransformersBaselines(checkpoint_dir)
+    hf = TransformersBaselines(checkpoint_dir, device=device, dtype=dtype)
     table: dict[str, Callable[[Sequence[BenchRequest], int], SystemRun]] = {  # nothing loads before a run
         "hf-static": hf.run_static,
         "hf-cb": hf.run_continuous,

@@ -149,6 +149,22 @@ def _throughput_parser(p: argparse.ArgumentParser) -> None:
         default="native",
         help="pagedgen's weight format; with native, a float32-weights run is the fp32 reference too",
     )
+    p.add_argument(
+        "--device", choices=("cpu", "cuda"), help="where every system runs (default: CUDA if present)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        help="pagedgen's and transformers' dtype (default: float32 on the CPU, bfloat16 on CUDA)",
+    )
+    p.add_argument(
+        "--random-weights",
+        type=Path,
+        metavar="CONFIG_DIR",
+        help="instead of --model: seeded random weights for CONFIG_DIR/config.json (tokenizer files there "
+        "are used when present), written to a temporary checkpoint that every system loads",
+    )
+    p.add_argument("--weights-seed", type=int, default=0, help="seed of --random-weights (default 0)")
     _add_workload_args(p, "W1")
     p.add_argument(
         "--baselines",
@@ -175,6 +191,7 @@ def _throughput_parser(p: argparse.ArgumentParser) -> None:
     e.add_argument(
         "--num-speculative-tokens", type=positive_int, default=4, help="drafts per step (default 4)"
     )
+    e.add_argument("--no-cuda-graphs", action="store_true", help="EngineConfig(cuda_graphs=False) on CUDA")
     m = p.add_argument_group("machine")
     m.add_argument("--threads", type=positive_int, help="threads of torch and OpenBLAS (default: all CPUs)")
     m.add_argument(
@@ -293,43 +310,116 @@ def _setup_machine(threads: int | None, gemm: str) -> None:
         quant_table.set_quant_table(gemm_tune.FIXED_QUANT_TABLES[gemm])
 
 
-def _load_model(name: str, weights: str = "native") -> tuple[Any, Any, Path | None, Any]:
+def _load_model(
+    name: str,
+    weights: str = "native",
+    *,
+    device: str | None = None,
+    dtype: str | None = None,
+    random_weights: Path | None = None,
+    weights_seed: int = 0,
+    scratch: Path | None = None,
+) -> tuple[Any, Any, Path | None, Any]:
     """(model, tokenizer, checkpoint dir for the baselines, float32-weights reference model or None).
 
     ``synthetic`` is the weightless test model. When the model runs its weights as stored (native), the same
     checkpoint is also loaded on float32 weights: that run is the fp32 reference of every match rate.
+    ``random_weights`` (a config dir) replaces ``name``: its checkpoint is written under ``scratch``
+    (:mod:`pagedgen.bench.random_weights`).
     """
-    if name == "synthetic":
+    if random_weights is None and name == "synthetic":
         from pagedgen.models.synthetic import SyntheticModel
 
         model = SyntheticModel()
         return model, model.tokenizer, None, None
+    from pagedgen.bench.random_weights import bench_tokenizer, random_checkpoint
     from pagedgen.models.model import Model
-    from pagedgen.models.tokenizer import Tokenizer
 
-    model = Model(name, weights=weights)
+    source: str | Path = name
+    if random_weights is not None:
+        if scratch is None:
+            raise ValueError("--random-weights needs a scratch directory for its checkpoint")
+        source = random_checkpoint(random_weights, scratch / "random-checkpoint", seed=weights_seed)
+    model = Model(source, dtype=dtype, device=device, weights=weights)
     native = getattr(model.weights_format, "value", "float32") != "float32"
-    reference = Model(name, weights="float32") if native else None
-    return model, Tokenizer(model), model.checkpoint_dir, reference
+    reference = Model(source, dtype=dtype, device=device, weights="float32") if native else None
+    return model, bench_tokenizer(model, model.checkpoint_dir), model.checkpoint_dir, reference
 
 
 def cmd_throughput(args: argparse.Namespace) -> int:
-    from pagedgen.bench.baselines import baseline_runners
-    from pagedgen.bench.profile import format_profile
-    from pagedgen.bench.report import json_document, markdown_table, plot_throughput, write_json
+    import tempfile
+
     from pagedgen.bench.roofline import measure_gemm_flops
-    from pagedgen.bench.throughput import PagedgenOptions, ThroughputResult, bench_workload
+    from pagedgen.bench.throughput import ThroughputResult
 
     specs = workloads_from_args(args, "W1")
     names = [n.strip() for n in args.baselines.split(",") if n.strip()]
     plot = _plot_path(args.plot, args.json, "the throughput chart")
     _setup_machine(args.threads, args.gemm)
-    peak = None if args.no_roofline else measure_gemm_flops()
+    on_cpu = args.device == "cpu" or (args.device is None and not _cuda_available())
+    peak = None if args.no_roofline or not on_cpu else measure_gemm_flops()  # a CPU GEMM roofline
     result = ThroughputResult(machine=machine_info(peak))
     _print_machine(result.machine)
-    model, tokenizer, checkpoint, reference_model = _load_model(args.model, args.weights)
+    with tempfile.TemporaryDirectory(prefix="pagedgen-bench-") as scratch:  # a random checkpoint lives here
+        loaded = _load_model(
+            args.model,
+            args.weights,
+            device=args.device,
+            dtype=args.dtype,
+            random_weights=args.random_weights,
+            weights_seed=args.weights_seed,
+            scratch=Path(scratch),
+        )
+        result.machine.update(device_info(loaded[0]))
+        return _throughput_runs(args, specs, names, plot, peak, result, loaded)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def device_info(model: Any) -> dict[str, Any]:
+    """The device, dtype and weights the systems ran with (the GPU's name on CUDA)."""
+    import torch
+
+    device = torch.device(getattr(model, "device", "cpu"))
+    info: dict[str, Any] = {
+        "device": str(device),
+        "dtype": str(getattr(model, "dtype", "")).removeprefix("torch."),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def _throughput_runs(
+    args: argparse.Namespace,
+    specs: list[Any],
+    names: list[str],
+    plot: Path | None,
+    peak: float | None,
+    result: Any,
+    loaded: tuple[Any, Any, Path | None, Any],
+) -> int:
+    """Every workload on pagedgen and the baselines, then the report (``loaded``: :func:`_load_model`'s)."""
+    from pagedgen.bench.baselines import baseline_runners
+    from pagedgen.bench.profile import format_profile
+    from pagedgen.bench.report import json_document, markdown_table, plot_throughput, write_json
+    from pagedgen.bench.throughput import PagedgenOptions, bench_workload
+
+    model, tokenizer, checkpoint, reference_model = loaded
     threads = result.machine["torch_threads"]
-    runners = baseline_runners(names, checkpoint, vllm_venv=args.vllm_venv, threads=threads)
+    runners = baseline_runners(
+        names,
+        checkpoint,
+        vllm_venv=args.vllm_venv,
+        threads=threads,
+        device=getattr(model, "device", None),
+        dtype=getattr(model, "dtype", None),
+    )
     options = PagedgenOptions(
         max_batch_size=args.max_batch_size,
         max_scheduled_tokens=args.max_scheduled_tokens,
@@ -338,6 +428,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         chunk_size=args.chunk_size,
         speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
+        cuda_graphs=not args.no_cuda_graphs,
     )
     for spec in specs:
         bench_workload(

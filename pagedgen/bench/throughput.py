@@ -44,6 +44,7 @@ class PagedgenOptions:
     chunk_size: int | None = None
     speculative: str | None = None
     num_speculative_tokens: int = 4
+    cuda_graphs: bool = True
 
     def engine_config(self, max_batch_size: int | None = None) -> Any:
         from pagedgen.engine.config import EngineConfig
@@ -54,6 +55,7 @@ class PagedgenOptions:
             block_size=self.block_size,
             num_blocks=self.num_blocks,
             chunk_size=self.chunk_size,
+            cuda_graphs=self.cuda_graphs,
         )
 
 

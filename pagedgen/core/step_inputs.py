@@ -41,6 +41,32 @@ class FixedStateInputs:
 
 
 @dataclass(slots=True)
+class HostStepInputs:
+    """The CPU copies a step's device tensors were transferred from (views of its staging buffer).
+
+    Why: anything that plans on the host (attention metadata, CUDA-graph padding) reads these instead of
+    the device tensors, so planning never waits for the device (no ``.item()`` / ``.tolist()`` on a device
+    tensor inside a step). On a CPU step they are the very tensors of :class:`StepInputs`. Read only.
+    """
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    cu_seqlens: torch.Tensor  # [B+1] int32
+    past_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, W] int32
+    slot_mapping: torch.Tensor  # [T] int64
+    logits_rows: torch.Tensor  # [R] int64, as packed (before any narrowing to the sampled rows)
+
+    @property
+    def query_lens(self) -> torch.Tensor:  # [B] int32
+        return self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+
+    @property
+    def kv_lens(self) -> torch.Tensor:  # [B] int32
+        return self.past_lens + self.query_lens
+
+
+@dataclass(slots=True)
 class StepInputs:
     """The packed inputs of one model call (B requests, T tokens)."""
 
@@ -61,6 +87,11 @@ class StepInputs:
     # position), so attention plans them as single-token decode rows and a step of decodes and draft rows
     # stays a pure decode step for the kernels (pagedgen.ops.attention.plan_attention).
     verify_rows: tuple[int, ...] = ()
+    # The host copies the tensors above were transferred from (pagedgen.executor.inputs.pack_step sets them).
+    # None for inputs built elsewhere and for a captured CUDA graph's static inputs, whose per-step lengths
+    # exist only on the device: a captured step's kernels read lengths from the device tensors and size their
+    # work from max_query_len / max_kv_len, which are bounds valid for every replay of the graph.
+    host: HostStepInputs | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -53,7 +53,9 @@ class EngineConfig:
     where the model's state cannot commit an accepted prefix);
     ``prefix_caching`` shares the K/V of identical prompt prefixes across requests (full blocks, hash-chained;
     docs/cache.md). It applies to the dynamic path of a purely paged model only: with sliding-window rings or
-    fixed conv / recurrent state the engine turns it off (``engine.stats().prefix_caching`` says which).
+    fixed conv / recurrent state the engine turns it off (``engine.stats().prefix_caching`` says which);
+    ``cuda_graphs`` replays captured CUDA graphs for pure decode steps on a CUDA device (ignored on the CPU,
+    and for models with sliding-window or fixed state; :mod:`pagedgen.executor.cuda_graphs`).
     """
 
     max_batch_size: int = 16
@@ -67,6 +69,7 @@ class EngineConfig:
     max_step_retries: int = DEFAULT_MAX_STEP_RETRIES
     max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS
     prefix_caching: bool = True
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         _positive_int("max_batch_size", self.max_batch_size)
@@ -84,7 +87,7 @@ class EngineConfig:
             raise InvalidArgumentError(
                 f"EngineConfig.max_draft_tokens must be an int >= 0, got {self.max_draft_tokens!r}"
             )
-        for name in ("dynamic_batching", "debug_invariants", "prefix_caching"):
+        for name in ("dynamic_batching", "debug_invariants", "prefix_caching", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -4,6 +4,11 @@ One engine step runs the model once over the concatenated unprocessed tokens of 
 with no padding. ``pack_step`` builds the tensors of DESIGN.md from a small per-request description; the
 type itself lives in ``pagedgen.core.step_inputs`` so ops and models can name it without importing the
 executor.
+
+No host synchronisation: everything is computed on the host with numpy, written into one staging buffer
+(pinned when the device is CUDA, so the copy is asynchronous) and copied to the device in one transfer
+(:func:`_to_device`); every device tensor of the step is a view of that one copy. The host views stay
+reachable as ``StepInputs.host`` for whoever plans on the host. Nothing here reads a device tensor back.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedgen.core.step_inputs import StepInputs, WindowInputs
+from pagedgen.core.step_inputs import HostStepInputs, StepInputs, WindowInputs
 
 
 @dataclass(slots=True)
@@ -97,27 +102,98 @@ def pack_step(
     else:
         logits_rows = cu[1:] - 1
 
-    def to(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(a).to(device=device, dtype=dtype)
-
+    fields: dict[str, tuple[np.ndarray, torch.dtype]] = {
+        "input_ids": (input_ids, torch.int64),
+        "positions": (positions, torch.int64),
+        "slot_mapping": (slot_mapping, torch.int64),
+        "logits_rows": (logits_rows, torch.int64),
+        "cu_seqlens": (cu, torch.int32),
+        "past_lens": (past, torch.int32),
+        "block_tables": (tables, torch.int32),
+    }
+    if window is not None:
+        ring = _pack_window(chunks, window, block_size, past, kv_lens, row_of_token, positions)
+        fields.update({f"window_{name}": value for name, value in ring.items()})
+    host, dev = stage_arrays(fields, torch.device(device))
     window_inputs = None
     if window is not None:
-        window_inputs = _pack_window(chunks, window, block_size, past, kv_lens, row_of_token, positions, to)
+        window_inputs = WindowInputs(
+            size=window,
+            block_tables=dev["window_block_tables"],
+            first_pos=dev["window_first_pos"],
+            slot_mapping=dev["window_slot_mapping"],
+        )
     return StepInputs(
-        input_ids=to(input_ids, torch.int64),
-        positions=to(positions, torch.int64),
-        cu_seqlens=to(cu, torch.int32),
-        past_lens=to(past, torch.int32),
-        block_tables=to(tables, torch.int32),
-        slot_mapping=to(slot_mapping, torch.int64),
-        logits_rows=to(logits_rows.astype(np.int64), torch.int64),
+        input_ids=dev["input_ids"],
+        positions=dev["positions"],
+        cu_seqlens=dev["cu_seqlens"],
+        past_lens=dev["past_lens"],
+        block_tables=dev["block_tables"],
+        slot_mapping=dev["slot_mapping"],
+        logits_rows=dev["logits_rows"],
         max_query_len=int(q_lens.max()),
         max_kv_len=int(kv_lens.max()),
         min_kv_len=int(kv_lens.min()),
         block_size=block_size,
         window=window_inputs,
         verify_rows=tuple(int(i) for i in np.flatnonzero(want_all)),
+        host=HostStepInputs(**{name: host[name] for name in HOST_FIELDS}),
     )
+
+
+HOST_FIELDS = (
+    "input_ids",
+    "positions",
+    "cu_seqlens",
+    "past_lens",
+    "block_tables",
+    "slot_mapping",
+    "logits_rows",
+)
+_ALIGN = 8  # every field starts on an 8-byte boundary, so each byte range can be viewed as its dtype
+
+
+def _to_device(staging: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The step's one host-to-device transfer (a module function, so tests can count the calls).
+
+    Asynchronous from pinned memory: the caching host allocator keeps the staging block alive until the copy
+    has run, so the next step may allocate a new one while this one is in flight.
+    """
+    return staging.to(device, non_blocking=True)
+
+
+def stage_arrays(
+    fields: dict[str, tuple[np.ndarray, torch.dtype]], device: torch.device
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Write ``fields`` (name -> host array, dtype) into one staging buffer and copy it to ``device`` once.
+
+    Returns (host views, device views), each shaped like its array. On the CPU the device views are the host
+    views (no copy at all). The staging buffer is pinned when ``device`` is CUDA.
+    """
+    offsets: dict[str, int] = {}
+    total = 0
+    for name, (array, dtype) in fields.items():
+        offsets[name] = total
+        nbytes = array.size * dtype.itemsize
+        total += -(-nbytes // _ALIGN) * _ALIGN
+    staging = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=device.type == "cuda")  # [bytes]
+    flat = staging.numpy()
+    for name, (array, dtype) in fields.items():
+        np_dtype = np.int64 if dtype == torch.int64 else np.int32
+        start = offsets[name]
+        flat[start : start + array.size * np.dtype(np_dtype).itemsize].view(np_dtype)[:] = array.ravel()
+    moved = staging if device.type == "cpu" else _to_device(staging, device)
+
+    def views(buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, (array, dtype) in fields.items():
+            size = dtype.itemsize
+            start = offsets[name]
+            out[name] = buffer[start : start + array.size * size].view(dtype).view(array.shape)
+        return out
+
+    host = views(staging)
+    return host, host if moved is staging else views(moved)
 
 
 def _pack_window(
@@ -128,9 +204,9 @@ def _pack_window(
     kv_lens: np.ndarray,
     row_of_token: np.ndarray,
     positions: np.ndarray,
-    to,
-) -> WindowInputs:
-    """Ring tables and slots of the windowed layers (arithmetic of :mod:`pagedgen.core.window`).
+) -> dict[str, tuple[np.ndarray, torch.dtype]]:
+    """Ring tables and slots of the windowed layers (arithmetic of :mod:`pagedgen.core.window`), as host
+    arrays for :func:`stage_arrays` (name -> array, dtype).
 
     Row ``i`` reads from position ``first_pos = (lo // B) * B``, ``lo = max(0, past - W + 1)`` being the
     first key its earliest query sees; column ``k`` is ring block ``(first_pos // B + k) mod R``.
@@ -159,9 +235,8 @@ def _pack_window(
     columns = (first_block[:, None] + np.arange(width)[None, :]) % ring_lens[:, None]  # [B, width]
     tables = rings[rows, columns]
     token_blocks = rings[row_of_token, (positions // block_size) % ring_lens[row_of_token]]
-    return WindowInputs(
-        size=window,
-        block_tables=to(tables, torch.int32),
-        first_pos=to(first_pos, torch.int32),
-        slot_mapping=to(token_blocks * block_size + positions % block_size, torch.int64),
-    )
+    return {
+        "block_tables": (tables, torch.int32),
+        "first_pos": (first_pos, torch.int32),
+        "slot_mapping": (token_blocks * block_size + positions % block_size, torch.int64),
+    }

@@ -2,6 +2,10 @@
 
 The runner is where the reference's ONNX decoder session sits. It classifies execution failures into the
 two types the engine can recover from, and lets everything else through as an unknown (fatal) failure.
+
+On CUDA with ``cuda_graphs`` (EngineConfig), eligible pure decode steps replay captured graphs
+(:mod:`pagedgen.executor.cuda_graphs`) and every other step runs eagerly; on the CPU graphs are ignored.
+The graph path is UNVERIFIED ON HARDWARE until a GPU session runs ``scripts/gpu_check.py``.
 """
 
 from __future__ import annotations
@@ -13,6 +17,13 @@ import torch
 from pagedgen.core.kv import PagedKVCache
 from pagedgen.core.step_inputs import StepInputs
 from pagedgen.errors import PagedGenError
+from pagedgen.executor.cuda_graphs import (
+    CudaGraphCapture,
+    DecodeGraphs,
+    GraphCapture,
+    GraphGeometry,
+    StaticDecodeBuffers,
+)
 from pagedgen.models.llama import Linear
 from pagedgen.ops.cpu_memory import retain_freed_cpu_memory
 from pagedgen.ops.gemm import gemm_step
@@ -35,7 +46,17 @@ class ModelRunner:
     storage the block ids point into.
     """
 
-    def __init__(self, model: Any, num_blocks: int, block_size: int, window_blocks: int | None = None):
+    def __init__(
+        self,
+        model: Any,
+        num_blocks: int,
+        block_size: int,
+        window_blocks: int | None = None,
+        *,
+        cuda_graphs: bool = False,
+        max_batch_size: int | None = None,
+        graph_capture: GraphCapture | None = None,
+    ):
         self.model = model
         self.runtime = model.runtime
         self.device = torch.device(model.device)
@@ -43,9 +64,23 @@ class ModelRunner:
         if self.device.type == "cpu":
             # Step temporaries (gathered K/V, activations) are reused instead of re-faulted every step.
             retain_freed_cpu_memory()
+        capture = graph_capture  # tests inject a stand-in to drive the bookkeeping on the CPU
+        if capture is None and cuda_graphs and self.device.type == "cuda":
+            capture = CudaGraphCapture(self.device)
+        if capture is not None and not _graph_capable(model):
+            capture = None
+        if capture is not None and max_batch_size is None:
+            raise ValueError("CUDA graphs need max_batch_size (the largest batch bucket)")
+        # With graphs, one block past the manager's pool is the padding rows' scratch block.
+        storage_blocks = num_blocks + (1 if capture is not None else 0)
         self.kv_cache: PagedKVCache | None = PagedKVCache(
-            model.kv_spec, num_blocks, block_size, device=self.device, window_blocks=window_blocks
+            model.kv_spec, storage_blocks, block_size, device=self.device, window_blocks=window_blocks
         )
+        self.graphs: DecodeGraphs | None = None
+        if capture is not None and max_batch_size is not None:
+            geometry = GraphGeometry(max_batch_size, -(-int(model.max_context) // block_size), block_size)
+            buffers = StaticDecodeBuffers(geometry, self.device, scratch_block=num_blocks)
+            self.graphs = DecodeGraphs(geometry, buffers, capture, self._forward)
 
     def adapt_gemm(self, max_batch_size: int, max_scheduled_tokens: int, chunk_size: int | None) -> None:
         """Pick the GEMM backend per step size, and for weights kept in their stored format the quantized
@@ -61,10 +96,9 @@ class ModelRunner:
         when the model returns logits of the wrong shape; other model errors propagate unchanged.
         """
         try:
-            # The step's token count steers every linear call: no thread-pool hand-over mid-step, e.g.
-            # between a prefill's layers and its few-row LM head (pagedgen.ops.gemm.gemm_step).
-            with torch.inference_mode(), gemm_step(inputs.num_tokens):
-                logits = self.runtime.forward(inputs, self.kv_cache)  # [R, vocab]
+            logits = None if self.graphs is None else self.graphs.run(inputs)
+            if logits is None:
+                logits = self._forward(inputs)  # [R, vocab]
         except (torch.OutOfMemoryError, MemoryError) as exc:
             raise ExecutionCapacityError(f"model execution ran out of memory: {exc}") from exc
         expected = (int(inputs.logits_rows.shape[0]), self.vocab_size)
@@ -72,6 +106,21 @@ class ModelRunner:
             raise RuntimeError(f"model returned logits of shape {tuple(logits.shape)}, expected {expected}")
         return logits
 
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """One eager model call (also what a graph captures)."""
+        # The step's token count steers every linear call: no thread-pool hand-over mid-step, e.g.
+        # between a prefill's layers and its few-row LM head (pagedgen.ops.gemm.gemm_step).
+        with torch.inference_mode(), gemm_step(inputs.num_tokens):
+            return self.runtime.forward(inputs, self.kv_cache)  # [R, vocab]
+
     def release(self) -> None:
-        """Drop the KV storage (engine teardown); ``execute`` must not be called afterwards."""
+        """Drop the KV storage and the graphs (engine teardown); ``execute`` must not be called afterwards."""
         self.kv_cache = None
+        self.graphs = None
+
+
+def _graph_capable(model: Any) -> bool:
+    """Whether the model's state fits the static decode buffers: no sliding-window layers (their rings
+    and masks are not in the buffers) and no fixed conv / recurrent state (not in the capture contract,
+    as in the seed)."""
+    return not model.kv_spec.window_layers and not tuple(getattr(model, "fixed_state_specs", ()))

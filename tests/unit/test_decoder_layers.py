@@ -25,6 +25,8 @@ from pagedgen.ops.attention import plan_attention
 from tests.model.paged_runner import PagedRunner, PagedSequence
 from tests.model.tiny_checkpoints import TINY_RAW, random_state, write_gguf
 
+pytestmark = pytest.mark.cpu  # the fused decode path is the native CPU kernel (fp32 on the CPU only)
+
 BLOCK = 4  # small blocks: the tables of the rows below span several, partly filled
 
 
@@ -43,7 +45,7 @@ def _gguf_model(tmp_path, qtype: str) -> Model:
     path = tmp_path / f"tiny-{qtype}.gguf"
     state = random_state(TINY_RAW, seed=5)
     write_gguf(path, "llama", state, TINY_RAW, qtype=gguf.GGMLQuantizationType[qtype], tokenizer=False)
-    return Model(str(path))
+    return Model(str(path), device="cpu")
 
 
 def _biased_bf16_model(tmp_path) -> Model:
@@ -64,7 +66,7 @@ def _biased_bf16_model(tmp_path) -> Model:
         {k: torch.from_numpy(v).to(torch.bfloat16) for k, v in state.items()},
         str(directory / "model.safetensors"),
     )
-    return Model(str(directory))
+    return Model(str(directory), device="cpu")
 
 
 def _run(model: Model, fused: bool, prompts: list[list[int]], steps: int = 5):
@@ -156,9 +158,9 @@ def test_float32_weights_and_missing_kernels_build_no_fused_decoder(tmp_path, ne
         qtype=gguf.GGMLQuantizationType.Q8_0,
         tokenizer=False,
     )
-    assert Model(str(path), weights="float32").runtime.fused_decoder is None
+    assert Model(str(path), device="cpu", weights="float32").runtime.fused_decoder is None
     monkeypatch.setattr(decoder_layers, "native_library", lambda: None)
-    assert Model(str(path)).runtime.fused_decoder is None
+    assert Model(str(path), device="cpu").runtime.fused_decoder is None
 
 
 def test_a_slot_outside_the_cache_raises_and_writes_nothing(tmp_path, need_kernels):
@@ -185,7 +187,7 @@ def _windowed_model(tmp_path, extra: dict) -> Model:
         {k: torch.from_numpy(v).to(torch.bfloat16) for k, v in state.items()},
         str(directory / "model.safetensors"),
     )
-    return Model(str(directory))
+    return Model(str(directory), device="cpu")
 
 
 def _run_rings(model: Model, fused: bool, prompts: list[list[int]], ring_chunk: int | None, steps: int = 12):

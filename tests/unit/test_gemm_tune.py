@@ -57,6 +57,8 @@ from pagedgen.ops.quant_table import (
 from pagedgen.ops.qweight import QType, QuantizedWeight
 from tests.unit.test_quant_calibrate import QuantRuntime
 
+pytestmark = pytest.mark.cpu  # the GEMM table is measured for CPU backends and thread pools
+
 BLAS, TORCH, NATIVE = GemmBackend.OPENBLAS, GemmBackend.TORCH, GemmBackend.NATIVE
 LINEAR = (Linear,)
 COUNTS = RowCounts(decode=(1, 2, 4), prefill=(16,))

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from pagedgen.ops.cpu_info import RELEVANT_FEATURES, cpu_features, cpu_flags, cpu_model
 from pagedgen.ops.native import gemm_kernel, native_status
 
+pytestmark = pytest.mark.cpu  # the native GEMM's CPU instruction-set variants
+
 
 def _kernel():
     kernel = gemm_kernel()

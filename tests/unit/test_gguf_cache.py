@@ -38,6 +38,7 @@ def tiny_gguf(tmp_path):
 
 
 def _logits(model: Model, ids: list[int]) -> torch.Tensor:
+    """One prefill's logits; the cache and inputs are CPU tensors, so models here load with device="cpu"."""
     cache = PagedKVCache(model.kv_spec, num_blocks=8, block_size=16)
     inputs = pack_step([SequenceChunk(ids, 0, [5, 2, 7], all_logits=True)], block_size=16)
     return model.runtime.forward(inputs, cache)
@@ -78,7 +79,9 @@ def test_entry_matches_the_same_weights_loaded_from_an_hf_dir(cache_dir, tiny_gg
     """F32 GGUF (permuted Q/K, llama.cpp names) and the HF dir of the same weights give identical logits."""
     hf_dir = write_hf_dir(tmp_path / "hf", TINY_RAW, random_state(TINY_RAW, seed=3))
     ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]
-    assert torch.equal(_logits(Model(str(tiny_gguf), device="cpu"), ids), _logits(Model(str(hf_dir)), ids))
+    assert torch.equal(
+        _logits(Model(str(tiny_gguf), device="cpu"), ids), _logits(Model(str(hf_dir), device="cpu"), ids)
+    )
 
 
 def test_editing_the_file_makes_a_new_entry(cache_dir, tiny_gguf):
@@ -164,7 +167,7 @@ def test_a_freshly_built_entry_that_fails_to_load_is_not_rebuilt(cache_dir, tmp_
         gguf_cache, "_build_entry", lambda src, entry: (builds.append(entry), real_build(src, entry))
     )
     with pytest.raises(ModelLoadError, match="vocab mismatch: the token embedding has 250 rows"):
-        Model(str(path))
+        Model(str(path), device="cpu")
     assert len(builds) == 1  # the file itself is wrong: rebuilding the entry would not help
 
 

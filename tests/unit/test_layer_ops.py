@@ -17,6 +17,8 @@ from pagedgen.ops.layer_ops import (
 )
 from pagedgen.ops.native import layer_ops_kernels, native_status
 
+pytestmark = pytest.mark.cpu  # the native elementwise CPU kernels
+
 
 @pytest.fixture(params=["native", "torch"])
 def path(request, monkeypatch):

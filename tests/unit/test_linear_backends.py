@@ -36,6 +36,8 @@ from pagedgen.ops.gemm_threads import (
 from pagedgen.ops.linear import linear
 from pagedgen.ops.native import gemm_kernel, native_status
 
+pytestmark = pytest.mark.cpu  # the CPU GEMM backends (torch, OpenBLAS, native)
+
 BLAS, TORCH, NATIVE = GemmBackend.OPENBLAS, GemmBackend.TORCH, GemmBackend.NATIVE
 # Tables of the shape a calibration produces (the machine decides the boundaries; these are examples).
 NATIVE_SMALL = GemmTable(buckets=(RowBucket(64, NATIVE),), default=TORCH)

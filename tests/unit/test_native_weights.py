@@ -28,6 +28,8 @@ from pagedgen.ops.qweight import QType, QuantizedWeight
 from tests.model.tiny_checkpoints import TINY_RAW, random_state, write_gguf
 from tests.unit.test_quant_gemm import random_weight
 
+pytestmark = pytest.mark.cpu  # weights kept as stored run in the native CPU kernels
+
 IDS = list(range(0, 260, 7))
 
 
@@ -83,7 +85,8 @@ def test_half_safetensors_stay_16_bit(tmp_path, need_kernels, dtype):
     (directory / "config.json").write_text(json.dumps(TINY_RAW))
     state = {k: torch.from_numpy(v).to(dtype) for k, v in random_state(TINY_RAW, seed=2).items()}
     save_file(state, str(directory / "model.safetensors"))
-    ours, plain = Model(str(directory)), Model(str(directory), weights="float32")
+    ours = Model(str(directory), device="cpu")
+    plain = Model(str(directory), device="cpu", weights="float32")
     weight = ours.runtime.model.layers[1].mlp.down_proj.weight
     assert isinstance(weight, QuantizedWeight) and weight.nbytes == 2 * weight.shape[0] * weight.shape[1]
     assert torch.equal(dequantize(weight), plain.runtime.model.layers[1].mlp.down_proj.weight)
@@ -96,7 +99,7 @@ def test_without_the_native_kernels_native_falls_back_to_float32_and_says_why(
     tmp_path, monkeypatch, caplog, off
 ):
     path = _gguf(tmp_path, gguf.GGMLQuantizationType.Q4_1)
-    expected = _logits(Model(str(path), weights="float32"), IDS)
+    expected = _logits(Model(str(path), device="cpu", weights="float32"), IDS)
     if off == "disabled":
         monkeypatch.setenv(native.DISABLE_ENV, "0")
     else:
@@ -105,7 +108,7 @@ def test_without_the_native_kernels_native_falls_back_to_float32_and_says_why(
     monkeypatch.setattr(quant_gemm, "_kernels", [])
     monkeypatch.setattr(gemm, "_choices", {})  # backends chosen without the kernels stay in this test
     with caplog.at_level(logging.WARNING, logger="pagedgen"):
-        model = Model(str(path))
+        model = Model(str(path), device="cpu")
     assert model.weights_format is WeightFormat.FLOAT32
     reason = (
         f"disabled by {native.DISABLE_ENV}" if off == "disabled" else "building the native kernels failed"
@@ -116,7 +119,7 @@ def test_without_the_native_kernels_native_falls_back_to_float32_and_says_why(
 
 
 def test_native_needs_cpu_float32_activations(tmp_path, need_kernels):
-    model = Model(str(_gguf(tmp_path, gguf.GGMLQuantizationType.Q8_0)), dtype="bf16")
+    model = Model(str(_gguf(tmp_path, gguf.GGMLQuantizationType.Q8_0)), dtype="bf16", device="cpu")
     assert model.weights_format is WeightFormat.FLOAT32 and "CPU float32 only" in model.weights_reason
     assert model.runtime.model.layers[0].mlp.up_proj.weight.dtype is torch.bfloat16
 
@@ -125,7 +128,7 @@ def test_an_unknown_weights_argument_is_named(tmp_path):
     with pytest.raises(
         ModelLoadError, match=r"weights='int4' is not supported \(use 'native' or 'float32'\)"
     ):
-        Model(str(_gguf(tmp_path, gguf.GGMLQuantizationType.Q8_0)), weights="int4")
+        Model(str(_gguf(tmp_path, gguf.GGMLQuantizationType.Q8_0)), device="cpu", weights="int4")
 
 
 def test_parts_stored_in_different_formats_are_left_unfused():

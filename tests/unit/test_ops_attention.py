@@ -134,6 +134,7 @@ def test_fast_path_matches_reference(use_native, seqs, block_size, num_kv_heads,
     assert (fast - ref).abs().max().item() <= 1e-5
 
 
+@pytest.mark.cpu
 def test_native_decode_kernel_is_built_here_and_shares_torchs_openmp_runtime():
     """With a C compiler the kernel must be in use, bound to the one OpenMP runtime torch loaded."""
     if shutil.which("cc") is None and shutil.which("gcc") is None and not os.environ.get("CC"):
@@ -145,6 +146,7 @@ def test_native_decode_kernel_is_built_here_and_shares_torchs_openmp_runtime():
     assert len(runtimes) == 1, runtimes
 
 
+@pytest.mark.cpu
 def test_native_decode_kernel_gives_the_same_bits_on_one_and_two_threads():
     case = build_case([(300, 1), (17, 1), (64, 1), (5, 1)], 16, num_kv_heads=3, group=3, head_dim=64, seed=4)
     plan = plan_attention(case.inputs, case.k_cache)
@@ -158,6 +160,7 @@ def test_native_decode_kernel_gives_the_same_bits_on_one_and_two_threads():
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.cpu
 def test_native_kernels_can_be_switched_off_and_a_failed_build_says_why(monkeypatch, tmp_path):
     monkeypatch.setenv(native.DISABLE_ENV, "0")
     library = native._build_and_load()
@@ -302,6 +305,7 @@ def test_attention_refuses_inconsistent_shapes():
         )
 
 
+@pytest.mark.cpu
 def test_retained_cpu_memory_stops_page_faults_in_the_decode_gather():
     """With default glibc thresholds each call re-faults its ~8 MiB K/V gather (about 2,500 minor faults)."""
     if not retain_freed_cpu_memory():

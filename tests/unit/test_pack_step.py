@@ -74,3 +74,56 @@ def test_a_longer_block_table_than_needed_is_accepted_and_padded():
 def test_refused_inputs_name_the_problem(chunks, block_size, message):
     with pytest.raises(ValueError, match=message):
         pack_step(chunks, block_size)
+
+
+# -- no host synchronisation: the step is built on the host and crosses to the device once ---------------
+
+
+def _count_transfers(monkeypatch) -> list[int]:
+    from pagedgen.executor import inputs as inputs_module
+
+    calls: list[int] = []
+    real = inputs_module._to_device
+
+    def counting(staging: torch.Tensor, device: torch.device) -> torch.Tensor:
+        assert staging.device.type == "cpu"  # what crosses is a host buffer, built before the transfer
+        calls.append(staging.numel())
+        return real(staging, device)
+
+    monkeypatch.setattr(inputs_module, "_to_device", counting)
+    return calls
+
+
+def test_a_step_for_another_device_is_one_transfer_of_host_built_data(monkeypatch):
+    """The meta device holds no data: any read of a packed tensor back to the host (``.item()``,
+    ``.tolist()``, ``int(t)``) would raise, so packing for it proves the packing reads nothing back."""
+    calls = _count_transfers(monkeypatch)
+    chunks = [SequenceChunk([1, 2, 3], 5, [4, 7]), SequenceChunk([9], 0, [2], all_logits=True)]
+    inputs = pack_step(chunks, 4, device="meta")
+    assert len(calls) == 1
+    tensors = [inputs.input_ids, inputs.positions, inputs.cu_seqlens, inputs.past_lens]
+    tensors += [inputs.block_tables, inputs.slot_mapping, inputs.logits_rows]
+    assert all(t.device.type == "meta" for t in tensors)
+    host = inputs.host
+    assert host is not None and all(t.device.type == "cpu" for t in (host.input_ids, host.block_tables))
+    expected = pack_step(chunks, 4)  # the CPU packing: same values, same dtypes and shapes
+    for name in ("input_ids", "positions", "cu_seqlens", "past_lens", "block_tables", "slot_mapping"):
+        mine, theirs = getattr(host, name), getattr(expected, name)
+        assert mine.dtype == theirs.dtype == getattr(inputs, name).dtype
+        assert mine.tolist() == theirs.tolist() and tuple(getattr(inputs, name).shape) == tuple(mine.shape)
+    assert (inputs.max_query_len, inputs.max_kv_len, inputs.min_kv_len) == (3, 8, 1)
+
+
+def test_window_rings_travel_in_the_same_transfer(monkeypatch):
+    calls = _count_transfers(monkeypatch)
+    inputs = pack_step([SequenceChunk([1], 4, [1, 2], window_ring=[5, 6, 7])], 4, device="meta", window=4)
+    assert len(calls) == 1
+    ring = inputs.window
+    assert all(t.device.type == "meta" for t in (ring.block_tables, ring.first_pos, ring.slot_mapping))
+
+
+def test_on_the_cpu_there_is_no_transfer_and_the_host_copies_are_the_tensors(monkeypatch):
+    calls = _count_transfers(monkeypatch)
+    inputs = pack_step([SequenceChunk([1, 2], 0, [3])], 4)
+    assert calls == []
+    assert inputs.host.input_ids is inputs.input_ids and inputs.host.block_tables is inputs.block_tables

@@ -30,6 +30,8 @@ from pagedgen.ops.quant_table import QuantBucket, QuantOverride, QuantPath, Quan
 from pagedgen.ops.qweight import QType
 from tests.unit.test_quant_gemm import random_weight
 
+pytestmark = pytest.mark.cpu  # the quantized CPU paths are measured
+
 KERNEL, DEQUANT = QuantPath.KERNEL, QuantPath.DEQUANT
 LINEAR = (Linear,)
 Q4, Q8 = QType.Q4_1, QType.Q8_0

@@ -35,6 +35,8 @@ from pagedgen.ops.quant_table import (
 )
 from pagedgen.ops.qweight import QType, QuantizedWeight, concat_rows
 
+pytestmark = pytest.mark.cpu  # the quantized GEMM kernels are native CPU code
+
 ROWS = [1, 2, 3, 5, 16, 33, 64, 65, 200]
 # in sizes of several blocks (K-quants: super-blocks of 256) and out sizes off every tile multiple
 IN_FEATURES = {QType.Q4_K: 512, QType.Q6_K: 768, QType.F16: 160, QType.BF16: 72}  # BF16: AVX-512 tail

@@ -27,6 +27,8 @@ from pagedgen.ops.quant_table import (
 from pagedgen.ops.qweight import QType
 from tests.unit.test_quant_gemm import random_weight
 
+pytestmark = pytest.mark.cpu  # the quantized CPU path choice
+
 KERNEL, DEQUANT = QuantPath.KERNEL, QuantPath.DEQUANT
 Q4, Q8 = QType.Q4_1, QType.Q8_0
 # Q4_1 32 -> 8: the kernel up to 4 rows; Q8_0 32 -> 8: up to 16; any other kind: up to 2.

@@ -30,6 +30,7 @@ def _step(num_tokens: int):
     return pack_step([SequenceChunk(list(range(1, num_tokens + 1)), 0, list(range(8)))], block_size=16)
 
 
+@pytest.mark.cpu
 def test_every_linear_call_of_a_step_uses_the_steps_backend():
     model = RecordingModel()
     runner = ModelRunner(model, num_blocks=8, block_size=16)

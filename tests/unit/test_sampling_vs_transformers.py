@@ -142,8 +142,11 @@ def test_process_logits_matches_transformers_processor_list(seed: int) -> None:
             chain.append(RepetitionPenaltyLogitsProcessor(options.repetition_penalty))
         if options.no_repeat_ngram_size:
             chain.append(NoRepeatNGramLogitsProcessor(options.no_repeat_ngram_size))
-        chain.append(MinLengthLogitsProcessor(options.min_length, list(eos)))
-        chain.append(MinNewTokensLengthLogitsProcessor(prompt, options.min_new_tokens, list(eos)))
+        # The logits are CPU tensors: these processors keep their EOS ids on the device they are given.
+        chain.append(MinLengthLogitsProcessor(options.min_length, list(eos), device="cpu"))
+        chain.append(
+            MinNewTokensLengthLogitsProcessor(prompt, options.min_new_tokens, list(eos), device="cpu")
+        )
         procs.append(LogitsProcessorList(chain))
     before = logits.clone()
     ours = process_logits(logits, rows)
