@@ -14,6 +14,11 @@ which reads the blocks in place, or, without it, to one masked SDPA per bucket o
 tokens of a draft-verification row are planned as decodes too, each over the keys through its position.
 Multi-token prefill rows get one causal SDPA each, so the Python loop is over requests, never over tokens.
 Soft-capped scores (Gemma 2) take the torch path with explicit attention instead of SDPA.
+
+On CUDA (or on the CPU under Triton's interpreter when ``PAGEDGEN_TRITON_ATTENTION=1``) the plan selects the
+Triton kernels instead (:mod:`pagedgen.ops.triton_attention`): one decode kernel for every single-token
+entry (decode rows and draft tokens alike) and one varlen prefill kernel that reads cached prefixes through
+the block tables, both with sliding windows and soft-capping.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch.nn.functional as F
 
 from pagedgen.core.step_inputs import StepInputs
 from pagedgen.ops.native import DecodeKernel, decode_kernel
+from pagedgen.ops.triton_attention import TritonPlan, plan_triton, triton_paged_attention, triton_selected
 
 
 def write_kv(
@@ -150,6 +156,9 @@ class AttentionPlan:
     slot_mapping: torch.Tensor | None = None  # [T] int64 where this plan's layers write (None: inputs')
     decode_starts: torch.Tensor | None = None  # [Bd] int32 first attended key; None: 0 (full attention)
     window: int | None = None
+    triton: TritonPlan | None = (
+        None  # set when the Triton kernels serve the step (then no buckets, no prefill)
+    )
 
 
 @dataclass(slots=True)
@@ -195,9 +204,11 @@ def plan_attention(
     decode step (the native kernel, the fused decoder), and each draft row attends exactly as the decode of
     that position would.
 
-    ``use_native=False`` forces the pure-torch decode path (tests and benchmarks compare the two).
+    ``use_native=False`` forces the pure-torch decode path on the CPU (tests and benchmarks compare the two).
     ``window`` plans for sliding-window layers: a query at ``p`` sees keys ``p - window + 1 .. p``, read
     from the step's rings (``inputs.window``) when it has them, else from the block tables.
+    When :func:`~pagedgen.ops.triton_attention.triton_selected` picks the Triton kernels for this cache's
+    device, the plan carries their work lists (``triton``) and neither torch buckets nor prefill masks.
     """
     device = k_cache.device
     q_lens = inputs.query_lens.tolist()
@@ -205,7 +216,8 @@ def plan_attention(
     view = _full_view(inputs) if window is None else _window_view(inputs, window)
     verify = set(inputs.verify_rows)
     decode_rows = [i for i, n in enumerate(q_lens) if n == 1 or i in verify]
-    kernel = decode_kernel() if use_native and decode_rows else None
+    use_triton = triton_selected(device)
+    kernel = decode_kernel() if use_native and decode_rows and not use_triton else None
     if kernel is not None and not kernel.supports(k_cache, k_cache, k_cache):
         kernel = None
     # One decode entry per token: a verification row's token j sees the keys through its own position.
@@ -221,19 +233,35 @@ def plan_attention(
     )
     rows = torch.tensor(owner, dtype=torch.long)  # [Bd]
     tables = view.tables[rows].to(device=device, dtype=torch.int32).contiguous()
+    triton = None
+    if use_triton:
+        triton = plan_triton(
+            q_lens,
+            inputs.past_lens.tolist(),
+            cu,
+            view.first_pos,
+            set(decode_rows),
+            view.tables,
+            decode_entries=len(owner),
+            max_decode_keys=max(rel_lens, default=0),
+            num_kv_heads=k_cache.shape[2],
+            window=window,
+            device=device,
+        )
     return AttentionPlan(
         block_size=inputs.block_size,
         decode_token_rows=token_rows,
         decode_tables=tables,
         decode_kv_lens=torch.tensor(rel_lens, dtype=torch.int32, device=device),
         decode_buckets=None
-        if kernel is not None
+        if kernel is not None or use_triton
         else _decode_buckets(token_rows, tables, rel_lens, starts, inputs.block_size),
-        prefill=_prefill_rows(inputs, q_lens, view, window, device, verify),
+        prefill=[] if use_triton else _prefill_rows(inputs, q_lens, view, window, device, verify),
         kernel=kernel,
         slot_mapping=view.slot_mapping,
         decode_starts=None if starts is None else torch.tensor(starts, dtype=torch.int32, device=device),
         window=window,
+        triton=triton,
     )
 
 
@@ -252,11 +280,28 @@ def paged_attention(
     inconsistent shapes. ``plan`` is the step's :func:`plan_attention` (built here when omitted; a
     sliding-window layer must pass its window plan). ``softcap`` (Gemma 2's attention logit soft-capping)
     makes the scores ``softcap * tanh(scores / softcap)`` before the mask and softmax; neither the native
-    decode kernel nor SDPA does that, so those rows take the explicit torch path (:func:`_attend`).
+    decode kernel nor SDPA does that, so those rows take the explicit torch path (:func:`_attend`). A
+    Triton plan (``plan.triton``) runs every row on the Triton kernels, soft-capped or not, with no host
+    read of a device value.
     """
     _check_query(query, k_cache, inputs)
     plan = plan_attention(inputs, k_cache) if plan is None else plan
     out = torch.empty_like(query)  # [T, Hq, D]
+    if plan.triton is not None:
+        triton_paged_attention(
+            query,
+            k_cache,
+            v_cache,
+            plan.decode_token_rows,
+            plan.decode_tables,
+            plan.decode_kv_lens,
+            plan.decode_starts,
+            plan.triton,
+            scale,
+            softcap,
+            out,
+        )
+        return out
     kernel = plan.kernel
     if kernel is not None:
         query = query.contiguous()  # q may be a view into the fused q/k/v product
