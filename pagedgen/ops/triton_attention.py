@@ -12,15 +12,18 @@ the kernels are imported lazily (:func:`_kernels`) in the mode of Triton's helpe
 accepted only when that mode is the interpreter (``TRITON_INTERPRET=1`` set before triton's first import;
 ``tests/conftest.py`` does so on machines without CUDA).
 
-Host metadata (no ``.item()``/``.tolist()`` here): :func:`plan_triton` is called by
-:func:`pagedgen.ops.attention.plan_attention` once per step with the host lists it already has (query
-lengths, past lengths, each row's first readable position). The grids are sizes known there: decode
-``(entries, Hkv, splits)`` with ``entries`` the number of single-token entries (one per decode row, one per
-token of a draft-verification row), prefill ``(query blocks, Hkv)`` with ``query blocks = sum over
-multi-token rows of ceil(q_len / BLOCK_Q)``. Per-row lengths are loaded by the kernels from the plan's
-tensors, so the kernels need neither ``max_q`` nor ``max_kv``: a program loops over exactly its row's keys.
-The step's ``max_kv_len`` (host) only sizes the split-KV decode (:func:`decode_splits`), which the seed's
-``[max_q, max_kv, lower bound]`` metadata exists for.
+Host metadata: :func:`triton_paged_attention` reads no device value on the host (no ``.item()``,
+``.tolist()`` or ``.cpu()``). Everything it needs was derived once per step by
+:func:`pagedgen.ops.attention.plan_attention` from host lists (query and past lengths, each row's first
+readable position) and handed over in :class:`TritonPlan` and the plan's decode tensors. The grids are
+host sizes: decode ``(entries, Hkv, splits)``, ``entries`` being the single-token entries (one per decode
+row, one per token of a draft-verification row); prefill ``(query blocks, Hkv, BLOCK_Q / SUB_Q)``,
+``query blocks`` being ``sum(ceil(q_len / BLOCK_Q))`` over the multi-token rows. Each program loads its
+own row's lengths and loops over exactly its keys, so the kernels need neither ``max_q`` nor ``max_kv``;
+the longest decode history (the plan's ``max_kv`` for decode rows, a host int) only sizes the split-KV
+decode (:func:`decode_splits`), which is what the seed's ``[max_q, max_kv, lower bound]`` exists for.
+(``plan_attention`` itself still reads the step's lengths with ``.tolist()``: host tensors on the CPU,
+one read per plan on CUDA until ``StepInputs`` carries host copies of them.)
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from types import ModuleType
 import torch
 
 TRITON_ENV = "PAGEDGEN_TRITON_ATTENTION"
-BLOCK_Q = 16  # query tokens per prefill program
+BLOCK_Q = 64  # query tokens per prefill work-list entry
+PREFILL_ROWS = 64  # rows (query tokens x padded group heads) of a prefill program's tile
 TILE = 32  # keys per inner-loop step
 MAX_SPLITS = 16
 SPLIT_MIN_KEYS = 256  # a split reads at least this many keys: fewer would cost more to combine than to read
@@ -238,16 +242,45 @@ def triton_paged_attention(
     strides = (*query.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride())
     cap = 0.0 if softcap is None else float(softcap)
     if plan.decode_entries:
-        _launch_decode(kernels, query, k_cache, v_cache, token_rows, tables, kv_lens, kv_starts, plan, scale,
-                       cap, out, strides, group, common)  # fmt: skip
+        _launch_decode(
+            kernels,
+            query,
+            k_cache,
+            v_cache,
+            token_rows,
+            tables,
+            kv_lens,
+            kv_starts,
+            plan,
+            scale,
+            cap,
+            out,
+            strides,
+            group,
+            common,
+        )
     num_blocks = plan.prefill_blocks.shape[0]
     if num_blocks:
-        kernels.paged_prefill_kernel[(num_blocks, num_kv_heads)](
-            out, query, k_cache, v_cache, plan.prefill_blocks, plan.prefill_tables,
-            plan.window or 0, scale, cap, *strides, plan.prefill_tables.stride(0),
-            GROUP=group, GROUP_PAD=_next_pow2(group), BLOCK_Q=BLOCK_Q, HAS_WINDOW=plan.window is not None,
+        group_pad = _next_pow2(group)
+        sub_q = max(1, min(BLOCK_Q, PREFILL_ROWS // group_pad))
+        kernels.paged_prefill_kernel[(num_blocks, num_kv_heads, BLOCK_Q // sub_q)](
+            out,
+            query,
+            k_cache,
+            v_cache,
+            plan.prefill_blocks,
+            plan.prefill_tables,
+            plan.window or 0,
+            scale,
+            cap,
+            *strides,
+            plan.prefill_tables.stride(0),
+            GROUP=group,
+            GROUP_PAD=group_pad,
+            SUB_Q=sub_q,
+            HAS_WINDOW=plan.window is not None,
             **common,
-        )  # fmt: skip
+        )
 
 
 def _launch_decode(
@@ -277,13 +310,35 @@ def _launch_decode(
         part_ml = torch.empty(entries, num_heads, splits, 2, dtype=torch.float32, device=out.device)
     starts = kv_lens if kv_starts is None else kv_starts  # placeholder when there is no window
     kernels.paged_decode_kernel[(entries, num_kv_heads, splits)](
-        out, query, k_cache, v_cache, token_rows, tables, kv_lens, starts, part_acc, part_ml,
-        scale, cap, *strides, tables.stride(0),
-        GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), NUM_SPLITS=splits,
-        HAS_START=kv_starts is not None, **common,
-    )  # fmt: skip
+        out,
+        query,
+        k_cache,
+        v_cache,
+        token_rows,
+        tables,
+        kv_lens,
+        starts,
+        part_acc,
+        part_ml,
+        scale,
+        cap,
+        *strides,
+        tables.stride(0),
+        GROUP=group,
+        GROUP_PAD=max(16, _next_pow2(group)),
+        NUM_SPLITS=splits,
+        HAS_START=kv_starts is not None,
+        **common,
+    )
     if splits > 1:
         kernels.combine_splits_kernel[(entries, num_heads)](
-            out, token_rows, part_acc, part_ml, *out.stride(),
-            NUM_SPLITS=splits, SPLITS_PAD=_next_pow2(splits), HEAD_DIM=head_dim, D_PAD=common["D_PAD"],
-        )  # fmt: skip
+            out,
+            token_rows,
+            part_acc,
+            part_ml,
+            *out.stride(),
+            NUM_SPLITS=splits,
+            SPLITS_PAD=_next_pow2(splits),
+            HEAD_DIM=head_dim,
+            D_PAD=common["D_PAD"],
+        )

@@ -256,7 +256,7 @@ def paged_prefill_kernel(
     stride_table,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
+    SUB_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -266,8 +266,9 @@ def paged_prefill_kernel(
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """Grid ``(NB, Hkv)``: up to ``BLOCK_Q`` consecutive query tokens of one multi-token row and the
-    ``GROUP`` query heads of one kv head, flattened into ``BLOCK_Q * GROUP_PAD`` rows of one tile.
+    """Grid ``(NB, Hkv, BLOCK_Q / SUB_Q)``: ``SUB_Q`` consecutive query tokens of one block of a multi-token
+    row and the ``GROUP`` query heads of one kv head, flattened into ``SUB_Q * GROUP_PAD`` rows of one tile
+    (a tile height that does not grow with the GQA group; programs past the block's count store nothing).
 
     The block's queries sit at key positions ``pos .. pos + count - 1`` of the row's table (its cached
     prefix is ``pos`` keys long for the first block); each sees keys ``0 .. its position`` (causal), or its
@@ -275,14 +276,16 @@ def paged_prefill_kernel(
     """
     qblock = tl.program_id(0)
     kv_head = tl.program_id(1)
+    first = tl.program_id(2) * SUB_Q  # this program's first query of the block
     row = tl.load(blocks_ptr + qblock * 4)
     token0 = tl.load(blocks_ptr + qblock * 4 + 1)
     count = tl.load(blocks_ptr + qblock * 4 + 2)
     pos0 = tl.load(blocks_ptr + qblock * 4 + 3)
-    rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
-    query = tl.minimum(rows // GROUP_PAD, count - 1)  # padded token rows repeat the last query: no NaN
+    rows = tl.arange(0, SUB_Q * GROUP_PAD)
+    local = first + rows // GROUP_PAD
+    query = tl.minimum(local, count - 1)  # padded token rows repeat the last query: no NaN
     head = rows % GROUP_PAD
-    row_ok = (rows // GROUP_PAD < count) & (head < GROUP)
+    row_ok = (local < count) & (head < GROUP)
     dims = tl.arange(0, D_PAD)
     dim_ok = dims < HEAD_DIM
     tokens = (token0 + query).to(tl.int64)
@@ -292,16 +295,18 @@ def paged_prefill_kernel(
     row_last = pos0 + query  # [M] the query's own key
     if HAS_WINDOW:
         row_first = tl.maximum(row_last - window + 1, 0)
-        key_lo = tl.maximum(pos0 - window + 1, 0)
+        key_lo = tl.maximum(pos0 + first - window + 1, 0)
     else:
-        row_first = tl.zeros([BLOCK_Q * GROUP_PAD], tl.int32)
+        row_first = tl.zeros([SUB_Q * GROUP_PAD], tl.int32)
         key_lo = 0
+    # Through this program's last query; no keys at all when the block has no query here.
+    key_hi = tl.where(first < count, pos0 + tl.minimum(count, first + SUB_Q), key_lo)
     acc, l_i, m_i = _attend_keys(
         q,
         row_first,
         row_last,
         key_lo,
-        pos0 + count,
+        key_hi,
         tables_ptr + row.to(tl.int64) * stride_table,
         k_cache_ptr + kv_head * stride_kh,
         v_cache_ptr + kv_head * stride_vh,
@@ -313,7 +318,7 @@ def paged_prefill_kernel(
         stride_vd,
         scale,
         softcap,
-        BLOCK_Q * GROUP_PAD,
+        SUB_Q * GROUP_PAD,
         HEAD_DIM,
         D_PAD,
         BLOCK_SIZE,
@@ -322,7 +327,7 @@ def paged_prefill_kernel(
         DOT_DTYPE,
         PRECISION,
     )
+    l_i = tl.where(l_i > 0.0, l_i, 1.0)  # a program without queries computed nothing and stores nothing
     o_ptrs = out_ptr + tokens[:, None] * stride_ot + q_heads[:, None] * stride_oh + dims[None, :] * stride_od
-    tl.store(
-        o_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :]
-    )
+    out = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
+    tl.store(o_ptrs, out, mask=row_ok[:, None] & dim_ok[None, :])

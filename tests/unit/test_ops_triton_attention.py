@@ -157,8 +157,11 @@ def test_small_and_odd_block_sizes_match_the_reference(block_size):
 
 
 def test_prefill_after_a_cached_prefix_sees_the_prefix_and_itself_causally():
-    """A prefix-cache hit or a later chunk: 40 new queries at positions 45..84 (three query blocks)."""
-    case = make_case([(45, 40), (0, 33)], 16, kv_heads=2, group=3, head_dim=64, seed=7)
+    """A prefix-cache hit or a later chunk: 70 new queries at positions 45..114 (two work-list entries,
+    each split over programs of 16 queries x 4 padded heads, some of which have no query)."""
+    case = make_case([(45, 70), (0, 33)], 16, kv_heads=2, group=3, head_dim=64, seed=7)
+    plan = plan_attention(pack_step(case.chunks, 16, device=DEVICE), case.k_cache.to(DEVICE))
+    assert plan.triton.prefill_blocks.tolist() == [[0, 0, 64, 45], [0, 64, 6, 109], [1, 70, 33, 0]]
     assert (triton_path(case) - reference(case)).abs().max().item() <= 1e-5
 
 
