@@ -22,8 +22,9 @@ row, one per token of a draft-verification row); prefill ``(query blocks, Hkv, B
 own row's lengths and loops over exactly its keys, so the kernels need neither ``max_q`` nor ``max_kv``;
 the longest decode history (the plan's ``max_kv`` for decode rows, a host int) only sizes the split-KV
 decode (:func:`decode_splits`), which is what the seed's ``[max_q, max_kv, lower bound]`` exists for.
-(``plan_attention`` itself still reads the step's lengths with ``.tolist()``: host tensors on the CPU,
-one read per plan on CUDA until ``StepInputs`` carries host copies of them.)
+``plan_attention`` itself reads the step's lengths once (one device-to-host copy on CUDA, until
+``StepInputs`` carries host copies of them) and writes the plan's index tensors with one pinned,
+asynchronous copy (:func:`prefill_work` builds the prefill part).
 """
 
 from __future__ import annotations
@@ -131,37 +132,18 @@ class TritonPlan:
     window: int | None
 
 
-def plan_triton(
-    q_lens: list[int],
-    past: list[int],
-    cu: list[int],
-    first_pos: list[int],
-    decode_rows: set[int],
-    tables: torch.Tensor,
-    decode_entries: int,
-    max_decode_keys: int,
-    num_kv_heads: int,
-    window: int | None,
-    device: torch.device,
-) -> TritonPlan:
-    """Build the prefill work list (one entry per ``BLOCK_Q`` queries of every multi-token row) from host
-    lists, in one host-to-device copy; ``tables [B, W]`` is the step's key view (device)."""
-    prefill_rows = [i for i, n in enumerate(q_lens) if i not in decode_rows]
-    blocks: list[tuple[int, int, int, int]] = []
+def prefill_work(
+    q_lens: list[int], past: list[int], cu: list[int], first_pos: list[int], decode_rows: set[int]
+) -> tuple[list[int], list[int]]:
+    """The prefill kernel's work list, flattened ``[NB * 4]``: per ``BLOCK_Q`` queries of every multi-token
+    row, ``(its index among those rows, first flat token, query count, first query's key index)``; and the
+    step rows of those multi-token rows (whose tables the plan gathers). Host arithmetic only."""
+    prefill_rows = [i for i in range(len(q_lens)) if i not in decode_rows]
+    work: list[int] = []
     for p, i in enumerate(prefill_rows):
         for j in range(0, q_lens[i], BLOCK_Q):
-            blocks.append((p, cu[i] + j, min(BLOCK_Q, q_lens[i] - j), past[i] + j - first_pos[i]))
-    prefill_blocks = torch.tensor(blocks, dtype=torch.int32).reshape(-1, 4)  # [NB, 4]
-    if device.type == "cuda":
-        prefill_blocks = prefill_blocks.pin_memory().to(device, non_blocking=True)
-    rows = torch.tensor(prefill_rows, dtype=torch.long).to(tables.device)
-    return TritonPlan(
-        decode_entries=decode_entries,
-        num_splits=decode_splits(decode_entries * num_kv_heads, max_decode_keys, device),
-        prefill_blocks=prefill_blocks,
-        prefill_tables=tables.index_select(0, rows).to(device=device, dtype=torch.int32).contiguous(),
-        window=window,
-    )
+            work += (p, cu[i] + j, min(BLOCK_Q, q_lens[i] - j), past[i] + j - first_pos[i])
+    return work, prefill_rows
 
 
 def decode_splits(programs: int, max_keys: int, device: torch.device) -> int:
