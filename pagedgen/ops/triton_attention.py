@@ -29,7 +29,8 @@ asynchronous copy (:func:`prefill_work` builds the prefill part).
 
 from __future__ import annotations
 
-import importlib.util
+import functools
+import importlib
 import os
 import sys
 import threading
@@ -85,6 +86,7 @@ def triton_selected(device: torch.device) -> bool:
     return device.type == "cuda" and triton_importable()
 
 
+@functools.cache
 def triton_interpreting() -> bool:
     """Whether this process's Triton runs kernels in its interpreter (on the CPU).
 

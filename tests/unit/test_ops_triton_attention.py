@@ -234,6 +234,28 @@ def test_half_precision_matches_the_reference_on_the_rounded_inputs(dtype, toler
     assert (triton_path(case, dtype=dtype) - reference(rounded)).abs().max().item() <= tolerance
 
 
+def test_the_call_reads_no_device_value_on_the_host():
+    """Decode, split-KV combine and prefill launches with every host read of a tensor made to fail: what the
+    kernels need is in the plan (on CUDA each such read would be a stream synchronisation)."""
+    case = make_case([(30, 5), (12, 1), (0, 9)], 8, kv_heads=2, group=3, head_dim=64, verify=(0,))
+    inputs = pack_step(case.chunks, 8, device=DEVICE)
+    k_cache, v_cache, query = (t.to(DEVICE) for t in (case.k_cache, case.v_cache, case.query))
+    plan = plan_attention(inputs, k_cache, window=6)
+    plan.triton.num_splits = 2
+
+    def host_read(*args, **kwargs):
+        raise AssertionError("a device value was read on the host")
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__"):
+            patch.setattr(torch.Tensor, name, host_read)
+        out = paged_attention(query, k_cache, v_cache, inputs, 0.125, plan, softcap=3.0)
+    expected = paged_attention(
+        query, k_cache, v_cache, inputs, 0.125, plan_attention(inputs, k_cache, window=6), softcap=3.0
+    )
+    assert (out - expected).abs().max().item() <= 1e-5
+
+
 def test_selection_follows_the_switch_and_the_device(monkeypatch):
     case = make_case([(3, 1)], 8, kv_heads=1, group=1, head_dim=16)
     inputs = pack_step(case.chunks, 8)
