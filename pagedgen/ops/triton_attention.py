@@ -82,6 +82,11 @@ def triton_selected(device: torch.device) -> bool:
             raise RuntimeError(
                 f"{TRITON_ENV}=1 forces the Triton attention kernels, but triton is not installed"
             )
+        if device.type != "cuda" and not triton_interpreting():
+            raise RuntimeError(
+                f"{TRITON_ENV}=1 on {device.type} tensors needs Triton's interpreter: set "
+                "TRITON_INTERPRET=1 before triton is first imported"
+            )
         return True
     return device.type == "cuda" and triton_importable()
 

@@ -269,6 +269,10 @@ def test_selection_follows_the_switch_and_the_device(monkeypatch):
     with pytest.raises(ValueError, match="PAGEDGEN_TRITON_ATTENTION must be 0, 1 or auto, got 'yes'"):
         plan_attention(inputs, case.k_cache)
     monkeypatch.setenv(TRITON_ENV, "1")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(triton_attention, "triton_interpreting", lambda: False)
+        with pytest.raises(RuntimeError, match="on cpu tensors needs Triton's interpreter"):
+            triton_attention.triton_selected(torch.device("cpu"))
     monkeypatch.setattr(triton_attention, "_importable", False)
     with pytest.raises(
         RuntimeError, match="forces the Triton attention kernels, but triton is not installed"
