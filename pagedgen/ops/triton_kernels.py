@@ -1,9 +1,10 @@
 """Triton paged-attention kernels: decode rows, varlen prefill blocks, the split-KV combine.
 
-Only :mod:`pagedgen.ops.triton_attention` imports this file, and it loads it once per mode (compiled for
-CUDA tensors, interpreted for CPU tensors), because ``triton.jit`` picks between the two when it decorates
-(``TRITON_INTERPRET``), not when it launches. Nothing here touches the host: every length, table and bound
-is loaded on the device from the plan's tensors; the grids and constexprs come from the host plan.
+Only :mod:`pagedgen.ops.triton_attention` imports this file, lazily, with ``TRITON_INTERPRET`` set to the
+mode Triton's own helpers were decorated in (``triton.jit`` chooses between compiling and interpreting when
+it decorates, not when it launches): compiled for CUDA, interpreted on CPU-only test machines. Nothing
+here touches the host: every length, table and bound is loaded on the device from the plan's tensors; the
+grids and constexprs come from the host plan.
 
 Layout (as :mod:`pagedgen.ops.attention`): ``query``/``out [T, Hq, D]``, caches
 ``[num_blocks, block_size, Hkv, D]``, any strides. A program owns one kv head and every query head of its
