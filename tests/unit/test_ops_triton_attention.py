@@ -82,17 +82,15 @@ def make_case(
     return Case(chunks, block_size, query, k_cache, v_cache)
 
 
-def torch_path(case: Case, window: int | None = None, softcap: float | None = None, monkeypatch=None):
+def torch_path(case: Case, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """The CPU torch path in float32 (the kernels switched off for the call)."""
-    monkeypatch.setenv(TRITON_ENV, "0")
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(TRITON_ENV, "0")
         inputs = pack_step(case.chunks, case.block_size)
         plan = plan_attention(inputs, case.k_cache, window=window)
         assert plan.triton is None
         scale = case.query.shape[2] ** -0.5
         return paged_attention(case.query, case.k_cache, case.v_cache, inputs, scale, plan, softcap=softcap)
-    finally:
-        monkeypatch.setenv(TRITON_ENV, "1")
 
 
 def triton_path(
@@ -130,8 +128,8 @@ def reference(case: Case) -> torch.Tensor:
     return paged_attention_reference(case.query, case.k_cache, case.v_cache, inputs, scale)
 
 
-# Decode rows at block boundaries and inside blocks, first prefills, prefills after a cached prefix (several
-# query blocks, a partial last one), a one-key row.
+# Decode rows at block boundaries and inside blocks, first prefills, a prefill after a cached prefix, a
+# two-token row planned as a prefill, a one-key row.
 MIXED = [(37, 1), (0, 21), (70, 1), (19, 18), (0, 1), (31, 2), (64, 1)]
 
 
@@ -165,7 +163,7 @@ def test_prefill_after_a_cached_prefix_sees_the_prefix_and_itself_causally():
     assert (triton_path(case) - reference(case)).abs().max().item() <= 1e-5
 
 
-def test_draft_verification_rows_attend_as_decodes(monkeypatch):
+def test_draft_verification_rows_attend_as_decodes():
     """Each draft token sees the keys through its own position, planned as a decode entry."""
     case = make_case([(30, 5), (12, 1), (0, 9), (7, 3)], 8, kv_heads=2, group=3, head_dim=64, verify=(0, 3))
     inputs = pack_step(case.chunks, case.block_size, device=DEVICE)
@@ -177,10 +175,10 @@ def test_draft_verification_rows_attend_as_decodes(monkeypatch):
 
 @pytest.mark.parametrize("window", [1, 7, 20])
 @pytest.mark.parametrize("block_size", [8, 16])
-def test_sliding_windows_match_the_torch_path(window, block_size, monkeypatch):
+def test_sliding_windows_match_the_torch_path(window, block_size):
     """Windows read through the block tables: decode starts inside a block, prefill rows masked per query."""
     case = make_case([(53, 1), (6, 1), (30, 19), (0, 12), (17, 2)], block_size, 2, 2, 64, seed=window)
-    expected = torch_path(case, window=window, monkeypatch=monkeypatch)
+    expected = torch_path(case, window=window)
     assert (triton_path(case, window=window) - expected).abs().max().item() <= 1e-5
 
 
@@ -196,21 +194,21 @@ def test_window_rings_match_dense_window_attention(ring):
     run_case(seqs, 7, 4, 2, 2, 16, seed=6, ring=ring, use_native=True, softcap=1.5)
 
 
-def test_soft_capped_scores_match_the_torch_path(monkeypatch):
+def test_soft_capped_scores_match_the_torch_path():
     case = make_case([(29, 1), (0, 17), (12, 6)], 8, kv_heads=2, group=2, head_dim=64, seed=11)
     case.query *= 4  # scores of a few units, where the cap bends them
-    expected = torch_path(case, softcap=2.0, monkeypatch=monkeypatch)
+    expected = torch_path(case, softcap=2.0)
     assert (triton_path(case, softcap=2.0) - expected).abs().max().item() <= 1e-5
-    windowed = torch_path(case, window=5, softcap=2.0, monkeypatch=monkeypatch)
+    windowed = torch_path(case, window=5, softcap=2.0)
     assert (triton_path(case, window=5, softcap=2.0) - windowed).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("num_splits", [2, 3, 7])
-def test_split_kv_decode_equals_one_pass(num_splits, monkeypatch):
+def test_split_kv_decode_equals_one_pass(num_splits):
     """Flash-decoding: slices of a row's keys merged by the combine kernel, trailing slices empty."""
     case = make_case([(150, 1), (3, 1), (64, 1), (20, 4)], 16, kv_heads=2, group=3, head_dim=64, seed=2)
     assert (triton_path(case, num_splits=num_splits) - reference(case)).abs().max().item() <= 1e-5
-    expected = torch_path(case, window=40, monkeypatch=monkeypatch)
+    expected = torch_path(case, window=40)
     assert (triton_path(case, window=40, num_splits=num_splits) - expected).abs().max().item() <= 1e-5
 
 
