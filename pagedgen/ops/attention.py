@@ -14,6 +14,11 @@ which reads the blocks in place, or, without it, to one masked SDPA per bucket o
 tokens of a draft-verification row are planned as decodes too, each over the keys through its position.
 Multi-token prefill rows get one causal SDPA each, so the Python loop is over requests, never over tokens.
 Soft-capped scores (Gemma 2) take the torch path with explicit attention instead of SDPA.
+
+On CUDA (or on the CPU under Triton's interpreter when ``PAGEDGEN_TRITON_ATTENTION=1``) the plan selects the
+Triton kernels instead (:mod:`pagedgen.ops.triton_attention`): one decode kernel for every single-token
+entry (decode rows and draft tokens alike) and one varlen prefill kernel that reads cached prefixes through
+the block tables, both with sliding windows and soft-capping.
 """
 
 from __future__ import annotations
@@ -25,6 +30,13 @@ import torch.nn.functional as F
 
 from pagedgen.core.step_inputs import StepInputs
 from pagedgen.ops.native import DecodeKernel, decode_kernel
+from pagedgen.ops.triton_attention import (
+    TritonPlan,
+    decode_splits,
+    prefill_work,
+    triton_paged_attention,
+    triton_selected,
+)
 
 
 def write_kv(
@@ -150,6 +162,9 @@ class AttentionPlan:
     slot_mapping: torch.Tensor | None = None  # [T] int64 where this plan's layers write (None: inputs')
     decode_starts: torch.Tensor | None = None  # [Bd] int32 first attended key; None: 0 (full attention)
     window: int | None = None
+    triton: TritonPlan | None = (
+        None  # set when the Triton kernels serve the step (then no buckets, no prefill)
+    )
 
 
 @dataclass(slots=True)
@@ -161,11 +176,46 @@ class _KeyView:
     slot_mapping: torch.Tensor  # [T] int64
 
 
+@dataclass(slots=True)
+class _HostLengths:
+    """The step's lengths as host lists, read with one device-to-host copy (a plain read on the CPU)."""
+
+    cu: list[int]  # [B+1]
+    past: list[int]  # [B]
+    ring_first_pos: list[int] | None  # [B] the window rings' first positions, when the plan reads rings
+
+    @property
+    def q_lens(self) -> list[int]:
+        return [b - a for a, b in zip(self.cu, self.cu[1:], strict=False)]
+
+
+def _host_lengths(inputs: StepInputs, window: int | None) -> _HostLengths:
+    """Why one read: on CUDA every ``.tolist()`` of a device tensor is a stream synchronisation."""
+    parts = [inputs.cu_seqlens, inputs.past_lens]
+    rings = window is not None and inputs.window is not None
+    if rings:
+        parts.append(inputs.window.first_pos)
+    flat = torch.cat([t.to(torch.int64) for t in parts]).tolist()
+    b = inputs.num_seqs
+    return _HostLengths(flat[: b + 1], flat[b + 1 : 2 * b + 1], flat[2 * b + 1 :] if rings else None)
+
+
+def _upload(device: torch.device, *lists: list[int]) -> list[torch.Tensor]:
+    """The plan's small index tensors (int64) in one host-to-device copy, pinned and asynchronous on CUDA, so
+    building a plan never waits for the stream."""
+    flat = torch.tensor([v for values in lists for v in values], dtype=torch.long)
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    elif flat.device != device:
+        flat = flat.to(device)
+    return list(flat.split([len(values) for values in lists]))
+
+
 def _full_view(inputs: StepInputs) -> _KeyView:
     return _KeyView(inputs.block_tables, [0] * inputs.num_seqs, inputs.slot_mapping)
 
 
-def _window_view(inputs: StepInputs, window: int) -> _KeyView:
+def _window_view(inputs: StepInputs, window: int, host: _HostLengths) -> _KeyView:
     """The ring's rotated tables, or (layers stored like full ones) the block tables from each row's first
     live block on, so old blocks are neither gathered nor scored."""
     if inputs.window is not None:
@@ -174,15 +224,15 @@ def _window_view(inputs: StepInputs, window: int) -> _KeyView:
                 f"the step's window rings are for window {inputs.window.size}, the layer's is {window}"
             )
         ring = inputs.window
-        return _KeyView(ring.block_tables, ring.first_pos.tolist(), ring.slot_mapping)
+        assert host.ring_first_pos is not None
+        return _KeyView(ring.block_tables, host.ring_first_pos, ring.slot_mapping)
     bs = inputs.block_size
-    first_block = (inputs.past_lens.long() - window + 1).clamp(min=0) // bs  # [B]
+    first_block = (inputs.past_lens.long() - window + 1).clamp(min=0) // bs  # [B], on the tables' device
     tables = inputs.block_tables
     steps = torch.arange(tables.shape[1], device=tables.device)
     columns = (first_block.to(tables.device)[:, None] + steps[None, :]).clamp(max=tables.shape[1] - 1)
-    return _KeyView(
-        tables.gather(1, columns).to(torch.int32), (first_block * bs).tolist(), inputs.slot_mapping
-    )
+    first_pos = [max(0, past - window + 1) // bs * bs for past in host.past]  # the same, on the host
+    return _KeyView(tables.gather(1, columns).to(torch.int32), first_pos, inputs.slot_mapping)
 
 
 def plan_attention(
@@ -195,45 +245,64 @@ def plan_attention(
     decode step (the native kernel, the fused decoder), and each draft row attends exactly as the decode of
     that position would.
 
-    ``use_native=False`` forces the pure-torch decode path (tests and benchmarks compare the two).
+    ``use_native=False`` forces the pure-torch decode path on the CPU (tests and benchmarks compare the two).
     ``window`` plans for sliding-window layers: a query at ``p`` sees keys ``p - window + 1 .. p``, read
     from the step's rings (``inputs.window``) when it has them, else from the block tables.
+    When :func:`~pagedgen.ops.triton_attention.triton_selected` picks the Triton kernels for this cache's
+    device, the plan carries their work lists (``triton``) and neither torch buckets nor prefill masks.
+
+    Host traffic: the step's lengths are read once (:func:`_host_lengths`) and the plan's index tensors
+    written once (:func:`_upload`); every other list is host arithmetic.
     """
     device = k_cache.device
-    q_lens = inputs.query_lens.tolist()
-    kv_lens = inputs.kv_lens.tolist()
-    view = _full_view(inputs) if window is None else _window_view(inputs, window)
+    host = _host_lengths(inputs, window)
+    q_lens, cu, past = host.q_lens, host.cu, host.past
+    view = _full_view(inputs) if window is None else _window_view(inputs, window, host)
     verify = set(inputs.verify_rows)
     decode_rows = [i for i, n in enumerate(q_lens) if n == 1 or i in verify]
-    kernel = decode_kernel() if use_native and decode_rows else None
+    use_triton = triton_selected(device)
+    kernel = decode_kernel() if use_native and decode_rows and not use_triton else None
     if kernel is not None and not kernel.supports(k_cache, k_cache, k_cache):
         kernel = None
     # One decode entry per token: a verification row's token j sees the keys through its own position.
     owner = [i for i in decode_rows for _ in range(q_lens[i])]  # the row of each entry
-    ends = [kv_lens[i] - q_lens[i] + 1 + j for i in decode_rows for j in range(q_lens[i])]  # keys seen
+    ends = [past[i] + 1 + j for i in decode_rows for j in range(q_lens[i])]  # keys seen
     rel_lens = [end - view.first_pos[i] for i, end in zip(owner, ends, strict=True)]
     starts = None
     if window is not None:
         starts = [max(0, end - window) - view.first_pos[i] for i, end in zip(owner, ends, strict=True)]
-    cu = inputs.cu_seqlens.tolist()
-    token_rows = torch.tensor(
-        [cu[i] + j for i in decode_rows for j in range(q_lens[i])], dtype=torch.long, device=device
+    token_rows = [cu[i] + j for i in decode_rows for j in range(q_lens[i])]
+    work, prefill_ids = (
+        prefill_work(q_lens, past, cu, view.first_pos, set(decode_rows)) if use_triton else ([], [])
     )
-    rows = torch.tensor(owner, dtype=torch.long)  # [Bd]
-    tables = view.tables[rows].to(device=device, dtype=torch.int32).contiguous()
+    uploaded = _upload(device, token_rows, owner, rel_lens, starts or [], work, prefill_ids)
+    token_rows_t, owner_t, rel_lens_t, starts_t, work_t, prefill_ids_t = uploaded
+    tables = view.tables.index_select(0, owner_t.to(view.tables.device)).to(device, torch.int32).contiguous()
+    triton = None
+    if use_triton:
+        triton = TritonPlan(
+            decode_entries=len(owner),
+            num_splits=decode_splits(len(owner) * k_cache.shape[2], max(rel_lens, default=0), device),
+            prefill_blocks=work_t.to(torch.int32).view(-1, 4),
+            prefill_tables=view.tables.index_select(0, prefill_ids_t.to(view.tables.device))
+            .to(device, torch.int32)
+            .contiguous(),
+            window=window,
+        )
     return AttentionPlan(
         block_size=inputs.block_size,
-        decode_token_rows=token_rows,
+        decode_token_rows=token_rows_t,
         decode_tables=tables,
-        decode_kv_lens=torch.tensor(rel_lens, dtype=torch.int32, device=device),
+        decode_kv_lens=rel_lens_t.to(torch.int32),
         decode_buckets=None
-        if kernel is not None
-        else _decode_buckets(token_rows, tables, rel_lens, starts, inputs.block_size),
-        prefill=_prefill_rows(inputs, q_lens, view, window, device, verify),
+        if kernel is not None or use_triton
+        else _decode_buckets(token_rows_t, tables, rel_lens, starts, inputs.block_size),
+        prefill=[] if use_triton else _prefill_rows(inputs, host, view, window, device, verify),
         kernel=kernel,
         slot_mapping=view.slot_mapping,
-        decode_starts=None if starts is None else torch.tensor(starts, dtype=torch.int32, device=device),
+        decode_starts=None if starts is None else starts_t.to(torch.int32),
         window=window,
+        triton=triton,
     )
 
 
@@ -252,11 +321,28 @@ def paged_attention(
     inconsistent shapes. ``plan`` is the step's :func:`plan_attention` (built here when omitted; a
     sliding-window layer must pass its window plan). ``softcap`` (Gemma 2's attention logit soft-capping)
     makes the scores ``softcap * tanh(scores / softcap)`` before the mask and softmax; neither the native
-    decode kernel nor SDPA does that, so those rows take the explicit torch path (:func:`_attend`).
+    decode kernel nor SDPA does that, so those rows take the explicit torch path (:func:`_attend`). A
+    Triton plan (``plan.triton``) runs every row on the Triton kernels, soft-capped or not, with no host
+    read of a device value.
     """
     _check_query(query, k_cache, inputs)
     plan = plan_attention(inputs, k_cache) if plan is None else plan
     out = torch.empty_like(query)  # [T, Hq, D]
+    if plan.triton is not None:
+        triton_paged_attention(
+            query,
+            k_cache,
+            v_cache,
+            plan.decode_token_rows,
+            plan.decode_tables,
+            plan.decode_kv_lens,
+            plan.decode_starts,
+            plan.triton,
+            scale,
+            softcap,
+            out,
+        )
+        return out
     kernel = plan.kernel
     if kernel is not None:
         query = query.contiguous()  # q may be a view into the fused q/k/v product
@@ -354,17 +440,16 @@ def _decode_bucket(
 
 def _prefill_rows(
     inputs: StepInputs,
-    q_lens: list[int],
+    host: _HostLengths,
     view: _KeyView,
     window: int | None,
     device: torch.device,
     verify: set[int],
 ) -> list[PrefillRow]:
+    q_lens, cu, past = host.q_lens, host.cu, host.past
     if all(n == 1 or i in verify for i, n in enumerate(q_lens)):
         return []
     block_size = inputs.block_size
-    cu = inputs.cu_seqlens.tolist()
-    past = inputs.past_lens.tolist()
     tables = view.tables.long()  # [B, W]
     rows = []
     for i, q_len in enumerate(q_lens):
