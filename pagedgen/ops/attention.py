@@ -190,9 +190,13 @@ class _HostLengths:
 
 
 def _host_lengths(inputs: StepInputs, window: int | None) -> _HostLengths:
-    """Why one read: on CUDA every ``.tolist()`` of a device tensor is a stream synchronisation."""
-    parts = [inputs.cu_seqlens, inputs.past_lens]
+    """Why one read: on CUDA every ``.tolist()`` of a device tensor is a stream synchronisation. Packed
+    steps carry the host copies their device tensors came from (``inputs.host``): without window rings they
+    are read instead, and the plan needs no device read at all."""
     rings = window is not None and inputs.window is not None
+    if inputs.host is not None and not rings:
+        return _HostLengths(inputs.host.cu_seqlens.tolist(), inputs.host.past_lens.tolist(), None)
+    parts = [inputs.cu_seqlens, inputs.past_lens]
     if rings:
         parts.append(inputs.window.first_pos)
     flat = torch.cat([t.to(torch.int64) for t in parts]).tolist()

@@ -348,3 +348,19 @@ def test_verification_rows_attend_token_by_token_like_decodes(
     fast = paged_attention(case.query, case.k_cache, case.v_cache, inputs, scale, plan)
     ref = paged_attention_reference(case.query, case.k_cache, case.v_cache, inputs, scale)
     assert (fast - ref).abs().max().item() <= 1e-5
+
+
+def test_planning_a_packed_step_reads_its_lengths_from_the_host_copies():
+    """A step packed for the meta device (no data to read back) plans without touching the device tensors:
+    the lengths come from ``inputs.host``, so a CUDA plan costs no stream synchronisation."""
+    from pagedgen.executor.inputs import SequenceChunk, pack_step
+
+    chunks = [SequenceChunk([1, 2, 3], 5, [4, 7]), SequenceChunk([9], 0, [2])]
+    inputs = pack_step(chunks, 4, device="meta")
+    k_cache = torch.empty(8, 4, 2, 8, device="meta")
+    plan = plan_attention(inputs, k_cache, use_native=False)
+    cpu_plan = plan_attention(pack_step(chunks, 4), torch.empty(8, 4, 2, 8), use_native=False)
+    assert [(r.start, r.end, r.kv_len) for r in plan.prefill] == [
+        (r.start, r.end, r.kv_len) for r in cpu_plan.prefill
+    ]
+    assert plan.decode_token_rows.device.type == "meta" and plan.decode_token_rows.shape == (1,)
