@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_parser(sub.add_parser("serve", help="online latency against a running 'pagedgen serve'"))
     _gemm_parser(sub.add_parser("gemm", help="GEMM backend timings per shape and the table they imply"))
     _prefix_parser(sub.add_parser("prefix", help="TTFT and prefill work with prefix caching off and on"))
+    _guidance_parser(sub.add_parser("guidance", help="decode-step cost of JSON-schema constrained decoding"))
     return parser
 
 
@@ -57,6 +58,51 @@ def _prefix_parser(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("output")
     o.add_argument("--json", type=Path, help="write both runs of every workload to this JSON file")
     o.add_argument("--markdown", type=Path, help="write the markdown tables to this file")
+
+
+def _guidance_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help="'default', a checkpoint dir, a .gguf, or 'synthetic'")
+    p.add_argument("--weights", choices=("native", "float32"), default="native")
+    p.add_argument("--batch", type=positive_int, default=16, help="requests decoding together")
+    p.add_argument("--output-len", type=positive_int, default=64, help="timed tokens per request")
+    p.add_argument("--repeats", type=positive_int, default=3, help="runs of each mode, alternated")
+    p.add_argument("--schema", type=Path, help="a JSON schema file (default: 6-8 bounded records)")
+    m = p.add_argument_group("machine")
+    m.add_argument("--threads", type=positive_int, help="threads of torch and OpenBLAS (default: all CPUs)")
+    m.add_argument("--gemm", choices=["auto", "torch", "openblas", "native"], default="auto")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", type=Path, help="write the result to this JSON file")
+
+
+def cmd_guidance(args: argparse.Namespace) -> int:
+    import json
+
+    from pagedgen.bench.guidance import compare_guidance, markdown_table
+    from pagedgen.engine.config import EngineConfig
+
+    _setup_machine(args.threads, args.gemm)
+    machine = machine_info(None)
+    _print_machine(machine)
+    model, tokenizer = _load_one_model(args.model, args.weights)
+    schema = None if args.schema is None else json.loads(args.schema.read_text())
+    config = EngineConfig(max_batch_size=args.batch)
+    result = compare_guidance(
+        model,
+        tokenizer,
+        config,
+        batch=args.batch,
+        output_len=args.output_len,
+        repeats=args.repeats,
+        schema=schema,
+    )
+    machine["load_average_end"] = list(os.getloadavg())
+    print("\n" + markdown_table(result))
+    if args.json:
+        command = "pagedgen bench " + " ".join(sys.argv[2:] if args.argv is None else args.argv)
+        document = {"command": command, "machine": machine, "result": result.to_dict()}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(document, indent=2) + "\n")
+    return 0
 
 
 def _load_one_model(name: str, weights: str) -> tuple[Any, Any]:
@@ -620,7 +666,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(None if argv is None else list(argv))
     args.argv = None if argv is None else list(argv)
-    handlers = {"throughput": cmd_throughput, "serve": cmd_serve, "gemm": cmd_gemm, "prefix": cmd_prefix}
+    handlers = {
+        "throughput": cmd_throughput,
+        "serve": cmd_serve,
+        "gemm": cmd_gemm,
+        "prefix": cmd_prefix,
+        "guidance": cmd_guidance,
+    }
     try:
         return handlers[args.command](args)
     except ValueError as exc:
