@@ -56,7 +56,8 @@ def choice_grammar(choices: Sequence[str]) -> str:
 class StructuredOutputsParams:
     """Constrain a completion's text (vLLM's ``StructuredOutputsParams``); set exactly one field.
 
-    - ``json``: a JSON Schema, as a dict or as JSON text; the output is compact JSON valid against it;
+    - ``json``: a JSON Schema, as a dict or as JSON text; the output is JSON valid against it, written as
+      ``json.dumps`` writes it;
     - ``regex``: a regular expression the whole output matches (llguidance's Rust ``regex`` syntax);
     - ``choice``: a non-empty list of strings; the output is exactly one of them;
     - ``grammar``: a Lark grammar in llguidance's dialect (``start`` is the root rule);

@@ -91,7 +91,7 @@ def parse_required_calls(text: str) -> list[tuple[str, str]] | None:
     for call in calls:
         if not (isinstance(call, dict) and isinstance(call.get("name"), str) and "parameters" in call):
             return None
-        arguments = json.dumps(call["parameters"], ensure_ascii=False, separators=(",", ":"))
+        arguments = json.dumps(call["parameters"], ensure_ascii=False)
         parsed.append((call["name"], arguments))
     return parsed
 

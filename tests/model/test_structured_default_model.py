@@ -154,7 +154,10 @@ def batch(llm):
         "regex": ("Write a date like 'March 14, 2015'.", pg.StructuredOutputsParams(regex=REGEX)),
         "lark": ("Write a short sum of numbers.", pg.StructuredOutputsParams(grammar=LARK)),
         "choice": ("Is 'I love it' positive or negative?", pg.StructuredOutputsParams(choice=CHOICES)),
-        "json_object": ("Describe a cat as JSON.", pg.StructuredOutputsParams(json_object=True)),
+        "json_object": (
+            "Describe a cat as a JSON object with its name and age.",
+            pg.StructuredOutputsParams(json_object=True),
+        ),
     }
     for name, (question, structured) in others.items():
         for seed in (None, *SEEDS):

@@ -57,7 +57,7 @@ def test_a_run_times_every_full_batch_decode_step(guided):
     if guided:
         assert run.mask_s > 0
         text = MODEL.tokenizer.decode(run.outputs[0])
-        assert text == '{"people"'  # one character per synthetic token; compact JSON leaves no choice yet
+        assert text == '{"people"'  # one character per synthetic token, none free yet
     else:
         assert run.mask_s == 0 and run.wait_s == 0
 

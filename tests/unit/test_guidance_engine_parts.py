@@ -80,7 +80,7 @@ def test_json_schemas_use_the_json_sliced_view_with_the_same_masks(model):
         GrammarCursor.for_model(model, spec),
         GrammarCursor(spec, compiled_matcher(general, spec.grammar).deep_copy(), general.vocab_size),
     )
-    for t in tok('{"a":"x y'):
+    for t in tok('{"a": "x y'):
         assert fast.allowed_bitmask() == plain.allowed_bitmask()
         fast.consume(t)
         plain.consume(t)

@@ -66,10 +66,10 @@ def test_choice_of_one_accepts_nothing_else():
     ("kwargs", "kind", "accepted", "refused"),
     [
         ({"json": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}},
-         "json_schema", '{"a":3}', '{"a":"3"}'),
+         "json_schema", '{"a": 3}', '{"a": "3"}'),
         ({"json": '{"type": "array", "items": {"type": "boolean"}, "maxItems": 2}'},
-         "json_schema", "[true,false]", "[true,false,true]"),
-        ({"json_object": True}, "json_schema", '{"x":[1,{"y":null}]}', "[1]"),
+         "json_schema", "[true, false]", "[true, false, true]"),
+        ({"json_object": True}, "json_schema", '{"x": [1, {"y": null}]}', "[1]"),
         ({"regex": r"[0-9]{3}-[a-z]+"}, "regex", "123-abc", "12-abc"),
         ({"grammar": 'start: "(" item ("," item)* ")"\nitem: /[a-z]+/'}, "lark_grammar", "(ab,c)", "(ab,)"),
     ],
