@@ -251,3 +251,34 @@ def fixed_snapshot(pool) -> dict[str, Any]:
         state = {name: tuple(t.flatten().tolist()) for name, t in pool.state(rid).items()}
         owners[rid] = (index, slot.allocation_generation, slot.state_generation, slot.committed_tokens, state)
     return {"owners": owners, "free": pool.free_slots(), "healthy": pool.healthy}
+
+
+# ---- guidance: does a constraint accept a text? -----------------------------------------------------
+
+
+class _ByteTokenizer:
+    """Token i < 256 is byte i; 256 is EOS: enough for llguidance to match any text byte by byte."""
+
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = [bytes([i]) for i in range(256)] + [b"<eos>"]
+    special_token_ids = [256]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(text)
+
+
+_BYTE_VIEW: Any = None
+
+
+def guidance_accepts(kind: str, data: object, text: str) -> bool:
+    """True when the whole of ``text`` is a complete output of the constraint ``(kind, data)``."""
+    global _BYTE_VIEW
+    import llguidance
+
+    from pagedgen.guidance import compile_guidance
+
+    if _BYTE_VIEW is None:
+        _BYTE_VIEW = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokenizer()))
+    matcher = llguidance.LLMatcher(_BYTE_VIEW, compile_guidance(kind, data).grammar, log_level=0)
+    return matcher.consume_tokens(list(text.encode("utf-8"))) and matcher.is_accepting()

@@ -15,7 +15,7 @@ from pagedgen.server.protocol import ChatCompletionRequest, CompletionRequest
 from pagedgen.server.responses import ChatResponses
 from pagedgen.server.tools import NO_PARAMETERS, ForcedToolCalls, parse_required_calls, required_schema
 from pagedgen.server.worker import Finish
-from tests.unit.test_llm_structured_outputs import accepts
+from tests.helpers import guidance_accepts as accepts
 
 CHAT = [{"role": "user", "content": "Hi"}]
 WEATHER = {

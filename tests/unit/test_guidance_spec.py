@@ -4,31 +4,13 @@ from __future__ import annotations
 
 import json
 
-import llguidance
 import pytest
 
 from pagedgen.guidance import GuidanceError, compile_guidance
 from pagedgen.guidance.spec import MAX_GUIDANCE_CHARS
+from tests.helpers import guidance_accepts
 
-
-class _ByteTokenizer:
-    """Token i < 256 is byte i; 256 is EOS: llguidance then matches any text byte by byte."""
-
-    eos_token_id = 256
-    bos_token_id = None
-    tokens = [bytes([i]) for i in range(256)] + [b"<eos>"]
-    special_token_ids = [256]
-
-    def __call__(self, text: bytes) -> list[int]:
-        return list(text)
-
-
-_BYTES = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokenizer()))
-
-
-def accepts(kind: str, data: object, text: str) -> bool:
-    matcher = llguidance.LLMatcher(_BYTES, compile_guidance(kind, data).grammar, log_level=0)
-    return matcher.consume_tokens(list(text.encode("utf-8"))) and matcher.is_accepting()
+accepts = guidance_accepts  # does the constraint accept the whole text?
 
 
 SCHEMA = {

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 
-import llguidance
 import pytest
 
 import pagedgen as pg
@@ -16,27 +15,9 @@ from pagedgen.guidance import compile_guidance
 from pagedgen.llm import choice_grammar
 from pagedgen.models.synthetic import SyntheticModel
 from pagedgen.sampling.errors import SamplingOptionsError
+from tests.helpers import guidance_accepts
 
-
-class _ByteTokenizer:
-    """Token i < 256 is byte i; 256 is EOS. Enough for llguidance to match any text byte by byte."""
-
-    eos_token_id = 256
-    bos_token_id = None
-    tokens = [bytes([i]) for i in range(256)] + [b"<eos>"]
-    special_token_ids = [256]
-
-    def __call__(self, text: bytes) -> list[int]:
-        return list(text)
-
-
-_BYTES = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokenizer()))
-
-
-def accepts(kind: str, data: object, text: str) -> bool:
-    """True when the whole of ``text`` is a complete output of the constraint ``(kind, data)``."""
-    matcher = llguidance.LLMatcher(_BYTES, compile_guidance(kind, data).grammar, log_level=0)
-    return matcher.consume_tokens(list(text.encode("utf-8"))) and matcher.is_accepting()
+accepts = guidance_accepts  # does the constraint accept the whole text?
 
 
 SPECIAL = ['say "hi"', "back\\slash", "two\nlines\ttab", "é 😀 中文", "a|b", "/x+/", "${x}", "\x00\x7f", ""]
