@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from pagedgen.core.transfer import upload, upload_values
 from pagedgen.sampling.errors import SamplingError
 
 _NEG_INF = -float("inf")
@@ -63,17 +64,18 @@ def pad_histories(
         if left:
             cols += np.repeat(width - lengths, lengths)
         out[rows, cols] = flat
-    return torch.from_numpy(out).to(device), torch.from_numpy(lengths).to(device)
+    device = torch.device(device)
+    return upload(torch.from_numpy(out), device), upload(torch.from_numpy(lengths), device)
 
 
 def _index(rows: Sequence[int], positions: np.ndarray, tokens: np.ndarray, device: torch.device):
-    row_of = torch.as_tensor(np.asarray(rows, dtype=np.int64)[positions], device=device)  # [P]
-    return row_of, torch.as_tensor(tokens, device=device)
+    row_of = upload_values(np.asarray(rows, dtype=np.int64)[positions], torch.long, device)  # [P]
+    return row_of, upload_values(tokens, torch.long, device)
 
 
 def _per_pair(values: Sequence[float], positions: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-    per_row = torch.tensor(values, dtype=like.dtype, device=like.device)  # [len(rows)]
-    return per_row[torch.as_tensor(positions, device=like.device)]  # [P]
+    per_row = upload_values(values, like.dtype, like.device)  # [len(rows)]
+    return per_row[upload_values(positions, torch.long, like.device)]  # [P]
 
 
 def apply_repetition_penalty_(
@@ -99,7 +101,7 @@ def apply_presence_frequency_(
     for every token generated ``count >= 1`` times (the others are unchanged)."""
     positions, tokens, counts = distinct_pairs(generated, logits.shape[-1])
     index = _index(rows, positions, tokens, logits.device)
-    count = torch.as_tensor(counts, device=logits.device).to(logits.dtype)  # [P]
+    count = upload_values(counts, torch.long, logits.device).to(logits.dtype)  # [P]
     freq = _per_pair(frequency, positions, logits)
     pres = _per_pair(presence, positions, logits)
     logits[index] = logits[index] - freq * count - pres
@@ -125,7 +127,7 @@ def apply_no_repeat_ngram_(
     matches &= (lengths >= ngram_size)[:, None]
     matches &= windows[..., -1] < logits.shape[-1]
     group, window = matches.nonzero(as_tuple=True)  # [P], [P]
-    row_of = torch.as_tensor(rows, device=logits.device)[group]
+    row_of = upload_values(rows, torch.long, logits.device)[group]
     logits[row_of, windows[group, window, -1]] = _NEG_INF
 
 
@@ -136,8 +138,8 @@ def apply_logit_bias_(
     if not rows:
         return
     device = logits.device
-    index = (torch.tensor(rows, device=device), torch.tensor(tokens, device=device))
-    logits[index] = logits[index] + torch.tensor(bias, dtype=logits.dtype, device=device)
+    index = (upload_values(rows, torch.long, device), upload_values(tokens, torch.long, device))
+    logits[index] = logits[index] + upload_values(bias, logits.dtype, device)
 
 
 def suppress_tokens_(logits: torch.Tensor, rows: Sequence[int], tokens: Sequence[int]) -> None:
@@ -146,4 +148,4 @@ def suppress_tokens_(logits: torch.Tensor, rows: Sequence[int], tokens: Sequence
     if not rows:
         return
     device = logits.device
-    logits[torch.tensor(rows, device=device), torch.tensor(tokens, device=device)] = _NEG_INF
+    logits[upload_values(rows, torch.long, device), upload_values(tokens, torch.long, device)] = _NEG_INF
