@@ -162,7 +162,7 @@ class Attention(nn.Module):
             cos, sin = rope  # [T, rot]
             apply_rotary_(q[..., :rot], cos, sin)  # in place on the rotated dims
             apply_rotary_(k[..., :rot], cos, sin)
-        write_kv(k, v, k_cache, v_cache, inputs.slot_mapping)
+        write_kv(k, v, k_cache, v_cache, inputs.slot_mapping, plan.host_slot_mapping)
         out = paged_attention(q, k_cache, v_cache, inputs, self.scale, plan)  # [T, Hq, D]
         return self.o_proj(out.reshape(tokens, self.num_heads * d))
 

@@ -45,15 +45,18 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    host_slots: torch.Tensor | None = None,
 ) -> None:
     """Store the step's new ``key``/``value`` ``[T, Hkv, D]`` at their flat cache slots.
 
     Mutates ``k_cache`` and ``v_cache`` ``[num_blocks, block_size, Hkv, D]`` in place (cast to the cache
     dtype). ``slot_mapping [T]`` holds ``block * block_size + offset``. Raises ``ValueError`` on a shape
-    mismatch and, for slots on the CPU, ``IndexError`` for a slot outside the cache, both before anything
-    is written. Slots on another device are not read back (two host synchronisations per layer per step):
-    an engine step's slots are checked once on their host copies before the model runs
-    (:func:`check_step_slots`, called by the model runner).
+    mismatch and ``IndexError`` for a slot outside the cache, both before anything is written.
+
+    The bounds are checked on ``host_slots``, the host copy of ``slot_mapping`` (``AttentionPlan``'s
+    ``host_slot_mapping``), else on ``slot_mapping`` itself when it is on the CPU. Slots on another device
+    with no host copy are not read back (that would be two host synchronisations per layer per step); an
+    engine step's are also checked once before the model runs (:func:`check_step_slots`, by the runner).
     """
     _check_kv_shapes(key, value, k_cache, v_cache)
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]:
@@ -65,13 +68,10 @@ def write_kv(
         kernel.write_kv(key, value, k_cache, v_cache, slots)  # one call instead of two index_copy_
         return
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    if (
-        slots.device.type == "cpu"
-        and slots.numel()
-        and (int(slots.min()) < 0 or int(slots.max()) >= num_slots)
-    ):
+    bounds = host_slots if host_slots is not None else slots if slots.device.type == "cpu" else None
+    if bounds is not None and bounds.numel() and (int(bounds.min()) < 0 or int(bounds.max()) >= num_slots):
         # index_copy_ would raise only after writing the rows before the bad one
-        raise IndexError(f"write_kv: a slot of {slots.tolist()} is outside the cache's {num_slots} slots")
+        raise IndexError(f"write_kv: a slot of {bounds.tolist()} is outside the cache's {num_slots} slots")
     k_cache.view(-1, heads, dim).index_copy_(0, slots, key.to(k_cache.dtype))
     v_cache.view(-1, heads, dim).index_copy_(0, slots, value.to(v_cache.dtype))
 
@@ -189,6 +189,7 @@ class AttentionPlan:
     prefill: list[PrefillRow]
     kernel: DecodeKernel | None
     slot_mapping: torch.Tensor | None = None  # [T] int64 where this plan's layers write (None: inputs')
+    host_slot_mapping: torch.Tensor | None = None  # [T] int64 host copy of those slots (None: no host copy)
     decode_starts: torch.Tensor | None = None  # [Bd] int32 first attended key; None: 0 (full attention)
     window: int | None = None
     triton: TritonPlan | None = (
@@ -234,6 +235,15 @@ def _host_lengths(inputs: StepInputs, window: int | None) -> _HostLengths:
     flat = torch.cat([t.to(torch.int64) for t in parts]).tolist()
     b = inputs.num_seqs
     return _HostLengths(flat[: b + 1], flat[b + 1 : 2 * b + 1], flat[2 * b + 1 :] if rings else None)
+
+
+def _host_slots(inputs: StepInputs, window: int | None) -> torch.Tensor | None:
+    """The host copy of the slots a plan's layers write (the rings' when a window plan reads rings)."""
+    if inputs.host is None:
+        return None
+    if window is not None and inputs.window is not None:
+        return inputs.host.window_slot_mapping
+    return inputs.host.slot_mapping
 
 
 def _upload(device: torch.device, *lists: list[int]) -> list[torch.Tensor]:
@@ -336,6 +346,7 @@ def plan_attention(
         prefill=[] if use_triton else _prefill_rows(inputs, host, view, window, device, verify),
         kernel=kernel,
         slot_mapping=view.slot_mapping,
+        host_slot_mapping=_host_slots(inputs, window),
         decode_starts=None if starts is None else starts_t.to(torch.int32),
         window=window,
         triton=triton,

@@ -391,3 +391,12 @@ def test_planning_a_packed_step_reads_its_lengths_from_the_host_copies():
         (r.start, r.end, r.kv_len) for r in cpu_plan.prefill
     ]
     assert plan.decode_token_rows.device.type == "meta" and plan.decode_token_rows.shape == (1,)
+
+
+def test_write_kv_checks_a_device_step_on_the_host_copy_of_its_slots():
+    k_cache, v_cache = torch.zeros(2, 2, 1, 2, device="meta"), torch.zeros(2, 2, 1, 2, device="meta")
+    key = torch.ones(2, 1, 2, device="meta")
+    slots = torch.tensor([1, 4], device="meta")
+    with pytest.raises(IndexError, match="outside the cache's 4 slots"):
+        write_kv(key, key, k_cache, v_cache, slots, host_slots=torch.tensor([1, 4]))
+    write_kv(key, key, k_cache, v_cache, slots, host_slots=torch.tensor([1, 3]))
