@@ -93,7 +93,8 @@ class ModelRunner:
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Run the model once; returns float logits ``[len(inputs.logits_rows), vocab]``.
 
-        Raises ``ExecutionCapacityError`` when the run exhausts device or host memory, a ``RuntimeError``
+        Raises ``IndexError`` (before the model runs) when a slot of the step's host copies lies outside the
+        cache, ``ExecutionCapacityError`` when the run exhausts device or host memory, a ``RuntimeError``
         when the model returns logits of the wrong shape; other model errors propagate unchanged.
         """
         self._check_slots(inputs)
