@@ -29,7 +29,7 @@ from pagedgen.ops import attention
 from pagedgen.sampling.sampler import Sampler
 from tests.helpers import drain, make_engine, submit, synthetic_model, turn_options
 from tests.host_reads import HostReads, Read, mark_device_state, separate_device_copies
-from tests.model.tiny_checkpoints import TINY_RAW, random_state, write_hf_dir
+from tests.model.tiny_checkpoints import TINY_RAW, random_state, tiny_hf_model, write_hf_dir
 
 pytestmark = pytest.mark.cpu  # counts reads of CPU tensors standing in for a device's
 
@@ -165,3 +165,16 @@ def test_the_harness_sees_a_host_read_of_device_data(monkeypatch):
     drain(engine)
     assert all(reads[0].op == "__int__" for reads, _ in log.steps)
     assert all(reads[1:] == [THE_COPY] for reads, _ in log.steps)
+
+
+def test_a_tiny_bamba_step_reads_the_device_once_when_it_samples(tmp_path, monkeypatch):
+    """Mamba-2 mixers: the conv and the chunked scan plan from the host copy of the step's boundaries."""
+    hf = tiny_hf_model("bamba", initializer_range=0.3)
+    hf.save_pretrained(tmp_path)
+    model = Model(str(tmp_path), device="cpu")
+    engine = make_engine(model, max_batch_size=4, max_scheduled_tokens=12, chunk_size=8)
+    log = StepLog(engine, monkeypatch)
+    requests = _mixed_workload(engine, model.vocab_size)  # held: an unreferenced request is abandoned
+    drain(engine)
+    log.assert_one_copy_per_sampling_step()
+    assert log.steps[0][1] == 0 and all(r.status is pg.RequestStatus.TURN_COMPLETE for r in requests)
