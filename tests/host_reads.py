@@ -4,7 +4,8 @@ On a CPU-only machine every tensor is a host tensor, so "the device" has to be m
 :class:`HostReads` torch-function mode tracks which tensors hold device data:
 
 - the step's packed inputs as transferred by ``pack_step`` (``stage_arrays`` is wrapped so that on the CPU the
-  "device" tensors are copies, distinct from the host copies ``StepInputs.host`` keeps),
+  "device" tensors are copies, distinct from the host copies ``StepInputs.host`` keeps), and every tensor
+  sent up with :func:`pagedgen.core.transfer.upload` (the sampler's and processors' indices and values),
 - the long-lived device state: the KV cache, the fixed-state pool's banks, the model's weights and buffers,
 - everything a torch operation computes from, or writes with, any of those (taint propagation),
 - every tensor model code allocates (factories called from ``pagedgen.models`` / ``pagedgen.ops``: on a GPU
@@ -37,7 +38,9 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from pagedgen.core import transfer
 from pagedgen.executor import inputs as packing
+from pagedgen.guidance import bitmask
 from pagedgen.ops import gemm, linear
 
 _READS = {
@@ -170,8 +173,9 @@ def mark_device_state(reads: HostReads, engine: Any) -> None:
 
 
 def separate_device_copies(reads: HostReads, monkeypatch: Any) -> None:
-    """Make ``pack_step``'s device tensors copies of its host copies (as on a GPU) and mark them; mark what
-    the CPU BLAS kernel returns (``torch.from_numpy`` is invisible to a torch-function mode)."""
+    """Make ``pack_step``'s device tensors copies of its host copies (as on a GPU) and mark them, and so the
+    tensors :func:`pagedgen.core.transfer.upload` sends up; mark what the CPU BLAS kernel returns
+    (``torch.from_numpy`` is invisible to a torch-function mode)."""
     original = packing.stage_arrays
     blas = gemm.openblas_gemm
 
@@ -183,6 +187,17 @@ def separate_device_copies(reads: HostReads, monkeypatch: Any) -> None:
 
     for module in (gemm, linear):  # each calls it by its own name
         monkeypatch.setattr(module, "openblas_gemm", tracked_blas)
+    uploaded = transfer.upload
+
+    def tracked_upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """What a GPU would hold after the upload: a device copy (on the CPU, ``upload`` returns ``host``)."""
+        out = uploaded(host, device)
+        out = out.clone() if out is host else out
+        reads.mark(out)
+        return out
+
+    monkeypatch.setattr(transfer, "upload", tracked_upload)  # upload_values calls it through the module
+    monkeypatch.setattr(bitmask, "upload", tracked_upload)  # it calls it by its own name
 
     def staged(fields: dict, device: torch.device) -> tuple[dict, dict]:
         host, dev = original(fields, device)

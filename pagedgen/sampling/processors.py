@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from pagedgen.core.transfer import upload, upload_values
+from pagedgen.core.transfer import upload_values
 from pagedgen.sampling.errors import SamplingError
 
 _NEG_INF = -float("inf")
@@ -48,9 +48,9 @@ def distinct_pairs(seqs: Sequence[Sequence[int]], vocab: int) -> tuple[np.ndarra
 
 
 def pad_histories(
-    seqs: Sequence[Sequence[int]], pad: int, *, left: bool = False, device: torch.device | str = "cpu"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pack token sequences into one padded block: ``(ids [R, L] int64, lengths [R] int64)``.
+    seqs: Sequence[Sequence[int]], pad: int, *, left: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """Pack token sequences into one padded host block: ``(ids [R, L] int64, lengths [R] int64)``.
 
     ``left=True`` right-aligns every sequence (padding first), which the n-gram ban needs so that every row's
     most recent tokens share the same columns.
@@ -64,8 +64,7 @@ def pad_histories(
         if left:
             cols += np.repeat(width - lengths, lengths)
         out[rows, cols] = flat
-    device = torch.device(device)
-    return upload(torch.from_numpy(out), device), upload(torch.from_numpy(lengths), device)
+    return out, lengths
 
 
 def _index(rows: Sequence[int], positions: np.ndarray, tokens: np.ndarray, device: torch.device):
@@ -114,21 +113,27 @@ def apply_no_repeat_ngram_(
     token that would complete an n-gram already present in the row's history.
 
     Histories are right-aligned (left padding with -1) so that each row's current (n-1)-token prefix sits
-    in the last columns; windows that touch padding never match.
+    in the last columns; windows that touch padding never match. The matching runs on the host, where the
+    histories are: which tokens to ban depends on the histories only, so the device gets their indices in
+    one upload and nothing is read back (a ``nonzero`` on the device would wait for it).
     """
-    history, lengths = pad_histories(histories, -1, left=True, device=logits.device)  # [G, L], [G]
+    history, lengths = pad_histories(histories, -1, left=True)  # [G, L], [G]
     width = history.shape[1]
     if ngram_size <= 0 or width < ngram_size:
         return
     prefix = history[:, width + 1 - ngram_size :]  # [G, n-1]
-    windows = history.unfold(1, ngram_size, 1)  # [G, W, n], W = L - n + 1
-    matches = (windows[..., :-1] == prefix[:, None, :]).all(dim=-1)  # [G, W]
-    matches &= windows[..., 0] >= 0  # a window is real iff its first token is (left padding)
+    windows = np.lib.stride_tricks.sliding_window_view(history, ngram_size, axis=1)  # [G, L - n + 1, n]
+    matches = windows[..., 0] >= 0  # [G, W]: a window is real iff its first token is (left padding)
+    for k in range(ngram_size - 1):  # column by column: no [G, W, n-1] temporary
+        matches &= windows[..., k] == prefix[:, k : k + 1]
     matches &= (lengths >= ngram_size)[:, None]
     matches &= windows[..., -1] < logits.shape[-1]
-    group, window = matches.nonzero(as_tuple=True)  # [P], [P]
-    row_of = upload_values(rows, torch.long, logits.device)[group]
-    logits[row_of, windows[group, window, -1]] = _NEG_INF
+    group, window = np.nonzero(matches)  # [P], [P]
+    if not group.size:
+        return
+    banned = np.concatenate([np.asarray(rows, dtype=np.int64)[group], windows[group, window, -1]])  # [2P]
+    row_of, tokens = upload_values(banned, torch.long, logits.device).split(group.size)
+    logits[row_of, tokens] = _NEG_INF
 
 
 def apply_logit_bias_(
