@@ -49,6 +49,7 @@ import torch
 from pagedgen.core.fixed_state import FixedStateSpec
 from pagedgen.core.kv import zeroed_tensor
 from pagedgen.core.step_inputs import FixedStateInputs
+from pagedgen.core.transfer import upload_values
 from pagedgen.errors import CacheError
 
 
@@ -285,22 +286,23 @@ class FixedStatePool:
                 {name: bank[active, lo : lo + n] for name, bank in self._banks.items()},
                 {name: bank[1 - active, lo : lo + n] for name, bank in self._banks.items()},
             )
-        flat = torch.tensor(
-            [self._slots[r.slot].active * self.capacity + r.slot for r in rows], dtype=torch.long
-        ).to(self.device)
-        new = torch.tensor([r.is_new for r in rows], dtype=torch.bool).to(self.device)
+        flat = upload_values(
+            [self._slots[r.slot].active * self.capacity + r.slot for r in rows], torch.long, self.device
+        )
+        new = upload_values([r.is_new for r in rows], torch.bool, self.device)  # [n]
         inputs = {}
         for name, bank in self._banks.items():
             gathered = self._gathered[name][:n]
             torch.index_select(bank.flatten(0, 1), 0, flat, out=gathered)
-            gathered[new] = 0  # an admission starts from zero state, never a previous owner's
+            # An admission starts from zero state, never a previous owner's. masked_fill_, not gathered[new]:
+            # boolean indexing would count the rows on the host (a device synchronisation).
+            gathered.masked_fill_(new.view(n, *[1] * (gathered.dim() - 1)), 0)
             inputs[name] = gathered
         return FixedStateInputs(inputs, {name: staged[:n] for name, staged in self._staged.items()})
 
     def _write_back(self, rows: Sequence[FixedRow]) -> None:
         """Copy the gathered path's staged outputs into each row's inactive (write) bank."""
-        flat = torch.tensor([r.write_bank * self.capacity + r.slot for r in rows], dtype=torch.long)
-        flat = flat.to(self.device)
+        flat = upload_values([r.write_bank * self.capacity + r.slot for r in rows], torch.long, self.device)
         for name, bank in self._banks.items():
             bank.flatten(0, 1).index_copy_(0, flat, self._staged[name][: len(rows)])
 

@@ -55,7 +55,11 @@ class HostStepInputs:
     past_lens: torch.Tensor  # [B] int32
     block_tables: torch.Tensor  # [B, W] int32
     slot_mapping: torch.Tensor  # [T] int64
-    logits_rows: torch.Tensor  # [R] int64, as packed (before any narrowing to the sampled rows)
+    logits_rows: torch.Tensor  # [R] int64, the rows whose logits the step returns
+    window_first_pos: torch.Tensor | None = None  # [B] int32, WindowInputs.first_pos's copy (rings only)
+    window_slot_mapping: torch.Tensor | None = (
+        None  # [T] int64, WindowInputs.slot_mapping's copy (rings only)
+    )
 
     @property
     def query_lens(self) -> torch.Tensor:  # [B] int32

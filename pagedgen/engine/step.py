@@ -214,11 +214,14 @@ class DynamicStep:
             rid = row.request_id
             ring = reservation.window_ring(rid)
             table = reservation.block_table(rid)
-            chunks.append(SequenceChunk(tokens, row.past_len, table, bool(row.drafts), window_ring=ring))
+            # A partial prefill (samples False) gets no logits row: pack_step leaves it out on the host.
+            chunks.append(
+                SequenceChunk(
+                    tokens, row.past_len, table, bool(row.drafts), window_ring=ring, samples=row.samples
+                )
+            )
         inputs = pack_step(chunks, self.block_size, device=self.runner.device, window=self.window)
         inputs.fixed = reservation.fixed_bindings  # rows in step order, like the packed tokens
-        if not all(row.samples for row in plan.rows):  # partial prefills need no logits
-            inputs.logits_rows = inputs.logits_rows[_sampled_logits(plan)]
         return inputs
 
     def _submit_masks(self, plan: StepPlan) -> PendingMasks | None:
@@ -419,16 +422,3 @@ def _stage_row(row: RequestStepPlan, verified: VerifiedRow) -> StagedResult:
     return stage_outputs(
         row.state, verified.outputs, row.seq_len, verified.num_drafts, verified.num_accepted, _turn_reuse(row)
     )
-
-
-def _sampled_logits(plan: StepPlan) -> torch.Tensor:
-    """Indices of the packed logits rows that are sampled: every row of a sampling request (one, or K+1 with
-    drafts), none of a partial prefill (which never has drafts, so it owns exactly one packed logits row)."""
-    keep: list[int] = []
-    at = 0
-    for row in plan.rows:
-        width = len(row.drafts) + 1
-        if row.samples:
-            keep.extend(range(at, at + width))
-        at += width
-    return torch.tensor(keep, dtype=torch.long)

@@ -31,6 +31,8 @@ class SequenceChunk:
     ``all_logits`` asks for one logits row per token (draft verification) instead of only the last one; the
     row is then a verification row (``StepInputs.verify_rows``), whose tokens attend as decodes.
     ``window_ring`` is the request's ring of window blocks when its sliding-window layers keep one.
+    ``samples=False`` (a partial prefill) asks for no logits row at all, so the step's logits rows are only
+    those it samples, decided here on the host (no device indexing after the transfer).
     """
 
     tokens: Sequence[int]
@@ -38,6 +40,7 @@ class SequenceChunk:
     block_table: Sequence[int]
     all_logits: bool = False
     window_ring: Sequence[int] = ()
+    samples: bool = True
 
 
 def pack_step(
@@ -92,15 +95,22 @@ def pack_step(
     blocks = tables[row_of_token, positions // block_size]
     slot_mapping = blocks * block_size + positions % block_size
     want_all = np.fromiter((c.all_logits for c in chunks), dtype=bool, count=len(chunks))
+    samples = np.fromiter((c.samples for c in chunks), dtype=bool, count=len(chunks))
+    if (want_all & ~samples).any():
+        raise ValueError(
+            f"request row {int(np.argmax(want_all & ~samples))} asks for all logits but samples none"
+        )
     if want_all.any():
         logits_rows = np.concatenate(
-            [
+            [np.zeros(0, dtype=np.int64)]
+            + [
                 np.arange(cu[i], cu[i + 1]) if want_all[i] else np.array([cu[i + 1] - 1])
                 for i in range(len(chunks))
+                if samples[i]
             ]
         )
     else:
-        logits_rows = cu[1:] - 1
+        logits_rows = cu[1:] - 1 if samples.all() else (cu[1:] - 1)[samples]
 
     fields: dict[str, tuple[np.ndarray, torch.dtype]] = {
         "input_ids": (input_ids, torch.int64),
@@ -137,7 +147,11 @@ def pack_step(
         block_size=block_size,
         window=window_inputs,
         verify_rows=tuple(int(i) for i in np.flatnonzero(want_all)),
-        host=HostStepInputs(**{name: host[name] for name in HOST_FIELDS}),
+        host=HostStepInputs(
+            **{name: host[name] for name in HOST_FIELDS},
+            window_first_pos=host.get("window_first_pos"),
+            window_slot_mapping=host.get("window_slot_mapping"),
+        ),
     )
 
 

@@ -25,6 +25,7 @@ from pagedgen.executor.cuda_graphs import (
     StaticDecodeBuffers,
 )
 from pagedgen.models.llama import Linear
+from pagedgen.ops.attention import check_step_slots
 from pagedgen.ops.cpu_memory import retain_freed_cpu_memory
 from pagedgen.ops.gemm import gemm_step
 from pagedgen.ops.gemm_tune import adapt_to_model
@@ -92,9 +93,11 @@ class ModelRunner:
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Run the model once; returns float logits ``[len(inputs.logits_rows), vocab]``.
 
-        Raises ``ExecutionCapacityError`` when the run exhausts device or host memory, a ``RuntimeError``
+        Raises ``IndexError`` (before the model runs) when a slot of the step's host copies lies outside the
+        cache, ``ExecutionCapacityError`` when the run exhausts device or host memory, a ``RuntimeError``
         when the model returns logits of the wrong shape; other model errors propagate unchanged.
         """
+        self._check_slots(inputs)
         try:
             logits = None if self.graphs is None else self.graphs.run(inputs)
             if logits is None:
@@ -105,6 +108,15 @@ class ModelRunner:
         if tuple(logits.shape) != expected:
             raise RuntimeError(f"model returned logits of shape {tuple(logits.shape)}, expected {expected}")
         return logits
+
+    def _check_slots(self, inputs: StepInputs) -> None:
+        """Refuse a step that would write outside the cache, from its host copies (IndexError, nothing
+        written): ``write_kv`` reads no device slot back, so on a device this is the only check."""
+        cache = self.kv_cache
+        if cache is None:
+            return
+        window = cache.window_blocks * cache.block_size if cache.window_ring else None
+        check_step_slots(inputs, cache.num_blocks * cache.block_size, window)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """One eager model call (also what a graph captures)."""

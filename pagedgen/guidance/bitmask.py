@@ -17,6 +17,8 @@ from typing import NamedTuple
 
 import torch
 
+from pagedgen.core.transfer import upload
+
 _NEG_INF = -float("inf")
 _BITS = (torch.arange(256)[:, None] >> torch.arange(8)) & 1  # [256, 8], bit i of each byte value
 _TERMS = torch.where(_BITS.bool(), -0.0, _NEG_INF).float()  # [256, 8], what each byte adds to 8 logits
@@ -39,7 +41,7 @@ def mask_terms(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     where it is clear or past ``32 * W``."""
     rows = bitmask.shape[0]
     octets = bitmask.contiguous().view(torch.uint8).long().reshape(-1)  # [4GW], byte j: tokens 8j..8j+7
-    terms = _TERMS.to(bitmask.device).index_select(0, octets).reshape(rows, -1)  # [G, 32W]
+    terms = _terms_on(bitmask.device).index_select(0, octets).reshape(rows, -1)  # [G, 32W]
     if terms.shape[1] >= vocab_size:
         return terms[:, :vocab_size]
     return torch.nn.functional.pad(terms, (0, vocab_size - terms.shape[1]), value=_NEG_INF)
@@ -50,12 +52,35 @@ def apply_token_bitmask_(logits: torch.Tensor, masks: TokenMasks) -> None:
     unchanged, bit for bit)."""
     if masks.rows.numel() == 0:
         return
-    bitmask = masks.bitmask.to(logits.device, non_blocking=True)
+    device = logits.device
+    bitmask = _to_device(masks.bitmask, device)
     terms = mask_terms(bitmask, logits.shape[1]).to(logits.dtype)  # [G, V]
-    rows = masks.rows.to(logits.device)
-    if rows.numel() == logits.shape[0] and bool(
-        (rows == torch.arange(rows.numel(), device=rows.device)).all()
-    ):
+    # Decided on the host copy of the rows (the mask worker builds them there), so no device value is read.
+    if masks.rows.numel() == logits.shape[0] and _in_order(masks.rows):
         logits.add_(terms)  # every row guided, in order: no scatter
     else:
-        logits.index_add_(0, rows, terms)
+        logits.index_add_(0, _to_device(masks.rows, device), terms)
+
+
+def _in_order(rows: torch.Tensor) -> bool:
+    """Whether ``rows`` is ``0, 1, 2, ...`` (read on the host: a device tensor would cost a sync)."""
+    host = rows if rows.device.type == "cpu" else rows.cpu()
+    return bool((host == torch.arange(host.numel())).all())
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without blocking the host (pinned on CUDA); a device tensor as it is."""
+    return upload(tensor, device) if tensor.device.type == "cpu" else tensor.to(device)
+
+
+_TERMS_ON: dict[torch.device, torch.Tensor] = {}
+
+
+def _terms_on(device: torch.device) -> torch.Tensor:
+    """:data:`_TERMS` on ``device``, uploaded once per device instead of once per step."""
+    if device.type == "cpu":
+        return _TERMS
+    terms = _TERMS_ON.get(device)
+    if terms is None:
+        terms = _TERMS_ON[device] = _TERMS.to(device)
+    return terms

@@ -95,9 +95,16 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = Linear(inner, hidden, config.mamba_proj_bias, dtype)
 
     def forward(
-        self, h: torch.Tensor, cu_seqlens: torch.Tensor, fixed: FixedStateInputs, layer: int
+        self,
+        h: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        fixed: FixedStateInputs,
+        layer: int,
+        host_cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``[T, hidden]``; writes the layer's conv window and SSM state after the step to fixed.outputs."""
+        """``[T, hidden]``; writes the layer's conv window and SSM state after the step to fixed.outputs.
+        ``host_cu_seqlens`` (the host copy of ``cu_seqlens``) lets the scan plan its chunks without reading
+        the device."""
         tokens, inner = h.shape[0], self.heads * self.head_dim
         gate, xbc, dt = self.in_proj(h).split([inner, self.conv_dim, self.heads], dim=-1)
         conv, ssm = conv_state_name(layer), ssm_state_name(layer)
@@ -123,6 +130,7 @@ class Mamba2Mixer(nn.Module):
             cu_seqlens,
             fixed.inputs[ssm],
             fixed.outputs[ssm],
+            host_cu_seqlens=host_cu_seqlens,
         )  # [T, heads, head_dim] float32
         y = y + self.D.float()[:, None] * x.float()  # the D skip connection
         return self.out_proj(self.norm(y.view(tokens, inner), gate).to(h.dtype))
@@ -162,7 +170,7 @@ class Attention(nn.Module):
             cos, sin = rope  # [T, rot]
             apply_rotary_(q[..., :rot], cos, sin)  # in place on the rotated dims
             apply_rotary_(k[..., :rot], cos, sin)
-        write_kv(k, v, k_cache, v_cache, inputs.slot_mapping)
+        write_kv(k, v, k_cache, v_cache, inputs.slot_mapping, plan.host_slot_mapping)
         out = paged_attention(q, k_cache, v_cache, inputs, self.scale, plan)  # [T, Hq, D]
         return self.o_proj(out.reshape(tokens, self.num_heads * d))
 
@@ -294,7 +302,8 @@ class BambaForCausalLM(TiedHead, nn.Module):
                 k_cache, v_cache = next(caches)
                 h = layer.self_attn(h, rope, inputs, plan, k_cache, v_cache)
             else:
-                h = layer.mamba(h, inputs.cu_seqlens, fixed, i)
+                host_cu = None if inputs.host is None else inputs.host.cu_seqlens
+                h = layer.mamba(h, inputs.cu_seqlens, fixed, i, host_cu)
             x = x + h * config.residual_multiplier
             x = x + layer.mlp(x) * config.residual_multiplier
         x = self.model.final_norm(x[inputs.logits_rows])  # [R, hidden]

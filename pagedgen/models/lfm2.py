@@ -95,7 +95,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(tokens, -1, d)
         cos, sin = rope
         q, k = apply_rotary_(q, cos, sin), apply_rotary_(k, cos, sin)
-        write_kv(k, v, k_cache, v_cache, inputs.slot_mapping)
+        write_kv(k, v, k_cache, v_cache, inputs.slot_mapping, plan.host_slot_mapping)
         out = paged_attention(q, k_cache, v_cache, inputs, self.scale, plan)  # [T, Hq, D]
         return self.out_proj(out.reshape(tokens, self.num_heads * d))
 

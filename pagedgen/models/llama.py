@@ -222,7 +222,7 @@ class Attention(nn.Module):
         cos, sin = rope
         q, k = apply_rotary_(q, cos, sin), apply_rotary_(k, cos, sin)  # in place (fresh GEMM output)
         slots = inputs.slot_mapping if plan.slot_mapping is None else plan.slot_mapping  # a ring's own
-        write_kv(k, v, k_cache, v_cache, slots)
+        write_kv(k, v, k_cache, v_cache, slots, plan.host_slot_mapping)  # bounds checked on the host copy
         out = paged_attention(q, k_cache, v_cache, inputs, self.scale, plan, softcap=self.softcap)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 

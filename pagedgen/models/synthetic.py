@@ -133,8 +133,10 @@ class SyntheticModel:
         bs = inputs.block_size
         cache = kv_cache.keys[0].view(-1)  # [num_blocks * block_size] (1 head, head_dim 1)
         cache[inputs.slot_mapping] = inputs.input_ids.to(cache.dtype)
-        row_of_token = torch.repeat_interleave(
-            torch.arange(inputs.num_seqs, device=cache.device), inputs.query_lens.long()
+        row_of_token = torch.repeat_interleave(  # output_size: no device read of the lengths' sum
+            torch.arange(inputs.num_seqs, device=cache.device),
+            inputs.query_lens.long(),
+            output_size=inputs.num_tokens,
         )  # [T]
         tables = inputs.block_tables.long()[row_of_token]  # [T, W]
         pos = inputs.positions

@@ -45,12 +45,18 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    host_slots: torch.Tensor | None = None,
 ) -> None:
     """Store the step's new ``key``/``value`` ``[T, Hkv, D]`` at their flat cache slots.
 
     Mutates ``k_cache`` and ``v_cache`` ``[num_blocks, block_size, Hkv, D]`` in place (cast to the cache
     dtype). ``slot_mapping [T]`` holds ``block * block_size + offset``. Raises ``ValueError`` on a shape
     mismatch and ``IndexError`` for a slot outside the cache, both before anything is written.
+
+    The bounds are checked on ``host_slots``, the host copy of ``slot_mapping`` (``AttentionPlan``'s
+    ``host_slot_mapping``), else on ``slot_mapping`` itself when it is on the CPU. Slots on another device
+    with no host copy are not read back (that would be two host synchronisations per layer per step); an
+    engine step's are also checked once before the model runs (:func:`check_step_slots`, by the runner).
     """
     _check_kv_shapes(key, value, k_cache, v_cache)
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]:
@@ -62,11 +68,34 @@ def write_kv(
         kernel.write_kv(key, value, k_cache, v_cache, slots)  # one call instead of two index_copy_
         return
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= num_slots):
+    bounds = host_slots if host_slots is not None else slots if slots.device.type == "cpu" else None
+    if bounds is not None and bounds.numel() and (int(bounds.min()) < 0 or int(bounds.max()) >= num_slots):
         # index_copy_ would raise only after writing the rows before the bad one
-        raise IndexError(f"write_kv: a slot of {slots.tolist()} is outside the cache's {num_slots} slots")
+        raise IndexError(f"write_kv: a slot of {bounds.tolist()} is outside the cache's {num_slots} slots")
     k_cache.view(-1, heads, dim).index_copy_(0, slots, key.to(k_cache.dtype))
     v_cache.view(-1, heads, dim).index_copy_(0, slots, value.to(v_cache.dtype))
+
+
+def check_step_slots(inputs: StepInputs, full_slots: int, window_slots: int | None = None) -> None:
+    """Refuse a packed step whose host slot copies (``inputs.host``) leave the cache, before anything runs.
+
+    ``full_slots`` is the slot count of the full-attention layers' cache (blocks x block_size),
+    ``window_slots`` that of the window-ring pool when the sliding-window layers keep rings (their slots are
+    ``inputs.window.slot_mapping``). Raises ``IndexError`` naming the slots. Reads host tensors only, so a
+    device step is checked without a synchronisation; inputs without host copies are left to
+    :func:`write_kv`.
+    """
+    host = inputs.host
+    if host is None:
+        return
+    checks = [(host.slot_mapping, full_slots, "")]
+    if window_slots is not None and host.window_slot_mapping is not None:
+        checks.append((host.window_slot_mapping, window_slots, "window-ring "))
+    for slots, num_slots, kind in checks:
+        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= num_slots):
+            raise IndexError(
+                f"write_kv: a {kind}slot of {slots.tolist()} is outside the cache's {num_slots} slots"
+            )
 
 
 def _native_writable(
@@ -160,6 +189,7 @@ class AttentionPlan:
     prefill: list[PrefillRow]
     kernel: DecodeKernel | None
     slot_mapping: torch.Tensor | None = None  # [T] int64 where this plan's layers write (None: inputs')
+    host_slot_mapping: torch.Tensor | None = None  # [T] int64 host copy of those slots (None: no host copy)
     decode_starts: torch.Tensor | None = None  # [Bd] int32 first attended key; None: 0 (full attention)
     window: int | None = None
     triton: TritonPlan | None = (
@@ -191,17 +221,29 @@ class _HostLengths:
 
 def _host_lengths(inputs: StepInputs, window: int | None) -> _HostLengths:
     """Why one read: on CUDA every ``.tolist()`` of a device tensor is a stream synchronisation. Packed
-    steps carry the host copies their device tensors came from (``inputs.host``): without window rings they
-    are read instead, and the plan needs no device read at all."""
+    steps carry the host copies their device tensors came from (``inputs.host``, the rings' first positions
+    included): they are read instead, and the plan needs no device read at all. Inputs built elsewhere are
+    read from their tensors, once."""
     rings = window is not None and inputs.window is not None
-    if inputs.host is not None and not rings:
-        return _HostLengths(inputs.host.cu_seqlens.tolist(), inputs.host.past_lens.tolist(), None)
+    host = inputs.host
+    if host is not None and (not rings or host.window_first_pos is not None):
+        ring_first_pos = host.window_first_pos.tolist() if rings else None
+        return _HostLengths(host.cu_seqlens.tolist(), host.past_lens.tolist(), ring_first_pos)
     parts = [inputs.cu_seqlens, inputs.past_lens]
     if rings:
         parts.append(inputs.window.first_pos)
     flat = torch.cat([t.to(torch.int64) for t in parts]).tolist()
     b = inputs.num_seqs
     return _HostLengths(flat[: b + 1], flat[b + 1 : 2 * b + 1], flat[2 * b + 1 :] if rings else None)
+
+
+def _host_slots(inputs: StepInputs, window: int | None) -> torch.Tensor | None:
+    """The host copy of the slots a plan's layers write (the rings' when a window plan reads rings)."""
+    if inputs.host is None:
+        return None
+    if window is not None and inputs.window is not None:
+        return inputs.host.window_slot_mapping
+    return inputs.host.slot_mapping
 
 
 def _upload(device: torch.device, *lists: list[int]) -> list[torch.Tensor]:
@@ -304,6 +346,7 @@ def plan_attention(
         prefill=[] if use_triton else _prefill_rows(inputs, host, view, window, device, verify),
         kernel=kernel,
         slot_mapping=view.slot_mapping,
+        host_slot_mapping=_host_slots(inputs, window),
         decode_starts=None if starts is None else starts_t.to(torch.int32),
         window=window,
         triton=triton,

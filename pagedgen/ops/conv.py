@@ -29,7 +29,10 @@ def packed_causal_conv(
     rows, history = state_in.shape[0], weight.shape[1] - 1
     device = x.device
     cu = cu_seqlens.long()
-    row = torch.repeat_interleave(torch.arange(rows, device=device), cu[1:] - cu[:-1])  # [T]
+    # output_size: the total is known (T), so the lengths' sum is never read back from the device
+    row = torch.repeat_interleave(
+        torch.arange(rows, device=device), cu[1:] - cu[:-1], output_size=tokens
+    )  # [T]
     ext = x.new_empty(tokens + rows * history, channels)  # per row: its window, then its tokens
     taps = torch.arange(history, device=device)
     window_at = (cu[:-1] + torch.arange(rows, device=device) * history)[:, None] + taps  # [B, L - 1]

@@ -23,7 +23,10 @@ every token, so rounding it to 16 bits would drift (transformers' scan also comp
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+from pagedgen.core.transfer import upload_values
 
 CHUNK = 64  # positions per chunk: the quadratic part grows with it, the per-chunk state update shrinks
 
@@ -38,27 +41,45 @@ def packed_selective_scan(
     state_in: torch.Tensor,
     state_out: torch.Tensor,
     chunk: int = CHUNK,
+    host_cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``y [T, H, P]`` (float32) for ``x [T, H, P]``, ``dt [T, H]`` (already softplus'd and clamped),
     ``a [H]``, ``b``/``c [T, G, N]``; reads each row's state from ``state_in [B, H, P, N]`` and writes the
-    state after its last token into ``state_out [B, H, P, N]`` (``state_in`` is not mutated)."""
+    state after its last token into ``state_out [B, H, P, N]`` (``state_in`` is not mutated).
+
+    ``host_cu_seqlens`` is the host copy of ``cu_seqlens`` (``StepInputs.host``): which rows each chunk
+    covers and where their tokens go are host arithmetic, so the scan reads nothing back from the device.
+    Without it the boundaries are read back once.
+    """
     tokens, heads, head_dim = x.shape
     per_group = heads // b.shape[1]
     b = b.float().repeat_interleave(per_group, dim=1)  # [T, H, N]
     c = c.float().repeat_interleave(per_group, dim=1)  # [T, H, N]
     x, dt, a = x.float(), dt.float(), a.float()
+    device = x.device
+    host = (cu_seqlens.cpu() if host_cu_seqlens is None else host_cu_seqlens).numpy().astype(np.int64)
+    host_starts, host_lengths = host[:-1], host[1:] - host[:-1]  # [B], [B]
     cu = cu_seqlens.long()
     starts, lengths = cu[:-1], cu[1:] - cu[:-1]
     state = state_in.float().clone()  # [B, H, P, N]
-    y = torch.zeros(tokens, heads, head_dim, dtype=torch.float32, device=x.device)
-    offsets = torch.arange(chunk, device=x.device)
-    for first in range(0, int(lengths.max()) if len(lengths) else 0, chunk):
-        rows = torch.nonzero(lengths > first).squeeze(1)  # the rows with a token in this chunk
+    y = torch.zeros(tokens, heads, head_dim, dtype=torch.float32, device=device)
+    offsets = torch.arange(chunk, device=device)
+    for first in range(0, int(host_lengths.max(initial=0)), chunk):
+        active = np.flatnonzero(host_lengths > first)  # [r] the rows with a token in this chunk
+        taken = np.minimum(host_lengths[active] - first, chunk)  # [r] their tokens in it
+        row_of = np.repeat(np.arange(active.size), taken)  # [n] for each such token: its row in the chunk
+        within = np.arange(row_of.size) - np.repeat(np.cumsum(taken) - taken, taken)  # [n] its position
+        index = np.concatenate(
+            [active, row_of * chunk + within, host_starts[active][row_of] + first + within]
+        )
+        rows, flat, out_tok = upload_values(index, torch.long, device).split(
+            [active.size, row_of.size, row_of.size]
+        )
         valid = first + offsets[None, :] < lengths[rows, None]  # [r, Q]
         tok = (starts[rows, None] + first + offsets[None, :]).clamp(max=tokens - 1)  # [r, Q]
         dt_chunk = dt[tok] * valid[..., None]  # [r, Q, H]; padding positions get dt = 0
         y_chunk, state[rows] = _scan_chunk(x[tok], dt_chunk, a, b[tok], c[tok], state[rows])
-        y[tok[valid]] = y_chunk[valid]
+        y[out_tok] = y_chunk.reshape(-1, heads, head_dim)[flat]  # the valid positions, by host index
     state_out.copy_(state)
     return y
 

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from pagedgen.core.transfer import upload_values
 from pagedgen.sampling.errors import SamplingError
 
 _NEG_INF = -float("inf")
@@ -47,9 +48,9 @@ def distinct_pairs(seqs: Sequence[Sequence[int]], vocab: int) -> tuple[np.ndarra
 
 
 def pad_histories(
-    seqs: Sequence[Sequence[int]], pad: int, *, left: bool = False, device: torch.device | str = "cpu"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pack token sequences into one padded block: ``(ids [R, L] int64, lengths [R] int64)``.
+    seqs: Sequence[Sequence[int]], pad: int, *, left: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """Pack token sequences into one padded host block: ``(ids [R, L] int64, lengths [R] int64)``.
 
     ``left=True`` right-aligns every sequence (padding first), which the n-gram ban needs so that every row's
     most recent tokens share the same columns.
@@ -63,17 +64,17 @@ def pad_histories(
         if left:
             cols += np.repeat(width - lengths, lengths)
         out[rows, cols] = flat
-    return torch.from_numpy(out).to(device), torch.from_numpy(lengths).to(device)
+    return out, lengths
 
 
 def _index(rows: Sequence[int], positions: np.ndarray, tokens: np.ndarray, device: torch.device):
-    row_of = torch.as_tensor(np.asarray(rows, dtype=np.int64)[positions], device=device)  # [P]
-    return row_of, torch.as_tensor(tokens, device=device)
+    row_of = upload_values(np.asarray(rows, dtype=np.int64)[positions], torch.long, device)  # [P]
+    return row_of, upload_values(tokens, torch.long, device)
 
 
 def _per_pair(values: Sequence[float], positions: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-    per_row = torch.tensor(values, dtype=like.dtype, device=like.device)  # [len(rows)]
-    return per_row[torch.as_tensor(positions, device=like.device)]  # [P]
+    per_row = upload_values(values, like.dtype, like.device)  # [len(rows)]
+    return per_row[upload_values(positions, torch.long, like.device)]  # [P]
 
 
 def apply_repetition_penalty_(
@@ -99,7 +100,7 @@ def apply_presence_frequency_(
     for every token generated ``count >= 1`` times (the others are unchanged)."""
     positions, tokens, counts = distinct_pairs(generated, logits.shape[-1])
     index = _index(rows, positions, tokens, logits.device)
-    count = torch.as_tensor(counts, device=logits.device).to(logits.dtype)  # [P]
+    count = upload_values(counts, torch.long, logits.device).to(logits.dtype)  # [P]
     freq = _per_pair(frequency, positions, logits)
     pres = _per_pair(presence, positions, logits)
     logits[index] = logits[index] - freq * count - pres
@@ -112,21 +113,27 @@ def apply_no_repeat_ngram_(
     token that would complete an n-gram already present in the row's history.
 
     Histories are right-aligned (left padding with -1) so that each row's current (n-1)-token prefix sits
-    in the last columns; windows that touch padding never match.
+    in the last columns; windows that touch padding never match. The matching runs on the host, where the
+    histories are: which tokens to ban depends on the histories only, so the device gets their indices in
+    one upload and nothing is read back (a ``nonzero`` on the device would wait for it).
     """
-    history, lengths = pad_histories(histories, -1, left=True, device=logits.device)  # [G, L], [G]
+    history, lengths = pad_histories(histories, -1, left=True)  # [G, L], [G]
     width = history.shape[1]
     if ngram_size <= 0 or width < ngram_size:
         return
     prefix = history[:, width + 1 - ngram_size :]  # [G, n-1]
-    windows = history.unfold(1, ngram_size, 1)  # [G, W, n], W = L - n + 1
-    matches = (windows[..., :-1] == prefix[:, None, :]).all(dim=-1)  # [G, W]
-    matches &= windows[..., 0] >= 0  # a window is real iff its first token is (left padding)
+    windows = np.lib.stride_tricks.sliding_window_view(history, ngram_size, axis=1)  # [G, L - n + 1, n]
+    matches = windows[..., 0] >= 0  # [G, W]: a window is real iff its first token is (left padding)
+    for k in range(ngram_size - 1):  # column by column: no [G, W, n-1] temporary
+        matches &= windows[..., k] == prefix[:, k : k + 1]
     matches &= (lengths >= ngram_size)[:, None]
     matches &= windows[..., -1] < logits.shape[-1]
-    group, window = matches.nonzero(as_tuple=True)  # [P], [P]
-    row_of = torch.as_tensor(rows, device=logits.device)[group]
-    logits[row_of, windows[group, window, -1]] = _NEG_INF
+    group, window = np.nonzero(matches)  # [P], [P]
+    if not group.size:
+        return
+    banned = np.concatenate([np.asarray(rows, dtype=np.int64)[group], windows[group, window, -1]])  # [2P]
+    row_of, tokens = upload_values(banned, torch.long, logits.device).split(group.size)
+    logits[row_of, tokens] = _NEG_INF
 
 
 def apply_logit_bias_(
@@ -136,8 +143,8 @@ def apply_logit_bias_(
     if not rows:
         return
     device = logits.device
-    index = (torch.tensor(rows, device=device), torch.tensor(tokens, device=device))
-    logits[index] = logits[index] + torch.tensor(bias, dtype=logits.dtype, device=device)
+    index = (upload_values(rows, torch.long, device), upload_values(tokens, torch.long, device))
+    logits[index] = logits[index] + upload_values(bias, logits.dtype, device)
 
 
 def suppress_tokens_(logits: torch.Tensor, rows: Sequence[int], tokens: Sequence[int]) -> None:
@@ -146,4 +153,4 @@ def suppress_tokens_(logits: torch.Tensor, rows: Sequence[int], tokens: Sequence
     if not rows:
         return
     device = logits.device
-    logits[torch.tensor(rows, device=device), torch.tensor(tokens, device=device)] = _NEG_INF
+    logits[upload_values(rows, torch.long, device), upload_values(tokens, torch.long, device)] = _NEG_INF

@@ -24,9 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedgen.core.transfer import upload_values
 from pagedgen.guidance.bitmask import TokenMasks, apply_token_bitmask_
 from pagedgen.sampling.errors import RowSamplingError, SamplingError
-from pagedgen.sampling.logprobs import compute_logprobs
+from pagedgen.sampling.logprobs import LogprobTensors, logprob_tensors
 from pagedgen.sampling.processors import (
     apply_logit_bias_,
     apply_no_repeat_ngram_,
@@ -174,24 +175,34 @@ class Sampler:
         Advances the :class:`RequestSampler` of every row that drew a random number (non-greedy rows); two
         rows of the same request draw consecutive numbers in row order. Raises :class:`SamplingError`,
         changing nothing, on a shape mismatch, a bad row field, or a row with no sampleable token.
+
+        Host traffic: the call reads the device once (:meth:`_read_back`: tokens, bad-row flags and logprobs
+        in one copy) and refuses a bad row from that copy, before any stream advances.
         """
         self._validate(logits, rows)
         x = process_logits(logits, rows, masks)  # [R, V] float32
+        device = x.device
         sampled = [r for r, row in enumerate(rows) if not row.sampler.options.is_greedy]
-        if not sampled:
-            self._raise_on_bad(_bad_rows(x))
-            return self._finish(x, x.argmax(dim=-1), rows, [], [])
-        s_idx = torch.tensor(sampled, device=x.device)
-        y = self._warp(x if len(sampled) == len(rows) else x.index_select(0, s_idx), rows, sampled)  # [S, V]
-        tokens, bad = self._greedy_tokens(x, rows)  # [R], [R]
-        bad[s_idx] = _bad_rows(y)
-        self._raise_on_bad(bad)
         draws = self._draw_counters(rows, sampled)
-        u = torch.from_numpy(stream_uniforms([rows[r].sampler.seed for r in sampled], draws))  # [S]
-        tokens[s_idx] = inverse_cdf_sample(y, u.to(x.device))
-        if any(row.num_logprobs > 0 for row in rows):
-            x = x.index_copy(0, s_idx, y)  # logprobs of sampled rows come from the warped distribution
-        return self._finish(x, tokens, rows, sampled, draws)
+        if not sampled:
+            tokens, bad = x.argmax(dim=-1), _bad_rows(x)  # [R], [R]
+        else:
+            everyone = len(sampled) == len(rows)
+            s_idx = None if everyone else upload_values(sampled, torch.long, device)  # [S]
+            y = self._warp(x if s_idx is None else x.index_select(0, s_idx), rows, sampled)  # [S, V]
+            u = upload_values(
+                stream_uniforms([rows[r].sampler.seed for r in sampled], draws), torch.float64, device
+            )
+            drawn = inverse_cdf_sample(y, u)  # [S]
+            if s_idx is None:
+                tokens, bad = drawn, _bad_rows(y)
+            else:
+                tokens, bad = self._greedy_tokens(x, rows)  # [R], [R]
+                tokens[s_idx] = drawn
+                bad[s_idx] = _bad_rows(y)
+            if any(row.num_logprobs > 0 for row in rows):  # logprobs of sampled rows: the warped distribution
+                x = y if s_idx is None else x.index_copy(0, s_idx, y)
+        return self._finish(x, tokens, bad, rows, sampled)
 
     @staticmethod
     def _warp(x: torch.Tensor, rows: Sequence[SampleRow], sampled: list[int]) -> torch.Tensor:
@@ -211,7 +222,7 @@ class Sampler:
         bad = torch.zeros(len(rows), dtype=torch.bool, device=x.device)  # [R]
         greedy = [r for r, row in enumerate(rows) if row.sampler.options.is_greedy]
         if greedy:
-            g_idx = torch.tensor(greedy, device=x.device)
+            g_idx = upload_values(greedy, torch.long, x.device)  # [G]
             g_x = x.index_select(0, g_idx)  # [G, V]
             bad[g_idx] = _bad_rows(g_x)
             tokens[g_idx] = g_x.argmax(dim=-1)
@@ -221,19 +232,42 @@ class Sampler:
         self,
         processed: torch.Tensor,
         tokens: torch.Tensor,
+        bad: torch.Tensor,
         rows: Sequence[SampleRow],
         sampled: list[int],
-        draws: list[int],
     ) -> list[SampledToken]:
-        """Logprobs, one host copy of the tokens, then (nothing can fail any more) advance the streams."""
-        logprobs = compute_logprobs(processed, tokens, [row.num_logprobs for row in rows])
-        token_list = tokens.tolist()
+        """One host copy of the tokens, bad-row flags and logprobs; refuse a bad row from it; then (nothing
+        can fail any more) advance the streams."""
+        num_logprobs = [row.num_logprobs for row in rows]
+        logprobs = None
+        if any(num_logprobs):  # a bad row's token may lie past the vocab: keep its gather in range
+            logprobs = logprob_tensors(processed, tokens.clamp(max=processed.shape[-1] - 1), num_logprobs)
+        host = self._read_back(tokens, bad, logprobs)
+        n = len(rows)
+        token_list, bad_list = host[:n], host[n : 2 * n]
+        self._raise_on_bad(bad_list)
         for r in sampled:
             rows[r].sampler.advance()
-        out = []
-        for token, lp in zip(token_list, logprobs, strict=True):
-            out.append(SampledToken(token) if lp is None else SampledToken(token, lp.logprob, lp.top))
-        return out
+        if logprobs is None:
+            return [SampledToken(int(token)) for token in token_list]
+        per_row = logprobs.rows(host[2 * n :], num_logprobs, processed.shape[-1])
+        return [
+            SampledToken(int(token)) if lp is None else SampledToken(int(token), lp.logprob, lp.top)
+            for token, lp in zip(token_list, per_row, strict=True)
+        ]
+
+    @staticmethod
+    def _read_back(tokens: torch.Tensor, bad: torch.Tensor, logprobs: LogprobTensors | None) -> list:
+        """The step's one device-to-host copy: ``[tokens, bad flags, logprob parts]`` as one flat list.
+
+        Without logprobs it stays int64 (tokens, then 0/1 flags); with them everything is float64, which
+        holds token ids (< 2**53) and float32 logprobs exactly, so the values are those separate copies
+        would have given.
+        """
+        if logprobs is None:
+            return torch.cat([tokens, bad.to(torch.int64)]).tolist()
+        parts = [tokens, bad, *logprobs.parts]
+        return torch.cat([part.to(torch.float64) for part in parts]).tolist()
 
     @staticmethod
     def _draw_counters(rows: Sequence[SampleRow], sampled: list[int]) -> list[int]:
@@ -248,9 +282,10 @@ class Sampler:
         return draws
 
     @staticmethod
-    def _raise_on_bad(bad: torch.Tensor) -> None:
-        if bool(bad.any()):
-            first = int(bad.nonzero()[0, 0])
+    def _raise_on_bad(bad: Sequence[int | float]) -> None:
+        """Refuse the call, from the host copy of the bad-row flags, naming the first bad row."""
+        if any(bad):
+            first = next(r for r, flag in enumerate(bad) if flag)
             raise RowSamplingError(
                 f"logits row {first} has no sampleable token (NaN, +inf, or every token filtered / banned)",
                 first,

@@ -14,11 +14,16 @@ from collections.abc import Sequence
 
 import torch
 
+from pagedgen.core.transfer import upload_values
+
 _NEG_INF = -float("inf")
 
 
-def _per_row(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=like.dtype, device=like.device)[:, None]  # [R, 1]
+def _per_row(
+    values: Sequence[float] | Sequence[int] | Sequence[bool], like: torch.Tensor, dtype=None
+) -> torch.Tensor:
+    """``values`` as a ``[R, 1]`` column on ``like``'s device (pinned, asynchronous upload on CUDA)."""
+    return upload_values(values, like.dtype if dtype is None else dtype, like.device)[:, None]  # [R, 1]
 
 
 def apply_temperature(logits: torch.Tensor, temperature: Sequence[float]) -> torch.Tensor:
@@ -34,9 +39,9 @@ def apply_top_k(logits: torch.Tensor, top_k: Sequence[int]) -> torch.Tensor:
     if k_max == 0:
         return logits
     largest = torch.topk(logits, k_max, dim=-1).values  # [R, k_max], descending
-    kth_col = torch.tensor([max(k, 1) - 1 for k in ks], device=logits.device)[:, None]  # [R, 1]
+    kth_col = _per_row([max(k, 1) - 1 for k in ks], logits, torch.long)  # [R, 1]
     kth = largest.gather(1, kth_col)  # [R, 1]
-    enabled = torch.tensor([k > 0 for k in ks], device=logits.device)[:, None]  # [R, 1]
+    enabled = _per_row([k > 0 for k in ks], logits, torch.bool)  # [R, 1]
     kth = torch.where(enabled, kth, torch.full_like(kth, _NEG_INF))
     return logits.masked_fill(logits < kth, _NEG_INF)
 
@@ -52,7 +57,7 @@ def apply_top_p(logits: torch.Tensor, top_p: Sequence[float]) -> torch.Tensor:
     cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [R, V]
     remove_sorted = cumulative <= _per_row([1.0 - p for p in top_p], logits)
     remove_sorted[:, -1] = False
-    enabled = torch.tensor([p < 1.0 for p in top_p], device=logits.device)[:, None]  # [R, 1]
+    enabled = _per_row([p < 1.0 for p in top_p], logits, torch.bool)  # [R, 1]
     remove_sorted &= enabled
     remove = remove_sorted.scatter(1, sorted_idx, remove_sorted)  # back to vocab order
     return logits.masked_fill(remove, _NEG_INF)

@@ -17,7 +17,13 @@ from hypothesis import strategies as st
 from pagedgen.core.step_inputs import StepInputs
 from pagedgen.executor.inputs import SequenceChunk, pack_step
 from pagedgen.ops import attention, native
-from pagedgen.ops.attention import paged_attention, paged_attention_reference, plan_attention, write_kv
+from pagedgen.ops.attention import (
+    check_step_slots,
+    paged_attention,
+    paged_attention_reference,
+    plan_attention,
+    write_kv,
+)
 from pagedgen.ops.cpu_memory import retain_freed_cpu_memory
 
 
@@ -283,6 +289,27 @@ def test_write_kv_refuses_a_slot_outside_the_cache_without_writing(write_path):
     assert not k_cache.any() and not v_cache.any()
 
 
+def test_write_kv_reads_no_device_slot_back():
+    """On a device, the bounds check would cost two host synchronisations per layer: the meta device holds no
+    data, so any read of the slots (``int``, ``.tolist()``) would raise here."""
+    k_cache, v_cache = torch.zeros(2, 2, 1, 2, device="meta"), torch.zeros(2, 2, 1, 2, device="meta")
+    key = torch.ones(2, 1, 2, device="meta")
+    write_kv(key, key, k_cache, v_cache, torch.tensor([1, 3], device="meta"))
+
+
+def test_a_steps_slots_are_checked_on_their_host_copies_before_the_model_runs():
+    """What stands in for write_kv's check on a device: check_step_slots reads only ``inputs.host``."""
+    step = pack_step([SequenceChunk([1, 2], 0, [0]), SequenceChunk([3], 0, [1])], 2, device="meta")
+    check_step_slots(step, full_slots=4)  # slots 0, 1, 2: inside
+    with pytest.raises(IndexError, match="outside the cache's 2 slots"):
+        check_step_slots(step, full_slots=2)
+    ring = pack_step([SequenceChunk([1], 4, [1, 2, 0], window_ring=[5, 6])], 2, device="meta", window=2)
+    check_step_slots(ring, full_slots=6, window_slots=14)
+    with pytest.raises(IndexError, match="window-ring slot"):
+        check_step_slots(ring, full_slots=6, window_slots=10)
+    check_step_slots(dataclasses.replace(step, host=None), full_slots=0)  # no host copies: write_kv checks
+
+
 def test_write_kv_refuses_mismatched_shapes_without_writing():
     k_cache = torch.zeros(2, 2, 1, 2)
     v_cache = torch.zeros(2, 2, 1, 2)
@@ -364,3 +391,12 @@ def test_planning_a_packed_step_reads_its_lengths_from_the_host_copies():
         (r.start, r.end, r.kv_len) for r in cpu_plan.prefill
     ]
     assert plan.decode_token_rows.device.type == "meta" and plan.decode_token_rows.shape == (1,)
+
+
+def test_write_kv_checks_a_device_step_on_the_host_copy_of_its_slots():
+    k_cache, v_cache = torch.zeros(2, 2, 1, 2, device="meta"), torch.zeros(2, 2, 1, 2, device="meta")
+    key = torch.ones(2, 1, 2, device="meta")
+    slots = torch.tensor([1, 4], device="meta")
+    with pytest.raises(IndexError, match="outside the cache's 4 slots"):
+        write_kv(key, key, k_cache, v_cache, slots, host_slots=torch.tensor([1, 4]))
+    write_kv(key, key, k_cache, v_cache, slots, host_slots=torch.tensor([1, 3]))

@@ -127,3 +127,24 @@ def test_on_the_cpu_there_is_no_transfer_and_the_host_copies_are_the_tensors(mon
     inputs = pack_step([SequenceChunk([1, 2], 0, [3])], 4)
     assert calls == []
     assert inputs.host.input_ids is inputs.input_ids and inputs.host.block_tables is inputs.block_tables
+
+
+def test_window_rings_keep_host_copies_of_their_first_positions_and_slots():
+    inputs = pack_step([SequenceChunk([1], 4, [1, 2], window_ring=[5, 6, 7])], 4, device="meta", window=4)
+    expected = pack_step([SequenceChunk([1], 4, [1, 2], window_ring=[5, 6, 7])], 4, window=4).window
+    assert inputs.host.window_first_pos.tolist() == expected.first_pos.tolist()
+    assert inputs.host.window_slot_mapping.tolist() == expected.slot_mapping.tolist()
+
+
+def test_a_chunk_that_samples_nothing_gets_no_logits_row():
+    """Partial prefills ask for no logits: the step's rows are chosen on the host, before the transfer."""
+    chunks = [
+        SequenceChunk([1, 2, 3], 0, [0], samples=False),
+        SequenceChunk([4], 2, [1]),
+        SequenceChunk([5, 6], 1, [2], all_logits=True),
+    ]
+    assert pack_step(chunks, 4).logits_rows.tolist() == [3, 4, 5]
+    assert pack_step(chunks[:2], 4).logits_rows.tolist() == [3]
+    assert pack_step(chunks[:1], 4).logits_rows.tolist() == []
+    with pytest.raises(ValueError, match="samples none"):
+        pack_step([SequenceChunk([1, 2], 0, [0], all_logits=True, samples=False)], 4)

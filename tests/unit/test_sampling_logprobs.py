@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pagedgen.sampling import RequestSampler, Sampler, SampleRow, SamplingOptions
+from pagedgen.sampling import RequestSampler, RowSamplingError, Sampler, SampleRow, SamplingOptions
 
 VOCAB = 40
 
@@ -70,3 +70,14 @@ def test_greedy_token_has_the_max_logprob_and_rows_without_n_get_none() -> None:
     assert out[0].logprob == pytest.approx(float(torch.log_softmax(logits[0], -1).max()), abs=1e-6)
     assert out[1].token != int(logits[1].argmax())  # the penalty moved the argmax; logprobs follow it
     assert out[2].logprob is None and out[2].top_logprobs == ()
+
+
+def test_a_bad_sampled_row_with_logprobs_is_refused_before_any_stream_advances() -> None:
+    """A row with no sampleable token draws an index past the vocab; its logprob gather must stay in range
+    so the call reaches its refusal (from the one host copy) instead of failing in the gather."""
+    good = _row(SamplingOptions(do_sample=True, seed=1), 2)
+    logits = _logits(2, seed=7)
+    logits[1] = -float("inf")
+    with pytest.raises(RowSamplingError) as raised:
+        Sampler().sample(logits, [good, _row(SamplingOptions(do_sample=True, seed=2), 3)])
+    assert raised.value.row == 1 and good.sampler.draws == 0

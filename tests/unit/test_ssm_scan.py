@@ -34,8 +34,9 @@ def reference(x, dt, a, b, c, lengths, state_in):
     return y, states
 
 
+@pytest.mark.parametrize("host_copy", [False, True])
 @pytest.mark.parametrize("chunk", [1, 3, 4, 64])
-def test_the_chunked_scan_equals_the_recurrence_for_every_row(chunk):
+def test_the_chunked_scan_equals_the_recurrence_for_every_row(chunk, host_copy):
     gen = torch.Generator().manual_seed(0)
     tokens = sum(LENGTHS)
     x = torch.randn(tokens, HEADS, HEAD_DIM, generator=gen)
@@ -47,7 +48,10 @@ def test_the_chunked_scan_equals_the_recurrence_for_every_row(chunk):
     cu_seqlens = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
     before = state_in.clone()
     state_out = torch.full_like(state_in, float("nan"))
-    y = packed_selective_scan(x, dt, a, b, c, cu_seqlens, state_in, state_out, chunk=chunk)
+    host = cu_seqlens.clone() if host_copy else None  # the scan then plans its chunks from the host copy
+    y = packed_selective_scan(
+        x, dt, a, b, c, cu_seqlens, state_in, state_out, chunk=chunk, host_cu_seqlens=host
+    )
     want_y, want_states = reference(x, dt, a, b, c, LENGTHS, state_in)
     assert (y - want_y).abs().max().item() < 1e-5
     assert (state_out - want_states).abs().max().item() < 1e-5
