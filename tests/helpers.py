@@ -7,7 +7,21 @@ from collections.abc import Sequence
 from typing import Any
 
 import pagedgen as pg
+from pagedgen.engine.faults import InjectedFault
+from pagedgen.executor.runner import ExecutionCapacityError, RetryableExecutionError
 from pagedgen.models.synthetic import SyntheticModel, synthetic_greedy
+
+# The recoverable faults a transaction must roll back exactly, one per phase that can fail before commit.
+RECOVERABLE = [
+    ("checkpoint", InjectedFault("x")),
+    ("pack", InjectedFault("x")),
+    ("execute", RetryableExecutionError("transient")),
+    ("execute", ExecutionCapacityError("oom")),
+    ("sample", InjectedFault("x")),
+    ("stage", InjectedFault("x")),
+    ("validate", InjectedFault("x")),
+]
+RECOVERABLE_IDS = [f"{p}-{type(e).__name__}" for p, e in RECOVERABLE]
 
 # ---- engine on the synthetic model ------------------------------------------------------------------
 

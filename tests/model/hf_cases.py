@@ -13,20 +13,15 @@ import torch
 
 import pagedgen as pg
 from pagedgen.core.window import ring_blocks
-from pagedgen.engine.faults import InjectedFault
-from pagedgen.executor.runner import ExecutionCapacityError, RetryableExecutionError
-from tests.helpers import drain, engine_snapshot, event_key, make_engine, record_steps, submit, tokens_of
-
-RECOVERABLE = [
-    ("checkpoint", InjectedFault("x")),
-    ("pack", InjectedFault("x")),
-    ("execute", RetryableExecutionError("transient")),
-    ("execute", ExecutionCapacityError("oom")),
-    ("sample", InjectedFault("x")),
-    ("stage", InjectedFault("x")),
-    ("validate", InjectedFault("x")),
-]
-RECOVERABLE_IDS = [f"{p}-{type(e).__name__}" for p, e in RECOVERABLE]
+from tests.helpers import (
+    drain,
+    engine_snapshot,
+    event_key,
+    make_engine,
+    record_steps,
+    submit,
+    tokens_of,
+)
 
 
 def ids_of(n: int, seed: int = 0) -> list[int]:

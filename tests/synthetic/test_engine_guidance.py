@@ -16,8 +16,9 @@ import pytest
 import pagedgen as pg
 from pagedgen.engine.errors import InvalidArgumentError
 from pagedgen.engine.faults import InjectedFault
-from pagedgen.executor.runner import ExecutionCapacityError, RetryableExecutionError
 from tests.helpers import (
+    RECOVERABLE,
+    RECOVERABLE_IDS,
     VOCAB,
     cursor_state,
     drain,
@@ -366,18 +367,7 @@ def reference_run() -> dict[int, tuple]:
     return {r.id: out for r, out in scenario_outputs(events).items()}
 
 
-RECOVERABLE = [
-    ("checkpoint", InjectedFault("x")),
-    ("pack", InjectedFault("x")),
-    ("execute", RetryableExecutionError("transient")),
-    ("execute", ExecutionCapacityError("oom")),
-    ("sample", InjectedFault("x")),
-    ("stage", InjectedFault("x")),
-    ("validate", InjectedFault("x")),
-]
-
-
-@pytest.mark.parametrize("phase, error", RECOVERABLE, ids=[f"{p}-{type(e).__name__}" for p, e in RECOVERABLE])
+@pytest.mark.parametrize("phase, error", RECOVERABLE, ids=RECOVERABLE_IDS)
 @pytest.mark.parametrize("at_step", [0, 2, 5])
 def test_a_rolled_back_step_restores_every_cursor_exactly(phase, error, at_step):
     engine, requests = scenario()
