@@ -27,10 +27,8 @@ from pagedgen.core.manifest import StateKind
 from pagedgen.errors import ModelLoadError, StateManifestError
 from pagedgen.models.bamba import BambaForCausalLM
 from pagedgen.models.config import config_from_hf
-from tests.helpers import drain, submit, tokens_of
+from tests.helpers import RECOVERABLE, RECOVERABLE_IDS, drain, submit, tokens_of
 from tests.model.hf_cases import (
-    RECOVERABLE,
-    RECOVERABLE_IDS,
     check_chunked_equals_unchunked,
     check_fatal_step,
     check_greedy_and_slot_returns,

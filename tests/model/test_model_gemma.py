@@ -19,10 +19,8 @@ import torch
 import pagedgen as pg
 from pagedgen.errors import ModelLoadError
 from pagedgen.models.gguf_reader import gguf_config, open_gguf
-from tests.helpers import drain, submit, tokens_of
+from tests.helpers import RECOVERABLE, RECOVERABLE_IDS, drain, submit, tokens_of
 from tests.model.hf_cases import (
-    RECOVERABLE,
-    RECOVERABLE_IDS,
     check_chunked_equals_unchunked,
     check_greedy_with_flat_window,
     check_mixed_batch,

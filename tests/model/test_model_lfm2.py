@@ -15,9 +15,8 @@ import torch
 
 import pagedgen as pg
 from pagedgen.core.manifest import StateKind
+from tests.helpers import RECOVERABLE, RECOVERABLE_IDS
 from tests.model.hf_cases import (
-    RECOVERABLE,
-    RECOVERABLE_IDS,
     check_chunked_equals_unchunked,
     check_fatal_step,
     check_greedy_and_slot_returns,

@@ -13,10 +13,8 @@ import pytest
 import torch
 
 import pagedgen as pg
-from tests.helpers import drain, submit, tokens_of
+from tests.helpers import RECOVERABLE, RECOVERABLE_IDS, drain, submit, tokens_of
 from tests.model.hf_cases import (
-    RECOVERABLE,
-    RECOVERABLE_IDS,
     check_chunked_equals_unchunked,
     check_fatal_step,
     check_greedy_with_flat_window,
