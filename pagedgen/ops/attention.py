@@ -185,7 +185,8 @@ class AttentionPlan:
     decode_token_rows: torch.Tensor  # [Bd] int64, tokens of the single-token rows
     decode_tables: torch.Tensor  # [Bd, W] int32, contiguous
     decode_kv_lens: torch.Tensor  # [Bd] int32, keys through the row's query, counted from its table start
-    decode_buckets: list[DecodeBucket] | None  # the pure-torch decode path (None when ``kernel`` is set)
+    decode_buckets: list[DecodeBucket] | None  # the pure-torch decode path (None when ``kernel`` is set,
+    # except in a static decode plan, :func:`_plan_static_decode`, which always has its one device bucket)
     prefill: list[PrefillRow]
     kernel: DecodeKernel | None
     slot_mapping: torch.Tensor | None = None  # [T] int64 where this plan's layers write (None: inputs')
@@ -301,6 +302,8 @@ def plan_attention(
     written once (:func:`_upload`); every other list is host arithmetic.
     """
     device = k_cache.device
+    if _static_decode(inputs, window):
+        return _plan_static_decode(inputs, k_cache, use_native, window)
     host = _host_lengths(inputs, window)
     q_lens, cu, past = host.q_lens, host.cu, host.past
     view = _full_view(inputs) if window is None else _window_view(inputs, window, host)
@@ -350,6 +353,106 @@ def plan_attention(
         decode_starts=None if starts is None else starts_t.to(torch.int32),
         window=window,
         triton=triton,
+    )
+
+
+def _static_decode(inputs: StepInputs, window: int | None) -> bool:
+    """Whether the step is a pure decode step with no host copies, known from shapes and static metadata:
+    a captured CUDA graph's static inputs (``pagedgen.executor.cuda_graphs``), planned by
+    :func:`_plan_static_decode` without reading a device value."""
+    return (
+        inputs.host is None
+        and inputs.max_query_len == 1
+        and inputs.num_tokens == inputs.num_seqs  # every row sends exactly one token: token row i is row i
+        and not inputs.verify_rows
+        and (window is None or inputs.window is None)  # rings are planned from their host first positions
+    )
+
+
+def _plan_static_decode(
+    inputs: StepInputs, k_cache: torch.Tensor, use_native: bool, window: int | None
+) -> AttentionPlan:
+    """The plan of a pure decode step built from shapes, static metadata and device tensor ops only.
+
+    Why: a captured CUDA graph's static inputs carry no host copies; reading their lengths (``.tolist()``)
+    would synchronise, which capture refuses, and per-step index lists uploaded from the host would be baked
+    into the graph. Here decode entry ``i`` is token row ``i``, its table is the step's table row (the
+    static view itself for full attention), its key count ``past_lens + 1`` is computed on the device, and
+    the Triton split count is derived from ``max_kv_len`` (the bucket's capacity for a graph), so it is the
+    same for every replay. A sliding-window layer (tables, not rings) computes each row's first live block
+    and first attended key on the device too.
+    """
+    device = k_cache.device
+    rows = inputs.num_seqs
+    bs = inputs.block_size
+    kv_lens = inputs.past_lens.to(device, torch.int64) + 1  # [B] keys through the row's one query
+    token_rows = torch.arange(rows, dtype=torch.long, device=device)  # [B]
+    starts = None
+    bound = inputs.max_kv_len  # keys any row can read: the split count is a function of it only
+    if window is None:
+        tables = inputs.block_tables.to(device, torch.int32).contiguous()
+        rel_lens = kv_lens
+    else:
+        first_block = (kv_lens - window).clamp(min=0) // bs  # [B] the block of the first attended key
+        width = inputs.block_tables.shape[1]
+        steps = torch.arange(width, device=device)
+        columns = (first_block[:, None] + steps[None, :]).clamp(max=width - 1)
+        tables = inputs.block_tables.to(device).gather(1, columns).to(torch.int32).contiguous()
+        first_pos = first_block * bs
+        rel_lens = kv_lens - first_pos
+        starts = ((kv_lens - window).clamp(min=0) - first_pos).to(torch.int32)
+        bound = min(bound, window + bs - 1)  # at most window keys, from the start of their first block
+    use_triton = triton_selected(device)
+    kernel = decode_kernel() if use_native and rows and not use_triton else None
+    if kernel is not None and not kernel.supports(k_cache, k_cache, k_cache):
+        kernel = None
+    triton = None
+    if use_triton:
+        triton = TritonPlan(
+            decode_entries=rows,
+            num_splits=decode_splits(rows * k_cache.shape[2], bound, device),
+            prefill_blocks=torch.empty(0, 4, dtype=torch.int32, device=device),
+            prefill_tables=torch.empty(0, tables.shape[1], dtype=torch.int32, device=device),
+            window=window,
+        )
+    rel_lens = rel_lens.to(torch.int32)
+    return AttentionPlan(
+        block_size=bs,
+        decode_token_rows=token_rows,
+        decode_tables=tables,
+        decode_kv_lens=rel_lens,
+        # The torch path's one bucket (the table's full width, masked on the device); also the fallback
+        # when the native kernel cannot take the call's tensors (soft-capping), which would read lengths.
+        decode_buckets=None if use_triton else [_device_bucket(token_rows, tables, rel_lens, starts, bs)],
+        prefill=[],
+        kernel=kernel,
+        slot_mapping=inputs.slot_mapping,
+        host_slot_mapping=None,
+        decode_starts=starts,
+        window=window,
+        triton=triton,
+    )
+
+
+def _device_bucket(
+    token_rows: torch.Tensor,
+    tables: torch.Tensor,
+    kv_lens: torch.Tensor,
+    starts: torch.Tensor | None,
+    block_size: int,
+) -> DecodeBucket:
+    """Every single-token row in one bucket as wide as the tables, its mask built from device lengths
+    (keys ``starts[r] .. kv_lens[r] - 1``): no host read, at the cost of padding short rows to the width."""
+    width = tables.shape[1]
+    keys = torch.arange(width * block_size, device=tables.device)  # [span]
+    mask = keys < kv_lens.to(tables.device).unsqueeze(1)  # [B, span]
+    if starts is not None:
+        mask &= keys >= starts.to(tables.device).unsqueeze(1)
+    return DecodeBucket(
+        token_rows=token_rows,
+        flat_tables=tables.long().reshape(-1),
+        mask=mask[:, None, None, :],
+        width=width,
     )
 
 
