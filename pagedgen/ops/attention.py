@@ -299,7 +299,8 @@ def plan_attention(
     device, the plan carries their work lists (``triton``) and neither torch buckets nor prefill masks.
 
     Host traffic: the step's lengths are read once (:func:`_host_lengths`) and the plan's index tensors
-    written once (:func:`_upload`); every other list is host arithmetic.
+    written once (:func:`_upload`); every other list is host arithmetic. A pure decode step without host
+    copies (a CUDA graph's static inputs) is planned by :func:`_plan_static_decode` with neither.
     """
     device = k_cache.device
     if _static_decode(inputs, window):
