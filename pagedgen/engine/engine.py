@@ -184,10 +184,16 @@ class Engine:
         eos = frozenset() if params.sampling.ignore_eos else frozenset(self.eos_token_ids)
 
         def make_state(handle_ref) -> RequestState:
-            return RequestState(request_id, handle_ref, sampler, session or params.max_length, eos)
+            return RequestState(
+                request_id,
+                handle_ref,
+                sampler,
+                session or params.max_length,
+                eos,
+                guidance=params.guidance,  # immutable: later set_guidance calls do not leak
+            )
 
         request = Request(self, make_state)
-        request._state.guidance = params.guidance  # immutable: later set_guidance calls do not leak
         if self._layout.prefix_caching:
             state = request._state
             state.block_hashes = BlockHashes(state.tokens, self.config.block_size)

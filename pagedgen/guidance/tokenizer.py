@@ -22,7 +22,6 @@ import weakref
 from typing import Any
 
 import llguidance
-from llguidance._tokenizer import TokenizerWrapper
 
 from pagedgen.errors import TokenizerError
 from pagedgen.guidance.spec import GuidanceError
@@ -51,9 +50,10 @@ def _build(model: Any) -> llguidance.LLTokenizer:
     eos = [int(e) for e in model.eos_token_ids] or None
     try:
         tokenizer = model.tokenizer
-        source = tokenizer.to_json() if hasattr(tokenizer, "to_json") else _ByteVocab(tokenizer, n_vocab, eos)
-        if isinstance(source, _ByteVocab):
-            source = TokenizerWrapper(source)
+        if hasattr(tokenizer, "to_json"):
+            source = tokenizer.to_json()
+        else:
+            source = llguidance.TokenizerWrapper(_ByteVocab(tokenizer, n_vocab, eos))
         return llguidance.LLTokenizer(source, n_vocab=n_vocab, eos_token=eos)
     except (TokenizerError, ValueError, TypeError) as exc:
         raise GuidanceError(

@@ -200,10 +200,14 @@ class _SamplingFields(_Strict):
         return {int(k): v for k, v in self.logit_bias.items()}
 
     @property
+    def _formatted(self) -> bool:
+        """Whether ``response_format`` constrains the output (anything but ``text``)."""
+        return self.response_format is not None and self.response_format.type != "text"
+
+    @property
     def constrains_output(self) -> bool:
         """True when the request asks for an output constraint (compiling it may take a while)."""
-        formatted = self.response_format is not None and self.response_format.type != "text"
-        return formatted or self.structured_outputs is not None
+        return self._formatted or self.structured_outputs is not None
 
     @property
     def constraint_param(self) -> str:
@@ -213,8 +217,7 @@ class _SamplingFields(_Strict):
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The output constraint of ``response_format`` or ``structured_outputs`` (at most one may be
         given); raises :class:`SamplingOptionsError` naming the field that is wrong."""
-        formatted = self.response_format is not None and self.response_format.type != "text"
-        if formatted and self.structured_outputs is not None:
+        if self._formatted and self.structured_outputs is not None:
             raise SamplingOptionsError(
                 "response_format and structured_outputs both constrain the output; send one of them",
                 "structured_outputs",
@@ -309,9 +312,9 @@ class ChatCompletionRequest(_SamplingFields):
         tool_constraint = self._tool_constraint()
         other = super().structured_outputs_params()
         if tool_constraint is not None and other is not None:
-            source = "structured_outputs" if self.structured_outputs is not None else "response_format"
             raise SamplingOptionsError(
-                f"tool_choice and {source} both constrain the output; send one of them", "tool_choice"
+                f"tool_choice and {super().constraint_param} both constrain the output; send one of them",
+                "tool_choice",
             )
         return tool_constraint or other
 
