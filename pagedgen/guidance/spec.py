@@ -22,6 +22,7 @@ means what llguidance documents).
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from pagedgen.errors import PagedGenError
 GUIDANCE_KINDS = ("json_schema", "regex", "lark_grammar")
 JSON_DEFAULTS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_GUIDANCE_CHARS = 1 << 20  # a grammar or schema larger than 1 MiB of text is refused
+COMPILED_SPECS = 128  # compiled specs kept (a service reuses a few schemas a lot)
 
 
 class GuidanceError(PagedGenError, ValueError):
@@ -60,6 +62,14 @@ def compile_guidance(kind: object, data: object) -> GuidanceSpec:
     text = _data_text(kind, data)
     if len(text) > MAX_GUIDANCE_CHARS:
         raise GuidanceError(f"{kind} is {len(text)} characters; at most {MAX_GUIDANCE_CHARS} are accepted")
+    return _compiled(kind, text)
+
+
+@functools.lru_cache(maxsize=COMPILED_SPECS)
+def _compiled(kind: str, text: str) -> GuidanceSpec:
+    """The spec of ``(kind, text)``, memoised: one request's constraint is set on its params, its turn and
+    (on the server) checked before admission, and a service reuses a few schemas; specs are immutable, and
+    a refusal raises, so it is never cached."""
     grammar = _grammar(kind, text)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:

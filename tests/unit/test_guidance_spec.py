@@ -67,3 +67,12 @@ def test_regex_and_lark_match_their_whole_language():
     assert not accepts("regex", r"\d{3}-[a-z]+", "123-abc!")
     grammar = 'start: "(" item ("," item)* ")"\nitem: /[a-z]+/'
     assert accepts("lark_grammar", grammar, "(ab,c)") and not accepts("lark_grammar", grammar, "(ab,)")
+
+
+def test_the_same_constraint_compiles_once_and_a_refusal_is_never_cached():
+    first = compile_guidance("json_schema", SCHEMA)
+    assert compile_guidance("json_schema", json.dumps(SCHEMA)) is first  # the same text: the same spec
+    assert compile_guidance("regex", "[0-9]+") is not compile_guidance("regex", "[0-9]*")
+    for _ in range(2):
+        with pytest.raises(GuidanceError, match="regex does not compile"):
+            compile_guidance("regex", "a(")
