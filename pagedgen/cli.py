@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+    _add_connection_args(serve)
     _add_engine_args(serve)
     _add_speculative_args(serve)
 
@@ -93,6 +94,59 @@ def _port(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {text}")
     return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def _non_negative_seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a non-negative number of seconds, got {text}")
+    return value
+
+
+def _add_connection_args(parser: argparse.ArgumentParser) -> None:
+    # The defaults are pagedgen.server.lifecycle's and guard's, not imported so that --help stays quick.
+    group = parser.add_argument_group("connections and shutdown")
+    group.add_argument(
+        "--shutdown-timeout",
+        type=_non_negative_seconds,
+        default=30.0,
+        help="on SIGTERM/SIGINT, seconds the requests in flight may take to finish; then streams end with an "
+        "error event and [DONE], other requests with a 503 (default 30)",
+    )
+    group.add_argument(
+        "--header-timeout",
+        type=_seconds,
+        default=10.0,
+        help="seconds a request line and headers may take to arrive; past that 408 (default 10)",
+    )
+    group.add_argument(
+        "--body-timeout",
+        type=_seconds,
+        default=30.0,
+        help="seconds a whole request body may take to arrive; past that 408 (default 30)",
+    )
+    group.add_argument(
+        "--keep-alive-timeout",
+        type=_seconds,
+        default=5.0,
+        help="seconds an idle kept-alive connection stays open between requests (default 5)",
+    )
+    group.add_argument("--no-docs", action="store_true", help="serve no /docs, /redoc or /openapi.json (404)")
+    group.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a Host name to accept besides localhost and loopback addresses (repeatable). The Host check is "
+        "on for a loopback bind without --api-key, and whenever a name is given",
+    )
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -200,22 +254,50 @@ def _load_model(name: str, weights: str = "native") -> Any:
 # ---------------------------------------------------------------- subcommands
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+def server_options(args: argparse.Namespace) -> Any:
+    from pagedgen.server.app import ServerOptions
+    from pagedgen.server.guard import host_allow_list
 
-    from pagedgen.server.app import ServerOptions, build_app
-
-    options = ServerOptions(
+    api_key = args.api_key or None
+    return ServerOptions(
         model_name=args.served_model_name or args.model,
-        api_key=args.api_key or None,
+        api_key=api_key,
         max_body_bytes=args.max_body_bytes,
         max_queued_requests=args.max_queued_requests,
         speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
+        shutdown_timeout=args.shutdown_timeout,
+        keep_alive_timeout=args.keep_alive_timeout,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        docs=not args.no_docs,
+        allowed_hosts=host_allow_list(args.host, api_key, args.allowed_host),
     )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pagedgen.server.app import build_app
+    from pagedgen.server.lifecycle import build_server
+
+    _log_to_stderr(args.log_level)
+    options = server_options(args)
     app = build_app(_load_model(args.model, args.weights), engine_config(args), options)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
-    return 0
+    server = build_server(app, host=args.host, port=args.port, log_level=args.log_level)
+    server.run()
+    return 0 if server.started else 3  # 3: uvicorn's startup failure (it logged why)
+
+
+def _log_to_stderr(level: str) -> None:
+    """The server's own log lines (request failures, the shutdown), formatted as uvicorn's."""
+    import logging
+
+    from uvicorn.logging import DefaultFormatter
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s"))
+    logger = logging.getLogger("pagedgen")
+    logger.addHandler(handler)
+    logger.setLevel(level.upper())
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -7,6 +7,9 @@ The server instead admits a request only while fewer than ``max_running + max_qu
 once) and ``max_queued`` the ``--max-queued-requests`` that may wait beyond a full batch, as in vLLM. A
 request past the bound gets 429 with ``Retry-After`` before its prompt is tokenized.
 
+A server that is shutting down closes its admission: from then on every request is refused (503, not 429:
+retrying here will not help) while the admitted ones finish.
+
 The count lives on the event loop only (no lock): a ticket is taken by a route and released once, when its
 response ends, whichever way it ends.
 """
@@ -38,6 +41,7 @@ class Admission:
     max_running: int
     max_queued: int
     in_flight: int = field(default=0)
+    closed: bool = field(default=False)
 
     def __post_init__(self) -> None:
         if self.max_running < 1:
@@ -54,9 +58,14 @@ class Admission:
         """Admitted requests beyond a full batch: what ``max_queued`` bounds."""
         return max(self.in_flight - self.max_running, 0)
 
+    def close(self) -> None:
+        """Admit nothing from now on (the server drains); tickets already held release as before."""
+        self.closed = True
+
     def admit(self) -> Ticket | None:
-        """A ticket, or None when ``capacity`` requests are already in flight (the caller answers 429)."""
-        if self.in_flight >= self.capacity:
+        """A ticket, or None when closed or ``capacity`` requests are already in flight (the caller answers
+        503 or 429)."""
+        if self.closed or self.in_flight >= self.capacity:
             return None
         self.in_flight += 1
         return Ticket(self)

@@ -45,6 +45,7 @@ from pagedgen.models.tokenizer import IncrementalDetokenizer
 from pagedgen.sampling.errors import SamplingOptionsError
 from pagedgen.server.admission import DEFAULT_MAX_QUEUED_REQUESTS, RETRY_AFTER_S, Admission, Ticket
 from pagedgen.server.guard import (
+    DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     ApiError,
     GuardMiddleware,
@@ -53,11 +54,17 @@ from pagedgen.server.guard import (
     internal_error_message,
     request_id_of,
 )
+from pagedgen.server.lifecycle import (
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+)
 from pagedgen.server.metrics import ServerMetrics
 from pagedgen.server.protocol import ChatCompletionRequest, CompletionRequest
 from pagedgen.server.responses import ChatResponses, CompletionResponses
 from pagedgen.server.sse import DONE, EventStreamResponse, sse_event
 from pagedgen.server.worker import (
+    SHUTDOWN_MESSAGE,
     UNAVAILABLE_MESSAGE,
     AsyncEngineClient,
     EngineWorker,
@@ -67,7 +74,13 @@ from pagedgen.server.worker import (
 )
 
 _CLIENT_GONE = object()
-_JOB_STATUS = {JobError.INVALID: 400, JobError.UNAVAILABLE: 503, JobError.INTERNAL: 500}
+_JOB_STATUS = {
+    JobError.INVALID: 400,
+    JobError.UNAVAILABLE: 503,
+    JobError.SHUTDOWN: 503,
+    JobError.INTERNAL: 500,
+}
+_RETRY_LATER = {"Retry-After": str(RETRY_AFTER_S)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +90,13 @@ class ServerOptions:
     ``max_queued_requests``: how many requests may wait beyond a full batch (``max_batch_size`` running);
     past that, 429 with ``Retry-After`` (see :mod:`pagedgen.server.admission`). ``speculative="ngram"``:
     prompt-lookup drafts, up to ``num_speculative_tokens`` per step and request (:mod:`pagedgen.spec`).
+
+    Connections and shutdown (:mod:`pagedgen.server.lifecycle`; seconds): a request head must arrive within
+    ``header_timeout``, its body within ``body_timeout``, a kept-alive connection is closed after
+    ``keep_alive_timeout`` idle; on SIGTERM/SIGINT the requests in flight get ``shutdown_timeout`` to finish.
+    ``docs=False`` removes ``/docs``, ``/redoc`` and ``/openapi.json`` (with an ``api_key`` they need it).
+    ``allowed_hosts``: None for no ``Host`` check, else the names accepted beyond localhost and loopback
+    addresses (:func:`pagedgen.server.guard.host_allow_list` decides it for ``pagedgen serve``).
     """
 
     model_name: str = "default"
@@ -85,6 +105,12 @@ class ServerOptions:
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
     speculative: str | None = None
     num_speculative_tokens: int = 4
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    keep_alive_timeout: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT_S
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_S
+    docs: bool = True
+    allowed_hosts: frozenset[str] | None = None
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -101,6 +127,11 @@ class ServerOptions:
             raise ValueError(
                 f"ServerOptions.num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"
             )
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"ServerOptions.shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        for name in ("keep_alive_timeout", "header_timeout", "body_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ServerOptions.{name} must be positive, got {getattr(self, name)}")
 
 
 @dataclass(slots=True)
@@ -152,9 +183,11 @@ def create_app(
         finally:
             await asyncio.to_thread(worker.shutdown)
 
-    app = FastAPI(title="pagedgen", lifespan=lifespan)
+    docs = {} if options.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="pagedgen", lifespan=lifespan, **docs)
     admission = Admission(worker.max_batch_size, options.max_queued_requests)
     metrics.bind(snapshot=lambda: worker.snapshot, admitted=lambda: admission.in_flight)
+    app.state.options = options
     app.state.worker = worker
     app.state.metrics = metrics
     app.state.admission = admission
@@ -166,6 +199,9 @@ def create_app(
         healthy=lambda: worker.healthy,
         api_key=options.api_key,
         max_body_bytes=options.max_body_bytes,
+        allowed_hosts=options.allowed_hosts,
+        draining=lambda: admission.closed,
+        body_timeout=options.body_timeout,
         on_rejected=metrics.on_rejected,
         on_failed=metrics.on_failed,
     )
@@ -211,9 +247,11 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
 
     @app.get("/health")
     async def health() -> Any:
-        if server.client.worker.healthy:
-            return {"status": "ok"}
-        return error_json(503, UNAVAILABLE_MESSAGE, code="unhealthy")
+        if not server.client.worker.healthy:
+            return error_json(503, UNAVAILABLE_MESSAGE, code="unhealthy")
+        if server.admission.closed:  # draining: a load balancer should send its traffic elsewhere
+            return error_json(503, SHUTDOWN_MESSAGE, code="shutting_down", headers=_RETRY_LATER)
+        return {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -281,6 +319,8 @@ def _chat_ids(
 
 def _admit(admission: Admission) -> Ticket:
     ticket = admission.admit()
+    if ticket is None and admission.closed:
+        raise ApiError(503, SHUTDOWN_MESSAGE, code="shutting_down", headers=_RETRY_LATER)
     if ticket is None:
         message = (
             f"the server is at capacity ({admission.capacity} requests admitted: {admission.max_running} "
@@ -358,8 +398,7 @@ async def _run_job(
         first = await _unless_disconnected(handle.next(), request.receive)  # a queued client may leave
         if first is _CLIENT_GONE:
             return _client_gone(handle, server.metrics)
-        if first.error is not None:
-            raise ApiError(_JOB_STATUS[first.error], first.message, code=first.error.value)
+        _raise_for(first)
     except BaseException:
         handle.cancel()
         raise
@@ -434,7 +473,8 @@ async def _collect(
 
 def _raise_for(update: JobUpdate) -> None:
     if update.error is not None:
-        raise ApiError(_JOB_STATUS[update.error], update.message, code=update.error.value)
+        headers = _RETRY_LATER if update.error is JobError.SHUTDOWN else None
+        raise ApiError(_JOB_STATUS[update.error], update.message, code=update.error.value, headers=headers)
     finish = update.finish
     if finish is not None and finish_reason_text(finish.reason) == "failed":
         if finish.error_code is EngineErrorCode.REQUEST_UNSERVICEABLE:

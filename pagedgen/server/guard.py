@@ -1,12 +1,16 @@
 """OpenAI-style error bodies, and the ASGI middleware that refuses a request before any route runs.
 
 The guard gives every request an id (``X-Request-Id`` on every response, and in the log line of a 500), then
-answers, cheapest check first and before it reads any body byte: 401 on ``/v1/*`` when an API key is
-configured and the request does not carry it (an unauthenticated client cannot make the server buffer
-megabytes), 413 when the declared ``Content-Length`` exceeds the limit, 503 once the engine is unhealthy
-(every route but ``/health`` and ``/metrics``, which must stay available exactly then). Only then does it
-read the body, counting the bytes of a chunked upload as they arrive (413 past the limit), and replays it to
-the app.
+answers, cheapest check first and before it reads any body byte: 421 when a ``Host`` allow-list is set and
+the request's ``Host`` is not on it (a keyless server on loopback: a web page whose name an attacker
+re-points at 127.0.0.1, DNS rebinding, would otherwise read and drive it), 401 on ``/v1/*`` and on the API
+docs (``/docs``, ``/redoc``, ``/openapi.json``) when an API key is configured and the request does not carry
+it (an unauthenticated client cannot make the server buffer megabytes), 413 when the declared
+``Content-Length`` exceeds the limit, 503 while the server drains for a shutdown (with ``Retry-After`` and
+``Connection: close``) and once the engine is unhealthy (every route but ``/health`` and ``/metrics``, which
+must stay available exactly then). Only then does it read the body, counting the bytes of a chunked upload as
+they arrive (413 past the limit), within the body deadline (408 past it: a client that trickles its body
+cannot hold a connection and a handler for long), and replays it to the app.
 A refused chunked body is drained, up to a bound, so the client can read the answer instead of a reset.
 
 An exception escaping a route is logged with the request id and answered with a generic 500 that names the id:
@@ -15,22 +19,30 @@ the exception text may hold internals (paths, prompts of other requests) and is 
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import ipaddress
 import json
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pagedgen.server.admission import RETRY_AFTER_S
 
 log = logging.getLogger("pagedgen.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 REQUEST_ID_KEY = "pagedgen.request_id"  # where the guard puts the id in the ASGI scope
 UNGUARDED_PATHS = ("/health", "/metrics")  # answer even when the engine is unhealthy
+DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")  # FastAPI's, behind the key
 UNHEALTHY_MESSAGE = "the engine is unhealthy; the server cannot serve requests"
+SHUTDOWN_MESSAGE = "the server is shutting down"
+DEFAULT_BODY_TIMEOUT_S = 30.0
+LOOPBACK_NAME = "localhost"
 _DRAIN_FACTOR = 16  # chunked bodies larger than this many limits are not drained: the connection is dropped
 
 ERROR_TYPES = {
@@ -91,19 +103,38 @@ def internal_error_message(request_id: str | None) -> str:
     return f"internal server error (request id {request_id or 'unknown'})"
 
 
-async def send_error(send: Send, status: int, message: str, code: str | None = None) -> None:
+async def send_error(
+    send: Send,
+    status: int,
+    message: str,
+    code: str | None = None,
+    extra_headers: Sequence[tuple[bytes, bytes]] = (),
+) -> None:
     body = json.dumps(error_body(status, message, code=code)).encode("utf-8")
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
+    headers.extend(extra_headers)
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-class GuardMiddleware:
-    """Request id, API key, body-size limit, engine health (see the module docstring).
+# Headers of a refusal, by reason: a drained or timed-out client should not reuse this connection.
+_CLOSE = (b"connection", b"close")
+_REFUSAL_HEADERS: dict[str, tuple[tuple[bytes, bytes], ...]] = {
+    "shutting_down": ((b"retry-after", str(RETRY_AFTER_S).encode()), _CLOSE),
+    "timeout": (_CLOSE,),
+}
 
-    ``on_rejected(reason)`` (optional) counts each refusal: ``unauthorized``, ``too_large``, ``unhealthy``;
+
+class GuardMiddleware:
+    """Request id, Host allow-list, API key, body-size limit and deadline, drain and engine health (see the
+    module docstring).
+
+    ``allowed_hosts``: None for no ``Host`` check, else the names accepted beyond ``localhost`` and loopback
+    addresses (:func:`host_allowed`). ``draining()`` is true while the server shuts down. ``body_timeout``:
+    seconds the whole body may take to arrive (None: no bound). ``on_rejected(reason)`` (optional) counts each
+    refusal: ``misdirected``, ``unauthorized``, ``too_large``, ``timeout``, ``shutting_down``, ``unhealthy``;
     ``on_failed("internal")`` each generic 500.
     """
 
@@ -114,11 +145,17 @@ class GuardMiddleware:
         healthy: Callable[[], bool],
         api_key: str | None,
         max_body_bytes: int,
+        allowed_hosts: frozenset[str] | None = None,
+        draining: Callable[[], bool] = lambda: False,
+        body_timeout: float | None = DEFAULT_BODY_TIMEOUT_S,
         on_rejected: Callable[[str], None] = lambda _reason: None,
         on_failed: Callable[[str], None] = lambda _reason: None,
     ) -> None:
         self.app = app
         self._healthy = healthy
+        self._allowed_hosts = allowed_hosts
+        self._draining = draining
+        self._body_timeout = body_timeout
         self._api_key = api_key.encode("utf-8") if api_key else None
         self._limit = max_body_bytes
         self._on_rejected = on_rejected
@@ -132,22 +169,31 @@ class GuardMiddleware:
         scope[REQUEST_ID_KEY] = request_id
         send = _with_request_id(send, request_id)
         refusal = self._refusal(scope)
-        body = await self._read_body(receive) if refusal is None else None
-        if body is None:  # refused up front, or the body outgrew the limit while it arrived
-            reason, status, message, code = refusal or self._too_large()
+        body = None
+        if refusal is None:
+            body, refusal = await self._read_body(receive)
+        if refusal is not None:  # refused up front, or the body outgrew its limit or deadline as it arrived
+            reason, status, message, code = refusal
             self._on_rejected(reason)
-            await send_error(send, status, message, code)
+            await send_error(send, status, message, code, _REFUSAL_HEADERS.get(reason, ()))
             return
-        await self._run(scope, _replay(body, receive), send, request_id)
+        await self._run(scope, _replay(body or b"", receive), send, request_id)
 
     def _refusal(self, scope: Scope) -> tuple[str, int, str, str] | None:
         """The checks that need no body byte, in order; None when the request may proceed."""
-        if self._api_key is not None and scope["path"].startswith("/v1") and not self._authorized(scope):
+        path = scope["path"]
+        if self._allowed_hosts is not None and not host_allowed(_header(scope, b"host"), self._allowed_hosts):
+            message = "the Host header names no host this server answers for (see --allowed-host)"
+            return ("misdirected", 421, message, "misdirected_request")
+        keyed = path.startswith("/v1") or path in DOCS_PATHS
+        if self._api_key is not None and keyed and not self._authorized(scope):
             return ("unauthorized", 401, "Incorrect or missing API key", "invalid_api_key")
         declared = _content_length(scope)
         if declared is not None and declared > self._limit:
             return self._too_large()
-        if scope["path"] not in UNGUARDED_PATHS and not self._healthy():
+        if path not in UNGUARDED_PATHS and self._draining():
+            return ("shutting_down", 503, SHUTDOWN_MESSAGE, "shutting_down")
+        if path not in UNGUARDED_PATHS and not self._healthy():
             return ("unhealthy", 503, UNHEALTHY_MESSAGE, "unhealthy")
         return None
 
@@ -181,8 +227,18 @@ class GuardMiddleware:
                 )
         return False
 
-    async def _read_body(self, receive: Receive) -> bytes | None:
-        """The whole body, counted as it arrives; None past the limit (then drained, up to a bound)."""
+    async def _read_body(self, receive: Receive) -> tuple[bytes | None, tuple[str, int, str, str] | None]:
+        """The whole body, counted as it arrives, or the refusal: past the limit (the rest drained, up to a
+        bound) or past the deadline."""
+        try:
+            async with asyncio.timeout(self._body_timeout):
+                body = await self._receive_body(receive)
+        except TimeoutError:
+            message = f"the request body did not arrive within {self._body_timeout:g} s"
+            return None, ("timeout", 408, message, "request_timeout")
+        return (body, None) if body is not None else (None, self._too_large())
+
+    async def _receive_body(self, receive: Receive) -> bytes | None:
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -211,12 +267,62 @@ def _with_request_id(send: Send, request_id: str) -> Send:
 
 
 def _content_length(scope: Scope) -> int | None:
-    for name, value in scope["headers"]:
-        if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None
+    value = _header(scope, b"content-length")
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        return None
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value
+    return None
+
+
+def host_allowed(host: bytes | None, allowed: Iterable[str]) -> bool:
+    """Whether a ``Host`` header (any port) names ``localhost``, a loopback address, or one of ``allowed``.
+
+    Accepted: ``localhost:8000``, ``127.0.0.1``, ``[::1]:8000``, ``LocalHost.`` (case and one trailing dot
+    are ignored). Refused: any other name, a missing header, a port that is not a number.
+    """
+    if host is None:
+        return False
+    try:
+        text = host.decode("ascii").strip().lower()
+    except UnicodeDecodeError:
+        return False
+    if text.startswith("["):
+        name, _, rest = text[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else rest
+    elif text.count(":") == 1:
+        name, _, port = text.partition(":")
+    else:
+        name, port = text, ""
+    if port and not port.isdigit():
+        return False
+    name = name.removesuffix(".")
+    return name == LOOPBACK_NAME or _is_loopback_address(name) or name in allowed
+
+
+def _is_loopback_address(name: str) -> bool:
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def host_allow_list(bind_host: str, api_key: str | None, extra: Sequence[str] = ()) -> frozenset[str] | None:
+    """The ``allowed_hosts`` of a server bound to ``bind_host``: checked when it binds loopback without an
+    API key (its callers are then this machine's programs, and its browser pages), or whenever ``extra``
+    names are given; None (no check) otherwise."""
+    names = frozenset(name.strip().lower().removesuffix(".") for name in extra)
+    loopback = bind_host.lower() == LOOPBACK_NAME or _is_loopback_address(bind_host.strip("[]"))
+    if names or (loopback and not api_key):
+        return names
     return None
 
 

@@ -47,7 +47,8 @@ class JobError(enum.Enum):
     """Why a job ended without a normal finish; the route maps each to an HTTP status."""
 
     INVALID = "invalid"  # the engine refused the parameters or the prompt (400)
-    UNAVAILABLE = "unhealthy"  # the engine is unhealthy or shutting down (503)
+    UNAVAILABLE = "unhealthy"  # the engine is unhealthy (503)
+    SHUTDOWN = "shutting_down"  # the server is shutting down: the job was ended or refused by the drain (503)
     INTERNAL = "internal"  # an unexpected error while submitting (500; the detail is only logged)
 
 
@@ -140,6 +141,11 @@ class _Sync:
 
 
 @dataclass(frozen=True, slots=True)
+class _Abort:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
 class _Stop:
     pass
 
@@ -192,6 +198,7 @@ class EngineWorker:
         self._buffer: Any = None
         self._snapshot = EngineSnapshot()
         self._error: str | None = None
+        self._aborted = False  # owner thread only: set by abort(), later submissions are refused
         self._start_error: BaseException | None = None
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._main, name="pagedgen-engine", daemon=True)
@@ -242,6 +249,12 @@ class EngineWorker:
     def sync(self, reply: Callable[[EngineSnapshot], None]) -> None:
         """Call ``reply(snapshot)`` once every command queued before this one has been applied."""
         self._commands.put(_Sync(reply))
+
+    def abort(self) -> None:
+        """End every job in flight with ``SHUTDOWN`` (their requests closed, blocks freed) and refuse every
+        later submission the same way: the last step of a drain whose timeout ran out. The engine stays
+        healthy, so ``/metrics`` still reads its counters."""
+        self._commands.put(_Abort())
 
     def shutdown(self) -> None:
         """Stop the owner thread: close every request and the engine, refuse jobs still in flight."""
@@ -314,6 +327,8 @@ class EngineWorker:
                 self._submit(command)
             elif isinstance(command, _Cancel):
                 self._cancel(command.job_id)
+            elif isinstance(command, _Abort):
+                self._abort()
             elif isinstance(command, _Sync):
                 self._publish()
                 command.reply(self._snapshot)
@@ -325,6 +340,9 @@ class EngineWorker:
     def _submit(self, command: _Submit) -> None:
         if self._error is not None:
             _deliver(command.sink, JobUpdate(error=JobError.UNAVAILABLE, message=UNAVAILABLE_MESSAGE))
+            return
+        if self._aborted:
+            _deliver(command.sink, JobUpdate(error=JobError.SHUTDOWN, message=SHUTDOWN_MESSAGE))
             return
         request = None
         try:
@@ -357,6 +375,17 @@ class EngineWorker:
             self._forget(job)  # closing frees the blocks even if cancel_turn refused
         if self._metrics is not None:
             self._metrics.on_cancelled()
+
+    def _abort(self) -> None:
+        self._aborted = True
+        if self._error is not None:
+            return  # _fail already ended every job
+        for job in list(self._jobs.values()):
+            _deliver(job.sink, JobUpdate(error=JobError.SHUTDOWN, message=SHUTDOWN_MESSAGE))
+            self._forget(job)
+            if self._metrics is not None:
+                self._metrics.on_cancelled()
+        self._publish()
 
     def _forget(self, job: _Job) -> None:
         """Close the job's request (purging its undrained events, freeing its blocks) and drop it."""
@@ -451,11 +480,13 @@ class EngineWorker:
 
     def _teardown(self) -> None:
         for job in list(self._jobs.values()):
-            _deliver(job.sink, JobUpdate(error=JobError.UNAVAILABLE, message=SHUTDOWN_MESSAGE))
+            _deliver(job.sink, JobUpdate(error=JobError.SHUTDOWN, message=SHUTDOWN_MESSAGE))
             if self._error is None:
                 self._forget(job)
         self._jobs.clear()
         self._by_request.clear()
+        if self._error is None:
+            self._log_blocks()
         self._error = self._error or SHUTDOWN_MESSAGE
         try:
             self._engine.close()
@@ -467,9 +498,18 @@ class EngineWorker:
             except queue.Empty:
                 return
             if isinstance(command, _Submit):
-                _deliver(command.sink, JobUpdate(error=JobError.UNAVAILABLE, message=SHUTDOWN_MESSAGE))
+                _deliver(command.sink, JobUpdate(error=JobError.SHUTDOWN, message=SHUTDOWN_MESSAGE))
             elif isinstance(command, _Sync):
                 command.reply(self._snapshot)
+
+    def _log_blocks(self) -> None:
+        """The operator's proof that the shutdown released the KV cache (every request is closed here)."""
+        try:
+            stats = self._engine.stats()
+        except Exception as exc:
+            log.warning("engine stats at shutdown failed: %r", exc)
+            return
+        log.info("engine stopping: %d of %d KV-cache blocks free", stats.free_blocks, stats.total_blocks)
 
 
 def _options() -> Any:
