@@ -80,7 +80,7 @@ _JOB_STATUS = {
     JobError.SHUTDOWN: 503,
     JobError.INTERNAL: 500,
 }
-_RETRY_LATER = {"Retry-After": str(RETRY_AFTER_S)}
+_SHUTTING_DOWN = {"Retry-After": str(RETRY_AFTER_S), "Connection": "close"}  # a draining server's 503
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,7 +250,7 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
         if not server.client.worker.healthy:
             return error_json(503, UNAVAILABLE_MESSAGE, code="unhealthy")
         if server.admission.closed:  # draining: a load balancer should send its traffic elsewhere
-            return error_json(503, SHUTDOWN_MESSAGE, code="shutting_down", headers=_RETRY_LATER)
+            return error_json(503, SHUTDOWN_MESSAGE, code="shutting_down", headers=_SHUTTING_DOWN)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -320,7 +320,7 @@ def _chat_ids(
 def _admit(admission: Admission) -> Ticket:
     ticket = admission.admit()
     if ticket is None and admission.closed:
-        raise ApiError(503, SHUTDOWN_MESSAGE, code="shutting_down", headers=_RETRY_LATER)
+        raise ApiError(503, SHUTDOWN_MESSAGE, code="shutting_down", headers=_SHUTTING_DOWN)
     if ticket is None:
         message = (
             f"the server is at capacity ({admission.capacity} requests admitted: {admission.max_running} "
@@ -473,7 +473,7 @@ async def _collect(
 
 def _raise_for(update: JobUpdate) -> None:
     if update.error is not None:
-        headers = _RETRY_LATER if update.error is JobError.SHUTDOWN else None
+        headers = _SHUTTING_DOWN if update.error is JobError.SHUTDOWN else None
         raise ApiError(_JOB_STATUS[update.error], update.message, code=update.error.value, headers=headers)
     finish = update.finish
     if finish is not None and finish_reason_text(finish.reason) == "failed":

@@ -287,7 +287,8 @@ def host_allowed(host: bytes | None, allowed: Iterable[str]) -> bool:
     """Whether a ``Host`` header (any port) names ``localhost``, a loopback address, or one of ``allowed``.
 
     Accepted: ``localhost:8000``, ``127.0.0.1``, ``[::1]:8000``, ``LocalHost.`` (case and one trailing dot
-    are ignored). Refused: any other name, a missing header, a port that is not a number.
+    are ignored). Refused: any other name, a missing header, a port that is not a number, an IPv6 address
+    without brackets.
     """
     if host is None:
         return False
@@ -298,10 +299,10 @@ def host_allowed(host: bytes | None, allowed: Iterable[str]) -> bool:
     if text.startswith("["):
         name, _, rest = text[1:].partition("]")
         port = rest[1:] if rest.startswith(":") else rest
-    elif text.count(":") == 1:
-        name, _, port = text.partition(":")
+    elif text.count(":") > 1:
+        return False  # an IPv6 address in Host needs its brackets
     else:
-        name, port = text, ""
+        name, _, port = text.partition(":")
     if port and not port.isdigit():
         return False
     name = name.removesuffix(".")

@@ -13,6 +13,10 @@ update, later submissions are refused the same way, and the server answers 503. 
 job's command (its parameters refused, or an unexpected exception) fails that job alone: the engine's calls
 fail without mutation, so the other jobs and the engine are untouched.
 
+A shutdown whose timeout runs out calls ``abort``: every job in flight receives a ``SHUTDOWN`` update and
+has its request closed (its blocks freed), and later submissions are refused the same way; the engine stays
+healthy (``/metrics`` keeps reading it) until ``shutdown`` closes it.
+
 The worker publishes an immutable :class:`EngineSnapshot` after applying commands and after every step
 (before it hands the step's updates out, so a client that has its answer sees it counted); ``/metrics`` and
 ``/health`` read that snapshot and never wait for the owner thread.

@@ -211,3 +211,23 @@ def test_an_added_name_is_accepted_and_a_keyed_server_checks_no_host():
     finally:
         named.stop()
         keyed.stop()
+
+
+def test_the_head_deadline_also_bounds_the_next_request_on_a_kept_alive_connection():
+    served = serve_synthetic(
+        SyntheticModel(vocab_size=VOCAB), header_timeout=HEADER_TIMEOUT, keep_alive_timeout=60
+    )
+    try:
+        sock = _connect(served)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        first = b""
+        while not first.endswith(b'{"status":"ok"}'):
+            chunk = sock.recv(65536)
+            assert chunk, "the server closed the connection before answering"
+            first += chunk
+        sock.sendall(b"GET /health HTTP/1.1\r\n")  # the next request's head, never finished
+        status, error = _error_of(_read_to_eof(sock))
+        sock.close()
+    finally:
+        served.stop()
+    assert status == "HTTP/1.1 408 Request Timeout" and error["code"] == "request_timeout"

@@ -1,12 +1,14 @@
-"""``pagedgen serve --max-queued-requests``: default, bounds, and where it lands."""
+"""``pagedgen serve`` options: defaults, bounds, and where they land (queue, speculation, connections and
+shutdown, the Host allow-list)."""
 
 from __future__ import annotations
 
 import pytest
 
 from pagedgen import cli
-from pagedgen.server.admission import DEFAULT_MAX_QUEUED_REQUESTS
+from pagedgen.server.admission import DEFAULT_MAX_QUEUED_REQUESTS, Admission
 from pagedgen.server.app import ServerOptions
+from pagedgen.server.guard import host_allowed
 
 
 def test_max_queued_requests_defaults_to_the_server_default():
@@ -46,3 +48,120 @@ def test_an_unknown_speculative_method_is_a_usage_error(capsys):
         cli.main(["serve", "--speculative", "eagle"])
     assert info.value.code == 2
     assert "ngram" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- connections and shutdown
+
+
+def _serve_args(monkeypatch, *flags: str):
+    monkeypatch.delenv("PAGEDGEN_API_KEY", raising=False)
+    return cli.build_parser().parse_args(["serve", *flags])
+
+
+def test_connection_and_shutdown_flags_default_to_the_server_defaults(monkeypatch):
+    options = cli.server_options(_serve_args(monkeypatch))
+    defaults = ServerOptions()
+    assert (options.shutdown_timeout, options.header_timeout, options.body_timeout) == (30.0, 10.0, 30.0)
+    assert options.keep_alive_timeout == 5.0 and options.docs is True
+    for name in ("shutdown_timeout", "header_timeout", "body_timeout", "keep_alive_timeout", "docs"):
+        assert getattr(options, name) == getattr(defaults, name)
+    assert options.allowed_hosts == frozenset()  # the default bind is loopback and keyless: Host is checked
+
+
+def test_connection_flags_reach_the_server_options(monkeypatch):
+    args = _serve_args(
+        monkeypatch,
+        *("--shutdown-timeout", "0", "--header-timeout", "2.5", "--body-timeout", "7"),
+        *("--keep-alive-timeout", "1", "--no-docs", "--allowed-host", "Box.LAN", "--allowed-host", "b."),
+    )
+    options = cli.server_options(args)
+    assert (options.shutdown_timeout, options.header_timeout, options.body_timeout) == (0.0, 2.5, 7.0)
+    assert options.keep_alive_timeout == 1.0 and options.docs is False
+    assert options.allowed_hosts == frozenset({"box.lan", "b"})
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ((), frozenset()),
+        (("--host", "localhost"), frozenset()),
+        (("--host", "::1"), frozenset()),
+        (("--host", "127.0.0.2"), frozenset()),
+        (("--api-key", "K"), None),  # the key protects the server; a browser page cannot send it
+        (("--host", "0.0.0.0"), None),
+        (("--host", "0.0.0.0", "--allowed-host", "gpu.lan"), frozenset({"gpu.lan"})),
+        (("--api-key", "K", "--allowed-host", "gpu.lan"), frozenset({"gpu.lan"})),
+    ],
+)
+def test_the_host_check_is_on_for_a_keyless_loopback_bind_or_named_hosts(monkeypatch, flags, expected):
+    assert cli.server_options(_serve_args(monkeypatch, *flags)).allowed_hosts == expected
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--shutdown-timeout", "-1", "non-negative"),
+        ("--shutdown-timeout", "nan", "non-negative"),
+        ("--header-timeout", "0", "positive"),
+        ("--body-timeout", "inf", "positive"),
+        ("--keep-alive-timeout", "-0.5", "positive"),
+    ],
+)
+def test_a_bad_timeout_is_a_usage_error(capsys, flag, value, message):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["serve", flag, value])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and message in err and value in err
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("shutdown_timeout", -1.0),
+        ("header_timeout", 0.0),
+        ("body_timeout", float("nan")),
+        ("keep_alive_timeout", -2),
+    ],
+)
+def test_server_options_refuse_a_bad_timeout(field, value):
+    with pytest.raises(ValueError, match=f"ServerOptions.{field}"):
+        ServerOptions(**{field: value})
+
+
+@pytest.mark.parametrize(
+    ("host", "allowed"),
+    [
+        (b"localhost", True),
+        (b"localhost:8000", True),
+        (b"LocalHost.:1", True),
+        (b"127.0.0.1", True),
+        (b"127.0.0.1:65535", True),
+        (b"127.9.9.9", True),
+        (b"[::1]", True),
+        (b"[::1]:8000", True),
+        (b"box.lan:80", True),  # added below
+        (None, False),
+        (b"", False),
+        (b"evil.example", False),
+        (b"evil.example:8000", False),
+        (b"localhost.evil.example", False),
+        (b"127.0.0.1.evil.example", False),
+        (b"localhost:80x", False),
+        (b"[::1]x", False),
+        (b"10.0.0.1", False),
+        (b"::1", False),  # an IPv6 address in Host needs its brackets
+        (b"\xff", False),
+    ],
+)
+def test_host_allowed(host, allowed):
+    assert host_allowed(host, frozenset({"box.lan"})) is allowed
+
+
+def test_admission_refuses_once_closed_and_held_tickets_still_release():
+    admission = Admission(max_running=2, max_queued=0)
+    held = admission.admit()
+    admission.close()
+    assert admission.admit() is None and admission.in_flight == 1
+    held.release()
+    assert admission.in_flight == 0 and admission.admit() is None
