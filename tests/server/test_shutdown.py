@@ -13,6 +13,7 @@ which only the main thread may take), where a model held at a gate makes "still 
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import socket
@@ -29,6 +30,7 @@ from pagedgen.server.worker import EngineWorker
 from tests.server.doubles import NUM_BLOCKS, VOCAB, GatedModel, expected_text
 from tests.server.serving import serve_synthetic
 
+ROOT = Path(__file__).resolve().parents[2]  # this checkout: the subprocess serves its code
 WAIT_S = 300  # the bound of every wait: model load on a loaded 2-core machine, a drain, an exit
 LONG = 2000  # tokens no drain of a few seconds lets finish on a CPU
 SHORT = 3
@@ -50,7 +52,14 @@ class ServeProcess:
         command = [sys.executable, "-m", "pagedgen.cli", "serve", "--port", str(self.port)]
         command += ["--max-batch-size", "4", "--num-blocks", "320", *flags]
         self._stderr = self.stderr_path.open("wb")
-        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=self._stderr)
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        }
+        env.pop("PAGEDGEN_API_KEY", None)
+        self.proc = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=self._stderr, env=env, cwd=ROOT
+        )
         self._wait_healthy()
 
     def _wait_healthy(self) -> None:
@@ -186,6 +195,7 @@ def _assert_clean_exit(server: ServeProcess) -> None:
     assert len(blocks) == 1 and blocks[0][0] == blocks[0][1] == "320", log
 
 
+@pytest.mark.model
 def test_sigterm_finishes_what_fits_the_timeout_ends_the_rest_and_exits_0(spawn):
     server = spawn("--shutdown-timeout", "10")
     long_stream = StreamReader(server.url, LONG)
@@ -225,6 +235,7 @@ def test_sigterm_finishes_what_fits_the_timeout_ends_the_rest_and_exits_0(spawn)
     _assert_clean_exit(server)
 
 
+@pytest.mark.model
 def test_sigint_drains_and_a_second_signal_ends_the_wait(spawn):
     """Ctrl-C: the drain would wait 600 s; the second Ctrl-C ends it at once (the test's bound is 300 s)."""
     server = spawn("--shutdown-timeout", "600")
