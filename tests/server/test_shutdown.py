@@ -208,7 +208,11 @@ def test_sigterm_finishes_what_fits_the_timeout_ends_the_rest_and_exits_0(spawn)
     short_plain = PlainRequest(server.url, SHORT)
     short_stream.start()
     short_plain.start()
-    _wait(lambda: _admitted(server.url) == 4, "all four requests admitted")
+
+    def admitted_or_done() -> bool:  # short ones may finish first: the in-process tests pin that case exactly
+        return _admitted(server.url) == 4 or not (short_stream.is_alive() or short_plain.is_alive())
+
+    _wait(admitted_or_done, "all four requests admitted")
 
     server.signal(signal.SIGTERM)
     health = _wait_draining(server.url)
