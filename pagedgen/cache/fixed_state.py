@@ -1,39 +1,13 @@
 """Fixed request-state pools: per-request conv / recurrent state in two banks, published only at commit.
 
-Reference, "Fixed request-state pools". Every fixed tensor (:class:`FixedStateSpec`) is backed by two
-persistent banks ``[2, capacity, *row]``; each slot (one per possible resident, ``capacity`` =
-``max_batch_size``) records which bank is *active* (holds its visible committed state), an allocation
-generation (advanced each time the slot is given to a new owner), a state generation (advanced on every
-commit) and ``committed_tokens``, the number of tokens baked into its committed state (always equal to the
-request's committed paged slots).
-
-A step reads the active bank and writes the inactive one, so nothing it writes is visible until the commit
-flips the selector:
-
-- :meth:`FixedStatePool.reserve` admits the step's rows in scheduled order: a request that owns a slot keeps
-  it, any other is admitted *provisionally* into the lowest free slot (not discoverable as an owner until
-  commit). When every row is resident and the rows' slots form one ascending contiguous interval, the
-  reservation binds bank views directly (**direct path**): model input ``bank[a][lo:hi]``, output
-  ``bank[1 - a][lo:hi]``. Rows whose active bank is in the minority are first copied into the canonical bank
-  and their selectors flipped: a representation-only change that leaves every visible value as it was.
-  Otherwise (**gathered path**) the rows' committed state (zeros for an admission) is gathered into staging
-  and the model writes a second staging buffer.
-- :meth:`FixedStateReservation.validate_commit` mutates nothing and proves every slot is exactly where the
-  reservation left it, and that each row advances to exactly its planned token count (a fixed state cannot
-  be narrowed to a prefix of the step: there is no compact replay, and the engine never asks for one).
-- :meth:`FixedStateReservation.prepare_commit` is the fallible device phase: the gathered path copies its
-  staged outputs into the rows' inactive banks, then the device is synchronised. The active banks are never
-  touched, so a failure leaves committed state exact; it still marks the pool unhealthy (an inactive bank may
-  be half written) and returns the provisional slots.
-- :meth:`FixedStateReservation.publish_commit` does host bookkeeping only and cannot fail: flip each slot to
-  the bank just written, advance its state generation, set ``committed_tokens``, publish admissions.
-- :meth:`FixedStateReservation.discard` (from reserved or prepared) returns only the provisional slots; every
-  resident slot keeps its active bank, generations and tokens, so a rolled-back step leaves every visible
-  byte as it was.
-
-One reservation is live at a time. Banks and staging are allocated once, at construction (lazily zeroed on
-the CPU), so a planned step never fails for want of fixed-state memory; a released slot is not zeroed (an
-admission reads zeros from the gather path, never the slot's stale bank).
+Every fixed tensor has two persistent banks ``[2, capacity, *row]``; a step reads each slot's active bank and
+writes the other (directly, or through staging when the rows' slots are not one contiguous interval), and
+only the commit flips the selector, so a rolled-back step leaves every visible byte as it was.
+:meth:`FixedStatePool.reserve` admits rows (an admission provisionally, in the lowest free slot),
+:meth:`FixedStateReservation.validate_commit` proves nothing moved, ``prepare_commit`` is the one fallible
+device copy (fail-stop), ``publish_commit`` is host bookkeeping that cannot fail, ``discard`` returns only
+the provisional slots. One reservation is live at a time, and banks and staging are allocated once, so a
+planned step never fails for want of fixed-state memory. The whole design: docs/cache.md, "Fixed state".
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """Automatic prefix caching: full blocks named by a hash chained over their tokens, reused by later requests.
 
-A full block's K/V depend on every token before it (attention reads the whole prefix) and on its own tokens at
-their positions. So a block is named by a digest chained over the blocks before it::
-
-    hash[0] = H(salt, tokens[0 : B])        hash[i] = H(hash[i - 1], tokens[i*B : (i+1)*B])
-
-(``B`` the block size, ``H`` BLAKE2b with a 16-byte digest, ``salt`` whatever else changes the content: the
-engine passes the model's identity). Two sequences share ``hash[i]`` only if they share all ``(i + 1) * B``
-first tokens, so a block found under that name holds exactly the K/V the new request would compute there.
-
-:class:`PrefixCache` is the name table: digest -> block and back, one block per digest. The block pool
-(:mod:`pagedgen.cache.block_pool`) keeps the blocks' states and reference counts, the manager keeps the two
-in step: a block is published here when a commit fills it, found again by :meth:`PrefixCache.match` at
-admission, and forgotten when the pool evicts it. Only full blocks are ever published, and a full block is
-never written again (appends go to later positions), so sharing one needs no copy-on-write.
-
-Why only some models: a request's K/V at a prefix boundary is all a paged full-attention model needs to go on
-from there. A sliding-window ring overwrites old positions in place and a fixed conv / recurrent state holds
-only the state after the *last* token, so neither can be restored at a block boundary of a cached prefix: the
-engine switches prefix caching off for such models (``engine/cache_layout.py``).
+A full block's K/V depend on every token before it and on its own tokens at their positions, so it is named
+by a digest chained over the blocks before it (BLAKE2b, 16 bytes, the first block salted with the model's
+identity): a block found under a name holds exactly what a new request would compute there, and since a
+full block is never written again, sharing it needs no copy-on-write. :class:`PrefixCache` is the name
+table (digest to block and back); the block pool keeps the blocks' states and reference counts, and the
+manager keeps the two in step. Only purely paged models on the dynamic path use it (a window ring or a
+fixed state cannot be restored at a block boundary). The rules: docs/cache.md, "Prefix caching".
 """
 
 from __future__ import annotations

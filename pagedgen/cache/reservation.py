@@ -1,32 +1,15 @@
 """One step's paged-cache transaction: reserved blocks that become committed ownership only at commit.
 
-Between reserve and commit the engine runs the model, which writes K/V into the reserved blocks through the
-combined view :meth:`Reservation.block_table`. Nothing about committed ownership changes in that window: the
-reserved blocks are not in any request's table and new requests have only provisional tables. Then exactly
-one of two things happens:
-
-- :meth:`Reservation.commit` appends the reserved blocks to the tables, publishes new requests' tables (with
-  their window rings) and advances committed slots (possibly to fewer tokens than reserved);
-- :meth:`Reservation.discard` returns every reserved block, of both pools, to its free list (rollback).
-
-With prefix caching an admission's row also names the cached blocks its prefix was found in
-(``cached_blocks``). The reservation only *pins* them (allocation could not evict them; nothing else can
-while it is live): the commit takes the references (``BlockPool.add_ref``) and publishes every block the
-step filled under its chained digest; a discard has nothing to give back for them. The one thing a reservation
-can take from the cache is room: when FREE blocks run out, ``PagedCacheManager.reserve`` evicted the oldest
-unpinned CACHED blocks (``evicted``). A discard puts those back exactly (same names, same LRU places) when the
-model never ran (``restore_evicted``); once it may have written into them their content is gone, so they stay
-FREE and unnamed: a lost cache entry only costs a recomputation.
-
-For a model with fixed conv / recurrent state the reservation is *composite*: ``fixed`` is the step's
-:class:`~pagedgen.cache.fixed_state.FixedStateReservation` over the same rows. Its target tokens must equal
-the paged commit's, so both states commit at one token boundary; :meth:`Reservation.prepare_commit` does the
-fixed state's fallible device copy, the commit publishes paged ownership first and then flips the fixed
-banks, and a discard leaves every resident's fixed state as it was.
-
-:meth:`Reservation.validate_commit` proves, without mutating anything, that committed state is exactly as the
-reservation found it (both pools' generations, every resident table's identity, generation, sizes and
-slots), so the publish step cannot fail for a reason it could have checked first.
+Between reserve and commit the model writes K/V into the reserved blocks through
+:meth:`Reservation.block_table`, while committed ownership stays untouched; then exactly one of
+:meth:`Reservation.commit` (blocks join their tables, new tables and window rings are published, filled
+blocks are named for prefix caching) or :meth:`Reservation.discard` (everything reserved goes back, and
+cached blocks it evicted return to the cache when the model never ran) happens. Cached prefix blocks are
+only pinned until the commit takes their references, and a model's fixed-state reservation rides along
+(``fixed``) so both states commit at one token boundary. :meth:`Reservation.validate_commit` proves, without
+mutating anything, that committed state is as the reservation found it, so the publish cannot fail for a
+reason it could have checked first. Details: docs/cache.md ("Prefix caching", "Fixed state") and
+docs/engine.md.
 """
 
 from __future__ import annotations

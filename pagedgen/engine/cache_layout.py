@@ -1,25 +1,11 @@
 """Which cache paths the engine builds for a model, chosen from its decoder state manifest.
 
-Reference, "Decoder state manifest", "Sliding-window paged layers" and "Fixed request-state pools". The engine
-never asks which family a model is; it reads the manifest (``model.state_manifest``, else the legacy one
-implied by ``model.kv_spec``) and decides:
-
-- every manifest needs exactly one paged_kv group (one shared paged pool);
-- fixed conv / recurrent groups get a fixed-state pool of ``max_batch_size`` slots, on the dynamic path only
-  (the static path has no request-indexed state bindings). The model must declare exactly the fixed tensors
-  the groups name (``model.fixed_state_specs``: kind and layer per tensor); a group without tensors, or
-  tensors without a group, are refused. The pool's bytes (two banks and two staging buffers per tensor)
-  come off the KV budget first;
-- sliding-window layers on the dynamic path keep a ring in a separate window pool. ``C``, the per-request
-  query cap, is ``chunk_size`` capped to ``max_scheduled_tokens`` (``max_scheduled_tokens`` when unset),
-  so a step never wraps a ring onto live positions; the pool holds one ring per possible resident
-  (``max_batch_size``), so rings never limit admission, and its bytes come off the budget before the
-  full-context pool is sized from the remaining full-attention layers;
-- the static path (and any model without windowed layers) keeps every layer in the full pool; windowed
-  layers there are only masked;
-- prefix caching (``EngineConfig.prefix_caching``) needs the dynamic path and a purely paged cache: a
-  window ring keeps only the last positions and a fixed state only the state after the last token, so
-  neither can be restored at a cached block boundary. For such a model it is off, and ``prefix_off`` says why.
+The engine never asks which family a model is: it reads the manifest (``model.state_manifest``, else the
+legacy one implied by ``model.kv_spec``) and decides which pools exist: one paged pool always, a window-ring
+pool for sliding-window layers and a fixed-state pool for conv / recurrent groups on the dynamic path, and
+whether prefix caching can apply (``prefix_off`` says why not); the ring and fixed-state bytes come off the
+KV budget before the full pool is sized. The table of what is accepted, and why:
+docs/cache.md, "What the engine accepts".
 """
 
 from __future__ import annotations

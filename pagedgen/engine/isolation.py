@@ -1,22 +1,11 @@
 """Failure isolation: a step that keeps rolling back must not stall the engine.
 
-The reference retries a rolled-back step as is, so a failure that recurs for the same batch (one request's
-input trips the model, a processor, or the host allocator every time) would roll back forever and starve
-every request batched with it. The rule, next to the seed's rollback rules (docs: "Failure isolation"):
-
-* A failure attributed to one request (its sampling row, its stop matcher) fails only that turn at once;
-  that is the step's job (:class:`pagedgen.engine.outcomes.RequestFailure`), not this module's.
-* An unattributed rollback (RETRYABLE or an execution CAPACITY_BLOCKED) is retried as is up to
-  ``max_retries`` times in a row: a transient fault clears and nothing is lost.
-* After that the requests of the failing step become *suspects*: the next steps schedule only the first
-  half of them; a half that still fails ``max_retries`` times is halved again, a half that commits clears
-  its requests and the other half is tried next. A single request that fails ``max_retries`` times alone is
-  the culprit: its turn fails with ``REQUEST_FAILED`` and the search goes on with what is left.
-
-Every rollback therefore either retries (at most ``max_retries`` times per scope), shrinks the scope, or
-fails one turn, so a recurring failure costs at most ``max_retries * (2 * batch - 1)`` rolled-back steps per
-culprit and can never spin the engine without progress. Requests outside the suspects wait meanwhile (the
-search is short and bounded). Pure bookkeeping over request ids: the step plans, rolls back and fails turns.
+Retrying a rolled-back step as is clears a transient fault, but a failure that recurs with the same batch
+would roll back forever and starve every request batched with it. So an unattributed rollback is retried
+up to ``max_retries`` times, then the failing step's requests become suspects and are halved until the one
+that fails alone is found and its turn fails with ``REQUEST_FAILED``; a recurring failure therefore costs at
+most ``max_retries * (2 * batch - 1)`` rolled-back steps. Pure bookkeeping over request ids: the step plans,
+rolls back and fails turns. The rules: docs/engine.md, "Failure isolation".
 """
 
 from __future__ import annotations

@@ -1,58 +1,12 @@
 """Decode-first planning for the dynamic path: which requests run this step, and how many tokens each sends.
 
-Policy (reference, "Backpressure and fairness" and "One dynamic step in detail", steps 1-4):
-
-1. Candidates are the executable cache residents in resident order, decodes (whose one unprocessed token
-   is the one their previous step sampled) first,
-   then resident prefills (partial prefills and queued continuations), then waiting non-resident requests in
-   submission order. Turn-complete residents are skipped but keep their blocks.
-2. Each candidate provisionally sends one token; the cache manager selects the ordered subset that fits the
-   row limit, the residency limit and the free blocks, and says why the rest was deferred (temporary
-   capacity, or never serviceable). A blocked prefill does not hide smaller work behind it.
-3. Selected prefills then expand in stable order, bounded by their remaining input, ``chunk_size`` and the
-   global ``max_scheduled_tokens`` budget; packed offsets follow the row order. With sliding-window rings
-   ``chunk_size`` is the rings' ``C`` (set by the engine, never unset): no request gets more tokens in one
-   step than its ring can take without overwriting a position it still reads (docs/cache.md).
-
-Admitting a prefill reserves cache for its whole remaining input (``required_slots = len(tokens)``), so a
-partial prefill can always finish: nobody can take the capacity it needs.
-
-Releasing residency (beyond the seed, which lets idle residents hold their rows and lets a decode that
-cannot grow wait forever; :meth:`DynamicScheduler.relieve`). When a plan leaves work behind for want of
-blocks or of a resident place, the step releases residents instead of running, and the next step plans again:
-
-- *Idle residents yield.* Turn-complete residents, least recently scheduled first, give up their place and
-  blocks (which stay in the prefix cache) to a resident that cannot grow or to waiting work. They lose
-  residency, not their sequence: the next ``begin_turn`` queues them as waiting work, re-prefilled from
-  whatever the cache still holds.
-- *Preemption by recompute.* A resident that cannot grow, with no idle resident left, preempts the running
-  resident with the lowest priority (the latest ``priority`` stamp, given when its turn was submitted),
-  or itself if it is the youngest. The victim's blocks go to the prefix cache, it keeps every token it
-  generated and goes back to the waiting queue in priority order, to be re-prefilled; no event is lost or
-  repeated, because preemption publishes nothing and the re-prefill samples the very token the next decode
-  would have.
-- *Aging.* A waiting request deferred for ``age_limit`` committed steps in a row stops younger waiting work
-  from being admitted past it and preempts running requests younger than itself (and idle residents yield
-  to it), so a large request cannot be starved by a stream of small ones.
-
-Priorities only ever preempt strictly younger work (or the youngest preempts itself), so there is no cycle:
-the oldest unfinished request can always take the whole pool, and any workload whose requests fit the pool
-one at a time runs to completion.
-
-With prefix caching an admission starts after the longest cached prefix of its full blocks (never its last
-token, whose logits are needed): the cache plan says how many blocks it found, and the row's past length
-starts there (``cached_len``), so the step computes only the rest. An admission whose next uncached block
-is one that an earlier prefill of the same plan is about to compute is held back (it stays waiting, not
-deferred): requests that arrive together with a new shared prefix compute it once, the first of them now and
-the others from the cache once it is published, instead of each computing it side by side.
-
-Speculative drafts (``request.set_draft_tokens``) are optional decode work: after the cache selected the rows
-for their mandatory tokens, decodes in order take drafts from the remaining token budget and from the blocks
-the selection left allocatable (free ones, then unpinned cached ones, which the reservation evicts oldest
-first, like any allocation), cut where they do not fit (:mod:`pagedgen.engine.drafts`). Prefills never
-verify drafts. Drafts never defer, preempt or evict a resident: the relief above looks only at mandatory
-work. A resident that loses residency (preempted or yielding) loses its pending drafts with it: they were
-proposed after a token its re-prefill will process anew, so the caller proposes again once it decodes.
+Decodes go first so a running stream never waits behind a long prompt; prefills then fill the step's token
+budget in chunks, and an admitted prefill reserves cache for its whole remaining input so it can always
+finish. When a plan leaves work behind for want of room, :meth:`DynamicScheduler.relieve` releases
+residency instead (idle residents yield, the youngest running request is preempted, waiting requests age),
+so nothing waits forever. The policy, its rules and why they cannot cycle: docs/engine.md, "Scheduling:
+decode first" and "Residency"; prefix-cache hits and held-back admissions: docs/cache.md; drafts:
+:mod:`pagedgen.engine.drafts`.
 """
 
 from __future__ import annotations

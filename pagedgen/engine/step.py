@@ -1,17 +1,14 @@
-"""One dynamic engine step as a transaction (reference, "One dynamic step in detail", steps 1-11).
+"""One dynamic engine step as a transaction.
 
     plan -> reserve -> checkpoint -> pack -> execute once -> sample -> stage -> validate -> prepare
          -> commit (request/search, then cache + admission) -> publish events in scheduler order
 
-Nothing before the commit boundary changes committed state: the plan is read-only, the reservation holds
-blocks outside every committed table, staging writes only checkpointed sampler/stop-matcher state. So a
-known failure there is undone by restoring the checkpoints and discarding the reservation. From the commit
-on, containment is fail-stop. :meth:`DynamicStep._fail` is the one place that turns a failure into an outcome
-(:func:`pagedgen.engine.outcomes.classify_failure`).
-
-Failure isolation (beyond the seed's whole-step retry): a failure that names its request
-(:class:`~pagedgen.engine.outcomes.RequestFailure`: one sampling row, one stop matcher) rolls back and fails
-only that turn; unattributed rollbacks that recur narrow the next plans (:mod:`pagedgen.engine.isolation`).
+Nothing before the commit boundary changes committed state, so a known failure there is undone by
+restoring the checkpoints and discarding the reservation; from the commit on, containment is fail-stop.
+:meth:`DynamicStep._fail` is the one place that turns a failure into an outcome
+(:func:`pagedgen.engine.outcomes.classify_failure`); a failure that names its request fails only that turn
+(:mod:`pagedgen.engine.isolation` narrows down the others). The phases: docs/architecture.md, "The engine
+step"; the rollback rules: docs/engine.md.
 """
 
 from __future__ import annotations
@@ -178,7 +175,7 @@ class DynamicStep:
         if fixed is not None and (
             tuple(r.request_id for r in fixed.rows) != txn.request_ids
             or fixed.num_new != sum(row.is_new for row in plan.rows)
-        ):  # the reference proves the fixed reservation matches the plan; a mismatch is a contract failure
+        ):  # the fixed reservation must cover the plan's rows in order; a mismatch is a contract failure
             raise CacheError("the fixed-state reservation does not match the step plan")
         return txn.reservation
 

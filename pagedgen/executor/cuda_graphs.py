@@ -1,36 +1,12 @@
 """CUDA graphs for pure decode steps: bucketing, eligibility, static input buffers, a bounded registry.
 
-The reference (paged_attention_engine.md, "CUDA graph capture") captures stable decode shapes and runs
-everything else eagerly (graph id -1). Here:
-
-* **Eligibility** (:func:`classify_step`): a step is capturable only when every row sends exactly one query
-  token and samples it, with no draft rows, no sliding-window rings and no fixed (conv / recurrent) state,
-  within the largest bucket. Anything else runs eagerly and says why (:class:`EagerReason`).
-* **Keys** (:class:`GraphKey`): (batch-size bucket, block-table-width bucket). Batch buckets are
-  1, 2, 4, 8, 16, then every multiple of 16, capped at ``max_batch_size`` (at most 15 padding rows beyond
-  16: a padding row costs one token of compute and reads one scratch block). Width buckets are powers of
-  two from 8 columns (the seed's minimum), the last one clamped to the widest table the model can need
-  (a "truncated final bucket"), or the one clamped bucket below 8 when the model cannot need 8 columns.
-* **Static buffers** (:class:`StaticDecodeBuffers`): one device byte buffer sized for the largest key; each
-  key's inputs are fixed views of its start, reshaped to the key's shape, so a captured graph always finds
-  its inputs at the same addresses. A step is written into them by one host image and one transfer
-  (:func:`decode_image`): real rows first, then padding rows whose token writes and reads hit a scratch
-  block no request owns (their logits are computed and ignored).
-* **Registry** (:class:`DecodeGraphs`): graphs are captured lazily, the second time a key is seen (a
-  one-off shape never spends the budget), up to ``max_graphs`` graphs and ``max_bytes`` of graph memory
-  (growth of the device's reserved memory across each capture; the graphs share one memory pool). When the
-  budget is spent, new keys are **refused** and run eagerly; nothing is evicted. Why not evict: the graphs
-  share a pool, so dropping one returns no memory while the others live, and a re-capture costs more than
-  the eager steps it would save. A capture that fails (a host synchronisation inside the forward, caught
-  while warming up with ``torch.cuda.set_sync_debug_mode("error")``, or a first replay that differs from an
-  eager run) turns graphs off for the runner, and the step runs eagerly. A capture that runs out of memory
-  refuses only its key.
-* **Replay contract**: copy the step's inputs into the key's static views once (one transfer), replay,
-  read the first ``B`` rows of the graph's logits (cloned: the next replay overwrites them).
-
-Capture sits behind :class:`GraphCapture`; :class:`CudaGraphCapture` is the ``torch.cuda.CUDAGraph`` one.
-The bookkeeping above is plain Python and is tested on the CPU with a stand-in capture; the CUDA capture
-itself is UNVERIFIED ON HARDWARE until a GPU session runs ``scripts/gpu_check.py`` (docs/performance.md).
+Only steps whose rows each send and sample one token (no drafts, window rings or fixed state) are captured,
+keyed by (batch-size bucket, block-table-width bucket); everything else runs eagerly and says why
+(:class:`EagerReason`). Inputs live at fixed addresses in one static device buffer, padding rows touch a
+scratch block, and the registry captures a key the second time it is seen, within a count and memory
+budget, refusing new keys rather than evicting. Capture sits behind :class:`GraphCapture`, so all of this
+is tested on the CPU with a stand-in; the CUDA capture itself is UNVERIFIED ON HARDWARE until a GPU session
+runs ``scripts/gpu_check.py`` (docs/performance.md, "The CUDA path: the prepared device check").
 """
 
 from __future__ import annotations
@@ -46,13 +22,13 @@ import torch
 
 from pagedgen.core.step_inputs import StepInputs
 
-MIN_WIDTH_BUCKET = 8  # block-table columns of the smallest width bucket (the seed's minimum)
+MIN_WIDTH_BUCKET = 8  # block-table columns of the smallest width bucket
 SMALL_BATCH_BUCKETS = (1, 2, 4, 8, 16)  # then every multiple of BATCH_STEP
 BATCH_STEP = 16
 DEFAULT_MAX_GRAPHS = 64
 DEFAULT_MAX_GRAPH_BYTES = 2 << 30  # graph-pool memory (activations of the largest captured shapes)
 CAPTURE_AFTER_USES = 2  # a key is captured the second time a step needs it
-EAGER_GRAPH_ID = -1  # the seed's graph id of a step that runs eagerly (reports only)
+EAGER_GRAPH_ID = -1  # the graph id reported for a step that runs eagerly (logs and reports only)
 _ALIGN = 8
 
 
@@ -130,7 +106,7 @@ class GraphGeometry:
         return GraphKey(self.batches[-1], self.widths[-1])
 
     def graph_id(self, decision: GraphKey | EagerReason) -> int:
-        """The seed's numeric graph id, for logs and reports: the key's index in (batch, width) order, or
+        """A numeric graph id, for logs and reports: the key's index in (batch, width) order, or
         -1 for a step that runs eagerly. The code itself passes :class:`GraphKey` / :class:`EagerReason`."""
         if isinstance(decision, EagerReason):
             return EAGER_GRAPH_ID
@@ -138,7 +114,7 @@ class GraphGeometry:
 
     def kv_bounds(self, key: GraphKey) -> tuple[int, int]:
         """(upper bound on every row's KV length, lower bound on the longest) valid for every replay of
-        ``key``, the seed's rule for reservations of exactly ceil(kv_len / block_size) blocks: the lower
+        ``key``, for reservations of exactly ceil(kv_len / block_size) blocks: the lower
         bound is 1 in the smallest (or clamped sub-minimum) bucket, else one more than the previous
         bucket's capacity."""
         i = self.widths.index(key.width)

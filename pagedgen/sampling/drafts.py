@@ -1,25 +1,11 @@
 """Verifying speculative drafts: from a request's K+1 logits rows to the tokens it emits this step.
 
-A request that sends its one unprocessed token followed by drafts ``d_1..d_K`` gets K+1 logits rows: row
-``i`` predicts the token after ``d_i`` (row 0: after the unprocessed token). Row ``i`` is processed as if
-``d_1..d_i`` had already been accepted: its :class:`SampleRow` carries that extended context, so a processor
-that reads the sequence (repetition penalty, no-repeat n-gram, ``min_length``, presence / frequency
-penalties) sees exactly what it would have seen without speculation. That is why drafts need no restriction
-on the logits processors.
-
-Every row is sampled by the ordinary batched sampler: greedy rows take the argmax, sampled rows draw from
-their processed and warped distribution ``p_i`` with the request's stream at draw index ``draws + i``, the
-index that token would have used without drafts. The longest prefix of drafts equal to the rows' tokens is
-accepted; the first row that disagrees supplies the replacement token, or row K a bonus token when every
-draft matched. The request's stream then advances by the number of emitted tokens only.
-
-For sampled rows this is speculative rejection sampling (Leviathan et al. 2023; vLLM's ``RejectionSampler``)
-with the caller's draft as a point-mass proposal ``q = delta(d_i)``, the uniform shared with the target draw:
-``d_i`` is accepted with probability ``P(t_i = d_i) = p_i(d_i) = min(1, p_i(d_i) / q(d_i))``, and a rejected
-row emits ``t_i`` given ``t_i != d_i``, i.e. a draw from the residual ``norm(max(0, p_i - q))`` (``p_i``
-without ``d_i``). The acceptance rate is the rejection sampler's, the output distribution is exact, and
-because the uniforms are coupled the emitted tokens are exactly those of the same request without drafts (same
-seed), in any batch, whatever the drafts and however many of them the step's budget kept.
+Row ``i`` is processed as if drafts ``1..i`` had been accepted and sampled with the request's stream at the
+draw index its token has without drafts; the longest prefix of drafts equal to the rows' tokens is accepted,
+then the first disagreeing row supplies the replacement (or row K a bonus token). For sampled rows this is
+rejection sampling with the draft as a point-mass proposal, coupled to the target draw, so the output
+distribution is exact and the emitted tokens are those of the same request without drafts. The argument
+in full: docs/engine.md, "Speculative drafts".
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
 """The engine's owner thread: every Engine and Request call of the server happens here.
 
-The reference's single-owner rule ("Other host threads marshal commands and copied inputs to that owner")
-shapes this module. HTTP handlers never touch the engine: they put immutable commands (submit a prompt,
-cancel a job, sync) on a thread-safe queue. The owner thread loops: take every queued command (blocking only
-when the engine has no work), run one engine transaction, copy each affected job's tokens and finish into a
-:class:`JobUpdate` and hand it to that job's sink. :class:`AsyncEngineClient` is the asyncio side: its sinks
-push updates into per-job ``asyncio.Queue`` objects with ``loop.call_soon_threadsafe``.
-
-A run that raises (or an event reporting an engine-level failure, or a command refused with
-``EngineUnhealthyError``) makes the engine unhealthy for good: every job in flight receives an ``UNAVAILABLE``
-update, later submissions are refused the same way, and the server answers 503. An error while applying one
-job's command (its parameters refused, or an unexpected exception) fails that job alone: the engine's calls
-fail without mutation, so the other jobs and the engine are untouched.
-
-A shutdown whose timeout runs out calls ``abort``: every job in flight receives a ``SHUTDOWN`` update and
-has its request closed (its blocks freed), and later submissions are refused the same way; the engine stays
-healthy (``/metrics`` keeps reading it) until ``shutdown`` closes it.
-
-The worker publishes an immutable :class:`EngineSnapshot` after applying commands and after every step
-(before it hands the step's updates out, so a client that has its answer sees it counted); ``/metrics`` and
-``/health`` read that snapshot and never wait for the owner thread.
+The engine is single-owner, so HTTP handlers never touch it: they put immutable commands (submit, cancel,
+sync) on a thread-safe queue, and this thread applies them, runs one engine transaction at a time and hands
+each job its :class:`JobUpdate`; :class:`AsyncEngineClient` is the asyncio side. A failed engine run makes
+the server unhealthy for good (every job gets ``UNAVAILABLE``), a failed command fails only its job, and a
+shutdown whose timeout ran out aborts the jobs in flight (``SHUTDOWN``). After commands and after every step
+the worker publishes an immutable :class:`EngineSnapshot` that ``/metrics`` and ``/health`` read without
+waiting. The whole design: docs/server.md, "How it works" and "Shutdown and connection limits".
 """
 
 from __future__ import annotations
