@@ -1,7 +1,7 @@
 """pagedgen: continuous batching over a paged KV cache, one transactional engine step at a time.
 
-The public names (DESIGN.md) are resolved lazily so that ``import pagedgen`` stays cheap and a command
-such as ``pagedgen --help`` does not pay for torch model code it does not use.
+The public names (docs/architecture.md) are resolved lazily so that ``import pagedgen`` stays cheap and a
+command such as ``pagedgen --help`` does not pay for torch model code it does not use.
 """
 
 from __future__ import annotations

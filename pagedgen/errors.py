@@ -1,7 +1,7 @@
 """The error types of pagedgen.
 
 Every misuse or bad input raises a subclass of :class:`PagedGenError` with a message that names the problem.
-Engine-facing errors derive from :class:`EngineError` (the public contract of DESIGN.md).
+Engine-facing errors derive from :class:`EngineError` (the public contract: docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ def turn_options(
 
 
 def drain(engine: pg.Engine, capacity: int = 64, max_calls: int = 100_000) -> list[pg.EngineEvent]:
-    """Run until nothing is pending; every event in order (the loop of DESIGN.md)."""
+    """Run until nothing is pending; every event in order (the public engine loop)."""
     buffer = engine.create_event_buffer(capacity)
     events: list[pg.EngineEvent] = []
     calls = 0

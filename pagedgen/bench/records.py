@@ -65,7 +65,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def match_stats(reference: Sequence[Sequence[int]], candidate: Sequence[Sequence[int]]) -> MatchStats:
-    """Compare per request; ``compared_tokens`` counts the reference's tokens. Raises on a count mismatch."""
+    """Compare per request; ``compared_tokens`` counts ``reference``'s tokens. Raises on a count mismatch."""
     if len(reference) != len(candidate):
         raise ValueError(f"{len(candidate)} outputs to compare with {len(reference)} reference outputs")
     matched = sum(common_prefix(r, c) for r, c in zip(reference, candidate, strict=True))

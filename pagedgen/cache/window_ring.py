@@ -1,6 +1,6 @@
 """The window-ring pool's shape: how many blocks it has and how many each resident request owns.
 
-Reference, "Sliding-window paged layers". Sliding-window layers keep their K/V in a second block pool,
+Sliding-window layers keep their K/V in a second block pool,
 separate from the full-context pool: every resident request owns exactly ``ring_blocks`` of its blocks
 (``R = ceil((C + W - 1) / B)``, :func:`pagedgen.core.window.ring_blocks`), taken at admission in the same
 reservation as its first full-context blocks and returned with them on removal. The ring never grows, so

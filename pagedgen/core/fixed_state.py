@@ -1,11 +1,11 @@
 """What a model's fixed (request-indexed) decoder state looks like: one :class:`FixedStateSpec` per tensor.
 
-Reference, "Fixed request-state pools". A ``fixed_conv`` or ``fixed_recurrent`` layer keeps one value per
+A ``fixed_conv`` or ``fixed_recurrent`` layer keeps one value per
 request (a short convolution's last inputs, a recurrent state) that every step *replaces* rather than
 appends to. The model declares each such tensor's per-request row geometry and dtype
 (``model.fixed_state_specs``); the engine checks them against the manifest's fixed groups and keeps them in a
 :class:`pagedgen.cache.fixed_state.FixedStatePool`. A step hands the model its rows through
-:class:`pagedgen.core.step_inputs.FixedStateInputs`.
+:class:`pagedgen.core.step_inputs.FixedStateInputs` (docs/cache.md, "Fixed state").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The decoder state manifest: which decoder state each layer owns, described without naming a model family.
 
-Reference, "Decoder state manifest". ``state_groups`` lists groups of logical layer ids by *kind of state
+``state_groups`` lists groups of logical layer ids by *kind of state
 transition*:
 
 - ``paged_kv``: K/V that grows by appending token slots (paged blocks; committed by advancing occupancy);
@@ -10,10 +10,10 @@ transition*:
 ``sliding_window`` names the window size and the layers that attend only within it; those layers must belong
 to the paged group, where they keep a ring of blocks instead of growing ones (:mod:`pagedgen.core.window`).
 
-When no group is given the manifest is the *legacy* one: a single dense paged-KV group over every layer. It
-is not written into ``groups`` (the reference does not insert a synthetic group); :attr:`paged_layers` just
-answers for it. Validation here is structural (kinds, ranges, duplicates, window membership); what one
-engine accepts is :meth:`StateManifest.dynamic_engine_problems`.
+When no group is given the manifest is the *legacy* one: a single dense paged-KV group over every layer. It is
+implied, never written into ``groups`` as a group of its own; :attr:`paged_layers` just answers for it
+(docs/cache.md, "The decoder state manifest"). Validation here is structural (kinds, ranges, duplicates,
+window membership); what one engine accepts is :meth:`StateManifest.dynamic_engine_problems`.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def ring_slot(ring: Sequence[int], position: int, block_size: int) -> int:
 
 def ring_columns(ring: Sequence[int], first_block: int, width: int) -> list[int]:
     """The ring read as a block table starting at logical block ``first_block``: column ``k`` holds logical
-    block ``first_block + k``, i.e. ring block ``(first_block + k) mod R`` (the seed's repeated table)."""
+    block ``first_block + k``, i.e. ring block ``(first_block + k) mod R`` (the ring, repeated)."""
     if not ring:
         raise ValueError("a window ring needs at least one block")
     r = len(ring)

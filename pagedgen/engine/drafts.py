@@ -1,6 +1,6 @@
 """How many of a decode's proposed drafts one step verifies: pure arithmetic, no state.
 
-Drafts are optional work (reference, "Caller-supplied speculative drafts"). The scheduler first gives every
+Drafts are optional work (docs/engine.md, "Speculative drafts"). The scheduler first gives every
 selected row its mandatory token and the cache blocks that token needs; only what is left of the step's
 token budget and of the free blocks goes to drafts, decodes in scheduler order, and a draft that does not
 fit is cut (the rest of its proposal with it), never another row's mandatory decode. Cutting is also where

@@ -1,11 +1,11 @@
 """The Engine: owner thread, request registry, drain-or-execute ``run()``, fatal containment, statistics.
 
-The engine has no worker thread. One owner thread (its creator) performs every Engine and Request call;
-other threads must marshal work to it. ``run(buffer)`` is strictly drain-or-execute (reference, "Engine::Run()
-and event draining"): a positive-capacity call first reclaims abandoned requests, then either drains retained
-events (FIFO) or executes at most one step, moving up to ``capacity`` of its events into the buffer and
-retaining the rest. Capacity zero does nothing. After a fatal step the engine emits one TURN_FINISHED|FAILED
-event per affected turn and every later ``run`` raises :class:`EngineUnhealthyError`.
+The engine has no worker thread. One owner thread (its creator) performs every Engine and Request call; other
+threads must marshal work to it. ``run(buffer)`` is strictly drain-or-execute: a positive-capacity call first
+reclaims abandoned requests, then either drains retained events (FIFO) or executes at most one step, moving up
+to ``capacity`` of its events into the buffer and retaining the rest. Capacity zero does nothing. After a
+fatal step the engine emits one TURN_FINISHED|FAILED event per affected turn and every later ``run`` raises
+:class:`EngineUnhealthyError`.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ class EngineStats:
 
 
 class Engine:
-    """Continuous batching over a paged KV cache for one model (see DESIGN.md for the public loop)."""
+    """Continuous batching over a paged KV cache for one model (the public loop: docs/architecture.md)."""
 
     def __init__(self, model: Any, config: EngineConfig | None = None):
         config = EngineConfig() if config is None else config

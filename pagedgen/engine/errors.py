@@ -2,8 +2,7 @@
 
 Every class derives from :class:`pagedgen.errors.EngineError` (the public contract), so callers can catch one
 type, and carries an :class:`~pagedgen.engine.codes.EngineErrorCode` in ``code``. Each is raised *before* any
-state changes: a refused call leaves the engine and the request exactly as they were (the reference's "fails
-without mutation").
+state changes: a refused call leaves the engine and the request exactly as they were.
 """
 
 from __future__ import annotations

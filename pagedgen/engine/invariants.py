@@ -147,8 +147,7 @@ def validate_prefix_content(manager: PagedCacheManager, hashes: Mapping[Hashable
 
 def _fixed_records(manager: PagedCacheManager, tables: Mapping[Hashable, BlockTable]) -> list[str]:
     """The fixed-state pool: every slot free, provisional (held by the live reservation) or owned exactly
-    once; its owners are exactly the paged residents, each with fixed tokens equal to its committed slots
-    (reference, ValidateCompositeStateInvariants)."""
+    once; its owners are exactly the paged residents, each with fixed tokens equal to its committed slots."""
     pool = manager.fixed
     live = manager.live_reservation
     if pool is None:

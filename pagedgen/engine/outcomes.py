@@ -1,14 +1,15 @@
 """The phases of one engine step, its typed outcomes, and the single rule that classifies a failure.
 
-Why one table: the reference's step is a transaction whose failure handling depends only on *where* it
+Why one table: the step is a transaction whose failure handling depends only on *where* it
 failed and *what* failed. Before the commit boundary a known failure rolls back (RETRYABLE or
 CAPACITY_BLOCKED, engine healthy); an unknown execution failure, a reservation that contradicts the plan, a
 failed rollback, or anything at or after the commit boundary is fatal (fail-stop, engine unhealthy).
 
-Beyond the seed: a failure before the commit boundary that names its request (:class:`RequestFailure`, raised
-for one sampling row or one stop matcher) rolls the step back and fails only that turn (REQUEST_FAILED); the
-rest of the batch runs again in the next step. Unattributed rollbacks that recur are narrowed down by
-:mod:`pagedgen.engine.isolation`.
+Failure isolation: a failure before the commit boundary that names its request (:class:`RequestFailure`,
+raised for one sampling row or one stop matcher) rolls the step back and fails only that turn
+(REQUEST_FAILED); the rest of the batch runs again in the next step. Unattributed rollbacks that recur are
+narrowed down by :mod:`pagedgen.engine.isolation`. The table and its consequences: docs/engine.md, "Rollback
+rules".
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class RequestFailure(Exception):
 
 
 class StepOutcome(enum.Enum):
-    """What one step did (reference, "Step outcomes")."""
+    """What one step did."""
 
     NO_WORK = "no_work"  # no runnable work remains
     CAPACITY_DEFERRED = "capacity_deferred"  # pending work exists, none fits the free capacity now

@@ -3,12 +3,12 @@
 A :class:`Request` is one sequence with any number of turns. The caller holds the :class:`Request` handle; the
 engine holds the :class:`RequestState` (the handle holds the engine, never the reverse), so dropping the last
 handle without ``close()`` is noticed by a ``weakref.finalize`` that only queues the id, and the engine
-reclaims the request at its next boundary. Lifecycle (reference, "Request lifecycle")::
+reclaims the request at its next boundary. Lifecycle::
 
     UNASSIGNED --begin_turn--> ASSIGNED --scheduled--> ACTIVE --turn ends--> TURN_COMPLETE --begin_turn--> ..
     any state --close()--> CLOSED
 
-Counters (reference, "The request length counters"): ``tokens`` is the logical sequence (prompt, generated
+Counters: ``tokens`` is the logical sequence (prompt, generated
 output and every continuation input); ``processed_len`` how many of them are in the committed KV cache. The
 unprocessed interval ``[processed_len, len(tokens))`` is the next step's input.
 """

@@ -1,6 +1,6 @@
 """The static engine path (``EngineConfig(dynamic_batching=False)``): a fixed batch advanced as a unit.
 
-Reference, "Static engine path": a batch is formed from waiting requests and allocated once; each step runs
+A batch is formed from waiting requests and allocated once; each step runs
 every executable row of the batch (whole pending input, no token budget or chunking) and samples them, with
 no reservation or checkpoint protocol. Rows never release cache individually: a closed row stays physically
 allocated (not executed, not reported) until the whole batch is recycled, which happens only when no row

@@ -1,9 +1,9 @@
 """Packing of variable-length step inputs: per-request chunks in, one padding-free :class:`StepInputs` out.
 
-One engine step runs the model once over the concatenated unprocessed tokens of all scheduled requests,
-with no padding. ``pack_step`` builds the tensors of DESIGN.md from a small per-request description; the
-type itself lives in ``pagedgen.core.step_inputs`` so ops and models can name it without importing the
-executor.
+One engine step runs the model once over the concatenated unprocessed tokens of all scheduled requests, with
+no padding. ``pack_step`` builds the packed tensors (docs/architecture.md, step 4) from a small per-request
+description; the type itself lives in ``pagedgen.core.step_inputs`` so ops and models can name it without
+importing the executor.
 
 No host synchronisation: everything is computed on the host with numpy, written into one staging buffer
 (pinned when the device is CUDA, so the copy is asynchronous) and copied to the device in one transfer

@@ -1,7 +1,8 @@
 """The model-execution boundary: owns the physical KV cache and runs the model once per engine step.
 
-The runner is where the reference's ONNX decoder session sits. It classifies execution failures into the
-two types the engine can recover from, and lets everything else through as an unknown (fatal) failure.
+The runner is the step's execute phase (docs/architecture.md, "The engine step"). It classifies execution
+failures into the two types the engine can recover from, and lets everything else through as an unknown
+(fatal) failure.
 
 On CUDA with ``cuda_graphs`` (EngineConfig), eligible pure decode steps replay captured graphs
 (:mod:`pagedgen.executor.cuda_graphs`) and every other step runs eagerly; on the CPU graphs are ignored.
@@ -133,6 +134,6 @@ class ModelRunner:
 
 def _graph_capable(model: Any) -> bool:
     """Whether the model's state fits the static decode buffers: no sliding-window layers (their rings
-    and masks are not in the buffers) and no fixed conv / recurrent state (not in the capture contract,
-    as in the seed)."""
+    and masks are not in the buffers) and no fixed conv / recurrent state (not in the capture
+    contract)."""
     return not model.kv_spec.window_layers and not tuple(getattr(model, "fixed_state_specs", ()))

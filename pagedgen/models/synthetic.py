@@ -1,8 +1,9 @@
 """A synthetic model whose greedy output is a closed formula of tokens it reads back through the block table.
 
-It is the engine's exact oracle (DESIGN.md, oracle 2). Each forward writes every new token id into the K cache
-through ``slot_mapping``, then reads, for each row, the request's first token, the previous token and the
-current token back *from the cache through the block table*. Its greedy next token is::
+It is the engine's exact oracle (docs/architecture.md, "How we know it is right"). Each forward writes every
+new token id into the K cache through ``slot_mapping``, then reads, for each row, the request's first token,
+the previous token and the current token back *from the cache through the block table*. Its greedy next token
+is::
 
     next = (first + prev + current + position) % vocab_size        (prev = 0 at position 0)
 

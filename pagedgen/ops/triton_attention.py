@@ -21,7 +21,7 @@ row, one per token of a draft-verification row); prefill ``(query blocks, Hkv, B
 ``query blocks`` being ``sum(ceil(q_len / BLOCK_Q))`` over the multi-token rows. Each program loads its
 own row's lengths and loops over exactly its keys, so the kernels need neither ``max_q`` nor ``max_kv``;
 the longest decode history (the plan's ``max_kv`` for decode rows, a host int) only sizes the split-KV
-decode (:func:`decode_splits`), which is what the seed's ``[max_q, max_kv, lower bound]`` exists for.
+decode (:func:`decode_splits`), which is what the step's ``[max_q, max_kv, kv_lower_bound]`` is for.
 ``plan_attention`` reads a packed step's lengths from its host copies (``StepInputs.host``) and writes the
 plan's index tensors with one pinned, asynchronous copy (:func:`prefill_work` builds the prefill part); a
 pure decode step without host copies (a CUDA graph's static inputs) is planned with no read or upload at

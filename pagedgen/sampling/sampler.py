@@ -119,7 +119,7 @@ def process_logits(
 ) -> torch.Tensor:
     """Apply every row's logits processors (float32); returns ``logits`` itself when no row has any.
 
-    The processors run on the rows that use them, in this order (the reference's Generator order): the
+    The processors run on the rows that use them, in this order: the
     guidance mask of the rows ``masks`` names (first: every later processor sees only allowed tokens), EOS
     suppression under ``min_length`` (whole sequence) / ``min_new_tokens`` (this turn), repetition penalty,
     no-repeat n-gram (one call per distinct n), presence / frequency penalties, logit bias. The caller's

@@ -1,7 +1,7 @@
 """Per-request random streams: counter-based, so they are batch invariant and trivially checkpointed.
 
-The reference keeps one persistent sampler state per request so that its random stream survives changes of
-batch order and membership, and checkpoints it with the step transaction. We get both for free from a
+A request's random stream must survive changes of batch order and membership, and be checkpointed with the
+step transaction (docs/engine.md). We get both for free from a
 counter-based generator: the uniform of a request's n-th draw is a pure function of ``(seed, n)``
 (splitmix64 finaliser, computed vectorised in numpy uint64), so a request's stream never depends on its
 neighbours or its row, the whole state is one integer, and a checkpoint is a copy of that integer.

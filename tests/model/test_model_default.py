@@ -3,7 +3,8 @@
 Parity runs on both weight formats: native (the file's Q4_1/Q8_0 blocks, expanded in the kernels) and
 float32 (dequantised at load); both are the same model up to summation order.
 
-Oracle 1 of DESIGN.md (logits and greedy tokens) and oracle 3 (a request's logits are the same alone and
+Two oracles (docs/architecture.md, "How we know it is right"): transformers (logits and greedy tokens) and
+alone equals batched (a request's logits are the same alone and
 inside a packed step that mixes prefill and decode rows over shuffled physical blocks).
 """
 

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.model
 
 
 def _engine_loop(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """The DESIGN.md loop, written out: one request per prompt, greedy, drained until every turn finishes."""
+    """The engine loop, written out: one request per prompt, greedy, drained until every turn finishes."""
     engine = pg.Engine(model, pg.EngineConfig(num_blocks=64))
     requests, tokens = [], {}
     for prompt in prompts:

@@ -172,7 +172,7 @@ def test_continuation_after_eos_prefills_only_new_tokens():
 
 
 def test_turn_complete_residents_yield_rows_to_waiting_work():
-    """Beyond the seed (which kept idle residents and deferred the third request until a close): the least
+    """Unlike a policy that keeps idle residents (and defers the third request until a close), the least
     recently used idle resident yields its row and blocks, and can still continue later."""
     engine = make_engine(max_batch_size=2, block_size=4, num_blocks=64)
     requests = [submit(engine, [i + 1, i + 2], 3 + i) for i in range(3)]

@@ -64,7 +64,7 @@ def partly(j: int, k: int) -> Policy:
 def run_with(
     engine: pg.Engine, policies: dict[pg.Request, Policy], capacity: int = 64, close_finished: bool = False
 ) -> list[pg.EngineEvent]:
-    """The DESIGN.md loop, proposing each policy's drafts whenever its request is ready for them
+    """The public engine loop, proposing each policy's drafts whenever its request is ready for them
     (``close_finished``: close each request at its terminal event, freeing its blocks for the others)."""
     buffer = engine.create_event_buffer(capacity)
     events: list[pg.EngineEvent] = []

@@ -1,6 +1,6 @@
 """The fixed-state pool: two banks, validate / prepare / publish, direct and gathered bindings, rollback.
 
-Reference, "Fixed request-state pools". A tiny "model" (:func:`run_step`) turns each row's input state into
+docs/cache.md, "Fixed state". A tiny "model" (:func:`run_step`) turns each row's input state into
 its output state with a formula that depends on the row's request and target tokens, so every test can say
 exactly which state a slot must hold. No engine and no real model here: the engine-level proofs are the
 hybrid synthetic model's (tests/synthetic) and LFM2's (tests/model).

@@ -1,8 +1,8 @@
 """The decoder state manifest: derivation, the ``pagedgen.json`` override, every refusal, and path selection.
 
-Reference, "Decoder state manifest": groups by state kind (paged_kv, fixed_conv, fixed_recurrent), the legacy
-dense paged group when nothing says otherwise, refusal of unknown kinds and duplicates, sliding-window layers
-inside the paged group, exactly one paged group for the engine. Fixed-state groups are served by the
+docs/cache.md, "The decoder state manifest": groups by state kind (paged_kv, fixed_conv, fixed_recurrent), the
+legacy dense paged group when nothing says otherwise, refusal of unknown kinds and duplicates, sliding-window
+layers inside the paged group, exactly one paged group for the engine. Fixed-state groups are served by the
 fixed-state pool on the dynamic path when the model keeps exactly the tensors they name, and refused
 otherwise.
 """

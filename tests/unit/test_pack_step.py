@@ -7,7 +7,7 @@ import torch
 
 from pagedgen.executor.inputs import SequenceChunk, pack_step
 
-# The reference's example [A0 A1 A2 B0 C0 C1] at block_size 4:
+# A mixed step [A0 A1 A2 B0 C0 C1] at block_size 4:
 #   A: past 5, three new tokens at positions 5, 6, 7 -> logical block 1 = physical 2 -> slots 9, 10, 11
 #   B: past 0, one token at position 0             -> logical block 0 = physical 5 -> slot 20
 #   C: past 3, two tokens at positions 3, 4        -> physical 1 offset 3 = slot 7, physical 4 offset 0 = 16

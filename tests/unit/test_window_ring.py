@@ -1,6 +1,6 @@
 """Sliding-window rings: the arithmetic at its boundaries, ring packing, and the window pool's accounting.
 
-The ring rule (reference, "Sliding-window paged layers"): ``R = ceil((C + W - 1) / B)`` blocks per request,
+The ring rule (docs/cache.md, "Sliding-window rings"): ``R = ceil((C + W - 1) / B)`` blocks per request,
 position ``p`` at ring slot ``p mod (R * B)``, a step capped to ``C`` positions so it never overwrites a
 position its earliest query still reads.
 """
