@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -35,10 +37,14 @@ from pagedgen.llm import (
     SamplingParams,
     TokenLogprob,
     check_prompt_fits,
+    check_text_fits,
     context_length,
+    encode_chat_prompt,
     encode_prompt,
     finish_reason_text,
     is_engine_failure,
+    prompt_chars,
+    render_chat_prompt,
     tokenizer_for,
 )
 from pagedgen.models.tokenizer import IncrementalDetokenizer
@@ -66,7 +72,10 @@ from pagedgen.server.worker import (
     JobUpdate,
 )
 
+log = logging.getLogger("pagedgen.server")
+
 _CLIENT_GONE = object()
+_PYDANTIC_TAG = re.compile(r"[\[\](),-]|^(str|int|float|bool|dict|list|none)$|^[A-Z]")  # a union member's tag
 _JOB_STATUS = {JobError.INVALID: 400, JobError.UNAVAILABLE: 503, JobError.INTERNAL: 500}
 
 
@@ -77,6 +86,8 @@ class ServerOptions:
     ``max_queued_requests``: how many requests may wait beyond a full batch (``max_batch_size`` running);
     past that, 429 with ``Retry-After`` (see :mod:`pagedgen.server.admission`). ``speculative="ngram"``:
     prompt-lookup drafts, up to ``num_speculative_tokens`` per step and request (:mod:`pagedgen.spec`).
+    ``parse_special_in_content``: read special-token strings in messages and prompts as special tokens
+    (off: they are text, and only the chat template's markup writes control tokens).
     """
 
     model_name: str = "default"
@@ -85,6 +96,7 @@ class ServerOptions:
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
     speculative: str | None = None
     num_speculative_tokens: int = 4
+    parse_special_in_content: bool = False
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -178,7 +190,10 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         metrics.on_error_status(exc.status)
-        message = internal_error_message(request_id_of(request.scope)) if exc.status == 500 else exc.message
+        request_id = request_id_of(request.scope)
+        if exc.status >= 500:
+            log.error("request %s failed with %d: %s", request_id, exc.status, exc.message)
+        message = internal_error_message(request_id) if exc.status == 500 else exc.message
         return error_json(exc.status, message, exc.param, exc.code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
@@ -187,13 +202,14 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         errors = exc.errors()
         parts = []
         for error in errors:
-            loc = ".".join(str(p) for p in error.get("loc", ()) if p != "body") or "body"
             message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
             if error.get("type") == "json_invalid":
                 message = f"malformed JSON: {error.get('ctx', {}).get('error', message)}"
-            parts.append(f"{loc}: {message}")
-        first = errors[0].get("loc", ()) if errors else ()
-        param = next((str(p) for p in first if p != "body"), None)
+            param = _error_param(error)
+            parts.append(
+                message if error.get("type") == "lone_surrogate" else f"{param or 'body'}: {message}"
+            )
+        param = _error_param(errors[0]) if errors else None
         return error_json(400, "; ".join(parts) or "invalid request body", param, "invalid_request")
 
     @app.exception_handler(Exception)
@@ -204,6 +220,20 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_json(exc.status_code, str(exc.detail))
+
+
+def _error_param(error: Any) -> str | None:
+    """The body path of a validation error (``messages[0].content``), without pydantic's union tags."""
+    ctx = error.get("ctx") or {}
+    if error.get("type") == "lone_surrogate" and isinstance(ctx.get("param"), str):
+        return ctx["param"]
+    path = ""
+    for part in error.get("loc", ()):
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part != "body" and not _PYDANTIC_TAG.search(str(part)):
+            path += f".{part}" if path else str(part)
+    return path or None
 
 
 def _add_routes(app: FastAPI, server: _Server) -> None:
@@ -237,10 +267,12 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
         if not hasattr(server.tokenizer, "apply_chat_template"):
             raise ApiError(400, f"model {name!r} has no chat template: use /v1/completions", param="messages")
         messages = [m.as_template_message() for m in body.messages]
+        _check_text(server, prompt_chars(messages), body.requested_max_tokens, "messages")
         builder = ChatResponses(
             name, server.tokenizer, body.requested_logprobs, body.include_usage, body.forced_tool_calls
         )
-        prepare = functools.partial(_chat_ids, server.tokenizer, messages, body.template_tools)
+        parse = server.options.parse_special_in_content
+        prepare = functools.partial(_chat_ids, server.tokenizer, messages, body.template_tools, parse)
         return await _serve(server, body, prepare, builder, arrived, "messages", request)
 
     @app.post("/v1/completions")
@@ -249,7 +281,9 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
         _check_model(body.model, name)
         prompt = body.prompt  # a string or token ids (a one-string list was unwrapped by validation)
         if isinstance(prompt, str):
-            prepare = functools.partial(encode_prompt, server.tokenizer, prompt)
+            _check_text(server, len(prompt), body.requested_max_tokens, "prompt")
+            parse = server.options.parse_special_in_content
+            prepare = functools.partial(encode_prompt, server.tokenizer, prompt, parse_special=parse)
         else:
             ids = list(prompt)
             if max(ids) >= server.vocab_size:
@@ -265,16 +299,26 @@ def _check_model(requested: str, served: str) -> None:
         raise ApiError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
 
 
+def _check_text(server: _Server, num_chars: int, max_tokens: int | None, param: str) -> None:
+    """Refuse, before any templating or tokenizing, a text too long to fit the context whatever it says."""
+    bound = getattr(server.tokenizer, "max_token_chars", None)
+    problem = check_text_fits(num_chars, max_tokens, server.context, bound)
+    if problem is not None:
+        raise ApiError(400, problem, param=param, code="context_length_exceeded")
+
+
 def _chat_ids(
-    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, parse_special: bool
 ) -> list[int]:
-    """The prompt ids of a chat (runs in a worker thread: templating and tokenizing can be slow).
+    """The prompt ids of a chat (runs in a worker thread: templating and tokenizing can be slow); the
+    messages' text is encoded as text unless ``parse_special``.
 
     ``tools`` go to the template as transformers passes them (a template that does not mention them
     ignores them)."""
     extra = {} if tools is None else {"tools": tools}
     try:
-        return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra))
+        prompt = render_chat_prompt(tokenizer, messages, parse_special_in_content=parse_special, **extra)
+        return encode_chat_prompt(tokenizer, prompt)
     except ValueError as exc:
         raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
 
@@ -366,7 +410,8 @@ async def _run_job(
     text = IncrementalDetokenizer(server.tokenizer)
     if body.stream:
         close = functools.partial(_close_stream, handle, ticket, server.metrics)
-        return EventStreamResponse(_stream(handle, text, builder, server.metrics), on_close=close)
+        stream = _stream(handle, text, builder, server.metrics, request_id_of(request.scope))
+        return EventStreamResponse(stream, on_close=close)
     try:
         collected = await _unless_disconnected(_collect(handle, text, builder), request.receive)
         if collected is _CLIENT_GONE:
@@ -447,7 +492,11 @@ def _raise_for(update: JobUpdate) -> None:
 
 
 async def _stream(
-    handle: JobHandle, text: IncrementalDetokenizer, builder: Any, metrics: ServerMetrics
+    handle: JobHandle,
+    text: IncrementalDetokenizer,
+    builder: Any,
+    metrics: ServerMetrics,
+    request_id: str | None,
 ) -> AsyncIterator[bytes]:
     """SSE chunks of one job; cancels the job if the stream ends early (client disconnect)."""
     try:
@@ -460,6 +509,8 @@ async def _stream(
                 _raise_for(update)
             except ApiError as exc:
                 metrics.on_error_status(exc.status)
+                if exc.status >= 500:
+                    log.error("request %s failed with %d: %s", request_id, exc.status, exc.message)
                 yield sse_event(error_json_body(exc))
                 break
             delta = await asyncio.to_thread(text.add, update.tokens)
