@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_engine_args(serve)
     _add_speculative_args(serve)
+    _add_content_args(serve)
 
     generate = sub.add_parser("generate", help="complete prompts offline and print the completions")
     generate.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text (one completion each)")
@@ -60,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(generate, default_max_tokens=64)
     _add_engine_args(generate)
     _add_speculative_args(generate)
+    _add_content_args(generate)
 
     chat = sub.add_parser("chat", help="interactive chat: one multi-turn request, streamed replies")
     _add_model_args(chat)
@@ -68,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat, default_max_tokens=512)
     _add_engine_args(chat)
     _add_speculative_args(chat)
+    _add_content_args(chat)
 
     sub.add_parser("bench", help="benchmarks (see 'pagedgen bench --help')", add_help=False)
     return parser
@@ -125,6 +128,15 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--chunk-size", type=positive_int, help="largest prefill chunk of one request per step"
     )
     group.add_argument("--static-batching", action="store_true", help="use the static batching path")
+
+
+def _add_content_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--parse-special-in-content",
+        action="store_true",
+        help="read special-token strings (<|im_end|>, ...) in prompts and messages as special tokens "
+        "(default: they are plain text; only the chat template's markup writes special tokens)",
+    )
 
 
 def _add_speculative_args(parser: argparse.ArgumentParser) -> None:
@@ -212,6 +224,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
         speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
+        parse_special_in_content=args.parse_special_in_content,
     )
     app = build_app(_load_model(args.model, args.weights), engine_config(args), options)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
@@ -226,6 +239,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         engine_config(args),
         speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
+        parse_special_in_content=args.parse_special_in_content,
     )
     params = sampling_params(args)
     if args.chat:
@@ -260,6 +274,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         engine_config(args),
         speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
+        parse_special_in_content=args.parse_special_in_content,
     )
     params = sampling_params(args)
     session = ChatSession(llm, params, args.system)

@@ -367,12 +367,17 @@ def check_text_fits(
     No token stands for more than ``max_token_chars`` characters (``Tokenizer.max_token_chars``), so the
     text needs at least ``num_chars / max_token_chars`` tokens: a text past that bound is refused before
     anything templates or tokenizes it (the cost of either grows with the text). ``None`` for the bound
-    (a tokenizer without one) never refuses.
+    (a tokenizer without one) refuses only a completion that alone fills the context.
     """
-    if max_token_chars is None:
-        return None
-    room = context - (max_tokens if max_tokens is not None else 1)
-    if num_chars <= max(room, 0) * max_token_chars:
+    wanted = max_tokens if max_tokens is not None else 1
+    if wanted >= context:
+        return (
+            f"This model's maximum context length is {context} tokens. However, you requested {wanted} "
+            "tokens for the completion alone, which leaves no room for the prompt. "
+            "Please reduce the length of the completion."
+        )
+    room = context - wanted
+    if max_token_chars is None or num_chars <= room * max_token_chars:
         return None
     at_least = -(-num_chars // max_token_chars)
     return (

@@ -199,17 +199,17 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
         metrics.on_rejected("invalid")
-        errors = exc.errors()
+        errors, body = exc.errors(), exc.body
         parts = []
         for error in errors:
             message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
             if error.get("type") == "json_invalid":
                 message = f"malformed JSON: {error.get('ctx', {}).get('error', message)}"
-            param = _error_param(error)
+            param = _error_param(error, body)
             parts.append(
                 message if error.get("type") == "lone_surrogate" else f"{param or 'body'}: {message}"
             )
-        param = _error_param(errors[0]) if errors else None
+        param = _error_param(errors[0], body) if errors else None
         return error_json(400, "; ".join(parts) or "invalid request body", param, "invalid_request")
 
     @app.exception_handler(Exception)
@@ -222,17 +222,24 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         return error_json(exc.status_code, str(exc.detail))
 
 
-def _error_param(error: Any) -> str | None:
-    """The body path of a validation error (``messages[0].content``), without pydantic's union tags."""
+def _error_param(error: Any, body: Any) -> str | None:
+    """The body path of a validation error (``messages[0].content``).
+
+    pydantic's ``loc`` also names union members (``str``, ``list[TextPart]``) and discriminator values
+    (``json_schema``); walking the request body along it keeps only the segments that are its keys and
+    indexes (and a last, missing field's name)."""
     ctx = error.get("ctx") or {}
     if error.get("type") == "lone_surrogate" and isinstance(ctx.get("param"), str):
         return ctx["param"]
-    path = ""
-    for part in error.get("loc", ()):
-        if isinstance(part, int):
-            path += f"[{part}]"
-        elif part != "body" and not _PYDANTIC_TAG.search(str(part)):
-            path += f".{part}" if path else str(part)
+    loc = [part for part in error.get("loc", ()) if part != "body"]
+    path, node = "", body
+    for index, part in enumerate(loc):
+        present = isinstance(node, dict) and part in node
+        present = present or (isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node))
+        if not present and (index < len(loc) - 1 or _PYDANTIC_TAG.search(str(part))):
+            continue  # a union member's or a discriminator's tag
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+        node = node[part] if present else None
     return path or None
 
 

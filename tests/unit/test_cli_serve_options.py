@@ -46,3 +46,11 @@ def test_an_unknown_speculative_method_is_a_usage_error(capsys):
         cli.main(["serve", "--speculative", "eagle"])
     assert info.value.code == 2
     assert "ngram" in capsys.readouterr().err
+
+
+def test_parse_special_in_content_is_off_unless_asked_on_every_command():
+    assert cli.build_parser().parse_args(["serve"]).parse_special_in_content is False
+    assert ServerOptions().parse_special_in_content is False
+    for argv in (["serve"], ["generate", "x"], ["chat"]):
+        args = cli.build_parser().parse_args([*argv, "--parse-special-in-content"])
+        assert args.parse_special_in_content is True
