@@ -728,6 +728,10 @@ class ChatSession:
         if structured_outputs is not None:
             turn_params = dataclasses.replace(self._params, structured_outputs=structured_outputs)
         messages = [*self.messages, {"role": "user", "content": user_text}]
+        bound = getattr(self._llm.tokenizer, "max_token_chars", None)
+        problem = check_text_fits(prompt_chars(messages), None, self._llm.context_length, bound)
+        if problem is not None:  # refused before the conversation is rendered or tokenized
+            raise ValueError(f"{problem} Start a new conversation.")
         prompt = self._llm.chat_prompt(messages)
         rendered = prompt.text
         ids = self._turn_input(prompt)

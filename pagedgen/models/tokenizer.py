@@ -85,9 +85,12 @@ class _SpecialTokens:
 
     pattern: re.Pattern[str]
     ids: tuple[int, ...]
+    contents: tuple[str, ...]
 
     def search(self, text: str) -> bool:
-        return self.pattern.search(text) is not None
+        """Whether ``text`` holds a special-token string (substring search: the regex took 0.7 s on 600k
+        characters, holding the GIL)."""
+        return any(content in text for content in self.contents)
 
     def find(self, text: str, begin: int, end: int) -> list[tuple[int, int, int]]:
         """``(start, end, token_id)`` of every special token in ``text[begin:end]``."""
@@ -356,7 +359,9 @@ def _special_token_pattern(backend: Any) -> _SpecialTokens | None:
         left = r"\s*" if token.lstrip else ""
         right = r"\s*" if token.rstrip else ""
         parts.append(f"{left}({re.escape(token.content)}){right}")
-    return _SpecialTokens(re.compile("|".join(parts)), tuple(i for i, _ in tokens))
+    return _SpecialTokens(
+        re.compile("|".join(parts)), tuple(i for i, _ in tokens), tuple(t.content for _, t in tokens)
+    )
 
 
 def _max_token_chars(backend: Any) -> int | None:

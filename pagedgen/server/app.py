@@ -1,11 +1,12 @@
 """The OpenAI-compatible HTTP server: routes, error mapping and the streaming loop.
 
 Handlers run on the asyncio event loop and never call the engine: they take an admission ticket (429 once
-``max_batch_size + max_queued_requests`` requests are in flight), tokenize and validate (chat templating,
-tokenization and text decoding run in worker threads: they can take milliseconds every other stream would
-wait for), submit a copied job to the :class:`EngineWorker` (the engine's owner thread) and consume the
-job's updates from an asyncio queue. A client that disconnects before its response ends has its job
-cancelled (turn cancelled, request closed, blocks freed): while its turn is queued and for a non-streaming
+``max_batch_size + max_queued_requests`` requests are in flight), tokenize and validate (chat templating
+and tokenization run on the app's prepare threads, text decoding in asyncio's worker threads: they can take
+milliseconds every other stream would wait for; a prompt whose characters alone cannot fit the context is
+refused before either), submit a copied job to the :class:`EngineWorker` (the engine's owner thread) and
+consume the job's updates from an asyncio queue. A client that disconnects before its response ends has its
+job cancelled (turn cancelled, request closed, blocks freed): while its turn is queued and for a non-streaming
 request, by a disconnect watch; while it streams, by the stream response's cleanup, which runs even if the
 stream never started.
 
@@ -19,9 +20,11 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import re
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +79,9 @@ log = logging.getLogger("pagedgen.server")
 
 _CLIENT_GONE = object()
 _PYDANTIC_TAG = re.compile(r"[\[\](),-]|^(str|int|float|bool|dict|list|none)$|^[A-Z]")  # a union member's tag
+# Prompt preparation (templating, tokenizing) runs on its own few threads: on asyncio's default pool, six
+# long tokenizations held every thread and a running stream's per-token decoding queued behind them.
+PREPARE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
 _JOB_STATUS = {JobError.INVALID: 400, JobError.UNAVAILABLE: 503, JobError.INTERNAL: 500}
 
 
@@ -127,6 +133,7 @@ class _Server:
     vocab_size: int
     admission: Admission
     model: Any  # for checks that need it off the engine thread (a constraint against its tokenizer)
+    prepare_pool: ThreadPoolExecutor  # templating and tokenizing, apart from the streams' per-token work
 
 
 def build_app(model: Any, engine_config: Any, options: ServerOptions, *, tokenizer: Any = None) -> FastAPI:
@@ -163,6 +170,7 @@ def create_app(
             yield
         finally:
             await asyncio.to_thread(worker.shutdown)
+            server.prepare_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="pagedgen", lifespan=lifespan)
     admission = Admission(worker.max_batch_size, options.max_queued_requests)
@@ -170,8 +178,17 @@ def create_app(
     app.state.worker = worker
     app.state.metrics = metrics
     app.state.admission = admission
+    prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="pagedgen-prepare")
     server = _Server(
-        AsyncEngineClient(worker), tokenizer, metrics, options, context, vocab_size, admission, worker.model
+        AsyncEngineClient(worker),
+        tokenizer,
+        metrics,
+        options,
+        context,
+        vocab_size,
+        admission,
+        worker.model,
+        prepare_pool,
     )
     app.add_middleware(
         GuardMiddleware,
@@ -356,7 +373,7 @@ async def _serve(
     response: Any = None
     try:
         params = await _sampling_params(server, body)
-        ids = await asyncio.to_thread(prepare)
+        ids = await asyncio.get_running_loop().run_in_executor(server.prepare_pool, prepare)
         response = await _run_job(server, body, params, ids, builder, arrived, prompt_param, request, ticket)
         return response
     finally:

@@ -243,3 +243,17 @@ def test_a_text_that_cannot_fit_is_refused_before_it_is_rendered_or_encoded():
         llm.chat([{"role": "user", "content": "hi"}], greedy(2), use_tqdm=False)[0].finish_reason == "length"
     )
     assert_all_blocks_free(llm)
+
+
+def test_a_chat_session_refuses_a_message_that_cannot_fit_before_rendering_it():
+    tokenizer = CountingTokenizer(VOCAB)
+    llm = pg.LLM(
+        SyntheticModel(vocab_size=VOCAB, max_context=64), pg.EngineConfig(num_blocks=16), tokenizer=tokenizer
+    )
+    session = llm.start_chat(greedy(2))
+    with pytest.raises(ValueError, match="holds 64 characters"):
+        list(session.send("x" * 64))
+    assert tokenizer.calls == 0
+    assert "".join(session.send("hi")) == session.last.text and session.last.generated_tokens == 2
+    session.close()
+    assert_all_blocks_free(llm)
