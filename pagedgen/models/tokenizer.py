@@ -51,7 +51,7 @@ _GIL_FREE_CHARS = 4096  # texts at least this long are encoded through the GIL-r
 # Template variables that hold the client's text (besides the messages), located like message content.
 _CLIENT_VARIABLES = ("tools", "documents")
 # Normalizers that never delete characters; composition (NF*C) can merge a few into one, hence the factor.
-_KEEPING_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Prepend", "Replace", "Sequence"}
+_KEEPING_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Prepend", "Replace"}
 _NORMALIZED_CHAR_FACTOR = 4
 # transformers' clean_up_tokenization, applied only when the tokenizer config asks for it.
 _CLEANUPS = (
@@ -387,14 +387,15 @@ def _max_token_chars(backend: Any) -> int | None:
 
 
 def _normalizer_factor(normalizer: Any) -> int | None:
+    """How many input characters one normalized character can stand for; None when unbounded."""
     if normalizer is None:
         return 1
-    kinds = [normalizer.get("type")] + [n.get("type") for n in normalizer.get("normalizers", ()) or ()]
-    replaces = [normalizer, *(normalizer.get("normalizers", ()) or ())]
-    if any(kind not in _KEEPING_NORMALIZERS for kind in kinds):
-        return None
-    if any(n.get("type") == "Replace" and not n.get("content") for n in replaces):
-        return None  # a Replace with "" deletes what it matches
+    children = normalizer.get("normalizers") or () if normalizer.get("type") == "Sequence" else (normalizer,)
+    for child in children:
+        if child.get("type") not in _KEEPING_NORMALIZERS:
+            return None
+        if child.get("type") == "Replace" and not child.get("content"):
+            return None  # a Replace with "" deletes what it matches
     return _NORMALIZED_CHAR_FACTOR
 
 

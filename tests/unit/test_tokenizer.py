@@ -6,7 +6,7 @@ import json
 
 import pytest
 from tokenizers import Tokenizer as Backend
-from tokenizers import decoders, models, pre_tokenizers
+from tokenizers import decoders, models, normalizers, pre_tokenizers
 
 from pagedgen.errors import TokenizerError
 from pagedgen.models.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -260,3 +260,23 @@ def test_max_token_chars_bounds_every_token(tmp_path, byte_tok):
     )
     assert Tokenizer(_save(tmp_path / "fused", backend)).max_token_chars is None  # one <unk> for any run
     assert _metaspace(tmp_path / "wordlevel").max_token_chars is None
+
+
+@pytest.mark.parametrize(
+    ("normalizer", "bound"),
+    [
+        (None, 12),
+        (normalizers.NFC(), 48),
+        (normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]), 48),
+        (normalizers.Replace("x", ""), None),  # deletes text: no bound
+        (normalizers.BertNormalizer(), None),
+        (normalizers.Sequence([normalizers.NFC(), normalizers.Strip()]), None),
+    ],
+)
+def test_a_normalizer_scales_or_voids_the_bound(tmp_path, normalizer, bound):
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = Backend(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    backend.add_special_tokens(["<|im_start|>"])
+    if normalizer is not None:
+        backend.normalizer = normalizer
+    assert Tokenizer(_save(tmp_path / "n", backend)).max_token_chars == bound
