@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_connection_args(serve)
     _add_engine_args(serve)
     _add_speculative_args(serve)
+    _add_content_args(serve)
 
     generate = sub.add_parser("generate", help="complete prompts offline and print the completions")
     generate.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text (one completion each)")
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(generate, default_max_tokens=64)
     _add_engine_args(generate)
     _add_speculative_args(generate)
+    _add_content_args(generate)
 
     chat = sub.add_parser("chat", help="interactive chat: one multi-turn request, streamed replies")
     _add_model_args(chat)
@@ -69,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat, default_max_tokens=512)
     _add_engine_args(chat)
     _add_speculative_args(chat)
+    _add_content_args(chat)
 
     sub.add_parser("bench", help="benchmarks (see 'pagedgen bench --help')", add_help=False)
     return parser
@@ -181,6 +184,15 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--static-batching", action="store_true", help="use the static batching path")
 
 
+def _add_content_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--parse-special-in-content",
+        action="store_true",
+        help="read special-token strings (<|im_end|>, ...) in prompts and messages as special tokens "
+        "(default: they are plain text; only the chat template's markup writes special tokens)",
+    )
+
+
 def _add_speculative_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("speculative decoding")
     group.add_argument(
@@ -272,6 +284,7 @@ def server_options(args: argparse.Namespace) -> Any:
         body_timeout=args.body_timeout,
         docs=not args.no_docs,
         allowed_hosts=host_allow_list(args.host, api_key, args.allowed_host),
+        parse_special_in_content=args.parse_special_in_content,
     )
 
 
@@ -308,6 +321,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         engine_config(args),
         speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
+        parse_special_in_content=args.parse_special_in_content,
     )
     params = sampling_params(args)
     if args.chat:
@@ -342,6 +356,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         engine_config(args),
         speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
+        parse_special_in_content=args.parse_special_in_content,
     )
     params = sampling_params(args)
     session = ChatSession(llm, params, args.system)

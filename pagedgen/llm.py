@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedgen.errors import EngineError
+from pagedgen.models.tokenizer import ChatPrompt
 from pagedgen.sampling.errors import SamplingOptionsError
 from pagedgen.sampling.options import SamplingOptions, check_num_logprobs, check_stop_strings
 
@@ -358,14 +359,85 @@ def check_prompt_fits(num_prompt_tokens: int, max_tokens: int | None, context: i
     )
 
 
-def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+def check_text_fits(
+    num_chars: int, max_tokens: int | None, context: int, max_token_chars: int | None
+) -> str | None:
+    """None unless a text of ``num_chars`` characters surely cannot fit the context; else the reason.
+
+    No token stands for more than ``max_token_chars`` characters (``Tokenizer.max_token_chars``), so the
+    text needs at least ``num_chars / max_token_chars`` tokens: a text past that bound is refused before
+    anything templates or tokenizes it (the cost of either grows with the text). ``None`` for the bound
+    (a tokenizer without one) refuses only a completion that alone fills the context.
+    """
+    wanted = max_tokens if max_tokens is not None else 1
+    if wanted >= context:
+        return (
+            f"This model's maximum context length is {context} tokens. However, you requested {wanted} "
+            "tokens for the completion alone, which leaves no room for the prompt. "
+            "Please reduce the length of the completion."
+        )
+    room = context - wanted
+    if max_token_chars is None or num_chars <= room * max_token_chars:
+        return None
+    at_least = -(-num_chars // max_token_chars)
+    return (
+        f"This model's maximum context length is {context} tokens. However, the prompt holds {num_chars} "
+        f"characters, which is at least {at_least} tokens (no token of this model spans more than "
+        f"{max_token_chars} characters), and {context - room} more are requested for the completion. "
+        "Please reduce the length of the prompt or completion."
+    )
+
+
+def encode_prompt(tokenizer: Any, text: str, *, parse_special: bool = False) -> list[int]:
     """Token ids of a raw-text prompt, with the special tokens (BOS) the tokenizer puts at a sequence start.
 
-    Chat prompts are encoded without them instead: the chat template writes its own.
+    Special-token strings written in the prompt are text unless ``parse_special`` (the caller's text is
+    never control, see :mod:`pagedgen.models.tokenizer`). Chat prompts are encoded without BOS instead:
+    the chat template writes its own.
     """
-    if "add_special_tokens" in inspect.signature(tokenizer.encode).parameters:
-        return tokenizer.encode(text, add_special_tokens=True)
-    return tokenizer.encode(text)
+    parameters = inspect.signature(tokenizer.encode).parameters
+    kwargs: dict[str, Any] = {"parse_special": parse_special} if "parse_special" in parameters else {}
+    if "add_special_tokens" in parameters:
+        kwargs["add_special_tokens"] = True
+    return tokenizer.encode(text, **kwargs)
+
+
+def render_chat_prompt(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    parse_special_in_content: bool = False,
+    **template_vars: Any,
+) -> ChatPrompt:
+    """The rendered prompt of a conversation (ending with the generation prompt) and its template's markup.
+
+    A tokenizer without ``render_chat`` (one that has no special tokens to guard, e.g. the synthetic
+    model's) is rendered with its ``apply_chat_template`` and encoded as a whole.
+    """
+    if hasattr(tokenizer, "render_chat"):
+        return tokenizer.render_chat(
+            messages, True, parse_special_in_content=parse_special_in_content, **template_vars
+        )
+    return ChatPrompt(
+        tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, **template_vars)
+    )
+
+
+def encode_chat_prompt(tokenizer: Any, prompt: ChatPrompt, start: int = 0) -> list[int]:
+    """Ids of ``prompt.text[start:]``: markup as special tokens, the client's text as text."""
+    if hasattr(tokenizer, "encode_chat"):
+        return tokenizer.encode_chat(prompt, start)
+    return tokenizer.encode(prompt.text[start:])
+
+
+def prompt_chars(messages: Sequence[Mapping[str, Any]]) -> int:
+    """Characters of the messages' text contents (what :func:`check_text_fits` bounds; the template only
+    adds to them)."""
+    total = 0
+    for message in messages:
+        content = message.get("content") if isinstance(message, Mapping) else None
+        total += len(content) if isinstance(content, str) else 0
+    return total
 
 
 def tokenizer_for(model: Any) -> Any:
@@ -400,6 +472,10 @@ class LLM:
     (e.g. ``SyntheticModel``). ``engine_config`` defaults to ``pg.EngineConfig()``. ``speculative="ngram"``
     proposes up to ``num_speculative_tokens`` prompt-lookup drafts per step (``ValueError`` for another
     method or a count above ``engine.max_draft_tokens_per_proposal()``).
+
+    Special-token strings in text prompts and chat messages are encoded as text (the chat template's own
+    markup still yields its special tokens); ``parse_special_in_content=True`` reads them as special tokens
+    again (the text is then trusted to write control tokens, e.g. a caller that renders prompts itself).
     """
 
     def __init__(
@@ -410,6 +486,7 @@ class LLM:
         tokenizer: Any = None,
         speculative: str | None = None,
         num_speculative_tokens: int = 4,
+        parse_special_in_content: bool = False,
     ):
         from pagedgen.engine.config import EngineConfig
         from pagedgen.engine.engine import Engine
@@ -421,6 +498,7 @@ class LLM:
             model = Model(model)
         self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else tokenizer_for(model)
+        self.parse_special_in_content = parse_special_in_content
         self.engine = Engine(model, engine_config if engine_config is not None else EngineConfig())
         try:
             self.drafter = make_driver(self.engine, speculative, num_speculative_tokens)
@@ -450,8 +528,16 @@ class LLM:
         Raises ``ValueError`` before anything is submitted when a prompt does not fit the context, and
         re-raises an engine failure after closing every request of this call.
         """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        elif prompts and _is_int(prompts[0]):
+            prompts = [list(prompts)]
+        params = self._per_prompt(sampling_params, len(prompts))
+        for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+            if isinstance(prompt, str):
+                self._check_text(i, len(prompt), sp)
         texts, ids = self._normalize(prompts)
-        return self._run(texts, ids, self._per_prompt(sampling_params, len(ids)), use_tqdm)
+        return self._run(texts, ids, params, use_tqdm)
 
     def chat(
         self,
@@ -463,13 +549,23 @@ class LLM:
         """Generate the assistant reply of each conversation (a list of ``{"role", "content"}`` messages)."""
         if conversations and isinstance(conversations[0], Mapping):
             conversations = [conversations]  # type: ignore[list-item]
-        texts = [self.render_chat(list(c)) for c in conversations]  # type: ignore[arg-type]
-        ids = [self.tokenizer.encode(t) for t in texts]
-        return self._run(texts, ids, self._per_prompt(sampling_params, len(ids)), use_tqdm)
+        params = self._per_prompt(sampling_params, len(conversations))
+        for i, (conversation, sp) in enumerate(zip(conversations, params, strict=True)):
+            self._check_text(i, prompt_chars(conversation), sp)  # type: ignore[arg-type]
+        prompts = [self.chat_prompt(list(c)) for c in conversations]  # type: ignore[arg-type]
+        texts: list[str | None] = [prompt.text for prompt in prompts]
+        ids = [encode_chat_prompt(self.tokenizer, prompt) for prompt in prompts]
+        return self._run(texts, ids, params, use_tqdm)
 
     def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
         """The prompt text of a conversation, ending with the assistant generation prompt."""
-        return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+        return self.chat_prompt(messages).text
+
+    def chat_prompt(self, messages: Sequence[Mapping[str, str]]) -> ChatPrompt:
+        """The rendered conversation with its template's markup (what :func:`encode_chat_prompt` encodes)."""
+        return render_chat_prompt(
+            self.tokenizer, list(messages), parse_special_in_content=self.parse_special_in_content
+        )
 
     def start_chat(self, sampling_params: SamplingParams | None = None) -> ChatSession:
         """An interactive conversation kept as one multi-turn engine Request (see :class:`ChatSession`)."""
@@ -477,17 +573,20 @@ class LLM:
 
     # ------------------------------------------------------------ internals
 
+    def _check_text(self, index: int, num_chars: int, params: SamplingParams) -> None:
+        """Refuse a text that cannot fit the context before rendering or tokenizing it."""
+        bound = getattr(self.tokenizer, "max_token_chars", None)
+        problem = check_text_fits(num_chars, params.max_tokens, self.context_length, bound)
+        if problem is not None:
+            raise ValueError(f"prompt {index}: {problem}")
+
     def _normalize(self, prompts: Any) -> tuple[list[str | None], list[list[int]]]:
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        elif prompts and _is_int(prompts[0]):
-            prompts = [list(prompts)]
         texts: list[str | None] = []
         ids: list[list[int]] = []
         for p in prompts:
             if isinstance(p, str):
                 texts.append(p)
-                ids.append(encode_prompt(self.tokenizer, p))
+                ids.append(encode_prompt(self.tokenizer, p, parse_special=self.parse_special_in_content))
             else:
                 texts.append(None)
                 ids.append([int(t) for t in p])
@@ -629,8 +728,13 @@ class ChatSession:
         if structured_outputs is not None:
             turn_params = dataclasses.replace(self._params, structured_outputs=structured_outputs)
         messages = [*self.messages, {"role": "user", "content": user_text}]
-        rendered = self._llm.render_chat(messages)
-        ids = self._turn_input(rendered)
+        bound = getattr(self._llm.tokenizer, "max_token_chars", None)
+        problem = check_text_fits(prompt_chars(messages), None, self._llm.context_length, bound)
+        if problem is not None:  # refused before the conversation is rendered or tokenized
+            raise ValueError(f"{problem} Start a new conversation.")
+        prompt = self._llm.chat_prompt(messages)
+        rendered = prompt.text
+        ids = self._turn_input(prompt)
         if self._held_tokens + len(ids) + 1 > self._llm.context_length:
             raise ValueError(
                 f"the conversation would hold {self._held_tokens + len(ids)} tokens; the context is "
@@ -659,12 +763,12 @@ class ChatSession:
             yield tail
         self._finish_turn(messages, rendered, tokens, event)
 
-    def _turn_input(self, rendered: str) -> list[int]:
+    def _turn_input(self, prompt: ChatPrompt) -> list[int]:
         tokenizer = self._llm.tokenizer
-        if self._request is not None and rendered.startswith(self._held_text):
-            return tokenizer.encode(rendered[len(self._held_text) :])
+        if self._request is not None and prompt.text.startswith(self._held_text):
+            return encode_chat_prompt(tokenizer, prompt, len(self._held_text))
         self.close()
-        return tokenizer.encode(rendered)
+        return encode_chat_prompt(tokenizer, prompt)
 
     def _events(self) -> Iterator[Any]:
         from pagedgen.engine.events import EngineEventFlags

@@ -4,12 +4,22 @@ The template comes from the checkpoint (untrusted text), so it runs in jinja2's
 ``ImmutableSandboxedEnvironment`` (no attribute access to Python internals, no mutation of the messages).
 The environment mirrors transformers' (``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``, a ``tojson``
 that does not escape HTML, ``raise_exception``, ``strftime_now``) so a template renders to the same string.
+
+:func:`render_chat_spans` also says where in the rendered text the client's strings landed, so the
+tokenizer can encode them as text while the template's own markup keeps its special tokens: a message whose
+content writes ``<|im_end|>`` must not close its own turn. It renders twice, once as given and once with each
+selected string replaced by a unique placeholder (private-use characters and a random nonce, which a
+template's ``trim`` or ``tojson`` leaves intact); substituting the strings back into the second rendering must
+give the first exactly, or the template rewrote a client string and the spans cannot be trusted.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import re
+import secrets
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -83,3 +93,69 @@ def render_chat(
         )
     except jinja2.TemplateError as exc:
         raise TokenizerError(f"the chat template failed to render: {exc}") from exc
+
+
+_OPEN, _CLOSE = "\ue000", "\ue001"  # private-use characters: no template writes them
+
+
+@dataclass(frozen=True, slots=True)
+class RenderedChat:
+    """A rendered prompt and the ``[start, end)`` character spans of the client strings in it, in order."""
+
+    text: str
+    client_spans: tuple[tuple[int, int], ...] = ()
+
+
+def render_chat_spans(
+    source: str,
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool,
+    variables: Mapping[str, Any],
+    selected: Callable[[str], bool],
+    client_variables: Sequence[str] = (),
+) -> RenderedChat:
+    """Render, and locate every string of ``messages`` (and of the ``client_variables`` entries of
+    ``variables``, e.g. ``tools``) for which ``selected`` is true.
+
+    Raises :class:`TokenizerError` as :func:`render_chat` does, and when the template rewrote a selected
+    string (so its place in the text is unknown).
+    """
+    text = render_chat(source, messages, add_generation_prompt, variables)
+    nonce = secrets.token_hex(6)
+    originals: list[str] = []
+
+    def mark(value: Any) -> Any:
+        if isinstance(value, str):
+            if not selected(value):
+                return value
+            originals.append(value)
+            return f"{_OPEN}{nonce}:{len(originals) - 1}{_CLOSE}"
+        if isinstance(value, Mapping):
+            return {key: mark(item) for key, item in value.items()}
+        if isinstance(value, list | tuple):
+            return [mark(item) for item in value]
+        return value
+
+    marked_messages = [mark(dict(m)) if isinstance(m, Mapping) else m for m in messages]
+    marked_vars = {k: mark(v) if k in client_variables else v for k, v in variables.items()}
+    if not originals:
+        return RenderedChat(text)
+    marked = render_chat(source, marked_messages, add_generation_prompt, marked_vars)
+    pieces: list[str] = []
+    spans: list[tuple[int, int]] = []
+    length = position = 0
+    for match in re.finditer(f"{_OPEN}{nonce}:(\\d+){_CLOSE}", marked):
+        before = marked[position : match.start()]
+        original = originals[int(match.group(1))]
+        pieces += [before, original]
+        length += len(before)
+        spans.append((length, length + len(original)))
+        length += len(original)
+        position = match.end()
+    pieces.append(marked[position:])
+    if "".join(pieces) != text:
+        raise TokenizerError(
+            "the chat template rewrites message text that contains special-token strings, so that text "
+            "cannot be kept apart from the template's markup"
+        )
+    return RenderedChat(text, tuple(spans))

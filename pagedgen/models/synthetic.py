@@ -193,6 +193,8 @@ class SyntheticTokenizer:
     Lets stop strings and text deltas be tested on the synthetic model without a real vocabulary.
     """
 
+    max_token_chars = 1  # one character per token: a text of n characters is n tokens
+
     def __init__(self, vocab_size: int, eos_token_id: int | None = None):
         self.vocab_size = vocab_size
         self.eos_token_ids = () if eos_token_id is None else (eos_token_id,)

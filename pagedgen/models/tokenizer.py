@@ -9,17 +9,33 @@ at a time is wrong twice over: a multi-byte UTF-8 character can span tokens (its
 U+FFFD) and some decoders drop or add a leading space depending on what precedes. So it decodes a short
 window of recent ids in context and emits only the text past what was already emitted, holding back while
 the window's text ends with U+FFFD.
+
+Content is never control: text a client wrote (a completion prompt, a chat message) is encoded with the
+special-token parsing off, so ``<|im_end|>`` in it is ten characters of text, not the end of a turn. Only the
+chat template's own markup yields special tokens: :meth:`Tokenizer.render_chat` locates the client's strings
+in the rendered prompt (:func:`render_chat_spans`) and records the special tokens the template wrote
+around them; :meth:`Tokenizer.encode_chat` encodes the text between those markup tokens as text. The
+opt-in ``parse_special_in_content=True`` restores the old reading (special-token strings anywhere count).
+
+Large inputs are encoded through ``encode_batch_fast``, which releases the GIL: a long prompt tokenized
+in a worker thread then does not stall the event loop or the engine thread. :attr:`Tokenizer.max_token_chars`
+bounds how many characters one token can stand for, so a caller can refuse a text that cannot fit a
+context before tokenizing it (:func:`pagedgen.llm.check_text_fits`).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pagedgen.errors import ModelLoadError, TokenizerError
-from pagedgen.models.chat_template import render_chat
+from pagedgen.models.chat_template import RenderedChat, render_chat, render_chat_spans
 from pagedgen.models.hf_loader import read_json
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -31,6 +47,12 @@ _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
 _REPLACEMENT = "\ufffd"
 _MAX_CHAR_TOKENS = 4  # a UTF-8 character is at most 4 bytes, so at most 4 byte-tokens
+_GIL_FREE_CHARS = 4096  # texts at least this long are encoded through the GIL-releasing batch call
+# Template variables that hold the client's text (besides the messages), located like message content.
+_CLIENT_VARIABLES = ("tools", "documents")
+# Normalizers that never delete characters; composition (NF*C) can merge a few into one, hence the factor.
+_KEEPING_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Prepend", "Replace"}
+_NORMALIZED_CHAR_FACTOR = 4
 # transformers' clean_up_tokenization, applied only when the tokenizer config asks for it.
 _CLEANUPS = (
     (" .", "."),
@@ -44,6 +66,36 @@ _CLEANUPS = (
     (" 've", "'ve"),
     (" 're", "'re"),
 )
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """A rendered chat prompt and the special tokens its template wrote: ``(start, end, token_id)`` in
+    text order. ``markup`` None means the text is encoded with every special-token string recognised (no
+    client string held one, or the caller opted in)."""
+
+    text: str
+    markup: tuple[tuple[int, int, int], ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _SpecialTokens:
+    """A regex with one group per special token (longest first, with the whitespace an ``lstrip`` /
+    ``rstrip`` token absorbs around it) and the token id of each group."""
+
+    pattern: re.Pattern[str]
+    ids: tuple[int, ...]
+    contents: tuple[str, ...]
+
+    def search(self, text: str) -> bool:
+        """Whether ``text`` holds a special-token string (substring search: the regex took 0.7 s on 600k
+        characters, holding the GIL)."""
+        return any(content in text for content in self.contents)
+
+    def find(self, text: str, begin: int, end: int) -> list[tuple[int, int, int]]:
+        """``(start, end, token_id)`` of every special token in ``text[begin:end]``."""
+        matches = self.pattern.finditer(text, begin, end)
+        return [(m.start(), m.end(), self.ids[(m.lastindex or 1) - 1]) for m in matches]
 
 
 class Tokenizer:
@@ -64,6 +116,10 @@ class Tokenizer:
         self.bos_token_id: int | None = self.token_to_id(self.special_tokens.get("bos_token"))
         self.eos_token_ids: tuple[int, ...] = self._eos_ids(config_eos)
         self._cleanup = bool(self._config.get("clean_up_tokenization_spaces", False))
+        self._specials = _special_token_pattern(self._backend)
+        self._text_backend: Any = None  # a copy that reads special-token strings as text, made on first use
+        self._text_lock = threading.Lock()
+        self.max_token_chars: int | None = _max_token_chars(self._backend)
 
     def to_json(self) -> str:
         """The ``tokenizer.json`` text of this tokenizer (what llguidance builds its vocabulary view from)."""
@@ -72,11 +128,28 @@ class Tokenizer:
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self._backend.token_to_id(token)
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of ``text``; special tokens written in the text are recognised as such."""
+    def encode(self, text: str, add_special_tokens: bool = False, *, parse_special: bool = True) -> list[int]:
+        """Token ids of ``text``. With ``parse_special`` (the default, for text a template or the caller
+        wrote) special-token strings in it become their tokens; without, they are encoded as plain text
+        (what client text needs). ``add_special_tokens`` adds what the tokenizer puts around a sequence."""
         if not isinstance(text, str):
             raise TokenizerError(f"encode expects a str, got {type(text).__name__}")
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        backend = self._backend if parse_special else self._text_only()
+        if len(text) < _GIL_FREE_CHARS:
+            return backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def _text_only(self) -> Any:
+        """The backend copy that encodes special-token strings as text (a flag on the shared backend would
+        race with other threads' encodes)."""
+        with self._text_lock:
+            if self._text_backend is None:
+                from tokenizers import Tokenizer as Backend
+
+                backend = Backend.from_str(self._backend.to_str())
+                backend.encode_special_tokens = True
+                self._text_backend = backend
+            return self._text_backend
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; raises :class:`TokenizerError` for an id outside the vocabulary."""
@@ -99,18 +172,91 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        *,
+        parse_special_in_content: bool = False,
         **template_vars: Any,
     ) -> str | list[int]:
-        """The prompt for ``messages`` as the model's own template writes it (ids if ``tokenize``).
+        """The prompt for ``messages`` as the model's own template writes it (ids if ``tokenize``: the
+        client's text encoded as text, see :meth:`encode_chat`).
 
         Extra keyword arguments (``tools``, ``documents``, ...) are passed to the template. Raises
         :class:`TokenizerError` if the model has no chat template or the template fails.
         """
+        if not tokenize:
+            variables = {**self.special_tokens, **template_vars}
+            return render_chat(self._template(), messages, add_generation_prompt, variables)
+        prompt = self.render_chat(
+            messages,
+            add_generation_prompt,
+            parse_special_in_content=parse_special_in_content,
+            **template_vars,
+        )
+        return self.encode_chat(prompt)
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        parse_special_in_content: bool = False,
+        **template_vars: Any,
+    ) -> ChatPrompt:
+        """The rendered prompt with the special tokens the template itself wrote (see :class:`ChatPrompt`).
+
+        Raises :class:`TokenizerError` as :meth:`apply_chat_template` does, and when a message holding a
+        special-token string is rewritten by the template (its text cannot then be told from markup).
+        """
+        variables = {**self.special_tokens, **template_vars}
+        template = self._template()
+        if parse_special_in_content or self._specials is None:
+            return ChatPrompt(render_chat(template, messages, add_generation_prompt, variables))
+        specials = self._specials
+        rendered = render_chat_spans(
+            template,
+            messages,
+            add_generation_prompt,
+            variables,
+            specials.search,
+            _CLIENT_VARIABLES,
+        )
+        if not rendered.client_spans:
+            return ChatPrompt(rendered.text)
+        return ChatPrompt(rendered.text, self._markup(rendered))
+
+    def encode_chat(self, prompt: ChatPrompt, start: int = 0) -> list[int]:
+        """Ids of ``prompt.text[start:]``: the template's markup tokens as special tokens, everything else
+        (the client's text with it) as text. ``start`` lets a chat session encode only what is new."""
+        if prompt.markup is None:
+            return self.encode(prompt.text[start:])
+        ids: list[int] = []
+        position = start
+        for begin, end, token in prompt.markup:
+            if begin < position:
+                continue  # before ``start`` (or cut by it: then its text is part of what came before)
+            if begin > position:
+                ids += self.encode(prompt.text[position:begin], parse_special=False)
+            ids.append(token)
+            position = end
+        if position < len(prompt.text):
+            ids += self.encode(prompt.text[position:], parse_special=False)
+        return ids
+
+    def _template(self) -> str:
         if self.chat_template is None:
             raise TokenizerError(f"{self.directory}: the model has no chat template")
-        variables = {**self.special_tokens, **template_vars}
-        text = render_chat(self.chat_template, messages, add_generation_prompt, variables)
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        return self.chat_template
+
+    def _markup(self, rendered: RenderedChat) -> tuple[tuple[int, int, int], ...]:
+        """The special tokens written outside the client's spans: the template's own markup."""
+        assert self._specials is not None
+        markup: list[tuple[int, int, int]] = []
+        gaps = [0]
+        for begin, end in rendered.client_spans:
+            gaps += [begin, end]
+        gaps.append(len(rendered.text))
+        for begin, end in zip(gaps[::2], gaps[1::2], strict=True):
+            markup += self._specials.find(rendered.text, begin, end)
+        return tuple(markup)
 
     def _eos_ids(self, config_eos: Sequence[int]) -> tuple[int, ...]:
         """Config EOS ids, the tokenizer's ``eos_token`` and end-of-turn tokens the chat template emits."""
@@ -200,6 +346,57 @@ def _read_config(path: Path) -> dict[str, Any]:
         return read_json(path)
     except ModelLoadError as exc:
         raise TokenizerError(str(exc)) from exc
+
+
+def _special_token_pattern(backend: Any) -> _SpecialTokens | None:
+    """The tokenizer's special tokens as it matches them in text; None when it has none."""
+    tokens = [(i, t) for i, t in backend.get_added_tokens_decoder().items() if t.special and t.content]
+    if not tokens:
+        return None
+    tokens.sort(key=lambda pair: len(pair[1].content), reverse=True)  # longest first, as the tokenizer
+    parts = []
+    for _, token in tokens:
+        left = r"\s*" if token.lstrip else ""
+        right = r"\s*" if token.rstrip else ""
+        parts.append(f"{left}({re.escape(token.content)}){right}")
+    return _SpecialTokens(
+        re.compile("|".join(parts)), tuple(i for i, _ in tokens), tuple(t.content for _, t in tokens)
+    )
+
+
+def _max_token_chars(backend: Any) -> int | None:
+    """An upper bound on the characters of input one token can stand for; None when there is none.
+
+    A token's vocabulary string is at least as long as the text it encodes for byte-level BPE (one symbol per
+    byte) and SentencePiece-style BPE (``▁`` for a space, ``<0x41>`` for a byte). A normalizer that composes
+    characters (NFC) can merge a few into one, hence a factor; one that may delete text, an unknown token
+    that swallows a whole unknown run, or another model type (WordPiece maps a long word to one ``[UNK]``)
+    leaves no bound.
+    """
+    config = json.loads(backend.to_str())
+    model = config.get("model") or {}
+    if model.get("type") != "BPE":
+        return None
+    if model.get("unk_token") is not None and model.get("fuse_unk") and not model.get("byte_fallback"):
+        return None
+    factor = _normalizer_factor(config.get("normalizer"))
+    if factor is None:
+        return None
+    longest = max((len(token) for token in backend.get_vocab(with_added_tokens=True)), default=1)
+    return max(longest, 1) * factor
+
+
+def _normalizer_factor(normalizer: Any) -> int | None:
+    """How many input characters one normalized character can stand for; None when unbounded."""
+    if normalizer is None:
+        return 1
+    children = normalizer.get("normalizers") or () if normalizer.get("type") == "Sequence" else (normalizer,)
+    for child in children:
+        if child.get("type") not in _KEEPING_NORMALIZERS:
+            return None
+        if child.get("type") == "Replace" and not child.get("content"):
+            return None  # a Replace with "" deletes what it matches
+    return _NORMALIZED_CHAR_FACTOR
 
 
 def _load_backend(path: Path) -> Any:

@@ -27,6 +27,12 @@ MAX_LOGIT_BIAS = 300
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 MAX_LOGPROBS = 20
+# vLLM's rule: a temperature below this is greedy (dividing logits by it would overflow float32 to inf/NaN).
+SAMPLING_EPS = 1e-5
+# Repetition penalty divides (or multiplies) logits: outside this range the result is no longer a sane
+# distribution, and near 0 it overflows to inf (1e-308 did).
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
 
 
 def _is_int(value: object) -> bool:
@@ -77,7 +83,9 @@ class SamplingOptions:
     ``min_new_tokens`` the tokens generated in the current turn. Presence / frequency penalties follow OpenAI
     (generated tokens only); repetition penalty and no-repeat n-gram follow transformers (whole sequence).
     ``ignore_eos`` does not change the logits (as in vLLM): it tells the engine that an EOS token does not
-    finish the turn. Raises :class:`SamplingOptionsError` naming the first bad field.
+    finish the turn. A ``temperature`` below :data:`SAMPLING_EPS` (1e-5) is greedy, as in vLLM: ``1e-300``
+    means "as cold as possible", and dividing by it would overflow. Raises :class:`SamplingOptionsError`
+    naming the first bad field.
     """
 
     do_sample: bool = False
@@ -99,13 +107,17 @@ class SamplingOptions:
         for name in ("do_sample", "ignore_eos"):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, getattr(self, name), "a bool")
-        self._check_real("temperature", lambda v: v >= 0, ">= 0 (0 means greedy)")
+        self._check_real("temperature", lambda v: v >= 0, f">= 0 (below {SAMPLING_EPS:g} means greedy)")
         self._check_int("top_k", 0, "an int >= 0 (0 disables top-k)")
         self._check_real("top_p", lambda v: 0 < v <= 1, "in (0, 1] (1 disables top-p)")
         self._check_real("min_p", lambda v: 0 <= v <= 1, "in [0, 1] (0 disables min-p)")
         if self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
             raise _fail("seed", self.seed, f"None or an int in [{SEED_MIN}, {SEED_MAX}]")
-        self._check_real("repetition_penalty", lambda v: v > 0, "> 0 (1 disables it)")
+        self._check_real(
+            "repetition_penalty",
+            lambda v: MIN_REPETITION_PENALTY <= v <= MAX_REPETITION_PENALTY,
+            f"in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY:g}] (1 disables it)",
+        )
         self._check_int("no_repeat_ngram_size", 0, "an int >= 0 (0 disables it)")
         self._check_int("min_length", 0, "an int >= 0")
         self._check_int("min_new_tokens", 0, "an int >= 0")
@@ -149,7 +161,7 @@ class SamplingOptions:
     @property
     def is_greedy(self) -> bool:
         """True when the next token is the argmax of the processed logits (no random draw)."""
-        return not self.do_sample or self.temperature == 0 or self.top_k == 1
+        return not self.do_sample or self.temperature < SAMPLING_EPS or self.top_k == 1
 
     @property
     def uses_history(self) -> bool:

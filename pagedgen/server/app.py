@@ -1,11 +1,12 @@
 """The OpenAI-compatible HTTP server: routes, error mapping and the streaming loop.
 
 Handlers run on the asyncio event loop and never call the engine: they take an admission ticket (429 once
-``max_batch_size + max_queued_requests`` requests are in flight), tokenize and validate (chat templating,
-tokenization and text decoding run in worker threads: they can take milliseconds every other stream would
-wait for), submit a copied job to the :class:`EngineWorker` (the engine's owner thread) and consume the
-job's updates from an asyncio queue. A client that disconnects before its response ends has its job
-cancelled (turn cancelled, request closed, blocks freed): while its turn is queued and for a non-streaming
+``max_batch_size + max_queued_requests`` requests are in flight), tokenize and validate (chat templating
+and tokenization run on the app's prepare threads, text decoding in asyncio's worker threads: they can take
+milliseconds every other stream would wait for; a prompt whose characters alone cannot fit the context is
+refused before either), submit a copied job to the :class:`EngineWorker` (the engine's owner thread) and
+consume the job's updates from an asyncio queue. A client that disconnects before its response ends has its
+job cancelled (turn cancelled, request closed, blocks freed): while its turn is queued and for a non-streaming
 request, by a disconnect watch; while it streams, by the stream response's cleanup, which runs even if the
 stream never started.
 
@@ -18,8 +19,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
+import os
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,10 +40,14 @@ from pagedgen.llm import (
     SamplingParams,
     TokenLogprob,
     check_prompt_fits,
+    check_text_fits,
     context_length,
+    encode_chat_prompt,
     encode_prompt,
     finish_reason_text,
     is_engine_failure,
+    prompt_chars,
+    render_chat_prompt,
     tokenizer_for,
 )
 from pagedgen.models.tokenizer import IncrementalDetokenizer
@@ -73,6 +82,8 @@ from pagedgen.server.worker import (
     JobUpdate,
 )
 
+log = logging.getLogger("pagedgen.server")
+
 _CLIENT_GONE = object()
 _JOB_STATUS = {
     JobError.INVALID: 400,
@@ -81,6 +92,10 @@ _JOB_STATUS = {
     JobError.INTERNAL: 500,
 }
 _SHUTTING_DOWN = {"Retry-After": str(RETRY_AFTER_S), "Connection": "close"}  # a draining server's 503
+_PYDANTIC_TAG = re.compile(r"[\[\](),-]|^(str|int|float|bool|dict|list|none)$|^[A-Z]")  # a union member's tag
+# Prompt preparation (templating, tokenizing) runs on its own few threads: on asyncio's default pool, six
+# long tokenizations held every thread and a running stream's per-token decoding queued behind them.
+PREPARE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +112,8 @@ class ServerOptions:
     ``docs=False`` removes ``/docs``, ``/redoc`` and ``/openapi.json`` (with an ``api_key`` they need it).
     ``allowed_hosts``: None for no ``Host`` check, else the names accepted beyond localhost and loopback
     addresses (:func:`pagedgen.server.guard.host_allow_list` decides it for ``pagedgen serve``).
+    ``parse_special_in_content``: read special-token strings in messages and prompts as special tokens
+    (off: they are text, and only the chat template's markup writes control tokens).
     """
 
     model_name: str = "default"
@@ -111,6 +128,7 @@ class ServerOptions:
     body_timeout: float = DEFAULT_BODY_TIMEOUT_S
     docs: bool = True
     allowed_hosts: frozenset[str] | None = None
+    parse_special_in_content: bool = False
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -146,6 +164,7 @@ class _Server:
     vocab_size: int
     admission: Admission
     model: Any  # for checks that need it off the engine thread (a constraint against its tokenizer)
+    prepare_pool: ThreadPoolExecutor  # templating and tokenizing, apart from the streams' per-token work
 
 
 def build_app(model: Any, engine_config: Any, options: ServerOptions, *, tokenizer: Any = None) -> FastAPI:
@@ -182,6 +201,7 @@ def create_app(
             yield
         finally:
             await asyncio.to_thread(worker.shutdown)
+            server.prepare_pool.shutdown(wait=False, cancel_futures=True)
 
     docs = {} if options.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="pagedgen", lifespan=lifespan, **docs)
@@ -191,8 +211,17 @@ def create_app(
     app.state.worker = worker
     app.state.metrics = metrics
     app.state.admission = admission
+    prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="pagedgen-prepare")
     server = _Server(
-        AsyncEngineClient(worker), tokenizer, metrics, options, context, vocab_size, admission, worker.model
+        AsyncEngineClient(worker),
+        tokenizer,
+        metrics,
+        options,
+        context,
+        vocab_size,
+        admission,
+        worker.model,
+        prepare_pool,
     )
     app.add_middleware(
         GuardMiddleware,
@@ -214,22 +243,26 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         metrics.on_error_status(exc.status)
-        message = internal_error_message(request_id_of(request.scope)) if exc.status == 500 else exc.message
+        request_id = request_id_of(request.scope)
+        if exc.status >= 500:
+            log.error("request %s failed with %d: %s", request_id, exc.status, exc.message)
+        message = internal_error_message(request_id) if exc.status == 500 else exc.message
         return error_json(exc.status, message, exc.param, exc.code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
         metrics.on_rejected("invalid")
-        errors = exc.errors()
+        errors, body = exc.errors(), exc.body
         parts = []
         for error in errors:
-            loc = ".".join(str(p) for p in error.get("loc", ()) if p != "body") or "body"
             message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
             if error.get("type") == "json_invalid":
                 message = f"malformed JSON: {error.get('ctx', {}).get('error', message)}"
-            parts.append(f"{loc}: {message}")
-        first = errors[0].get("loc", ()) if errors else ()
-        param = next((str(p) for p in first if p != "body"), None)
+            param = _error_param(error, body)
+            parts.append(
+                message if error.get("type") == "lone_surrogate" else f"{param or 'body'}: {message}"
+            )
+        param = _error_param(errors[0], body) if errors else None
         return error_json(400, "; ".join(parts) or "invalid request body", param, "invalid_request")
 
     @app.exception_handler(Exception)
@@ -240,6 +273,27 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_json(exc.status_code, str(exc.detail))
+
+
+def _error_param(error: Any, body: Any) -> str | None:
+    """The body path of a validation error (``messages[0].content``).
+
+    pydantic's ``loc`` also names union members (``str``, ``list[TextPart]``) and discriminator values
+    (``json_schema``); walking the request body along it keeps only the segments that are its keys and
+    indexes (and a last, missing field's name)."""
+    ctx = error.get("ctx") or {}
+    if error.get("type") == "lone_surrogate" and isinstance(ctx.get("param"), str):
+        return ctx["param"]
+    loc = [part for part in error.get("loc", ()) if part != "body"]
+    path, node = "", body
+    for index, part in enumerate(loc):
+        present = isinstance(node, dict) and part in node
+        present = present or (isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node))
+        if not present and (index < len(loc) - 1 or _PYDANTIC_TAG.search(str(part))):
+            continue  # a union member's or a discriminator's tag
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+        node = node[part] if present else None
+    return path or None
 
 
 def _add_routes(app: FastAPI, server: _Server) -> None:
@@ -275,10 +329,12 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
         if not hasattr(server.tokenizer, "apply_chat_template"):
             raise ApiError(400, f"model {name!r} has no chat template: use /v1/completions", param="messages")
         messages = [m.as_template_message() for m in body.messages]
+        _check_text(server, prompt_chars(messages), body.requested_max_tokens, "messages")
         builder = ChatResponses(
             name, server.tokenizer, body.requested_logprobs, body.include_usage, body.forced_tool_calls
         )
-        prepare = functools.partial(_chat_ids, server.tokenizer, messages, body.template_tools)
+        parse = server.options.parse_special_in_content
+        prepare = functools.partial(_chat_ids, server.tokenizer, messages, body.template_tools, parse)
         return await _serve(server, body, prepare, builder, arrived, "messages", request)
 
     @app.post("/v1/completions")
@@ -287,7 +343,9 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
         _check_model(body.model, name)
         prompt = body.prompt  # a string or token ids (a one-string list was unwrapped by validation)
         if isinstance(prompt, str):
-            prepare = functools.partial(encode_prompt, server.tokenizer, prompt)
+            _check_text(server, len(prompt), body.requested_max_tokens, "prompt")
+            parse = server.options.parse_special_in_content
+            prepare = functools.partial(encode_prompt, server.tokenizer, prompt, parse_special=parse)
         else:
             ids = list(prompt)
             if max(ids) >= server.vocab_size:
@@ -303,16 +361,26 @@ def _check_model(requested: str, served: str) -> None:
         raise ApiError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
 
 
+def _check_text(server: _Server, num_chars: int, max_tokens: int | None, param: str) -> None:
+    """Refuse, before any templating or tokenizing, a text too long to fit the context whatever it says."""
+    bound = getattr(server.tokenizer, "max_token_chars", None)
+    problem = check_text_fits(num_chars, max_tokens, server.context, bound)
+    if problem is not None:
+        raise ApiError(400, problem, param=param, code="context_length_exceeded")
+
+
 def _chat_ids(
-    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, parse_special: bool
 ) -> list[int]:
-    """The prompt ids of a chat (runs in a worker thread: templating and tokenizing can be slow).
+    """The prompt ids of a chat (runs in a worker thread: templating and tokenizing can be slow); the
+    messages' text is encoded as text unless ``parse_special``.
 
     ``tools`` go to the template as transformers passes them (a template that does not mention them
     ignores them)."""
     extra = {} if tools is None else {"tools": tools}
     try:
-        return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra))
+        prompt = render_chat_prompt(tokenizer, messages, parse_special_in_content=parse_special, **extra)
+        return encode_chat_prompt(tokenizer, prompt)
     except ValueError as exc:
         raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
 
@@ -345,7 +413,7 @@ async def _serve(
     response: Any = None
     try:
         params = await _sampling_params(server, body)
-        ids = await asyncio.to_thread(prepare)
+        ids = await asyncio.get_running_loop().run_in_executor(server.prepare_pool, prepare)
         response = await _run_job(server, body, params, ids, builder, arrived, prompt_param, request, ticket)
         return response
     finally:
@@ -405,7 +473,8 @@ async def _run_job(
     text = IncrementalDetokenizer(server.tokenizer)
     if body.stream:
         close = functools.partial(_close_stream, handle, ticket, server.metrics)
-        return EventStreamResponse(_stream(handle, text, builder, server.metrics), on_close=close)
+        stream = _stream(handle, text, builder, server.metrics, request_id_of(request.scope))
+        return EventStreamResponse(stream, on_close=close)
     try:
         collected = await _unless_disconnected(_collect(handle, text, builder), request.receive)
         if collected is _CLIENT_GONE:
@@ -487,7 +556,11 @@ def _raise_for(update: JobUpdate) -> None:
 
 
 async def _stream(
-    handle: JobHandle, text: IncrementalDetokenizer, builder: Any, metrics: ServerMetrics
+    handle: JobHandle,
+    text: IncrementalDetokenizer,
+    builder: Any,
+    metrics: ServerMetrics,
+    request_id: str | None,
 ) -> AsyncIterator[bytes]:
     """SSE chunks of one job; cancels the job if the stream ends early (client disconnect)."""
     try:
@@ -500,6 +573,8 @@ async def _stream(
                 _raise_for(update)
             except ApiError as exc:
                 metrics.on_error_status(exc.status)
+                if exc.status >= 500:
+                    log.error("request %s failed with %d: %s", request_id, exc.status, exc.message)
                 yield sse_event(error_json_body(exc))
                 break
             delta = await asyncio.to_thread(text.add, update.tokens)

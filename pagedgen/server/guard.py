@@ -45,6 +45,18 @@ DEFAULT_BODY_TIMEOUT_S = 30.0
 LOOPBACK_NAME = "localhost"
 _DRAIN_FACTOR = 16  # chunked bodies larger than this many limits are not drained: the connection is dropped
 
+# The ``code`` of an error that names none: always a string (OpenAI clients read it as one).
+DEFAULT_CODES = {
+    400: "invalid_request",
+    401: "invalid_api_key",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "body_too_large",
+    429: "rate_limit_exceeded",
+    500: "internal_error",
+    503: "unavailable",
+}
+
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
@@ -77,16 +89,12 @@ class ApiError(Exception):
         self.headers = headers
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | int | None = None) -> dict:
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error envelope: ``code`` is always a string, ``param`` the body path of the bad field."""
     kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_server_error")
-    return {
-        "error": {
-            "message": message,
-            "type": kind,
-            "param": param,
-            "code": code if code is not None else status,
-        }
-    }
+    if code is None:
+        code = DEFAULT_CODES.get(status, "invalid_request" if status < 500 else "internal_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def error_json(

@@ -7,20 +7,49 @@ set (:mod:`pagedgen.sampling.options`), applied when :meth:`to_sampling_params` 
 :class:`SamplingParams` (a :class:`SamplingOptionsError` there is a 400 naming :meth:`wire_name` of its
 field). Checks that need the model (vocabulary, context length, model name) happen in the route.
 Responses are built as plain dicts by :mod:`pagedgen.server.responses`.
+
+JSON may carry a lone UTF-16 surrogate (``"\\ud800"``), which Python's JSON reader keeps and nothing
+downstream can encode (the tokenizer, llguidance, the JSON of an error echoing it): every string and key of
+a body is checked for one first, and the 400 names its path (``messages[0].content``).
 """
 
 from __future__ import annotations
 
+import re
 import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from pagedgen.llm import SamplingParams, StructuredOutputsParams
 from pagedgen.sampling.errors import SamplingOptionsError
 from pagedgen.server.tools import ForcedToolCalls, parameters_schema, required_schema
 
 PositiveInt = Annotated[int, Field(ge=1)]
+MAX_TOKEN_ID_DIGITS = 9  # a logit_bias key longer than this names no token of any vocabulary
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def surrogate_path(value: Any, path: str = "") -> str | None:
+    """The path (``messages[0].content``) of the first string or key in ``value`` holding a lone
+    surrogate, else None; ``path`` is the path of ``value`` itself."""
+    if isinstance(value, str):
+        return None if value.isascii() or _SURROGATE.search(value) is None else (path or "body")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            inner = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str) and surrogate_path(key) is not None:
+                return path or "body"
+            found = surrogate_path(item, inner)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = surrogate_path(item, f"{path}[{index}]")
+            if found is not None:
+                return found
+    return None
 
 
 class _Strict(BaseModel):
@@ -163,6 +192,18 @@ class _SamplingFields(_Strict):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        path = surrogate_path(data)
+        if path is not None:
+            raise PydanticCustomError(
+                "lone_surrogate",
+                "{param}: the text holds a lone UTF-16 surrogate (e.g. \\ud800), which is not valid Unicode",
+                {"param": path},
+            )
+        return data
+
     @field_validator("n")
     @classmethod
     def _one_choice(cls, n: int) -> int:
@@ -192,12 +233,30 @@ class _SamplingFields(_Strict):
     def _logit_bias(self) -> dict[int, float] | None:
         if self.logit_bias is None:
             return None
-        bad = [key for key in self.logit_bias if not (key.isascii() and key.isdigit())]
+        bad = [
+            key
+            for key in self.logit_bias
+            if not (key.isascii() and key.isdigit() and len(key) <= MAX_TOKEN_ID_DIGITS)
+        ]
         if bad:
             raise SamplingOptionsError(
-                f"logit_bias keys must be token ids (decimal strings), got {bad[0][:40]!r}", "logit_bias"
+                f"logit_bias keys must be token ids (decimal strings of at most {MAX_TOKEN_ID_DIGITS} "
+                f"digits), got {bad[0][:40]!r}"
+                + (f" ({len(bad[0])} characters)" if len(bad[0]) > 40 else ""),
+                "logit_bias",
             )
-        return {int(k): v for k, v in self.logit_bias.items()}
+        bias: dict[int, float] = {}
+        keys: dict[int, str] = {}
+        for key, value in self.logit_bias.items():
+            token = int(key)
+            if token in keys:
+                raise SamplingOptionsError(
+                    f"logit_bias keys {keys[token]!r} and {key!r} name the same token id {token}",
+                    "logit_bias",
+                )
+            keys[token] = key
+            bias[token] = value
+        return bias
 
     @property
     def _formatted(self) -> bool:

@@ -56,7 +56,7 @@ def test_malformed_json_is_400(live_server, content):
         (
             "/v1/chat/completions",
             {"model": MODEL_NAME, "messages": [{"role": "robot", "content": "x"}]},
-            "messages",
+            "messages[0].role",
         ),
         ("/v1/chat/completions", {"model": MODEL_NAME, "messages": []}, "messages"),
         ("/v1/chat/completions", {"messages": CHAT}, "model"),

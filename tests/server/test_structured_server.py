@@ -88,7 +88,8 @@ def schema_format(schema: object) -> dict:
 BOTH_ROUTES = [
     ({"response_format": schema_format({"type": "nope"})}, "response_format"),
     ({"response_format": schema_format({"$ref": "#/$defs/missing"})}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}},
+     "response_format.json_schema.schema"),
     ({"response_format": {"type": "yaml"}}, "response_format"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
      "structured_outputs"),
@@ -100,7 +101,7 @@ BOTH_ROUTES = [
     ({"structured_outputs": {"json": {"type": "integer", "minimum": 5, "maximum": 1}}},
      "structured_outputs.json"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
-    ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs"),
+    ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
 ]  # fmt: skip
 CHAT_ONLY = [
     ({"tools": TOOLS}, "tool_choice"),
@@ -112,7 +113,8 @@ CHAT_ONLY = [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}],
       "tool_choice": "required"}, "tools[0].function.parameters"),
     ({"tools": [TOOLS[0], TOOLS[0]], "tool_choice": "required"}, "tools[1].function.name"),
-    ({"tools": [{"type": "function", "function": {"name": "bad name"}}], "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}], "tool_choice": "required"},
+     "tools[0].function.name"),
 ]  # fmt: skip
 
 

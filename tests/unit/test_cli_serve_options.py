@@ -165,3 +165,11 @@ def test_admission_refuses_once_closed_and_held_tickets_still_release():
     assert admission.admit() is None and admission.in_flight == 1
     held.release()
     assert admission.in_flight == 0 and admission.admit() is None
+
+
+def test_parse_special_in_content_is_off_unless_asked_on_every_command():
+    assert cli.build_parser().parse_args(["serve"]).parse_special_in_content is False
+    assert ServerOptions().parse_special_in_content is False
+    for argv in (["serve"], ["generate", "x"], ["chat"]):
+        args = cli.build_parser().parse_args([*argv, "--parse-special-in-content"])
+        assert args.parse_special_in_content is True

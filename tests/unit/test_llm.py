@@ -197,3 +197,63 @@ def test_search_options_map_only_what_is_set():
         "min_new_tokens": 2,
     }
     assert pg.SamplingParams(stop="x").stop == ("x",)
+
+
+class CountingTokenizer(SyntheticTokenizer):
+    """The synthetic codec (one character per token, so ``max_token_chars`` 1) with a chat template,
+    counting the texts it is asked to render or encode."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__(vocab_size)
+        self.calls = 0
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        self.calls += 1
+        return super().encode(text, add_special_tokens)
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, **_variables) -> str:
+        self.calls += 1
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+
+
+@pytest.mark.parametrize(
+    ("chars", "max_tokens", "refused"),
+    [(90 * 4, 10, False), (90 * 4 + 1, 10, True), (0, 100, True), (0, 99, False)],
+)
+def test_check_text_fits_bounds_characters_by_the_longest_token(chars, max_tokens, refused):
+    from pagedgen.llm import check_text_fits
+
+    problem = check_text_fits(chars, max_tokens, 100, 4)
+    assert (problem is not None) is refused
+    if refused:
+        assert "maximum context length is 100 tokens" in problem
+    assert check_text_fits(10**9, 10, 100, None) is None  # no bound: only the tokenized count can tell
+
+
+def test_a_text_that_cannot_fit_is_refused_before_it_is_rendered_or_encoded():
+    tokenizer = CountingTokenizer(VOCAB)
+    model = SyntheticModel(vocab_size=VOCAB, max_context=64)
+    llm = pg.LLM(model, pg.EngineConfig(max_batch_size=2, num_blocks=16), tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="prompt 1: .*holds 70 characters"):
+        llm.generate(["ok", "x" * 70], greedy(4), use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt 0: .*holds 61 characters"):
+        llm.chat([{"role": "user", "content": "x" * 61}], greedy(4), use_tqdm=False)
+    assert tokenizer.calls == 0
+    assert (
+        llm.chat([{"role": "user", "content": "hi"}], greedy(2), use_tqdm=False)[0].finish_reason == "length"
+    )
+    assert_all_blocks_free(llm)
+
+
+def test_a_chat_session_refuses_a_message_that_cannot_fit_before_rendering_it():
+    tokenizer = CountingTokenizer(VOCAB)
+    llm = pg.LLM(
+        SyntheticModel(vocab_size=VOCAB, max_context=64), pg.EngineConfig(num_blocks=16), tokenizer=tokenizer
+    )
+    session = llm.start_chat(greedy(2))
+    with pytest.raises(ValueError, match="holds 64 characters"):
+        list(session.send("x" * 64))
+    assert tokenizer.calls == 0
+    assert "".join(session.send("hi")) == session.last.text and session.last.generated_tokens == 2
+    session.close()
+    assert_all_blocks_free(llm)

@@ -8,6 +8,7 @@ import pytest
 
 from pagedgen.errors import PagedGenError
 from pagedgen.sampling import SamplingOptions, SamplingOptionsError
+from pagedgen.sampling.options import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, SAMPLING_EPS
 
 
 def test_defaults_are_greedy_and_valid() -> None:
@@ -24,6 +25,11 @@ def test_defaults_are_greedy_and_valid() -> None:
         ({"do_sample": True, "top_k": 1}, True),
         ({"do_sample": True, "top_k": 2, "temperature": 0.5}, False),
         ({"do_sample": False, "temperature": 0.5, "top_p": 0.5}, True),
+        # Below SAMPLING_EPS a temperature is greedy (vLLM's rule): dividing by it overflows float32.
+        ({"do_sample": True, "temperature": 1e-300}, True),
+        ({"do_sample": True, "temperature": 5e-324}, True),
+        ({"do_sample": True, "temperature": SAMPLING_EPS / 2}, True),
+        ({"do_sample": True, "temperature": SAMPLING_EPS}, False),
     ],
 )
 def test_is_greedy(kwargs: dict, greedy: bool) -> None:
@@ -48,6 +54,9 @@ def test_is_greedy(kwargs: dict, greedy: bool) -> None:
         ("seed", 1 << 64),
         ("seed", -(1 << 63) - 1),
         ("repetition_penalty", 0.0),
+        ("repetition_penalty", 1e-308),
+        ("repetition_penalty", MIN_REPETITION_PENALTY / 2),
+        ("repetition_penalty", MAX_REPETITION_PENALTY * 1.01),
         ("no_repeat_ngram_size", -1),
         ("min_length", -1),
         ("min_new_tokens", 0.5),
@@ -86,3 +95,8 @@ def test_accepts_boundaries_and_is_frozen() -> None:
     assert SamplingOptions(seed=-(1 << 63)).seed == -(1 << 63)
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.top_k = 3  # type: ignore[misc]
+
+
+def test_repetition_penalty_bounds_are_inclusive() -> None:
+    assert SamplingOptions(repetition_penalty=MIN_REPETITION_PENALTY).uses_history
+    assert SamplingOptions(repetition_penalty=MAX_REPETITION_PENALTY).uses_history

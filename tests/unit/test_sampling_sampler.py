@@ -196,6 +196,14 @@ def test_all_greedy_is_argmax_with_first_index_on_ties() -> None:
     assert Sampler().sample(logits, rows) == [SampledToken(1), SampledToken(0), SampledToken(3)]
 
 
+def test_a_tiny_temperature_samples_the_argmax_without_a_draw() -> None:
+    """1e-300 in float32 is 0: dividing by it made NaN logits; below SAMPLING_EPS the row is greedy."""
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0], [3.0, 1.0, 5.0, 0.0]])
+    rows = [_row(SamplingOptions(do_sample=True, temperature=t, seed=4)) for t in (1e-300, 5e-324)]
+    assert Sampler().sample(logits, rows) == [SampledToken(1), SampledToken(2)]
+    assert [row.sampler.draws for row in rows] == [0, 0]
+
+
 def _row(options: SamplingOptions, **kw) -> SampleRow:
     return SampleRow(RequestSampler(options), kw.get("tokens", [1, 2]), 2, [], 0, (EOS,), kw.get("n", 0))
 
