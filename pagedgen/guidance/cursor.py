@@ -1,8 +1,11 @@
 """A turn's grammar cursor: an llguidance matcher as transactional per-request state.
 
 Compiling a grammar against a tokenizer is the expensive part (~1 ms for a small grammar, far more for a big
-schema), so the compiled matcher of each ``(tokenizer, grammar)`` pair is kept in a small LRU cache and every
-turn starts from a ``deep_copy`` of it (~1 µs). The cursor then advances by the tokens its turn emits.
+schema), so the compiled matcher of each ``(tokenizer, grammar)`` pair is kept in an LRU cache (bounded by
+count and by estimated bytes) and every turn starts from a ``deep_copy`` of it (~1 µs). The cursor then
+advances by the tokens its turn emits. A new grammar is built under llguidance's parser limits and its first
+masks are computed once before it is cached (:func:`check_first_masks`), so a grammar over the limits is
+refused where the constraint is set, not in an engine step.
 
 Transactions: :meth:`GrammarCursor.checkpoint` is a ``deep_copy`` and :meth:`GrammarCursor.restore` puts it
 back, so a restored cursor is exactly the checkpointed one (llguidance's own ``rollback`` cannot recover a
