@@ -27,7 +27,7 @@ from pagedgen.guidance.spec import GuidanceError, GuidanceSpec, parser_limits
 from pagedgen.guidance.tokenizer import guidance_tokenizer
 
 COMPILED_CACHE_SIZE = 128  # compiled (tokenizer, grammar) matchers kept; a server reuses a few schemas a lot
-COMPILED_CACHE_BYTES = 512 << 20  # ... and at most this many estimated bytes of them
+COMPILED_CACHE_BYTES = 256 << 20  # ... and at most this many estimated bytes of them
 MATCHER_BYTES_PER_GRAMMAR_BYTE = 32  # measured: a 0.5 MB regex's compiled matcher adds ~15 MB of RSS
 FIRST_MASK_BUDGET_S = 0.5  # the first masks of a new grammar must take less wall time than this
 FORCED_WALK = 8  # forced tokens the first-mask check follows (a grammar may explode right after them)
