@@ -111,7 +111,8 @@ class PendingMasks:
                 error = _late_error(self._computer.budget_s) if task not in done else task.result()
                 if task not in done:
                     late = True
-                    row.cursor.poison(str(error))  # its matcher is the pool's until the task ends
+                    reason = str(error).removeprefix("guidance failed: ")
+                    row.cursor.poison(reason)  # its matcher is the pool's until the task ends
                 if error is not None:
                     failed.append((row.request_id, error))
             if late:
