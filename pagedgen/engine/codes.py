@@ -17,6 +17,7 @@ class EngineErrorCode(enum.Enum):
     RETRYABLE_EXECUTION = "retryable_execution"  # the transaction was rolled back and may be retried
     REQUEST_UNSERVICEABLE = "request_unserviceable"  # the turn can never fit the configured cache
     REQUEST_FAILED = "request_failed"  # this turn alone failed (failure isolation); the engine is healthy
+    GUIDANCE_FAILED = "guidance_failed"  # this turn's constraint failed (a parser limit, its mask budget)
     ENGINE_CONTRACT_FAILURE = "engine_contract_failure"  # collaborators disagreed; engine is unhealthy
     ENGINE_EXECUTION_FAILURE = "engine_execution_failure"  # execution/rollback failed; engine is unhealthy
     # Codes of refused calls (``EngineError.code``); no event carries them.

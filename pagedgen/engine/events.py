@@ -104,6 +104,7 @@ class EngineEvent:
     matched_stop_string_index: int | None = None
     logprobs: TokenLogprobs | None = None
     text_before_stop: str = ""
+    error_message: str = ""  # with FAILED: why, when the engine can say (llguidance's reason)
     # The engine-internal request id; lets the engine purge a closed request's events without the handle.
     request_id: int | None = field(default=None, repr=False, compare=False)
 

@@ -8,10 +8,14 @@ A fault can be tied to one request (``request_id``): it fires only in steps that
 either unattributed (the step cannot tell whose fault it is, like a model failure) or ``attributed``
 (raised as that request's own failure, like a sampler or stop-matcher error on its row). ``times=None``
 recurs forever.
+
+A request's guidance mask can also be held (:meth:`FaultInjector.hold_masks`): its mask task on the mask
+pool waits for a gate the test opens, which makes that one row's mask slow without any other change.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -38,6 +42,7 @@ class FaultInjector:
     def __init__(self) -> None:
         self._armed: dict[Phase, _Armed] = {}
         self.hits: dict[Phase, int] = {phase: 0 for phase in Phase}
+        self._held_masks: dict[int, threading.Event] = {}
 
     def arm(
         self,
@@ -62,6 +67,17 @@ class FaultInjector:
 
     def disarm(self) -> None:
         self._armed.clear()
+
+    def hold_masks(self, request_id: int, gate: threading.Event) -> None:
+        """Make every guidance mask of ``request_id`` wait for ``gate`` (at most a minute) before it is
+        computed."""
+        self._held_masks[request_id] = gate
+
+    def hold_mask(self, request_id: int) -> None:
+        """The mask pool's hook: wait while ``request_id``'s masks are held (a dict lookup otherwise)."""
+        gate = self._held_masks.get(request_id)
+        if gate is not None:
+            gate.wait(timeout=60.0)
 
     @property
     def armed(self) -> bool:

@@ -24,7 +24,13 @@ from pagedgen.engine.isolation import FailureIsolator
 from pagedgen.engine.outcomes import ENGINE_EVENT_OF, Phase, RequestFailure, StepOutcome, classify_failure
 from pagedgen.engine.request import RequestState, RequestStatus
 from pagedgen.engine.step import StepResult
-from pagedgen.engine.turn_output import commit_staged, finish_turn_now, sample_row, stage_sampled
+from pagedgen.engine.turn_output import (
+    commit_staged,
+    fail_turn_now,
+    finish_turn_now,
+    sample_row,
+    stage_sampled,
+)
 from pagedgen.executor.inputs import SequenceChunk, pack_step
 from pagedgen.executor.runner import ModelRunner
 from pagedgen.guidance.bitmask import TokenMasks
@@ -199,7 +205,7 @@ class StaticStep:
             if outcome is StepOutcome.REQUEST_FAILED:
                 assert isinstance(error, RequestFailure)
                 culprit = next(s for s in rows if s.request_id == error.request_id)
-                return StepResult(outcome, failed + self._fail(culprit), error)
+                return StepResult(outcome, failed + self._fail(culprit, error.cause), error)
             if outcome.rolled_back:
                 flags, code = ENGINE_EVENT_OF[outcome]
                 events = [*failed, EngineEvent.engine_level(flags, code)]
@@ -230,10 +236,11 @@ class StaticStep:
                 return kept
             self.isolator.on_progress()
 
-    def _fail(self, state: RequestState) -> list[EngineEvent]:
-        """Finish one row's turn REQUEST_FAILED (failure isolation); its batch row stays allocated."""
+    def _fail(self, state: RequestState, cause: BaseException | None = None) -> list[EngineEvent]:
+        """Finish one row's turn FAILED (failure isolation; ``cause`` picks the code, as
+        :func:`fail_turn_now` says); its batch row stays allocated."""
         self.isolator.forget(state.request_id)
-        return finish_turn_now(state, FinishReason.FAILED, EngineErrorCode.REQUEST_FAILED)
+        return fail_turn_now(state, cause)
 
     def _enter(self, phase: Phase) -> None:
         self._phase = phase

@@ -30,6 +30,7 @@ from pagedgen.engine.scheduler import DynamicScheduler, RequestStepPlan, StepPla
 from pagedgen.engine.turn_output import (
     StagedResult,
     commit_staged,
+    fail_turn_now,
     finish_turn_now,
     sample_row,
     stage_outputs,
@@ -114,7 +115,7 @@ class DynamicStep:
         self.window = None if window is None else window.window  # sliding window of the ring layers
         self.sampler = Sampler()
         self.isolator = FailureIsolator() if isolator is None else isolator
-        self.masker = MaskComputer()
+        self.masker = MaskComputer(hold=faults.hold_mask)
 
     def run(self) -> StepResult:
         """Plan and execute at most one transaction. Never raises except for a planning MemoryError."""
@@ -372,7 +373,7 @@ class DynamicStep:
         """After a rollback: fail the named request's turn, or let the isolator retry or narrow the batch."""
         if outcome is StepOutcome.REQUEST_FAILED:
             assert isinstance(error, RequestFailure)
-            return self._fail_request(txn, error.request_id)
+            return self._fail_request(txn, error.request_id, error.cause)
         flags, code = ENGINE_EVENT_OF[outcome]
         events = [EngineEvent.engine_level(flags, code)]
         culprit = self.isolator.on_rollback(list(txn.request_ids))
@@ -380,14 +381,17 @@ class DynamicStep:
             events += self._fail_request(txn, culprit)
         return events
 
-    def _fail_request(self, txn: _Transaction, request_id: int) -> list[EngineEvent]:
-        """Finish one planned request's turn FAILED (REQUEST_FAILED) after the rollback; blocks stay owned."""
+    def _fail_request(
+        self, txn: _Transaction, request_id: int, cause: BaseException | None = None
+    ) -> list[EngineEvent]:
+        """Finish one planned request's turn FAILED after the rollback (:func:`fail_turn_now`: ``cause``
+        picks the code); blocks stay owned."""
         assert txn.plan is not None
         state = next(row.state for row in txn.plan.rows if row.request_id == request_id)
         if not self.scheduler.is_resident(state):
             self.scheduler.withdraw(state)
         self.isolator.forget(request_id)
-        return finish_turn_now(state, FinishReason.FAILED, EngineErrorCode.REQUEST_FAILED)
+        return fail_turn_now(state, cause)
 
     def _rollback(self, txn: _Transaction) -> None:
         """Restore every checkpoint and release the reservation: committed state is as before the step."""

@@ -31,6 +31,7 @@ from pagedgen.engine.events import (
     Usage,
 )
 from pagedgen.engine.request import RequestState, RequestStatus
+from pagedgen.guidance.spec import GuidanceError
 from pagedgen.sampling import SampledToken, SampleRow
 
 
@@ -248,8 +249,19 @@ def commit_staged(staged: StagedResult) -> None:
         state.cursor = None  # the turn's grammar is done with
 
 
+def fail_turn_now(state: RequestState, cause: BaseException | None = None) -> list[EngineEvent]:
+    """End the current turn FAILED (failure isolation). A failure of its constraint (an llguidance limit,
+    a mask past its step budget) is GUIDANCE_FAILED with the cause's text, anything else REQUEST_FAILED."""
+    if isinstance(cause, GuidanceError):
+        return finish_turn_now(state, FinishReason.FAILED, EngineErrorCode.GUIDANCE_FAILED, str(cause))
+    return finish_turn_now(state, FinishReason.FAILED, EngineErrorCode.REQUEST_FAILED)
+
+
 def finish_turn_now(
-    state: RequestState, reason: FinishReason, error_code: EngineErrorCode = EngineErrorCode.NONE
+    state: RequestState,
+    reason: FinishReason,
+    error_code: EngineErrorCode = EngineErrorCode.NONE,
+    error_message: str = "",
 ) -> list[EngineEvent]:
     """End the current turn outside a step (cancel, unserviceable, fatal failure); returns its events.
 
@@ -262,4 +274,7 @@ def finish_turn_now(
     state.draft_tokens = ()
     state.status = RequestStatus.TURN_COMPLETE
     state.finish_reason = reason
-    return turn_events(state, released, reason, state.turn_generated_tokens, error_code=error_code)
+    events = turn_events(state, released, reason, state.turn_generated_tokens, error_code=error_code)
+    if events:
+        events[-1].error_message = error_message
+    return events

@@ -1,8 +1,11 @@
 """A turn's grammar cursor: an llguidance matcher as transactional per-request state.
 
 Compiling a grammar against a tokenizer is the expensive part (~1 ms for a small grammar, far more for a big
-schema), so the compiled matcher of each ``(tokenizer, grammar)`` pair is kept in a small LRU cache and every
-turn starts from a ``deep_copy`` of it (~1 µs). The cursor then advances by the tokens its turn emits.
+schema), so the compiled matcher of each ``(tokenizer, grammar)`` pair is kept in an LRU cache (bounded by
+count and by estimated bytes) and every turn starts from a ``deep_copy`` of it (~1 µs). The cursor then
+advances by the tokens its turn emits. A new grammar is built under llguidance's parser limits and its first
+masks are computed once before it is cached (:func:`check_first_masks`), so a grammar over the limits is
+refused where the constraint is set, not in an engine step.
 
 Transactions: :meth:`GrammarCursor.checkpoint` is a ``deep_copy`` and :meth:`GrammarCursor.restore` puts it
 back, so a restored cursor is exactly the checkpointed one (llguidance's own ``rollback`` cannot recover a
@@ -14,44 +17,76 @@ continues with a stale mask.
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
+import time
 from typing import Any
 
 import llguidance
 
-from pagedgen.guidance.spec import GuidanceError, GuidanceSpec
+from pagedgen.guidance.lru import BoundedLru
+from pagedgen.guidance.spec import GuidanceError, GuidanceSpec, parser_limits
 from pagedgen.guidance.tokenizer import guidance_tokenizer
 
 COMPILED_CACHE_SIZE = 128  # compiled (tokenizer, grammar) matchers kept; a server reuses a few schemas a lot
+COMPILED_CACHE_BYTES = 256 << 20  # ... and at most this many estimated bytes of them
+MATCHER_BYTES_PER_GRAMMAR_BYTE = 32  # measured: a 0.5 MB regex's compiled matcher adds ~15 MB of RSS
+FIRST_MASK_BUDGET_S = 0.5  # the first masks of a new grammar must take less wall time than this
+FORCED_WALK = 8  # forced tokens the first-mask check follows (a grammar may explode right after them)
 
-_lock = threading.Lock()
-_compiled: OrderedDict[tuple[int, str], tuple[llguidance.LLTokenizer, llguidance.LLMatcher]] = OrderedDict()
+_compiled: BoundedLru[tuple[llguidance.LLTokenizer, llguidance.LLMatcher]] = BoundedLru(
+    COMPILED_CACHE_SIZE, COMPILED_CACHE_BYTES
+)
 
 
 def compiled_matcher(tokenizer: llguidance.LLTokenizer, grammar: str) -> llguidance.LLMatcher:
     """The pristine compiled matcher of ``grammar`` on ``tokenizer`` (shared: deep-copy it, never advance it).
 
-    Raises :class:`GuidanceError` with llguidance's message when the grammar fails against this tokenizer;
-    failures are not cached.
+    A new grammar is built under the parser limits and its first masks are computed once
+    (:func:`check_first_masks`) before it is cached, so a grammar over the limits is refused here, where
+    the server calls it before admission, and not by the engine step. Raises :class:`GuidanceError` with
+    llguidance's message; failures are not cached.
     """
     key = (id(tokenizer), grammar)
-    with _lock:
-        entry = _compiled.get(key)
-        if entry is not None and entry[0] is tokenizer:
-            _compiled.move_to_end(key)
-            return entry[1]
-    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    entry = _compiled.get(key)
+    if entry is not None and entry[0] is tokenizer:
+        return entry[1]
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
     if matcher.is_error():
         raise GuidanceError(
             f"the grammar does not compile for this model's tokenizer: {_first_line_of(matcher.get_error())}"
         )
-    with _lock:
-        _compiled[key] = (tokenizer, matcher)  # the tokenizer is held so that its id stays unique
-        _compiled.move_to_end(key)
-        while len(_compiled) > COMPILED_CACHE_SIZE:
-            _compiled.popitem(last=False)
+    check_first_masks(matcher)
+    # The tokenizer is held so that its id stays unique; the cost estimates the matcher's memory.
+    _compiled.put(key, (tokenizer, matcher), len(grammar) * MATCHER_BYTES_PER_GRAMMAR_BYTE)
     return matcher
+
+
+def check_first_masks(matcher: llguidance.LLMatcher) -> None:
+    """Compute the first token mask of a fresh matcher (on a copy), following up to :data:`FORCED_WALK`
+    forced tokens (a mask that allows one token); :class:`GuidanceError` if llguidance reports a limit or
+    the masks took longer than :data:`FIRST_MASK_BUDGET_S`.
+
+    Forced tokens are walked because costly grammars often have a cheap first mask and explode one token
+    later ("(a{1000}){999}", 20,000 choices sharing a first character, a recursive required ``$ref``).
+    """
+    probe = matcher.deep_copy()
+    start = time.perf_counter()
+    for _ in range(FORCED_WALK + 1):
+        allowed = int.from_bytes(probe.compute_bitmask(), "little")
+        _raise_if_over_a_limit(probe)
+        if allowed.bit_count() != 1 or probe.is_accepting():
+            break  # a free choice, or a complete grammar (its one token is EOS)
+        probe.consume_token(allowed.bit_length() - 1)
+        _raise_if_over_a_limit(probe)
+    elapsed = time.perf_counter() - start
+    if elapsed > FIRST_MASK_BUDGET_S:
+        raise GuidanceError(
+            f"the grammar's first token masks took {elapsed:.2f} s; the budget is {FIRST_MASK_BUDGET_S} s"
+        )
+
+
+def _raise_if_over_a_limit(matcher: llguidance.LLMatcher) -> None:
+    if matcher.is_error():
+        raise GuidanceError(f"the grammar exceeds a parser limit: {_first_line_of(matcher.get_error())}")
 
 
 class GrammarCursor:

@@ -12,6 +12,13 @@ verification, but must still be sampleable). Unguided rows and partial prefills 
 A cursor that is poisoned, or that llguidance reports in error after computing its mask, is reported in
 :attr:`MaskResult.failed` (the step fails that request alone). The computation changes no cursor's
 position; it only records a poisoning llguidance reported.
+
+Step budget: on the dynamic path each guided row's mask is its own task on a small thread pool, so one
+costly grammar cannot hold its batch-mates' masks. Sampling waits at most ``budget_s`` (default
+:data:`MASK_BUDGET_S`) after the forward pass for masks that are not done; a row still not done then is
+reported failed with a :class:`GuidanceError` that says so, its cursor is poisoned (without touching the
+matcher the pool still computes on), and the pool is replaced: the abandoned task ends on its own thread
+when llguidance's parser limits stop it, and never blocks the next steps' masks.
 """
 
 from __future__ import annotations
@@ -19,8 +26,9 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field
 
 import llguidance
@@ -29,6 +37,8 @@ import torch
 from pagedgen.guidance.bitmask import TokenMasks, bitmask_words
 from pagedgen.guidance.cursor import GrammarCursor
 from pagedgen.guidance.spec import GuidanceError
+
+MASK_BUDGET_S = 0.5  # how long sampling waits after the forward pass for a mask that is not done
 
 
 def available_cpus() -> int:
@@ -74,32 +84,75 @@ class MaskStats:
 
 
 class PendingMasks:
-    """A submitted computation; :meth:`result` joins it (once) and accounts for the wait."""
+    """A submitted computation (one task per guided row); :meth:`result` joins it (once), waiting at most
+    the budget for rows not done, and accounts for the wait."""
 
-    def __init__(self, future: Future[MaskResult], stats: MaskStats):
-        self._future = future
-        self._stats = stats
+    def __init__(
+        self,
+        rows: list[MaskRow],
+        tasks: list[Future[GuidanceError | None]],
+        masks: TokenMasks,
+        computer: MaskComputer,
+    ):
+        self._rows = rows
+        self._tasks = tasks
+        self._masks = masks
+        self._computer = computer
+        self._started = time.perf_counter()
         self._result: MaskResult | None = None
 
     def result(self) -> MaskResult:
         if self._result is None:
             start = time.perf_counter()
-            result = self._future.result()
-            self._result = self._stats.account(result, time.perf_counter() - start)
+            done, _late = wait_for(self._tasks, timeout=self._computer.budget_s)
+            failed: list[tuple[int, GuidanceError]] = []
+            late = False
+            for row, task in zip(self._rows, self._tasks, strict=True):
+                error = _late_error(self._computer.budget_s) if task not in done else task.result()
+                if task not in done:
+                    late = True
+                    reason = str(error).removeprefix("guidance failed: ")
+                    row.cursor.poison(reason)  # its matcher is the pool's until the task ends
+                if error is not None:
+                    failed.append((row.request_id, error))
+            if late:
+                self._computer.abandon_pool()
+            now = time.perf_counter()
+            result = MaskResult(self._masks, failed, now - self._started)
+            self._result = self._computer.stats.account(result, now - start)
         return self._result
 
     def wait(self) -> None:
-        """Join without raising (a failed step must not leave the worker using its cursors)."""
+        """Join without raising (a failed step must not leave the pool using its cursors; a row past its
+        budget is abandoned, as in :meth:`result`)."""
         with contextlib.suppress(Exception):  # the step is failing for another reason already
             self.result()
 
 
-class MaskComputer:
-    """Computes a step's masks in one llguidance call; owns the llguidance executor and the worker thread."""
+def _late_error(budget_s: float) -> GuidanceError:
+    return GuidanceError(
+        f"guidance failed: the constraint's token mask was not ready within the step budget of {budget_s} s"
+    )
 
-    def __init__(self, num_threads: int | None = None):
+
+class MaskComputer:
+    """Computes a step's masks; owns the llguidance executor and the mask thread pool.
+
+    ``hold`` (tests only, through the engine's fault injector) is called with a row's request id in its
+    task before the mask is computed: a test makes one row's mask slow with it.
+    """
+
+    def __init__(
+        self,
+        num_threads: int | None = None,
+        budget_s: float = MASK_BUDGET_S,
+        hold: Callable[[int], None] | None = None,
+    ):
         self.num_threads = available_cpus() if num_threads is None else num_threads
+        self.budget_s = budget_s
+        self.hold = hold
         self.stats = MaskStats()
+        self.abandoned_pools = 0  # pools left to a task past its budget
         self._executor: llguidance.LLExecutor | None = None  # built on first use: most engines never guide
         self._worker: ThreadPoolExecutor | None = None
 
@@ -109,31 +162,49 @@ class MaskComputer:
         return self.stats.account(result, result.seconds)
 
     def submit(self, rows: Sequence[MaskRow]) -> PendingMasks:
-        """Start computing the masks of ``rows`` on the worker thread; the cursors must not change until
-        the returned handle is joined."""
+        """Start computing the masks of ``rows`` on the pool, one task per row; the cursors must not change
+        until the returned handle is joined."""
         if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedgen-masks")
-        return PendingMasks(self._worker.submit(self._compute, list(rows)), self.stats)
+            self._worker = ThreadPoolExecutor(self.num_threads, thread_name_prefix="pagedgen-masks")
+        rows = list(rows)
+        bitmask, logits_rows, offsets = _allocate(rows)
+        submit = self._worker.submit
+        tasks = [submit(self._fill_row, row, at, bitmask) for row, at in zip(rows, offsets, strict=True)]
+        return PendingMasks(rows, tasks, TokenMasks(logits_rows, bitmask), self)
+
+    def abandon_pool(self) -> None:
+        """Leave the pool to its late tasks (their threads end with them) and use a fresh one."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=False)
+            self._worker = None
+            self.abandoned_pools += 1
 
     def close(self) -> None:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
 
+    def _fill_row(self, row: MaskRow, at: int, bitmask: torch.Tensor) -> GuidanceError | None:
+        """One row's masks into rows ``at..`` of ``bitmask``; the cursor's error, if it has one."""
+        if self.hold is not None:
+            self.hold(row.request_id)
+        try:
+            self._fill([(row.cursor.matcher, at, list(row.drafts))], bitmask)
+            row.cursor.check()
+        except GuidanceError as error:
+            return error
+        return None
+
     def _compute(self, rows: list[MaskRow]) -> MaskResult:
         start = time.perf_counter()
-        words = bitmask_words(max((r.cursor.vocab_size for r in rows), default=0))
-        total = sum(len(r.drafts) + 1 for r in rows)
-        bitmask = torch.full((total, words), -1, dtype=torch.int32)  # [G, W], all allowed until written
-        logits_rows: list[int] = []
+        bitmask, logits_rows, offsets = _allocate(rows)
         entries: list[tuple[llguidance.LLMatcher, int, list[int]]] = []
         failed: list[tuple[int, GuidanceError]] = []
-        for r in rows:
+        for r, at in zip(rows, offsets, strict=True):
             try:
-                entries.append((r.cursor.matcher, len(logits_rows), list(r.drafts)))
+                entries.append((r.cursor.matcher, at, list(r.drafts)))
             except GuidanceError as error:  # poisoned earlier: no mask, the request fails
                 failed.append((r.request_id, error))
-            logits_rows.extend(range(r.row, r.row + len(r.drafts) + 1))
         self._fill(entries, bitmask)
         reported = {rid for rid, _ in failed}
         for r in rows:
@@ -142,8 +213,7 @@ class MaskComputer:
                     r.cursor.check()
                 except GuidanceError as error:
                     failed.append((r.request_id, error))
-        masks = TokenMasks(torch.tensor(logits_rows, dtype=torch.long), bitmask)
-        return MaskResult(masks, failed, time.perf_counter() - start)
+        return MaskResult(TokenMasks(logits_rows, bitmask), failed, time.perf_counter() - start)
 
     def _fill(
         self, entries: list[tuple[llguidance.LLMatcher, int, list[int]]], bitmask: torch.Tensor
@@ -163,3 +233,17 @@ class MaskComputer:
         if self._executor is None:
             self._executor = llguidance.LLExecutor(num_threads=self.num_threads)
         return self._executor
+
+
+def _allocate(rows: list[MaskRow]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The pass-through bitmask of ``rows``, the logits row of each mask row, and each row's first mask
+    row (a row with K drafts has K + 1)."""
+    words = bitmask_words(max((r.cursor.vocab_size for r in rows), default=0))
+    total = sum(len(r.drafts) + 1 for r in rows)
+    bitmask = torch.full((total, words), -1, dtype=torch.int32)  # [G, W], all allowed until written
+    logits_rows: list[int] = []
+    offsets: list[int] = []
+    for r in rows:
+        offsets.append(len(logits_rows))
+        logits_rows.extend(range(r.row, r.row + len(r.drafts) + 1))
+    return bitmask, torch.tensor(logits_rows, dtype=torch.long), offsets  # [G] int64

@@ -18,11 +18,16 @@ budget on newlines, and forced compact separators pull it away from the JSON it 
 default model compact output was visibly worse and longer in tokens). A schema that carries its own
 ``x-guidance`` options gets llguidance's defaults plus those instead (so ``whitespace_flexible: true`` there
 means what llguidance documents).
+
+Every grammar is validated and later matched under :data:`PARSER_LIMITS` (llguidance's ``LLParserLimits``):
+they bound the work of building the lexer and of each token mask, so a constraint that would take seconds
+per mask fails fast with llguidance's reason ("too many expressions constructed", "Too many items")
+instead of stalling the batch it runs in. Compiled specs are memoised in a cache bounded by the bytes of
+their text, not only by their count.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,11 +36,35 @@ from typing import Any
 import llguidance
 
 from pagedgen.errors import PagedGenError
+from pagedgen.guidance.lru import BoundedLru
 
 GUIDANCE_KINDS = ("json_schema", "regex", "lark_grammar")
 JSON_DEFAULTS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_GUIDANCE_CHARS = 1 << 20  # a grammar or schema larger than 1 MiB of text is refused
 COMPILED_SPECS = 128  # compiled specs kept (a service reuses a few schemas a lot)
+COMPILED_SPECS_BYTES = 64 << 20  # ... and at most this many characters of constraint and grammar text
+
+# llguidance's parser limits; its defaults where they already bound a step, tighter where they did not.
+MAX_ITEMS_IN_ROW = 2_000  # Earley items of one grammar row (the branching of one position): the default
+INITIAL_LEXER_FUEL = 200_000  # building the lexer's initial regexes (default 1M: "(a{1000}){999}" took 3.5 s)
+STEP_LEXER_FUEL = 200_000  # lexer work of one token mask (the default; ~14k per ms)
+STEP_MAX_ITEMS = 50_000  # Earley items of one token mask (the default; ~20k per ms)
+MAX_LEXER_STATES = 100_000  # lexer states one matcher may build, 1-2 kB each (default 250k)
+MAX_GRAMMAR_SIZE = 500_000  # symbols in the grammar's productions (the default)
+
+
+def parser_limits() -> llguidance.LLParserLimits:
+    """The limits every grammar is validated and matched under (errors without llguidance's state dump:
+    the message goes to the client)."""
+    return llguidance.LLParserLimits(
+        max_items_in_row=MAX_ITEMS_IN_ROW,
+        initial_lexer_fuel=INITIAL_LEXER_FUEL,
+        step_lexer_fuel=STEP_LEXER_FUEL,
+        step_max_items=STEP_MAX_ITEMS,
+        max_lexer_states=MAX_LEXER_STATES,
+        max_grammar_size=MAX_GRAMMAR_SIZE,
+        verbose_errors=False,
+    )
 
 
 class GuidanceError(PagedGenError, ValueError):
@@ -65,16 +94,23 @@ def compile_guidance(kind: object, data: object) -> GuidanceSpec:
     return _compiled(kind, text)
 
 
-@functools.lru_cache(maxsize=COMPILED_SPECS)
+_specs: BoundedLru[GuidanceSpec] = BoundedLru(COMPILED_SPECS, COMPILED_SPECS_BYTES)
+
+
 def _compiled(kind: str, text: str) -> GuidanceSpec:
     """The spec of ``(kind, text)``, memoised: one request's constraint is set on its params, its turn and
     (on the server) checked before admission, and a service reuses a few schemas; specs are immutable, and
-    a refusal raises, so it is never cached."""
+    a refusal raises, so it is never cached. An entry is charged the characters it holds."""
+    spec = _specs.get((kind, text))
+    if spec is not None:
+        return spec
     grammar = _grammar(kind, text)
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, limits=parser_limits())
     if is_error:
         raise GuidanceError(f"{kind} does not compile: {messages[0].strip()}")
-    return GuidanceSpec(kind, text, grammar)
+    spec = GuidanceSpec(kind, text, grammar)
+    _specs.put((kind, text), spec, len(text) + len(grammar))
+    return spec
 
 
 def _data_text(kind: str, data: object) -> str:

@@ -552,6 +552,9 @@ def _raise_for(update: JobUpdate) -> None:
             )
         if is_engine_failure(finish.error_code):
             raise ApiError(503, f"the engine failed ({finish.error_code.value})", code="unhealthy")
+        if finish.error_code is EngineErrorCode.GUIDANCE_FAILED:  # the request's constraint, not a bug
+            message = f"the output constraint failed during generation: {finish.error_message}"
+            raise ApiError(400, message, code="guidance_failed")
         raise ApiError(500, f"generation failed ({finish.error_code.value})")
 
 

@@ -136,6 +136,13 @@ class StructuredOutputs(_Strict):
     grammar: str | None = None
     json_object: bool | None = None
 
+    @property
+    def given(self) -> str:
+        """The wire name of the (first) constraint field that is set, "" if none."""
+        values = (self.json_, self.regex, self.choice, self.grammar, self.json_object)
+        names = ("json", "regex", "choice", "grammar", "json_object")
+        return next((name for name, value in zip(names, values, strict=True) if value is not None), "")
+
     def params(self) -> StructuredOutputsParams:
         """Raises :class:`SamplingOptionsError` naming ``structured_outputs.<field>``."""
         return StructuredOutputsParams(
@@ -270,8 +277,14 @@ class _SamplingFields(_Strict):
 
     @property
     def constraint_param(self) -> str:
-        """The field whose constraint the request carries (named when the model's tokenizer refuses it)."""
-        return "structured_outputs" if self.structured_outputs is not None else "response_format"
+        """The field whose constraint the request carries (named when the model's tokenizer or a parser
+        limit refuses it): ``structured_outputs.regex``, ``response_format.json_schema.schema``, ..."""
+        if self.structured_outputs is not None:
+            given = self.structured_outputs.given
+            return f"structured_outputs.{given}" if given else "structured_outputs"
+        if isinstance(self.response_format, JsonSchemaFormat):
+            return "response_format.json_schema.schema"
+        return "response_format"
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The output constraint of ``response_format`` or ``structured_outputs`` (at most one may be
@@ -365,7 +378,15 @@ class ChatCompletionRequest(_SamplingFields):
 
     @property
     def constraint_param(self) -> str:
-        return "tools" if self.forced_tool_calls is not None else super().constraint_param
+        """A forced call's constraint is its tool's ``parameters`` (one tool, or the named one); the
+        ``"required"`` array over several tools is ``tools``."""
+        forced = self.forced_tool_calls
+        if forced is None or self.tools is None:
+            return super().constraint_param
+        names = [tool.function.name for tool in self.tools]
+        if forced.function in names:
+            return f"tools[{names.index(forced.function)}].function.parameters"
+        return "tools[0].function.parameters" if len(names) == 1 else "tools"
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         tool_constraint = self._tool_constraint()

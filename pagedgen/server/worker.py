@@ -57,6 +57,7 @@ class Finish:
     matched_stop_string_index: int | None
     error_code: EngineErrorCode
     text_before_stop: str = ""
+    error_message: str = ""  # with a failed turn: why, when the engine says (llguidance's reason)
 
 
 @dataclass(slots=True)
@@ -153,6 +154,7 @@ class _Job:
     prompt_tokens: int
     first_token_at: float | None = None
     num_tokens: int = 0
+    tag: str = ""  # the HTTP request id, for log lines
 
 
 class EngineWorker:
@@ -350,6 +352,7 @@ class EngineWorker:
         job = _Job(
             command.job_id, request, turn_id, command.sink, command.arrived_at, len(command.prompt_ids)
         )
+        job.tag = command.tag
         self._jobs[job.job_id] = job
         self._by_request[id(request)] = job
         if self._metrics is not None:
@@ -409,6 +412,8 @@ class EngineWorker:
             if update is None:
                 update = updates[job.job_id] = JobUpdate()
             _copy_event(event, update)
+            if event.error_message:  # a turn that failed alone, with its cause: the client gets it too
+                log.warning("request %s: its turn failed: %s", job.tag or "?", event.error_message)
         deliveries = [self._settle(self._jobs[job_id], update, now) for job_id, update in updates.items()]
         self._publish()  # before the updates: a client that has its answer sees it counted
         for sink, update in deliveries:
@@ -525,6 +530,7 @@ def _copy_event(event: Any, update: JobUpdate) -> None:
             matched_stop_string_index=event.matched_stop_string_index,
             error_code=event.error_code,
             text_before_stop=event.text_before_stop,
+            error_message=event.error_message,
         )
 
 

@@ -149,9 +149,9 @@ def test_a_bad_tool_request_is_400_naming_its_param(server, fields, param):
 def test_a_grammar_the_models_tokenizer_refuses_is_400_before_the_engine(server, stream):
     """Token 500 compiles as a grammar but not for a 95-token vocabulary: the route checks it too."""
     body = {"stream": stream, "structured_outputs": {"grammar": "start: <[500]>"}}
-    error = refused(server, "/v1/completions", {"prompt": "ab", **body}, "structured_outputs")
+    error = refused(server, "/v1/completions", {"prompt": "ab", **body}, "structured_outputs.grammar")
     assert "tokenizer" in error["message"]
-    error = refused(server, "/v1/chat/completions", {"messages": CHAT, **body}, "structured_outputs")
+    error = refused(server, "/v1/chat/completions", {"messages": CHAT, **body}, "structured_outputs.grammar")
     assert "tokenizer" in error["message"]
 
 

@@ -10,6 +10,7 @@ grammar). Unguided requests batched with guided ones emit exactly what they emit
 from __future__ import annotations
 
 import re
+import threading
 
 import pytest
 
@@ -429,7 +430,7 @@ def test_an_llguidance_error_mid_generation_fails_only_that_turn():
     victim._state.cursor._matcher.consume_token(0)  # " " is never part of an email address
     events = drain(engine)
     (end,) = finishes_of(events)[victim]
-    assert end.flags & F.FAILED and end.error_code is E.REQUEST_FAILED and end.finish_reason is R.FAILED
+    assert end.flags & F.FAILED and end.error_code is E.GUIDANCE_FAILED and end.finish_reason is R.FAILED
     assert engine.stats().healthy and victim._state.cursor is None
     outputs = {r.id: out for r, out in scenario_outputs(events).items()}
     for name in ("sampled", "free", "prefill"):
@@ -452,7 +453,7 @@ def test_a_token_the_grammar_rejects_at_staging_fails_only_that_turn(monkeypatch
     free = guided(engine, [9, 8], None, max_new=20)
     events = drain(engine)
     (end,) = finishes_of(events)[victim]
-    assert end.error_code is E.REQUEST_FAILED and tokens_of(events)[victim] == []
+    assert end.error_code is E.GUIDANCE_FAILED and tokens_of(events)[victim] == []
     assert tokens_of(events)[free] == expected_greedy([9, 8], 20, VOCAB, EOS)
     assert engine.stats().healthy
 
@@ -466,7 +467,7 @@ def test_an_llguidance_error_on_the_static_path_fails_only_that_turn():
     victim._state.cursor._matcher.consume_token(0)
     events += drain(engine)
     (end,) = finishes_of(events)[victim]
-    assert end.error_code is E.REQUEST_FAILED and engine.stats().healthy
+    assert end.error_code is E.GUIDANCE_FAILED and engine.stats().healthy
     assert re.fullmatch(WORDS, text(engine, tokens_of(events)[other]))
     assert [e.finish_reason for e in finishes_of(events)[other]] == [R.EOS]
     assert tokens_of(events)[free] == expected_greedy([9, 8], 20, VOCAB, EOS)
@@ -548,3 +549,57 @@ def test_mask_statistics_count_rows_and_time():
     stats = engine.stats()
     assert stats.guided_rows_masked == len(tokens)  # one mask per emitted token: completion needs no EOS step
     assert stats.mask_seconds > 0.0 and stats.mask_wait_seconds >= 0.0
+
+
+# -- a mask past its step budget ---------------------------------------------------------------------------
+
+
+def slow_mask_run(at_step: int, hold: bool) -> tuple[pg.Engine, dict[str, pg.Request], list[pg.EngineEvent]]:
+    """Three guided requests and an unguided one; with ``hold``, the "slow" request's masks wait for a gate
+    that is opened only after the run (its mask is never ready in time) from step ``at_step`` on."""
+    engine = make_engine(model(), block_size=4)
+    engine._step.masker.budget_s = 0.2
+    requests = {
+        "slow": guided(engine, [5, 6, 7], "regex", EMAIL),
+        "words": guided(engine, [40, 41], "regex", WORDS),
+        "sampled": guided(engine, [9, 80], "regex", NUMBERS, do_sample=True, temperature=1.5, seed=3),
+        "free": guided(engine, [9, 8], None, max_new=20),
+    }
+    events = []
+    for _ in range(at_step):
+        events += engine.run(max_events=64)
+    gate = threading.Event()
+    if hold:
+        engine._faults.hold_masks(requests["slow"].id, gate)
+    try:
+        events += drain(engine)
+    finally:
+        gate.set()
+    return engine, requests, events
+
+
+@pytest.mark.parametrize("at_step", [0, 3])
+def test_a_mask_past_its_step_budget_fails_that_turn_alone_and_the_batch_steps_on(at_step):
+    engine, requests, events = slow_mask_run(at_step, hold=True)
+    _, reference, reference_events = slow_mask_run(at_step, hold=False)
+    tokens, finishes = tokens_of(events), finishes_of(events)
+    solo_tokens, solo_finishes = tokens_of(reference_events), finishes_of(reference_events)
+    slow = requests["slow"]
+    (end,) = finishes[slow]
+    assert end.flags & F.FAILED and end.finish_reason is R.FAILED and end.error_code is E.GUIDANCE_FAILED
+    assert end.error_message == (
+        "guidance failed: the constraint's token mask was not ready within the step budget of 0.2 s"
+    )
+    assert tokens[slow] == solo_tokens[reference["slow"]][:at_step]  # what it had before, nothing after
+    for name in ("words", "sampled", "free"):  # batch-mates emit exactly what they emit without it
+        assert tokens[requests[name]] == solo_tokens[reference[name]]
+        assert [e.finish_reason for e in finishes[requests[name]]] == [
+            e.finish_reason for e in solo_finishes[reference[name]]
+        ]
+    stats = engine.stats()
+    assert stats.healthy and stats.rollbacks == 1  # one rolled-back step for the slow row, no loop
+    assert engine._step.masker.abandoned_pools == 1 and slow._state.cursor is None
+    for request in requests.values():
+        request.close()
+    drain(engine)
+    assert engine.stats().free_blocks == engine.stats().total_blocks
