@@ -184,7 +184,8 @@ def error_text(browser) -> str:
 
 
 def stored_history(browser) -> list[dict]:
-    return json.loads(browser.execute_script("return localStorage.getItem('pagedgen.chat.history')"))
+    stored = browser.execute_script("return localStorage.getItem('pagedgen.chat.history')")
+    return [] if stored is None else json.loads(stored)
 
 
 # ---------------------------------------------------------------- the tests
@@ -243,16 +244,15 @@ def test_history_survives_a_reload_and_the_second_turn_reports_cached_tokens(bro
 def test_stop_ends_the_answer_and_the_server_cancels_the_request(browser):
     model = StepGate(vocab_size=VOCAB)
     live = serve(model, tokenizer=TOKENIZER)
-    driver = browser
     try:
-        open_page(driver, live)
-        settings(driver, temperature="0", max_tokens="500")
-        say(driver, "Write a long story")
+        open_page(browser, live)
+        settings(browser, temperature="0", max_tokens="500")
+        say(browser, "Write a long story")
         model.allow(4)  # the prefill and three decode steps: some text streams, then the model waits
-        until(driver, lambda d: len(answers(d)) == 1 and content_of(answers(d)[0]) != "", "text streamed")
-        assert driver.find_element(By.ID, "stop").is_displayed()
-        driver.find_element(By.ID, "stop").click()
-        answer = finished_answer(driver, 1)
+        until(browser, lambda d: len(answers(d)) == 1 and content_of(answers(d)[0]) != "", "text streamed")
+        assert browser.find_element(By.ID, "stop").is_displayed()
+        browser.find_element(By.ID, "stop").click()
+        answer = finished_answer(browser, 1)
         assert "stopped" in answer.find_element(By.CLASS_NAME, "stats").text
         disconnects = app_state(live).metrics.disconnects
         server_wait_until(lambda: disconnects._value.get() == 1, "the server noticed the stop")
@@ -263,8 +263,8 @@ def test_stop_ends_the_answer_and_the_server_cancels_the_request(browser):
         assert metric(text, "pagedgen:generation_tokens_total", model_name="synthetic") < 500
         assert metric(text, "pagedgen:kv_cache_blocks_free", model_name="synthetic") == NUM_BLOCKS
         full = answer_to([{"role": "user", "content": "Write a long story"}], 500)
-        assert full.startswith(stored_history(driver)[1]["content"])  # what streamed is the answer's start
-        assert not driver.find_element(By.ID, "stop").is_displayed()
+        assert full.startswith(stored_history(browser)[1]["content"])  # what streamed is the answer's start
+        assert not browser.find_element(By.ID, "stop").is_displayed()
     finally:
         model.open()
         live.stop()
@@ -289,6 +289,8 @@ def test_a_full_server_shows_the_429_message_and_gives_the_text_back(browser):
         assert message.startswith("HTTP 429: the server is at capacity (1 requests admitted")
         assert browser.find_element(By.ID, "input").get_attribute("value") == "Are you there?"
         assert answers(browser) == [] and stored_history(browser) == []
+        rejected = metric(settled_metrics(live), "pagedgen:request_rejected_total", reason="queue_full")
+        assert rejected == 1
     finally:
         model.gate.set()
         live.stop()
@@ -299,9 +301,12 @@ def test_a_400_shows_its_message(browser, server):
     settings(browser, temperature="7")
     say(browser, "Hi")
     assert re.match(r"HTTP 400: .*temperature", error_text(browser))
+    assert browser.find_element(By.ID, "input").get_attribute("value") == "Hi"  # given back
     settings(browser, temperature="0", json_schema="{not json")
     browser.find_element(By.ID, "send").click()
-    assert error_text(browser).startswith("The JSON schema in Settings is not valid JSON")
+    refused = "The JSON schema in Settings is not valid JSON"
+    until(browser, lambda d: d.find_element(By.ID, "error").text.startswith(refused), "the schema refused")
+    assert answers(browser) == [] and stored_history(browser) == []
 
 
 def test_json_schema_setting_constrains_the_answer(browser, server):
@@ -322,8 +327,10 @@ def test_json_schema_setting_constrains_the_answer(browser, server):
 
 def test_a_stopped_server_is_reported(browser):
     live = serve(SyntheticModel(vocab_size=VOCAB), tokenizer=TOKENIZER)
-    open_page(browser, live)
-    live.stop()
+    try:
+        open_page(browser, live)
+    finally:
+        live.stop()
     say(browser, "Hello?")
     assert error_text(browser) == "Cannot reach the server: is `pagedgen serve` still running?"
     assert browser.find_element(By.ID, "input").get_attribute("value") == "Hello?"
