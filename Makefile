@@ -35,7 +35,7 @@ browser:
 	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
 		echo "installing $(BROWSER_PACKAGES) for the browser tests"; \
 		$(SUDO) apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq \
 			$(BROWSER_PACKAGES) >/dev/null; \
 	fi
 
