@@ -121,7 +121,8 @@ def browser():
 
 @pytest.fixture(scope="module")
 def server():
-    live = serve(SyntheticModel(vocab_size=VOCAB), tokenizer=TOKENIZER)
+    """Keyless on loopback, with the ``Host`` check ``pagedgen serve`` then turns on (DNS rebinding)."""
+    live = serve(SyntheticModel(vocab_size=VOCAB), tokenizer=TOKENIZER, allowed_hosts=frozenset())
     yield live
     live.stop()
 
@@ -470,6 +471,7 @@ def test_page_routes_serve_only_their_files_with_a_strict_policy(server):
     assert page.status_code == 200 and page.headers["content-type"] == "text/html; charset=utf-8"
     assert "script-src 'self'" in page.headers["content-security-policy"]
     assert httpx.get(server.url + "/page/chat.js").headers["content-type"].startswith("text/javascript")
+    assert httpx.get(server.url + "/", headers={"Host": "evil.example"}).status_code == 421
     for path in ("/page/index.html", "/page/..%2F__init__.py", "/page/nope.js", "/docs/assets/x.js"):
         assert httpx.get(server.url + path).status_code == 404
     assert httpx.get(server.url + "/openapi.json").json()["info"]["title"] == "pagedgen"
