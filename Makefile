@@ -5,7 +5,12 @@ STAMP := $(VENV)/.installed-stamp
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve test lint format clean
+# The chat page's browser tests drive Debian's chromium through chromedriver; `make test` installs both when
+# either is missing (as root, else through sudo). A failed install fails the target: no test is skipped.
+BROWSER_PACKAGES := chromium chromium-driver
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: install serve test lint format clean browser
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -26,7 +31,15 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: lint
+browser:
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+		echo "installing $(BROWSER_PACKAGES) for the browser tests"; \
+		$(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq \
+			$(BROWSER_PACKAGES) >/dev/null; \
+	fi
+
+test: lint browser
 	$(VENV)/bin/python -m pytest -q
 
 format: $(STAMP)

@@ -53,6 +53,7 @@ from pagedgen.llm import (
 from pagedgen.models.tokenizer import IncrementalDetokenizer
 from pagedgen.sampling.errors import SamplingOptionsError
 from pagedgen.server.admission import DEFAULT_MAX_QUEUED_REQUESTS, RETRY_AFTER_S, Admission, Ticket
+from pagedgen.server.apidocs import add_offline_docs
 from pagedgen.server.guard import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
@@ -69,6 +70,7 @@ from pagedgen.server.lifecycle import (
     DEFAULT_SHUTDOWN_TIMEOUT_S,
 )
 from pagedgen.server.metrics import ServerMetrics
+from pagedgen.server.page import add_chat_page
 from pagedgen.server.protocol import ChatCompletionRequest, CompletionRequest
 from pagedgen.server.responses import ChatResponses, CompletionResponses
 from pagedgen.server.sse import DONE, EventStreamResponse, sse_event
@@ -203,8 +205,12 @@ def create_app(
             await asyncio.to_thread(worker.shutdown)
             server.prepare_pool.shutdown(wait=False, cancel_futures=True)
 
-    docs = {} if options.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(title="pagedgen", lifespan=lifespan, **docs)
+    # FastAPI's own /docs and /redoc load their assets from a CDN: add_offline_docs serves them locally.
+    openapi_url = "/openapi.json" if options.docs else None
+    app = FastAPI(title="pagedgen", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=openapi_url)
+    if options.docs:
+        add_offline_docs(app)
+    add_chat_page(app)
     admission = Admission(worker.max_batch_size, options.max_queued_requests)
     metrics.bind(snapshot=lambda: worker.snapshot, admitted=lambda: admission.in_flight)
     app.state.options = options
