@@ -13,6 +13,12 @@ Policy (reference, "Backpressure and fairness" and "One dynamic step in detail",
    global ``max_scheduled_tokens`` budget; packed offsets follow the row order. With sliding-window rings
    ``chunk_size`` is the rings' ``C`` (set by the engine, never unset): no request gets more tokens in one
    step than its ring can take without overwriting a position it still reads (docs/cache.md).
+4. A step that carries a decode row (a running stream) is bounded by ``max_mixed_step_tokens`` instead of
+   ``max_scheduled_tokens``: its prefills get what the decodes and their drafts leave of that smaller
+   budget, so a long prompt is prefilled in chunks interleaved with the streams' tokens rather than in one
+   step that stalls them (vLLM's chunked prefill beside decodes). A step without decodes still takes the
+   whole budget, so a prompt that arrives alone is prefilled as fast as before. Every selected prefill row
+   still sends at least its one provisional token, so no prefill stalls however many decodes run.
 
 Admitting a prefill reserves cache for its whole remaining input (``required_slots = len(tokens)``), so a
 partial prefill can always finish: nobody can take the capacity it needs.
@@ -141,10 +147,13 @@ class DynamicScheduler:
         max_scheduled_tokens: int,
         chunk_size: int | None,
         max_draft_tokens: int = 0,
+        max_mixed_step_tokens: int | None = None,
     ):
         self.cache = cache
         self.max_batch_size = max_batch_size
         self.max_scheduled_tokens = max_scheduled_tokens
+        # None: a step with decodes may take max_scheduled_tokens too (policy step 4)
+        self.max_mixed_step_tokens = max_mixed_step_tokens
         self.chunk_size = chunk_size
         self.max_draft_tokens = max_draft_tokens  # 0: drafts are never scheduled
         self._waiting: dict[int, RequestState] = {}  # non-resident ASSIGNED requests, priority order
@@ -410,9 +419,9 @@ class DynamicScheduler:
         return given
 
     def _assign_tokens(self, rows: list[RequestStepPlan], drafted: int = 0) -> int:
-        """Expand selected prefills in stable order within the token budget (less the ``drafted`` tokens);
-        set packed offsets."""
-        budget = self.max_scheduled_tokens - len(rows) - drafted
+        """Expand selected prefills in stable order within the step's token budget (less the ``drafted``
+        tokens); set packed offsets."""
+        budget = self.step_budget(rows) - len(rows) - drafted
         chunk_extra = None if self.chunk_size is None else self.chunk_size - 1
         offset = 0
         for row in rows:
@@ -426,6 +435,14 @@ class DynamicScheduler:
             row.packed_offset = offset
             offset += row.num_query_tokens
         return offset
+
+    def step_budget(self, rows: list[RequestStepPlan]) -> int:
+        """The query-token budget of a step of ``rows``: ``max_mixed_step_tokens`` when one of them decodes
+        (policy step 4), else ``max_scheduled_tokens``."""
+        mixed = self.max_mixed_step_tokens
+        if mixed is not None and any(not row.is_prefill for row in rows):
+            return min(mixed, self.max_scheduled_tokens)
+        return self.max_scheduled_tokens
 
 
 def cache_candidates(rows: list[RequestStepPlan]) -> list[CacheCandidate]:
