@@ -14,8 +14,8 @@ the byte budget in 2 and 3. A full pool whose blocks cost nothing (every layer w
 positions) is the ceiling.
 
 ``max_mixed_step_tokens=None`` is resolved by :func:`resolve_mixed_step_tokens` from the model's device: a
-step that carries a running stream's decode row lasts as long as its prefill chunks take, so on a CPU (a
-few hundred prefill tokens a second on two cores) such a step takes at most
+step that carries a running stream's decode row lasts as long as its prefill chunks take, so on a CPU
+(under a thousand prefill tokens a second for the default model on two cores) such a step takes at most
 ``DEFAULT_CPU_MIXED_STEP_TOKENS``; on an accelerator, where a 2,048-token step of a small model takes tens
 of milliseconds, it may take the whole ``max_scheduled_tokens``.
 """
