@@ -181,6 +181,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--chunk-size", type=positive_int, help="largest prefill chunk of one request per step"
     )
+    group.add_argument(
+        "--max-mixed-step-tokens",
+        type=positive_int,
+        help="query tokens of a step beside running streams, so a long prompt cannot stall them "
+        "(default: 512 on the CPU, --max-scheduled-tokens on a GPU)",
+    )
     group.add_argument("--static-batching", action="store_true", help="use the static batching path")
 
 
@@ -234,6 +240,7 @@ def engine_config(args: argparse.Namespace) -> Any:
         num_blocks=args.num_blocks,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         chunk_size=args.chunk_size,
+        max_mixed_step_tokens=args.max_mixed_step_tokens,
         dynamic_batching=not args.static_batching,
     )
 

@@ -273,6 +273,38 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--plot", type=Path, help="latency-vs-rate PNG (default: next to --json, 2+ rates, with matplotlib)"
     )
+    a = p.add_argument_group("a long prompt arriving beside running streams (instead of the rate sweep)")
+    a.add_argument(
+        "--long-prompt-tokens",
+        type=positive_int,
+        help="send one prompt of this many tokens beside --streams running streams; report their ITL",
+    )
+    a.add_argument("--streams", type=positive_int, default=2, help="running streams (default 2)")
+    a.add_argument(
+        "--stream-tokens",
+        type=positive_int,
+        default=1024,
+        help="tokens each stream asks for; closed once the long prompt has its first token (default 1024)",
+    )
+    a.add_argument("--repeats", type=positive_int, default=1, help="runs per server, interleaved (default 1)")
+    a.add_argument(
+        "--launch",
+        metavar="MODEL",
+        help="start one 'pagedgen serve --model MODEL' per --mixed-step-tokens value instead of --base-url",
+    )
+    a.add_argument(
+        "--mixed-step-tokens",
+        type=_budget,
+        nargs="+",
+        default=[2048, None],
+        help="the launched servers' --max-mixed-step-tokens; 'default' leaves the server's own (default: "
+        "2048 default, i.e. the whole step budget beside decodes, as before, and the device default)",
+    )
+    a.add_argument("--launch-args", default="", help="more 'pagedgen serve' arguments for launched servers")
+
+
+def _budget(text: str) -> int | None:
+    return None if text == "default" else positive_int(text)
 
 
 def _gemm_parser(p: argparse.ArgumentParser) -> None:
@@ -542,6 +574,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pagedgen.models.tokenizer import Tokenizer
 
     require("httpx", "pagedgen bench serve")
+    if args.long_prompt_tokens is not None:
+        return cmd_serve_arrival(args)
     specs = workloads_from_args(args, "W2")
     plot = _plot_path(args.plot, args.json, "the latency chart")
     tokenizer = SyntheticModel().tokenizer if args.tokenizer == "synthetic" else Tokenizer(args.tokenizer)
@@ -570,6 +604,65 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if plot is not None and plot_latency_vs_rate([s for _, s in summaries], plot):
         print(f"\nchart: {plot}")
     return 0 if all(s.failed == 0 for _, s in summaries) else 1
+
+
+def cmd_serve_arrival(args: argparse.Namespace) -> int:
+    """The long-prompt scenario (:mod:`pagedgen.bench.arrival`) against ``--base-url`` or, with
+    ``--launch``, against one launched server per ``--mixed-step-tokens`` value, runs interleaved."""
+    import shlex
+
+    from pagedgen.bench.arrival import arrival_table, format_arrival, run_arrival
+    from pagedgen.bench.launch import free_port, launch, serve_command
+    from pagedgen.bench.report import write_json
+    from pagedgen.bench.serve import served_model_name
+    from pagedgen.bench.workloads import LengthRange, WorkloadSpec, build_workload
+    from pagedgen.models.synthetic import SyntheticModel
+    from pagedgen.models.tokenizer import Tokenizer
+
+    tokenizer = SyntheticModel().tokenizer if args.tokenizer == "synthetic" else Tokenizer(args.tokenizer)
+    launched = []
+    try:
+        if args.launch:
+            for budget in args.mixed_step_tokens:
+                label = f"max_mixed_step_tokens {'default' if budget is None else budget}"
+                port = free_port()
+                command = serve_command(args.launch, port, budget, shlex.split(args.launch_args))
+                launched.append(launch(label, command, port, args.timeout))
+            targets = [(server.label, server.url, None) for server in launched]
+        else:
+            targets = [(args.base_url, args.base_url, args.api_key)]
+        records, summaries = [], []
+        for rep in range(args.repeats):
+            # Fresh prompts every repeat (a server's prefix cache must not serve a later run); the same
+            # prompts for every server within one.
+            out = LengthRange(args.stream_tokens, args.stream_tokens)
+            stream_spec = WorkloadSpec(
+                "streams", args.streams, LengthRange(64, 64), out, seed=args.seed + rep
+            )
+            n = args.long_prompt_tokens
+            long_spec = WorkloadSpec(
+                "long", 1, LengthRange(n, n), LengthRange(1, 1), seed=args.seed + 1000 + rep
+            )
+            streams = build_workload(stream_spec, tokenizer)
+            long_request = build_workload(long_spec, tokenizer)[0]
+            for label, url, key in targets if rep % 2 == 0 else targets[::-1]:
+                model = args.served_model or asyncio.run(served_model_name(url, key))
+                summary = asyncio.run(
+                    run_arrival(
+                        url, model, streams, long_request, label=label, api_key=key, timeout_s=args.timeout
+                    )
+                )
+                load = os.getloadavg()
+                print(format_arrival(summary) + f"\n  load average {load[0]:.2f} {load[1]:.2f}", flush=True)
+                summaries.append(summary)
+                records.append({"repeat": rep, "load_average": list(load), **summary.to_dict()})
+    finally:
+        for server in launched:
+            server.stop()
+    print("\n" + arrival_table(summaries))
+    if args.json:
+        write_json(args.json, {"scenario": "long prompt arrival", "runs": records})
+    return 0 if all(not s.errors for s in summaries) else 1
 
 
 def cmd_gemm(args: argparse.Namespace) -> int:

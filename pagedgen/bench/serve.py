@@ -73,13 +73,14 @@ class RequestResult:
 
 @dataclass(frozen=True, slots=True)
 class LatencyStats:
-    """Mean and percentiles (milliseconds) of one latency metric; all None when there are no samples."""
+    """Mean, percentiles and maximum (milliseconds) of one latency metric; all None without samples."""
 
     mean_ms: float | None
     p50_ms: float | None
     p90_ms: float | None
     p99_ms: float | None
     count: int
+    max_ms: float | None = None
 
     @classmethod
     def of(cls, seconds: Sequence[float]) -> LatencyStats:
@@ -87,7 +88,7 @@ class LatencyStats:
             return cls(None, None, None, None, 0)
         ms = np.asarray(seconds, dtype=np.float64) * 1e3
         p50, p90, p99 = (float(v) for v in np.percentile(ms, PERCENTILES))
-        return cls(float(ms.mean()), p50, p90, p99, len(seconds))
+        return cls(float(ms.mean()), p50, p90, p99, len(seconds), float(ms.max()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,11 +262,11 @@ def format_summary(summary: ServeSummary) -> str:
         f"in {summary.duration_s:.2f} s; "
         f"{summary.requests_per_s:.2f} req/s, {summary.output_tokens_per_s:.1f} out tok/s, "
         f"{summary.total_tokens_per_s:.1f} total tok/s",
-        "  metric      mean      p50      p90      p99  (ms)",
+        "  metric      mean      p50      p90      p99      max  (ms)",
     ]
     for name in ("ttft", "tpot", "itl", "e2e"):
         stats: LatencyStats = getattr(summary, name)
-        cells = [stats.mean_ms, stats.p50_ms, stats.p90_ms, stats.p99_ms]
+        cells = [stats.mean_ms, stats.p50_ms, stats.p90_ms, stats.p99_ms, stats.max_ms]
         lines.append(f"  {name:<6}" + "".join("        —" if c is None else f"{c:9.1f}" for c in cells))
     for error in summary.errors:
         lines.append(f"  error: {error}")

@@ -12,6 +12,12 @@
 Storage reserved first (``reserved_bytes``: the sliding-window ring pool and the fixed-state pool) comes off
 the byte budget in 2 and 3. A full pool whose blocks cost nothing (every layer windowed: it only tracks
 positions) is the ceiling.
+
+``max_mixed_step_tokens=None`` is resolved by :func:`resolve_mixed_step_tokens` from the model's device: a
+step that carries a running stream's decode row lasts as long as its prefill chunks take, so on a CPU
+(under a thousand prefill tokens a second for the default model on two cores) such a step takes at most
+``DEFAULT_CPU_MIXED_STEP_TOKENS``; on an accelerator, where a 2,048-token step of a small model takes tens
+of milliseconds, it may take the whole ``max_scheduled_tokens``.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from pagedgen.engine.isolation import DEFAULT_MAX_STEP_RETRIES
 DEFAULT_MAX_SCHEDULED_TOKENS = 2048
 AUTO_KV_MEMORY_FRACTION = 0.25
 DEFAULT_MAX_DRAFT_TOKENS = 8
+DEFAULT_CPU_MIXED_STEP_TOKENS = 512  # docs/performance.md, "Latency fairness": about 0.6 s on 2 cores
 
 
 def _positive_int(name: str, value: object, *, optional: bool = False) -> None:
@@ -64,6 +71,7 @@ class EngineConfig:
     num_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     chunk_size: int | None = None
+    max_mixed_step_tokens: int | None = None
     dynamic_batching: bool = True
     debug_invariants: bool = False
     max_step_retries: int = DEFAULT_MAX_STEP_RETRIES
@@ -78,6 +86,7 @@ class EngineConfig:
         _positive_int("num_blocks", self.num_blocks, optional=True)
         _positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, optional=True)
         _positive_int("chunk_size", self.chunk_size, optional=True)
+        _positive_int("max_mixed_step_tokens", self.max_mixed_step_tokens, optional=True)
         _positive_int("max_step_retries", self.max_step_retries)
         if (
             isinstance(self.max_draft_tokens, bool)
@@ -90,6 +99,19 @@ class EngineConfig:
         for name in ("dynamic_batching", "debug_invariants", "prefix_caching", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
+
+
+def resolve_mixed_step_tokens(config: EngineConfig, device: torch.device) -> int:
+    """The query-token budget of a step that carries a decode row (rule in the module docstring): the
+    configured value, else ``DEFAULT_CPU_MIXED_STEP_TOKENS`` on the CPU and no extra bound elsewhere; never
+    more than ``max_scheduled_tokens``."""
+    if config.max_mixed_step_tokens is not None:
+        budget = config.max_mixed_step_tokens
+    elif device.type == "cpu":
+        budget = DEFAULT_CPU_MIXED_STEP_TOKENS
+    else:
+        budget = config.max_scheduled_tokens
+    return min(budget, config.max_scheduled_tokens)
 
 
 def available_memory_bytes(device: torch.device) -> int:

@@ -21,7 +21,7 @@ import torch
 from pagedgen.cache import FixedStatePool, PagedCacheManager, blocks_for_tokens
 from pagedgen.cache.prefix import BlockHashes
 from pagedgen.engine.cache_layout import plan_cache_layout
-from pagedgen.engine.config import EngineConfig, resolve_num_blocks
+from pagedgen.engine.config import EngineConfig, resolve_mixed_step_tokens, resolve_num_blocks
 from pagedgen.engine.consistency import request_violations
 from pagedgen.engine.errors import (
     DraftsUnsupportedError,
@@ -157,6 +157,7 @@ class Engine:
                 config.max_scheduled_tokens,
                 layout.chunk_size,
                 max_draft_tokens=0 if cache.fixed is not None else config.max_draft_tokens,
+                max_mixed_step_tokens=resolve_mixed_step_tokens(config, device),
             )
             self._step: Any = DynamicStep(
                 self._scheduler, self._runner, self._faults, self.eos_token_ids, isolator

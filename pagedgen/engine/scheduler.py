@@ -1,10 +1,11 @@
 """Decode-first planning for the dynamic path: which requests run this step, and how many tokens each sends.
 
 Decodes go first so a running stream never waits behind a long prompt; prefills then fill the step's token
-budget in chunks, and an admitted prefill reserves cache for its whole remaining input so it can always
-finish. When a plan leaves work behind for want of room, :meth:`DynamicScheduler.relieve` releases
-residency instead (idle residents yield, the youngest running request is preempted, waiting requests age),
-so nothing waits forever. The policy, its rules and why they cannot cycle: docs/engine.md, "Scheduling:
+budget in chunks (a smaller one, ``max_mixed_step_tokens``, when the step carries a decode row, so a long
+prompt cannot stall the streams), and an admitted prefill reserves cache for its whole remaining input so
+it can always finish. When a plan leaves work behind for want of room, :meth:`DynamicScheduler.relieve`
+releases residency instead (idle residents yield, the youngest running request is preempted, waiting
+requests age), so nothing waits forever. The policy, its rules and why they cannot cycle: docs/engine.md, "Scheduling:
 decode first" and "Residency"; prefix-cache hits and held-back admissions: docs/cache.md; drafts:
 :mod:`pagedgen.engine.drafts`.
 """
@@ -95,10 +96,13 @@ class DynamicScheduler:
         max_scheduled_tokens: int,
         chunk_size: int | None,
         max_draft_tokens: int = 0,
+        max_mixed_step_tokens: int | None = None,
     ):
         self.cache = cache
         self.max_batch_size = max_batch_size
         self.max_scheduled_tokens = max_scheduled_tokens
+        # None: a step with decodes may take max_scheduled_tokens too (policy step 4)
+        self.max_mixed_step_tokens = max_mixed_step_tokens
         self.chunk_size = chunk_size
         self.max_draft_tokens = max_draft_tokens  # 0: drafts are never scheduled
         self._waiting: dict[int, RequestState] = {}  # non-resident ASSIGNED requests, priority order
@@ -364,9 +368,9 @@ class DynamicScheduler:
         return given
 
     def _assign_tokens(self, rows: list[RequestStepPlan], drafted: int = 0) -> int:
-        """Expand selected prefills in stable order within the token budget (less the ``drafted`` tokens);
-        set packed offsets."""
-        budget = self.max_scheduled_tokens - len(rows) - drafted
+        """Expand selected prefills in stable order within the step's token budget (less the ``drafted``
+        tokens); set packed offsets."""
+        budget = self.step_budget(rows) - len(rows) - drafted
         chunk_extra = None if self.chunk_size is None else self.chunk_size - 1
         offset = 0
         for row in rows:
@@ -380,6 +384,14 @@ class DynamicScheduler:
             row.packed_offset = offset
             offset += row.num_query_tokens
         return offset
+
+    def step_budget(self, rows: list[RequestStepPlan]) -> int:
+        """The query-token budget of a step of ``rows``: ``max_mixed_step_tokens`` when one of them decodes
+        (policy step 4), else ``max_scheduled_tokens``."""
+        mixed = self.max_mixed_step_tokens
+        if mixed is not None and any(not row.is_prefill for row in rows):
+            return min(mixed, self.max_scheduled_tokens)
+        return self.max_scheduled_tokens
 
 
 def cache_candidates(rows: list[RequestStepPlan]) -> list[CacheCandidate]:

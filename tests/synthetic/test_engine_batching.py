@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import torch
+
 import pagedgen as pg
+from pagedgen.engine.config import DEFAULT_CPU_MIXED_STEP_TOKENS, resolve_mixed_step_tokens
 from tests.helpers import (
     VOCAB,
     drain,
@@ -194,3 +197,63 @@ def test_turn_complete_residents_yield_rows_to_waiting_work():
     history = list(requests[0].tokens)
     requests[0].begin_turn([9, 9], turn_options(requests[0], 4))
     assert tokens_of(drain(engine))[requests[0]] == expected_greedy(history + [9, 9], 4)
+
+
+def test_a_step_with_a_decode_is_bounded_by_max_mixed_step_tokens():
+    """A long prompt beside a running stream is prefilled in chunks interleaved with the stream's tokens;
+    alone, it takes the whole max_scheduled_tokens."""
+    engine = make_engine(max_scheduled_tokens=16, max_mixed_step_tokens=6, num_blocks=64)
+    steps = record_steps(engine)
+    alone = list(range(30, 50))  # 20 tokens, nothing decodes: 16 + 4
+    first = submit(engine, alone, 1)
+    assert tokens_of(drain(engine))[first] == expected_greedy(alone, 1)
+    assert steps == [([16], [0]), ([4], [16])]
+    first.close()
+    steps.clear()
+    stream = submit(engine, [1, 2, 3], 8)
+    engine.run(max_events=8)  # the stream is prefilled and now decodes
+    long = list(range(50, 70))  # 20 tokens beside a decode: 5 per step
+    late = submit(engine, long, 2)
+    events = drain(engine)
+    assert steps == [
+        ([3], [0]),
+        ([1, 5], [3, 0]),
+        ([1, 5], [4, 5]),
+        ([1, 5], [5, 10]),
+        ([1, 5], [6, 15]),  # the long prompt's first token: the stream had 4 more meanwhile
+        ([1, 1], [7, 20]),
+        ([1], [8]),
+        ([1], [9]),
+    ]
+    got = tokens_of(events)
+    assert got[late] == expected_greedy(long, 2)
+    assert got[stream] == expected_greedy([1, 2, 3], 8)[1:]
+    for request in (stream, late):
+        request.close()
+    assert engine.stats().free_blocks == 64 and engine.check_invariants() == []
+
+
+def test_the_mixed_budget_leaves_each_prefill_its_provisional_token():
+    """More decodes than the mixed budget: the prefills beside them still advance a token per step."""
+    engine = make_engine(max_scheduled_tokens=16, max_mixed_step_tokens=2, max_batch_size=4, num_blocks=64)
+    steps = record_steps(engine)
+    streams = [submit(engine, [4, 5], 6), submit(engine, [6, 7], 6)]
+    engine.run(max_events=8)  # both prefilled in one step; both decode now
+    late = submit(engine, [8, 9, 10, 11], 1)
+    events = drain(engine)
+    assert steps[:5] == [([2, 2], [0, 0])] + [([1, 1, 1], [2 + i, 2 + i, i]) for i in range(4)]
+    assert tokens_of(events)[late] == expected_greedy([8, 9, 10, 11], 1)
+    for request in [*streams, late]:
+        request.close()
+    assert engine.stats().free_blocks == 64
+
+
+def test_the_mixed_budget_defaults_to_the_device():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_mixed_step_tokens(pg.EngineConfig(), cpu) == DEFAULT_CPU_MIXED_STEP_TOKENS == 512
+    assert resolve_mixed_step_tokens(pg.EngineConfig(), cuda) == 2048
+    assert resolve_mixed_step_tokens(pg.EngineConfig(max_scheduled_tokens=300), cpu) == 300
+    assert resolve_mixed_step_tokens(pg.EngineConfig(max_mixed_step_tokens=64), cuda) == 64
+    assert resolve_mixed_step_tokens(pg.EngineConfig(max_mixed_step_tokens=4096), cpu) == 2048
+    engine = make_engine()  # the synthetic model runs on the CPU
+    assert engine._scheduler.max_mixed_step_tokens == 512

@@ -149,6 +149,7 @@ def test_generator_params_and_options_validate_all_or_nothing():
         ("num_blocks", 0),
         ("kv_cache_memory_bytes", True),
         ("chunk_size", 0),
+        ("max_mixed_step_tokens", 0),
         ("dynamic_batching", 1),
     ],
 )

@@ -1,17 +1,29 @@
-"""bench serve: Poisson arrivals, latency statistics on synthetic records, SSE parsing, and one live run
-against the real server on the synthetic model (exact token counts; no latency value is asserted)."""
+"""bench serve: Poisson arrivals, latency statistics on synthetic records, SSE parsing, one live run
+against the real server on the synthetic model (exact token counts; no latency value is asserted), and the
+long-prompt arrival scenario (its gap arithmetic exactly, a live run for structure, the launcher)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import math
+import sys
+import threading
 
 import numpy as np
 import pytest
 
 import pagedgen as pg
+from pagedgen.bench.arrival import (
+    StreamWatch,
+    arrival_table,
+    format_arrival,
+    run_arrival,
+    split_gaps,
+    summarize_arrival,
+)
 from pagedgen.bench.cli import main
+from pagedgen.bench.launch import free_port, launch, serve_command
 from pagedgen.bench.serve import (
     LatencyStats,
     RequestResult,
@@ -140,3 +152,95 @@ def test_429s_count_as_rejected_not_failed():
     assert (s.completed, s.rejected, s.failed) == (1, 1, 1)
     assert s.errors == ("HTTP 500: x",) and s.to_dict()["rejected"] == 1
     assert "1 rejected (429)" in format_summary(s)
+
+
+def test_arrival_gaps_split_at_the_long_prompts_window():
+    # Chunks at 1, 2, 3 (before the send at 3.5), 5, 9 (inside the window up to the first token at 9.5), 10.
+    during, before = split_gaps([1.0, 2.0, 3.0, 5.0, 9.0, 10.0], sent=3.5, first=9.5)
+    assert before == [1.0, 1.0] and during == [2.0, 4.0, 1.0]
+    watches = [StreamWatch([1.0, 2.0, 3.0, 5.0, 9.0, 10.0]), StreamWatch([3.4, 9.6])]
+    s = summarize_arrival("x", 4096, watches, sent=3.5, long_ttft_s=6.0)
+    assert (s.streams, s.stream_tokens_during, s.long_ttft_s) == (2, 2, 6.0)  # 5.0 and 9.0
+    assert s.itl_during.count == 4 and s.itl_during.max_ms == pytest.approx(6200.0)
+    assert s.itl_before.count == 2 and s.itl_before.p50_ms == pytest.approx(1000.0)
+    data = s.to_dict()
+    assert data["itl_during"]["max_ms"] == pytest.approx(6200.0) and json.loads(json.dumps(data)) == data
+    assert "| x | 6.0 | 2 |" in arrival_table([s]) and "6200" in format_arrival(s)
+    empty = summarize_arrival("y", 8, [StreamWatch([1.0, 2.0])], sent=1.5, long_ttft_s=None, errors=["e"])
+    assert empty.itl_during.count == 1 and empty.errors == ("e",)  # no first token: the window stays open
+
+
+@pytest.fixture(scope="module")
+def roomy_server():
+    """Room for two long streams and a long prompt at once (the default engine budgets)."""
+    config = pg.EngineConfig(max_batch_size=8, num_blocks=512)
+    app = build_app(
+        SyntheticModel(vocab_size=VOCAB),
+        config,
+        ServerOptions(model_name="synthetic"),
+        tokenizer=SyntheticTokenizer(VOCAB),
+    )
+    server = LiveServer(app).start()
+    yield server
+    server.stop()
+
+
+def _settled_free_blocks(server) -> int:
+    state = server.server.config.app.state
+    done = threading.Event()
+    state.worker.sync(lambda _snapshot: done.set())
+    assert done.wait(timeout=120)
+    return state.worker.snapshot.free_blocks
+
+
+def test_arrival_against_the_server_sees_the_streams_around_the_long_prompt(roomy_server):
+    tokenizer = SyntheticTokenizer(VOCAB)
+    streams = build_workload(WorkloadSpec("s", 2, LengthRange(16, 16), LengthRange(2000, 2000)), tokenizer)
+    long_request = build_workload(
+        WorkloadSpec("l", 1, LengthRange(1500, 1500), LengthRange(1, 1)), tokenizer
+    )[0]
+    s = asyncio.run(run_arrival(roomy_server.url, "synthetic", streams, long_request, label="synthetic"))
+    assert s.errors == () and s.long_prompt_tokens == 1500 and s.streams == 2
+    assert s.long_ttft_s is not None
+    assert s.itl_before.count >= 2 * 3  # four warm-up chunks per stream before the send
+    assert s.itl_during.count >= 2  # at least the gap of each stream that spans the window
+    assert _settled_free_blocks(roomy_server) == 512  # the closed streams were cancelled, blocks freed
+
+
+def test_cli_serve_long_prompt_scenario_writes_runs(roomy_server, tmp_path, capsys):
+    out = tmp_path / "arrival.json"
+    argv = [
+        "serve",
+        "--base-url",
+        roomy_server.url,
+        "--tokenizer",
+        "synthetic",
+        "--long-prompt-tokens",
+        "600",
+    ]
+    argv += ["--streams", "1", "--stream-tokens", "2000", "--repeats", "2", "--json", str(out)]
+    assert main(argv) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["repeat"], r["label"], r["long_prompt_tokens"], r["errors"]) for r in runs] == [
+        (0, roomy_server.url, 600, []),
+        (1, roomy_server.url, 600, []),
+    ]
+    assert all(len(r["load_average"]) == 3 and r["itl_during"]["count"] >= 1 for r in runs)
+    assert "| ITL p50 (ms) |" in capsys.readouterr().out
+
+
+def test_launch_command_and_a_server_that_exits():
+    command = serve_command("default", 8123, 512, ["--max-batch-size", "8"])
+    assert command[1:] == ["-m", "pagedgen.cli", "serve", "--model", "default", "--host", "127.0.0.1"] + [
+        "--port",
+        "8123",
+        "--log-level",
+        "warning",
+        "--max-mixed-step-tokens",
+        "512",
+        "--max-batch-size",
+        "8",
+    ]
+    assert "--max-mixed-step-tokens" not in serve_command("default", 8123, None)
+    with pytest.raises(RuntimeError, match="exited with status 3"):
+        launch("broken", [sys.executable, "-c", "raise SystemExit(3)"], free_port(), timeout_s=60)

@@ -43,6 +43,8 @@ def test_engine_options_map_to_the_engine_config():
             "100",
             "--chunk-size",
             "64",
+            "--max-mixed-step-tokens",
+            "128",
             "--static-batching",
         ]
     )
@@ -52,8 +54,11 @@ def test_engine_options_map_to_the_engine_config():
         block_size=32,
         num_blocks=100,
         chunk_size=64,
+        max_mixed_step_tokens=128,
         dynamic_batching=False,
     )
+    defaults = cli.engine_config(cli.build_parser().parse_args(["serve"]))
+    assert defaults == pg.EngineConfig() and defaults.max_mixed_step_tokens is None  # the device decides
 
 
 def test_sampling_options_map_to_sampling_params():
