@@ -2,11 +2,11 @@
 
 Decodes go first so a running stream never waits behind a long prompt; prefills then fill the step's token
 budget in chunks (a smaller one, ``max_mixed_step_tokens``, when the step carries a decode row, so a long
-prompt cannot stall the streams), and an admitted prefill reserves cache for its whole remaining input so
-it can always finish. When a plan leaves work behind for want of room, :meth:`DynamicScheduler.relieve`
-releases residency instead (idle residents yield, the youngest running request is preempted, waiting
-requests age), so nothing waits forever. The policy, its rules and why they cannot cycle: docs/engine.md, "Scheduling:
-decode first" and "Residency"; prefix-cache hits and held-back admissions: docs/cache.md; drafts:
+prompt cannot stall the streams), and an admitted prefill reserves cache for its whole remaining input so it
+can always finish. When a plan leaves work behind for want of room, :meth:`DynamicScheduler.relieve` releases
+residency instead (idle residents yield, the youngest running request is preempted, waiting requests age), so
+nothing waits forever. The policy, its rules and why they cannot cycle: docs/engine.md, "Scheduling: decode
+first" and "Residency"; prefix-cache hits and held-back admissions: docs/cache.md; drafts:
 :mod:`pagedgen.engine.drafts`.
 """
 
