@@ -595,12 +595,18 @@ def _llama_bench(directory: Path | None, checkpoint: Path | None, threads: int) 
     except SystemSkipped as skip:
         print(f"\nllama-bench: skipped: {skip}", flush=True)
         return {"status": "skipped", "reason": str(skip)}
-    except RuntimeError as exc:
+    except (RuntimeError, ValueError) as exc:
         print(f"\nllama-bench: failed: {exc}", flush=True)
         return {"status": "failed", "reason": str(exc)}
     figures = found["figures"].items()
     rates = ", ".join(f"{t} {f['tokens_per_s']:.1f} ± {f['stddev']:.1f} tok/s" for t, f in figures)
     print(f"\nllama-bench ({threads} threads, same file): {rates}", flush=True)
+    for key, row in found.get("batched", {}).get("figures", {}).items():
+        print(
+            f"llama-batched-bench {key}: {row['pp']:.0f} + {row['tg']:.0f} tokens, "
+            f"{row['out_tokens_per_s']:.1f} out tok/s (tg {row['speed_tg']:.1f} tok/s)",
+            flush=True,
+        )
     return {"status": "ok", **found}
 
 

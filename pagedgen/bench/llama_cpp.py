@@ -16,7 +16,9 @@ sdist). Two measurements, both with ``-t`` set to the bench's thread count:
   each request's own length, a batch cap, token ids back); ``llama-batched-bench`` runs equal-length
   synthetic prompts in lock step and returns no tokens.
 * **pp512 / tg128**: ``llama-bench -p 512 -n 128 -o json`` once per run (:func:`llama_bench`), the figures
-  llama.cpp itself quotes, kept in the JSON's ``peers`` section beside the PP512 / TG128 workload records.
+  llama.cpp itself quotes, kept in the JSON's ``peers`` section beside the PP512 / TG128 workload records;
+  with ``llama-batched-bench`` in the folder, also its lock-step 100 + 128 tokens at 1 and 32 sequences
+  (B1's and W1's shapes), as a cross-check of the server's figures.
 
 The file is the model's GGUF source as pagedgen's cache entry records it (``pagedgen_source`` in its
 ``config.json``); a model loaded from anything else is skipped with that reason.
@@ -46,6 +48,8 @@ from pagedgen.bench.workloads import BenchRequest
 
 SERVER = "llama-server"
 BENCH = "llama-bench"
+BATCHED_BENCH = "llama-batched-bench"
+BATCHED_SHAPE = (100, 128, (1, 32))  # prompt, generated tokens, parallel sequences: B1's and W1's shapes
 SLOT_ROUNDING = 256
 START_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 3600.0
@@ -55,17 +59,19 @@ _PR_SET_PDEATHSIG = 1
 
 @dataclass(frozen=True, slots=True)
 class LlamaCppTools:
-    """The binaries of one llama.cpp build."""
+    """The binaries of one llama.cpp build (``batched_bench`` optional: None when absent)."""
 
     server: Path
     bench: Path
+    batched_bench: Path | None = None
 
     @classmethod
     def in_dir(cls, directory: Path | None) -> LlamaCppTools:
         """The tools in ``directory``; raises :class:`SystemSkipped` naming what is missing."""
         if directory is None:
             raise SystemSkipped("no --llama-cpp-dir given (a folder holding llama-server and llama-bench)")
-        tools = cls(Path(directory) / SERVER, Path(directory) / BENCH)
+        batched = Path(directory) / BATCHED_BENCH
+        tools = cls(Path(directory) / SERVER, Path(directory) / BENCH, batched if batched.is_file() else None)
         missing = [p.name for p in (tools.server, tools.bench) if not p.is_file()]
         if missing:
             raise SystemSkipped(f"--llama-cpp-dir {directory} has no {' or '.join(missing)}")
@@ -192,24 +198,68 @@ def bench_info(text: str) -> dict[str, Any]:
     return {k: entry[k] for k in keys if k in entry}
 
 
+def batched_bench_command(batched_bench: Path, gguf: Path, *, threads: int) -> list[str]:
+    """``llama-batched-bench`` at :data:`BATCHED_SHAPE`, one JSON line per parallel count on stdout."""
+    prompt, gen, parallel = BATCHED_SHAPE
+    context = -(-max(parallel) * (prompt + gen) // SLOT_ROUNDING) * SLOT_ROUNDING
+    return [
+        str(batched_bench), "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-c", str(context),
+        "-npp", str(prompt), "-ntg", str(gen), "-npl", ",".join(map(str, parallel)),
+        "--output-format", "jsonl",
+    ]  # fmt: skip
+
+
+def parse_batched_bench(text: str) -> dict[str, dict[str, float]]:
+    """``llama-batched-bench --output-format jsonl`` -> ``{"pl1": {...}, "pl32": {...}}``: each line's times
+    and speeds, plus ``out_tokens_per_s`` (generated tokens over the whole time, prefill included, as a
+    workload's output throughput counts them). Raises ValueError when no line is JSON."""
+    found = {}
+    for line in text.splitlines():
+        if not line.startswith("{"):
+            continue  # its log lines
+        entry = json.loads(line)
+        keys = ("pp", "tg", "pl", "t_pp", "speed_pp", "t_tg", "speed_tg", "t", "speed")
+        row = {k: float(entry[k]) for k in keys}
+        row["out_tokens_per_s"] = row["pl"] * row["tg"] / row["t"]
+        found[f"pl{int(row['pl'])}"] = row
+    if not found:
+        raise ValueError(f"llama-batched-bench printed no JSON lines: {text[:200]!r}")
+    return found
+
+
+def _run_tool(command: list[str]) -> str:
+    """A tool's stdout; RuntimeError with its output's tail when it fails."""
+    done = subprocess.run(command, capture_output=True, text=True, check=False, preexec_fn=_die_with_parent)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout)[-2000:]
+        raise RuntimeError(f"{Path(command[0]).name} failed ({done.returncode}): {tail}")
+    return done.stdout
+
+
 def llama_bench(
     directory: Path | None, checkpoint_dir: Path | None, threads: int, repetitions: int = 3
 ) -> dict[str, Any]:
-    """Run llama-bench once: ``{"figures": {test: {...}}, "info": {...}, "command": [...]}``.
+    """Run llama-bench once (and llama-batched-bench, when present): ``{"figures": {test: {...}}, "info":
+    {...}, "command": [...], "batched": {...} or absent}``.
 
-    Raises :class:`SystemSkipped` (no tools, no GGUF file) or RuntimeError with llama-bench's output.
+    Raises :class:`SystemSkipped` (no tools, no GGUF file) or RuntimeError with the failing tool's output.
     """
     tools = LlamaCppTools.in_dir(directory)
-    command = bench_command(tools, gguf_source(checkpoint_dir), threads=threads, repetitions=repetitions)
-    done = subprocess.run(command, capture_output=True, text=True, check=False, preexec_fn=_die_with_parent)
-    if done.returncode != 0:
-        raise RuntimeError(f"llama-bench failed ({done.returncode}): {(done.stderr or done.stdout)[-2000:]}")
-    figures = parse_llama_bench(done.stdout)
-    return {
-        "figures": {k: f.to_dict() for k, f in figures.items()},
-        "info": bench_info(done.stdout),
+    gguf = gguf_source(checkpoint_dir)
+    command = bench_command(tools, gguf, threads=threads, repetitions=repetitions)
+    text = _run_tool(command)
+    found: dict[str, Any] = {
+        "figures": {k: f.to_dict() for k, f in parse_llama_bench(text).items()},
+        "info": bench_info(text),
         "command": command,
     }
+    if tools.batched_bench is not None:  # a cross-check: its failure is recorded, llama-bench's figures kept
+        batched = batched_bench_command(tools.batched_bench, gguf, threads=threads)
+        try:
+            found["batched"] = {"figures": parse_batched_bench(_run_tool(batched)), "command": batched}
+        except (RuntimeError, ValueError) as exc:
+            found["batched"] = {"status": "failed", "reason": str(exc), "command": batched}
+    return found
 
 
 def _die_with_parent() -> None:

@@ -88,6 +88,19 @@ LLAMA_BENCH_JSON = """[
 ]
 """
 
+# llama-batched-bench -m smollm2-q4_k_m.gguf -t 2 -tb 2 -c 7424 -npp 100 -ntg 128 -npl 1,32
+# --output-format jsonl: its stdout (log lines go to stderr; one stray log line kept to show it is skipped)
+BATCHED_BENCH_JSONL = """main: n_kv_max = 7424, n_batch = 2048, n_ubatch = 512, flash_attn = -1
+{"n_kv_max": 7424, "n_batch": 2048, "n_ubatch": 512, "flash_attn": -1, "is_pp_shared": 0, \
+"n_gpu_layers": -1, \
+"n_threads": 2, "n_threads_batch": 2, "pp": 100, "tg": 128, "pl": 1, "n_kv": 228, "t_pp": 0.512000, \
+"speed_pp": 195.312500, "t_tg": 1.696000, "speed_tg": 75.471698, "t": 2.208000, "speed": 103.260870}
+{"n_kv_max": 7424, "n_batch": 2048, "n_ubatch": 512, "flash_attn": -1, "is_pp_shared": 0, \
+"n_gpu_layers": -1, \
+"n_threads": 2, "n_threads_batch": 2, "pp": 100, "tg": 128, "pl": 32, "n_kv": 7296, "t_pp": 16.384000, \
+"speed_pp": 195.312500, "t_tg": 27.136000, "speed_tg": 150.943396, "t": 43.520000, "speed": 167.647059}
+"""
+
 # POST /completion {"prompt": [...], "n_predict": 3, "return_tokens": true, ...} on llama-server (cut: the
 # reply also carries generation_settings, prompt, truncated, ...)
 COMPLETION_REPLY = {
@@ -177,6 +190,8 @@ def tools_dir(tmp_path):
     _executable(directory / "llama-server", FAKE_SERVER)
     _executable(directory / "llama-bench", FAKE_BENCH)
     (directory / "llama-bench.json").write_text(LLAMA_BENCH_JSON)
+    _executable(directory / "llama-batched-bench", FAKE_BENCH)
+    (directory / "llama-batched-bench.json").write_text(BATCHED_BENCH_JSONL)
 
     def log(name):
         path = directory / f"{name}.log"
@@ -280,6 +295,22 @@ def test_llama_bench_json_gives_pp512_and_tg128():
         parse_llama_bench("[]")
 
 
+def test_batched_bench_runs_b1s_and_w1s_shapes_and_counts_output_tokens_over_the_whole_time(tmp_path):
+    gguf = tmp_path / "m.gguf"
+    assert llama_cpp.batched_bench_command(tmp_path / "llama-batched-bench", gguf, threads=2) == [
+        str(tmp_path / "llama-batched-bench"),
+        "-m", str(gguf), "-t", "2", "-tb", "2", "-c", "7424",
+        "-npp", "100", "-ntg", "128", "-npl", "1,32", "--output-format", "jsonl",
+    ]  # fmt: skip
+    found = llama_cpp.parse_batched_bench(BATCHED_BENCH_JSONL)
+    assert set(found) == {"pl1", "pl32"}
+    assert found["pl1"]["out_tokens_per_s"] == pytest.approx(128 / 2.208)
+    assert found["pl32"]["out_tokens_per_s"] == pytest.approx(32 * 128 / 43.52)
+    assert found["pl32"]["speed_tg"] == pytest.approx(150.943396) and found["pl32"]["t_pp"] == 16.384
+    with pytest.raises(ValueError, match="no JSON lines"):
+        llama_cpp.parse_batched_bench("main: error: failed to load model\n")
+
+
 def test_the_gguf_file_is_the_one_the_cache_entry_was_made_from(tmp_path, checkpoint):
     assert gguf_source(checkpoint) == tmp_path / "model.Q4_K_M.gguf"
     with pytest.raises(SystemSkipped, match="no checkpoint directory"):
@@ -372,6 +403,14 @@ def test_llama_bench_runs_once_on_the_same_file_and_threads(tools_dir, checkpoin
     assert found["info"]["n_threads"] == 2
     gguf = str(checkpoint.parent / "model.Q4_K_M.gguf")
     assert log("llama-bench") == [["-m", gguf, "-t", "2", "-p", "512", "-n", "128", "-r", "2", "-o", "json"]]
+    assert found["batched"]["figures"]["pl1"]["out_tokens_per_s"] == pytest.approx(128 / 2.208)
+    assert log("llama-batched-bench")[0][:4] == ["-m", gguf, "-t", "2"]
+    (directory / "llama-batched-bench.json").write_text("main: error: failed to create the context\n")
+    broken = llama_cpp.llama_bench(directory, checkpoint, threads=2)
+    assert broken["batched"]["status"] == "failed" and "no JSON lines" in broken["batched"]["reason"]
+    assert broken["figures"] == found["figures"]
+    (directory / "llama-batched-bench").unlink()  # optional: without it, llama-bench alone
+    assert "batched" not in llama_cpp.llama_bench(directory, checkpoint, threads=2)
 
 
 def test_cli_runs_the_llama_cpp_baseline_and_records_llama_bench(tmp_path, tools_dir, capsys):
