@@ -48,7 +48,7 @@ from pagedgen.bench.workloads import BenchRequest
 
 SERVER = "llama-server"
 BENCH = "llama-bench"
-BATCHED_BENCH = "llama-batched-bench"
+BATCHED = "llama-batched-bench"
 BATCHED_SHAPE = (100, 128, (1, 32))  # prompt, generated tokens, parallel sequences: B1's and W1's shapes
 SLOT_ROUNDING = 256
 START_TIMEOUT_S = 300.0
@@ -59,22 +59,23 @@ _PR_SET_PDEATHSIG = 1
 
 @dataclass(frozen=True, slots=True)
 class LlamaCppTools:
-    """The binaries of one llama.cpp build (``batched_bench`` optional: None when absent)."""
+    """The binaries of one llama.cpp build; each is None when the folder lacks it."""
 
-    server: Path
-    bench: Path
+    directory: Path
+    server: Path | None
+    bench: Path | None
     batched_bench: Path | None = None
 
     @classmethod
-    def in_dir(cls, directory: Path | None) -> LlamaCppTools:
-        """The tools in ``directory``; raises :class:`SystemSkipped` naming what is missing."""
+    def in_dir(cls, directory: Path | None, needed: str) -> LlamaCppTools:
+        """The tools in ``directory``; raises :class:`SystemSkipped` when ``needed`` (a tool's file name)
+        or the folder is missing."""
         if directory is None:
             raise SystemSkipped("no --llama-cpp-dir given (a folder holding llama-server and llama-bench)")
-        batched = Path(directory) / BATCHED_BENCH
-        tools = cls(Path(directory) / SERVER, Path(directory) / BENCH, batched if batched.is_file() else None)
-        missing = [p.name for p in (tools.server, tools.bench) if not p.is_file()]
-        if missing:
-            raise SystemSkipped(f"--llama-cpp-dir {directory} has no {' or '.join(missing)}")
+        found = [p if p.is_file() else None for p in (Path(directory) / n for n in (SERVER, BENCH, BATCHED))]
+        tools = cls(Path(directory), *found)
+        if not (Path(directory) / needed).is_file():
+            raise SystemSkipped(f"--llama-cpp-dir {directory} has no {needed}")
         return tools
 
 
@@ -102,11 +103,11 @@ def slot_context(requests: Sequence[BenchRequest]) -> int:
 
 
 def server_command(
-    tools: LlamaCppTools, gguf: Path, *, threads: int, slots: int, slot_ctx: int, port: int
+    server: Path, gguf: Path, *, threads: int, slots: int, slot_ctx: int, port: int
 ) -> list[str]:
     """``llama-server`` on loopback: ``slots`` parallel sequences of ``slot_ctx`` tokens each."""
     return [
-        str(tools.server),
+        str(server),
         "-m", str(gguf),
         "-t", str(threads),
         "-tb", str(threads),
@@ -153,10 +154,10 @@ def reply_timings(replies: Sequence[dict[str, Any]]) -> dict[str, float]:
     return {k: float(sum(r.get("timings", {}).get(k, 0) for r in replies)) for k in keys}
 
 
-def bench_command(tools: LlamaCppTools, gguf: Path, *, threads: int, repetitions: int = 3) -> list[str]:
+def bench_command(bench: Path, gguf: Path, *, threads: int, repetitions: int = 3) -> list[str]:
     """``llama-bench`` for pp512 and tg128 on ``threads`` threads, JSON on stdout."""
     return [
-        str(tools.bench), "-m", str(gguf), "-t", str(threads),
+        str(bench), "-m", str(gguf), "-t", str(threads),
         "-p", "512", "-n", "128", "-r", str(repetitions), "-o", "json",
     ]  # fmt: skip
 
@@ -244,9 +245,10 @@ def llama_bench(
 
     Raises :class:`SystemSkipped` (no tools, no GGUF file) or RuntimeError with the failing tool's output.
     """
-    tools = LlamaCppTools.in_dir(directory)
+    tools = LlamaCppTools.in_dir(directory, BENCH)
     gguf = gguf_source(checkpoint_dir)
-    command = bench_command(tools, gguf, threads=threads, repetitions=repetitions)
+    assert tools.bench is not None
+    command = bench_command(tools.bench, gguf, threads=threads, repetitions=repetitions)
     text = _run_tool(command)
     found: dict[str, Any] = {
         "figures": {k: f.to_dict() for k, f in parse_llama_bench(text).items()},
@@ -357,9 +359,10 @@ class LlamaCpp:
     def run(self, requests: Sequence[BenchRequest], max_batch_size: int) -> SystemRun:
         if self.checkpoint_dir is None:
             raise SystemSkipped(NO_CHECKPOINT)
-        tools = LlamaCppTools.in_dir(self.directory)
+        tools = LlamaCppTools.in_dir(self.directory, SERVER)
         gguf = gguf_source(self.checkpoint_dir)
-        server = self._server_for(tools, gguf, max_batch_size, slot_context(requests))
+        assert tools.server is not None
+        server = self._server_for(tools.server, gguf, max_batch_size, slot_context(requests))
         workers = min(len(requests), MAX_CLIENT_THREADS)
         with ThreadPoolExecutor(max_workers=workers) as pool:
             start = time.perf_counter()
@@ -372,7 +375,7 @@ class LlamaCpp:
         details["command"] = server.command
         return SystemRun(outputs, wall, details=details)
 
-    def _server_for(self, tools: LlamaCppTools, gguf: Path, slots: int, slot_ctx: int) -> LlamaServer:
+    def _server_for(self, binary: Path, gguf: Path, slots: int, slot_ctx: int) -> LlamaServer:
         """The running server when it has ``slots`` slots of at least ``slot_ctx`` tokens, else a new one,
         warmed up by one short untimed completion (first-call allocations stay out of every timed run)."""
         shape = self._shape
@@ -380,7 +383,7 @@ class LlamaCpp:
             self.close()
             port = free_port()
             command = server_command(
-                tools, gguf, threads=self.threads, slots=slots, slot_ctx=slot_ctx, port=port
+                binary, gguf, threads=self.threads, slots=slots, slot_ctx=slot_ctx, port=port
             )
             self._server = LlamaServer(command, port)
             self._shape = (slots, slot_ctx)

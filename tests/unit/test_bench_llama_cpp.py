@@ -223,14 +223,13 @@ def requests_of(lengths, output_lens):
 
 
 def test_server_and_bench_commands_bind_loopback_and_pin_threads(tmp_path):
-    tools = LlamaCppTools(tmp_path / "llama-server", tmp_path / "llama-bench")
     gguf = tmp_path / "m.gguf"
-    assert server_command(tools, gguf, threads=2, slots=32, slot_ctx=256, port=8123) == [
+    assert server_command(tmp_path / "llama-server", gguf, threads=2, slots=32, slot_ctx=256, port=8123) == [
         str(tmp_path / "llama-server"),
         "-m", str(gguf), "-t", "2", "-tb", "2", "-np", "32", "-c", "8192",
         "--host", "127.0.0.1", "--port", "8123", "--no-webui", "--cache-ram", "0",
     ]  # fmt: skip
-    assert bench_command(tools, gguf, threads=2, repetitions=5) == [
+    assert bench_command(tmp_path / "llama-bench", gguf, threads=2, repetitions=5) == [
         str(tmp_path / "llama-bench"),
         "-m", str(gguf), "-t", "2", "-p", "512", "-n", "128", "-r", "5", "-o", "json",
     ]  # fmt: skip
@@ -327,9 +326,12 @@ def test_the_gguf_file_is_the_one_the_cache_entry_was_made_from(tmp_path, checkp
 
 def test_missing_tools_are_a_skip_naming_them(tmp_path):
     with pytest.raises(SystemSkipped, match="no --llama-cpp-dir given"):
-        LlamaCppTools.in_dir(None)
-    with pytest.raises(SystemSkipped, match="has no llama-server or llama-bench"):
-        LlamaCppTools.in_dir(tmp_path)
+        LlamaCppTools.in_dir(None, "llama-server")
+    with pytest.raises(SystemSkipped, match="has no llama-server"):
+        LlamaCppTools.in_dir(tmp_path, "llama-server")
+    _executable(tmp_path / "llama-bench", "")
+    tools = LlamaCppTools.in_dir(tmp_path, "llama-bench")  # what llama_bench() needs, the server absent
+    assert (tools.server, tools.bench, tools.batched_bench) == (None, tmp_path / "llama-bench", None)
 
 
 # --- whole runs against stand-in binaries -----------------------------------------------------------------
