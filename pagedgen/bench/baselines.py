@@ -7,6 +7,7 @@
 * ``ort-genai`` / ``ort-genai-int4``: ONNX Runtime GenAI's ``og.Generator`` in batches of up to 32 over an
   fp32 / int4 CPU export of the same weights, made once with its model builder (``ort_genai.py``).
 * ``vllm`` / ``vllm-eager``: vLLM's CPU build (fp32, compiled / eager) in its own venv (``vllm_runner.py``).
+* ``llama.cpp``: ``llama-server`` of a llama.cpp build on the model's own GGUF file (``llama_cpp.py``).
 
 Every runner takes ``(requests, max_batch_size)`` and returns a :class:`SystemRun`, or raises
 :class:`SystemSkipped` naming why it cannot run here. All are greedy with EOS ignored. The transformers model
@@ -28,7 +29,7 @@ from pagedgen.bench.workloads import BenchRequest
 
 CB_STOP_TIMEOUT_S = 600.0
 NO_CHECKPOINT = "the model has no checkpoint directory (e.g. the synthetic model): nothing for it to load"
-BASELINE_NAMES = ("hf-static", "hf-cb", "ort-genai", "ort-genai-int4", "vllm", "vllm-eager")
+BASELINE_NAMES = ("hf-static", "hf-cb", "ort-genai", "ort-genai-int4", "vllm", "vllm-eager", "llama.cpp")
 
 
 def batches(requests: Sequence[BenchRequest], size: int) -> list[Sequence[BenchRequest]]:
@@ -196,6 +197,7 @@ def baseline_runners(
     checkpoint_dir: Path | None,
     *,
     vllm_venv: Path | None = None,
+    llama_cpp_dir: Path | None = None,
     threads: int = 1,
     device: Any = None,
     dtype: Any = None,
@@ -203,8 +205,10 @@ def baseline_runners(
     """Runners for ``names`` (in order); raises ValueError naming an unknown baseline.
 
     ``vllm_venv`` is the root of the venv holding vLLM (default: this interpreter's), ``threads`` the number
-    of cores the vLLM baselines are bound to; ``device`` / ``dtype`` those of the transformers baselines.
+    of cores the vLLM baselines are bound to (and llama.cpp's ``-t``), ``llama_cpp_dir`` the folder of
+    llama.cpp's binaries; ``device`` / ``dtype`` those of the transformers baselines.
     """
+    from pagedgen.bench.llama_cpp import LlamaCpp
     from pagedgen.bench.ort_genai import OrtGenai
     from pagedgen.bench.vllm_runner import Vllm
 
@@ -219,5 +223,6 @@ def baseline_runners(
         "ort-genai-int4": OrtGenai(checkpoint_dir, "int4").run,
         "vllm": Vllm(checkpoint_dir, vllm_venv, enforce_eager=False, threads=threads).run,
         "vllm-eager": Vllm(checkpoint_dir, vllm_venv, enforce_eager=True, threads=threads).run,
+        "llama.cpp": LlamaCpp(llama_cpp_dir, checkpoint_dir, threads=threads).run,
     }
     return {name: table[name] for name in names}

@@ -1,4 +1,4 @@
-"""``pagedgen bench {throughput,serve,gemm,prefix}``: argument parsing and the wiring of the bench modules.
+"""``pagedgen bench {throughput,serve,gemm,prefix,guidance,kernels}``: argument parsing and wiring.
 
 ``pagedgen/cli.py`` hands ``pagedgen bench ...`` here as ``main(argv)``. Every subcommand prints a readable
 report and, with ``--json``, writes the machine-readable one.
@@ -31,7 +31,70 @@ def build_parser() -> argparse.ArgumentParser:
     _gemm_parser(sub.add_parser("gemm", help="GEMM backend timings per shape and the table they imply"))
     _prefix_parser(sub.add_parser("prefix", help="TTFT and prefill work with prefix caching off and on"))
     _guidance_parser(sub.add_parser("guidance", help="decode-step cost of JSON-schema constrained decoding"))
+    _kernels_parser(
+        sub.add_parser("kernels", help="a batch-1 decode forward per kernel, against the roofline")
+    )
     return parser
+
+
+def _kernels_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help="'default', a checkpoint dir or a .gguf")
+    p.add_argument("--weights", choices=("native", "float32"), default="native")
+    p.add_argument("--context", type=positive_int, default=100, help="tokens in the cache before the step")
+    p.add_argument("--repeats", type=positive_int, default=20, help="forwards per measurement")
+    m = p.add_argument_group("machine")
+    m.add_argument("--threads", type=positive_int, help="threads of torch and OpenBLAS (default: all CPUs)")
+    m.add_argument("--gemm", choices=["auto", "torch", "openblas", "native"], default="auto")
+    m.add_argument("--no-bandwidth", action="store_true", help="skip the streaming-bandwidth measurement")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", type=Path, help="write the profile (and the machine) to this JSON file")
+    o.add_argument("--markdown", type=Path, help="write the markdown table to this file")
+
+
+def cmd_kernels(args: argparse.Namespace) -> int:
+    from pagedgen.bench.kernel_profile import (
+        format_profile_table,
+        measure_stream_bandwidth,
+        run_kernel_profile,
+    )
+    from pagedgen.bench.random_weights import bench_tokenizer
+    from pagedgen.bench.report import write_json
+    from pagedgen.bench.workloads import text_tokens
+    from pagedgen.engine.config import EngineConfig
+    from pagedgen.engine.engine import Engine
+    from pagedgen.models.model import Model
+
+    _setup_machine(args.threads, args.gemm)
+    machine = machine_info(None)
+    _print_machine(machine)
+    if args.model == "synthetic":
+        raise ValueError("the kernel profile needs a decoder with weights; the synthetic model has none")
+    model = Model(args.model, weights=args.weights)
+    Engine(model, EngineConfig(max_batch_size=1)).close()  # the engine's start: the measured GEMM table
+    bandwidth = None if args.no_bandwidth else measure_stream_bandwidth()
+    tokens = text_tokens(bench_tokenizer(model, model.checkpoint_dir))
+    profile, hooked = run_kernel_profile(
+        model, args.model, tokens, context=args.context, repeats=args.repeats, bandwidth=bandwidth
+    )
+    machine["load_average_end"] = list(os.getloadavg())
+    table = format_profile_table(profile)
+    forwards = ", ".join(
+        f"{path} {t['best'] * 1e3:.2f} ms best / {t['median'] * 1e3:.2f} median"
+        for path, t in profile.forward_s.items()
+    )
+    stream = "not measured" if bandwidth is None else f"{bandwidth / 1e9:.1f} GB/s"
+    print(
+        f"\nbatch-1 decode forward, context {args.context}: {forwards}; hooked per-layer {hooked * 1e3:.2f}ms"
+    )
+    print(f"streaming read bandwidth: {stream}\n\n{table}")
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(table + "\n")
+    if args.json:
+        command = "pagedgen bench " + " ".join(sys.argv[2:] if args.argv is None else args.argv)
+        record = profile.to_dict() | {"hooked_forward_ms": hooked * 1e3}
+        write_json(args.json, {"command": command, "machine": machine, "profile": record})
+    return 0
 
 
 def _prefix_parser(p: argparse.ArgumentParser) -> None:
@@ -179,7 +242,10 @@ def _rate(text: str) -> float:
 def _add_workload_args(p: argparse.ArgumentParser, default: str) -> None:
     g = p.add_argument_group("workload")
     g.add_argument(
-        "--workload", nargs="+", default=None, help=f"named workloads: W1 W2 B1 R1 (default {default})"
+        "--workload",
+        nargs="+",
+        default=None,
+        help=f"named workloads: W1 W2 B1 R1 PP512 TG128 (default {default})",
     )
     g.add_argument("--num-prompts", type=positive_int, help="requests of a custom workload (default 64)")
     g.add_argument("--input-len", help="custom workload prompt length: N or LOW:HIGH")
@@ -215,8 +281,14 @@ def _throughput_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--baselines",
         default=DEFAULT_BASELINES,
-        help="comma list of hf-static, hf-cb, ort-genai, ort-genai-int4, vllm, vllm-eager, run in this order "
-        "after pagedgen ('' none); the ort-genai ones need the bench extra",
+        help="comma list of hf-static, hf-cb, ort-genai, ort-genai-int4, vllm, vllm-eager, llama.cpp, run in "
+        "this order after pagedgen ('' none); the ort-genai ones need the bench extra",
+    )
+    p.add_argument(
+        "--llama-cpp-dir",
+        type=Path,
+        help="folder of llama.cpp's llama-server and llama-bench (the llama.cpp baseline, on the model's "
+        "GGUF file; scripts/build_llama_cpp.sh builds them)",
     )
     p.add_argument(
         "--vllm-venv",
@@ -494,6 +566,7 @@ def _throughput_runs(
         names,
         checkpoint,
         vllm_venv=args.vllm_venv,
+        llama_cpp_dir=args.llama_cpp_dir,
         threads=threads,
         device=getattr(model, "device", None),
         dtype=getattr(model, "dtype", None),
@@ -520,6 +593,8 @@ def _throughput_runs(
             result=result,
             reference_model=reference_model,
         )
+    if "llama.cpp" in names:
+        result.peers["llama-bench"] = _llama_bench(args.llama_cpp_dir, checkpoint, threads)
     result.machine["load_average_end"] = list(os.getloadavg())
     table = markdown_table(result.records)
     print("\n" + table)
@@ -533,11 +608,38 @@ def _throughput_runs(
         profiles = {k: v.to_dict() for k, v in result.profiles.items()}
         write_json(
             args.json,
-            json_document(result.records, command=command, machine=result.machine, profiles=profiles),
+            json_document(
+                result.records, command=command, machine=result.machine, profiles=profiles, peers=result.peers
+            ),
         )
     if plot is not None and plot_throughput(result.records, plot):
         print(f"\nchart: {plot}")
     return 0
+
+
+def _llama_bench(directory: Path | None, checkpoint: Path | None, threads: int) -> dict[str, Any]:
+    """llama-bench's pp512 / tg128 on the same file and threads (printed), or why it did not run."""
+    from pagedgen.bench.llama_cpp import llama_bench
+    from pagedgen.bench.records import SystemSkipped
+
+    try:
+        found = llama_bench(directory, checkpoint, threads)
+    except SystemSkipped as skip:
+        print(f"\nllama-bench: skipped: {skip}", flush=True)
+        return {"status": "skipped", "reason": str(skip)}
+    except (RuntimeError, ValueError) as exc:
+        print(f"\nllama-bench: failed: {exc}", flush=True)
+        return {"status": "failed", "reason": str(exc)}
+    figures = found["figures"].items()
+    rates = ", ".join(f"{t} {f['tokens_per_s']:.1f} ± {f['stddev']:.1f} tok/s" for t, f in figures)
+    print(f"\nllama-bench ({threads} threads, same file): {rates}", flush=True)
+    for key, row in found.get("batched", {}).get("figures", {}).items():
+        print(
+            f"llama-batched-bench {key}: {row['pp']:.0f} + {row['tg']:.0f} tokens, "
+            f"{row['out_tokens_per_s']:.1f} out tok/s (tg {row['speed_tg']:.1f} tok/s)",
+            flush=True,
+        )
+    return {"status": "ok", **found}
 
 
 def _plot_path(explicit: Path | None, json_path: Path | None, purpose: str) -> Path | None:
@@ -765,6 +867,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "gemm": cmd_gemm,
         "prefix": cmd_prefix,
         "guidance": cmd_guidance,
+        "kernels": cmd_kernels,
     }
     try:
         return handlers[args.command](args)

@@ -187,6 +187,7 @@ class ThroughputResult:
 
     records: list[BenchRecord] = field(default_factory=list)
     profiles: dict[str, ProfileSummary] = field(default_factory=dict)  # "W1" / "W1@32" -> summary
+    peers: dict[str, Any] = field(default_factory=dict)  # a peer's own figures, e.g. "llama-bench"
     machine: dict[str, Any] = field(default_factory=dict)
 
 

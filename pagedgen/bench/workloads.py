@@ -1,4 +1,4 @@
-"""Benchmark workloads: named (W1, W2, B1, R1) or from flags, built deterministically from real text.
+"""Benchmark workloads, named (W1, W2, B1, R1, PP512, TG128) or from flags, built deterministically from text.
 
 Prompts are windows of the token stream of :data:`BENCH_TEXT` (tokenised with the model's own tokenizer and
 repeated as often as the longest prompt needs), each starting at its own seeded offset, so every system sees
@@ -129,7 +129,11 @@ W1 = WorkloadSpec("W1", 64, LengthRange(100, 100), LengthRange(128, 128))
 W2 = WorkloadSpec("W2", 128, LengthRange(32, 512), LengthRange(16, 256))
 B1 = WorkloadSpec("B1", 4, LengthRange(100, 100), LengthRange(128, 128), max_batch_size=1)
 R1 = WorkloadSpec("R1", 4, LengthRange(160, 160), LengthRange(128, 128), max_batch_size=1, repeat=True)
-NAMED_WORKLOADS: dict[str, WorkloadSpec] = {w.name: w for w in (W1, W2, B1, R1)}
+# llama-bench's two standard tests as workloads, so every system runs them: a 512-token prefill (one token
+# out; total tok/s is about the prompt rate) and 128 decode steps from a one-token prompt, at batch 1.
+PP512 = WorkloadSpec("PP512", 4, LengthRange(512, 512), LengthRange(1, 1), max_batch_size=1)
+TG128 = WorkloadSpec("TG128", 4, LengthRange(1, 1), LengthRange(128, 128), max_batch_size=1)
+NAMED_WORKLOADS: dict[str, WorkloadSpec] = {w.name: w for w in (W1, W2, B1, R1, PP512, TG128)}
 REPEAT_INSTRUCTION = "Repeat the following text exactly, word for word, and write nothing else:\n\n"
 
 

@@ -7,8 +7,10 @@ import pytest
 from pagedgen.bench.workloads import (
     B1,
     BENCH_TEXT,
+    PP512,
     R1,
     REPEAT_INSTRUCTION,
+    TG128,
     W1,
     W2,
     LengthRange,
@@ -86,6 +88,14 @@ def test_prompt_longer_than_the_text_wraps_around():
 def test_b1_pins_batch_one():
     assert B1.max_batch_size == 1
     assert workload_totals(build_workload(B1, TOKENIZER)) == (400, 512)
+
+
+def test_pp512_and_tg128_are_llama_benchs_tests_at_batch_one():
+    prefills, decodes = build_workload(PP512, TOKENIZER), build_workload(TG128, TOKENIZER)
+    assert PP512.max_batch_size == TG128.max_batch_size == 1
+    assert [(len(r.prompt_ids), r.output_len) for r in prefills] == [(512, 1)] * 4
+    assert [(len(r.prompt_ids), r.output_len) for r in decodes] == [(1, 128)] * 4
+    assert workload_by_name("pp512") is PP512 and workload_by_name("tg128") is TG128
 
 
 def test_lookup_and_parsing():
