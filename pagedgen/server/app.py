@@ -353,7 +353,7 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
         return await _complete_batch(server, body, prompts, arrived, request)
 
 
-_check_model = check_model
+_check_model = check_model  # the routes here and in routes_misc.py share one model check
 
 
 async def _complete(
