@@ -106,6 +106,15 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _origins(text: str) -> tuple[str, ...]:
+    from pagedgen.server.cors import parse_allowed_origins
+
+    try:
+        return parse_allowed_origins(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _non_negative_seconds(text: str) -> float:
     value = float(text)
     if not value >= 0 or value == float("inf"):
@@ -149,6 +158,14 @@ def _add_connection_args(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="a Host name to accept besides localhost and loopback addresses (repeatable). The Host check is "
         "on for a loopback bind without --api-key, and whenever a name is given",
+    )
+    group.add_argument(
+        "--allowed-origins",
+        type=_origins,
+        default=(),
+        metavar="URL[,URL]",
+        help="web origins (scheme://host[:port], or '*' for any) whose browser pages may call the API: CORS "
+        "headers and preflight answers for them (default: none, no CORS)",
     )
 
 
@@ -292,6 +309,7 @@ def server_options(args: argparse.Namespace) -> Any:
         docs=not args.no_docs,
         allowed_hosts=host_allow_list(args.host, api_key, args.allowed_host),
         parse_special_in_content=args.parse_special_in_content,
+        allowed_origins=args.allowed_origins,
     )
 
 

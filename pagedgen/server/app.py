@@ -42,18 +42,17 @@ from pagedgen.llm import (
     check_prompt_fits,
     check_text_fits,
     context_length,
-    encode_chat_prompt,
     encode_prompt,
     finish_reason_text,
     is_engine_failure,
     prompt_chars,
-    render_chat_prompt,
     tokenizer_for,
 )
 from pagedgen.models.tokenizer import IncrementalDetokenizer
 from pagedgen.sampling.errors import SamplingOptionsError
 from pagedgen.server.admission import DEFAULT_MAX_QUEUED_REQUESTS, RETRY_AFTER_S, Admission, Ticket
 from pagedgen.server.apidocs import add_offline_docs
+from pagedgen.server.cors import add_cors, check_origin
 from pagedgen.server.guard import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
@@ -71,8 +70,10 @@ from pagedgen.server.lifecycle import (
 )
 from pagedgen.server.metrics import ServerMetrics
 from pagedgen.server.page import add_chat_page
+from pagedgen.server.prompting import chat_prompt_ids
 from pagedgen.server.protocol import ChatCompletionRequest, CompletionRequest
 from pagedgen.server.responses import ChatResponses, CompletionResponses
+from pagedgen.server.routes_misc import MiscContext, add_misc_routes, check_model, model_card
 from pagedgen.server.sse import DONE, EventStreamResponse, sse_event
 from pagedgen.server.worker import (
     SHUTDOWN_MESSAGE,
@@ -94,6 +95,7 @@ _JOB_STATUS = {
     JobError.INTERNAL: 500,
 }
 _SHUTTING_DOWN = {"Retry-After": str(RETRY_AFTER_S), "Connection": "close"}  # a draining server's 503
+_NAMED_ERRORS = ("lone_surrogate", "field_error")  # validation errors whose message and ctx name the field
 _PYDANTIC_TAG = re.compile(r"[\[\](),-]|^(str|int|float|bool|dict|list|none)$|^[A-Z]")  # a union member's tag
 # Prompt preparation (templating, tokenizing) runs on its own few threads: on asyncio's default pool, six
 # long tokenizations held every thread and a running stream's per-token decoding queued behind them.
@@ -116,6 +118,8 @@ class ServerOptions:
     addresses (:func:`pagedgen.server.guard.host_allow_list` decides it for ``pagedgen serve``).
     ``parse_special_in_content``: read special-token strings in messages and prompts as special tokens
     (off: they are text, and only the chat template's markup writes control tokens).
+    ``allowed_origins``: the web origins answered cross-origin (``*`` for all; empty: no CORS), see
+    :mod:`pagedgen.server.cors`.
     """
 
     model_name: str = "default"
@@ -131,8 +135,11 @@ class ServerOptions:
     docs: bool = True
     allowed_hosts: frozenset[str] | None = None
     parse_special_in_content: bool = False
+    allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        for origin in self.allowed_origins:
+            check_origin(origin)
         if not self.model_name:
             raise ValueError("ServerOptions.model_name must be non-empty")
         if self.max_body_bytes <= 0:
@@ -240,8 +247,14 @@ def create_app(
         on_rejected=metrics.on_rejected,
         on_failed=metrics.on_failed,
     )
+    if options.allowed_origins:
+        add_cors(app, options.allowed_origins)  # outside the guard: a preflight carries no key
     _add_error_handlers(app, metrics)
     _add_routes(app, server)
+    misc = MiscContext(
+        options.model_name, context, vocab_size, tokenizer, options.parse_special_in_content, prepare_pool
+    )
+    add_misc_routes(app, misc)
     return app
 
 
@@ -265,9 +278,7 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
             if error.get("type") == "json_invalid":
                 message = f"malformed JSON: {error.get('ctx', {}).get('error', message)}"
             param = _error_param(error, body)
-            parts.append(
-                message if error.get("type") == "lone_surrogate" else f"{param or 'body'}: {message}"
-            )
+            parts.append(message if error.get("type") in _NAMED_ERRORS else f"{param or 'body'}: {message}")
         param = _error_param(errors[0], body) if errors else None
         return error_json(400, "; ".join(parts) or "invalid request body", param, "invalid_request")
 
@@ -288,7 +299,7 @@ def _error_param(error: Any, body: Any) -> str | None:
     (``json_schema``); walking the request body along it keeps only the segments that are its keys and
     indexes (and a last, missing field's name)."""
     ctx = error.get("ctx") or {}
-    if error.get("type") == "lone_surrogate" and isinstance(ctx.get("param"), str):
+    if error.get("type") in _NAMED_ERRORS and isinstance(ctx.get("param"), str):
         return ctx["param"]
     loc = [part for part in error.get("loc", ()) if part != "body"]
     path, node = "", body
@@ -319,14 +330,7 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {
-            "id": name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "pagedgen",
-            "max_model_len": server.context,
-        }
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [model_card(name, server.context)]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
@@ -340,31 +344,88 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
             name, server.tokenizer, body.requested_logprobs, body.include_usage, body.forced_tool_calls
         )
         parse = server.options.parse_special_in_content
-        prepare = functools.partial(_chat_ids, server.tokenizer, messages, body.template_tools, parse)
+        prepare = functools.partial(
+            _chat_ids, server.tokenizer, messages, body.template_tools, parse, **body.template_options()
+        )
         return await _serve(server, body, prepare, builder, arrived, "messages", request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         arrived = time.monotonic()
         _check_model(body.model, name)
-        prompt = body.prompt  # a string or token ids (a one-string list was unwrapped by validation)
-        if isinstance(prompt, str):
-            _check_text(server, len(prompt), body.requested_max_tokens, "prompt")
-            parse = server.options.parse_special_in_content
-            prepare = functools.partial(encode_prompt, server.tokenizer, prompt, parse_special=parse)
-        else:
-            ids = list(prompt)
-            if max(ids) >= server.vocab_size:
-                message = f"prompt token id {max(ids)} is outside the vocabulary (size {server.vocab_size})"
-                raise ApiError(400, message, param="prompt")
-            prepare = functools.partial(list, ids)
-        builder = CompletionResponses(name, server.tokenizer, body.requested_logprobs, body.include_usage)
-        return await _serve(server, body, prepare, builder, arrived, "prompt", request)
+        prompts = body.prompts
+        if len(prompts) == 1:
+            return await _complete(server, body, prompts[0], "prompt", arrived, request)
+        return await _complete_batch(server, body, prompts, arrived, request)
 
 
-def _check_model(requested: str, served: str) -> None:
-    if requested != served:
-        raise ApiError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
+_check_model = check_model  # the routes here and in routes_misc.py share one model check
+
+
+async def _complete(
+    server: _Server,
+    body: CompletionRequest,
+    prompt: str | list[int],
+    param: str,
+    arrived: float,
+    request: Request,
+) -> Any:
+    """One prompt's completion (``param`` names it in errors: ``prompt``, or ``prompt[i]`` of a batch)."""
+    if isinstance(prompt, str):
+        _check_text(server, len(prompt), body.requested_max_tokens, param)
+        parse = server.options.parse_special_in_content
+        prepare = functools.partial(encode_prompt, server.tokenizer, prompt, parse_special=parse)
+        echo = prompt if body.echo else ""
+    else:
+        ids = list(prompt)
+        if max(ids) >= server.vocab_size:
+            message = f"prompt token id {max(ids)} is outside the vocabulary (size {server.vocab_size})"
+            raise ApiError(400, message, param=param)
+        prepare = functools.partial(list, ids)
+        decode = functools.partial(server.tokenizer.decode, ids, skip_special_tokens=body.skip_special_tokens)
+        echo = await asyncio.to_thread(decode) if body.echo else ""
+    name = server.options.model_name
+    builder = CompletionResponses(name, server.tokenizer, body.requested_logprobs, body.include_usage, echo)
+    return await _serve(server, body, prepare, builder, arrived, param, request)
+
+
+async def _complete_batch(
+    server: _Server, body: CompletionRequest, prompts: list[str | list[int]], arrived: float, request: Request
+) -> Any:
+    """A batch of prompts: each its own job (and admission ticket), run together; one choice per prompt in
+    order, usage summed. A refused prompt refuses the batch (the others are cancelled)."""
+    if body.stream:
+        message = "a batch of prompts is answered without streaming: send stream=false, or one prompt"
+        raise ApiError(400, message, param="stream")
+    if len(prompts) > server.admission.capacity:
+        message = (
+            f"prompt holds {len(prompts)} prompts; this server admits at most {server.admission.capacity}"
+        )
+        raise ApiError(400, message, param="prompt")
+    tasks = [
+        asyncio.ensure_future(_complete(server, body, prompt, f"prompt[{index}]", arrived, request))
+        for index, prompt in enumerate(prompts)
+    ]
+    try:
+        results = await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    gone = next((result for result in results if isinstance(result, Response)), None)
+    if gone is not None:
+        return gone  # the client left
+    choices = []
+    for index, result in enumerate(results):
+        choices.append({**result["choices"][0], "index": index})
+    usage = {
+        key: sum(result["usage"][key] for result in results)
+        for key in results[0]["usage"]
+        if key != "prompt_tokens_details"
+    }
+    cached = sum(result["usage"]["prompt_tokens_details"]["cached_tokens"] for result in results)
+    usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return {**results[0], "choices": choices, "usage": usage}
 
 
 def _check_text(server: _Server, num_chars: int, max_tokens: int | None, param: str) -> None:
@@ -376,19 +437,19 @@ def _check_text(server: _Server, num_chars: int, max_tokens: int | None, param: 
 
 
 def _chat_ids(
-    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, parse_special: bool
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    parse_special: bool,
+    **template: Any,
 ) -> list[int]:
     """The prompt ids of a chat (runs in a worker thread: templating and tokenizing can be slow); the
     messages' text is encoded as text unless ``parse_special``.
 
     ``tools`` go to the template as transformers passes them (a template that does not mention them
-    ignores them)."""
-    extra = {} if tools is None else {"tools": tools}
-    try:
-        prompt = render_chat_prompt(tokenizer, messages, parse_special_in_content=parse_special, **extra)
-        return encode_chat_prompt(tokenizer, prompt)
-    except ValueError as exc:
-        raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
+    ignores them); ``template`` holds the request's template options
+    (:func:`pagedgen.server.prompting.chat_prompt_ids`)."""
+    return chat_prompt_ids(tokenizer, messages, tools, parse_special, **template)
 
 
 def _admit(admission: Admission) -> Ticket:
@@ -476,7 +537,7 @@ async def _run_job(
     except BaseException:
         handle.cancel()
         raise
-    text = IncrementalDetokenizer(server.tokenizer)
+    text = IncrementalDetokenizer(server.tokenizer, body.skip_special_tokens)
     if body.stream:
         close = functools.partial(_close_stream, handle, ticket, server.metrics)
         stream = _stream(handle, text, builder, server.metrics, request_id_of(request.scope))

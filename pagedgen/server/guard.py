@@ -3,9 +3,10 @@
 The guard gives every request an id (``X-Request-Id`` on every response, and in the log line of a 500), then
 answers, cheapest check first and before it reads any body byte: 421 when a ``Host`` allow-list is set and
 the request's ``Host`` is not on it (a keyless server on loopback: a web page whose name an attacker
-re-points at 127.0.0.1, DNS rebinding, would otherwise read and drive it), 401 on ``/v1/*`` and on the API
-docs (``/docs``, ``/redoc``, ``/openapi.json``) when an API key is configured and the request does not carry
-it (an unauthenticated client cannot make the server buffer megabytes), 413 when the declared
+re-points at 127.0.0.1, DNS rebinding, would otherwise read and drive it), 401 on ``/v1/*``, ``/tokenize``,
+``/detokenize``, ``/version`` and the API docs (``/docs``, ``/redoc``, ``/openapi.json``) when an API key
+is configured and the request does not carry it (an unauthenticated client cannot make the server buffer
+megabytes), 413 when the declared
 ``Content-Length`` exceeds the limit, 503 while the server drains for a shutdown (with ``Retry-After`` and
 ``Connection: close``) and once the engine is unhealthy (every route but ``/health`` and ``/metrics``, which
 must stay available exactly then). Only then does it read the body, counting the bytes of a chunked upload as
@@ -39,6 +40,7 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 REQUEST_ID_KEY = "pagedgen.request_id"  # where the guard puts the id in the ASGI scope
 UNGUARDED_PATHS = ("/health", "/metrics")  # answer even when the engine is unhealthy
 DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")  # FastAPI's, behind the key
+KEYED_PATHS = (*DOCS_PATHS, "/tokenize", "/detokenize", "/version")  # behind the key, besides /v1/*
 UNHEALTHY_MESSAGE = "the engine is unhealthy; the server cannot serve requests"
 SHUTDOWN_MESSAGE = "the server is shutting down"
 DEFAULT_BODY_TIMEOUT_S = 30.0
@@ -193,7 +195,7 @@ class GuardMiddleware:
         if self._allowed_hosts is not None and not host_allowed(_header(scope, b"host"), self._allowed_hosts):
             message = "the Host header names no host this server answers for (see --allowed-host)"
             return ("misdirected", 421, message, "misdirected_request")
-        keyed = path.startswith("/v1") or path in DOCS_PATHS
+        keyed = path.startswith("/v1") or path in KEYED_PATHS
         if self._api_key is not None and keyed and not self._authorized(scope):
             return ("unauthorized", 401, "Incorrect or missing API key", "invalid_api_key")
         declared = _content_length(scope)

@@ -1,12 +1,18 @@
 """The OpenAI wire format: pydantic models for request bodies and response payloads.
 
-Request models forbid unknown fields and are strict about types, so a typo'd or mistyped parameter is a 400
-that names it instead of a silently ignored knob. This layer checks only the wire shape (types, ``n > 1``,
-``top_logprobs`` without ``logprobs``); the value rules of every sampling parameter are the engine's one rule
-set (:mod:`pagedgen.sampling.options`), applied when :meth:`to_sampling_params` builds the engine-facing
-:class:`SamplingParams` (a :class:`SamplingOptionsError` there is a 400 naming :meth:`wire_name` of its
-field). Checks that need the model (vocabulary, context length, model name) happen in the route.
-Responses are built as plain dicts by :mod:`pagedgen.server.responses`.
+Strict about types, lenient about names, as vLLM is: an unknown top-level field of a request (OpenAI's
+``store``, ``metadata``, ``service_tier``, ``reasoning_effort``, ``modalities``, ... which clients send by
+default, or any other) is ignored and logged once per name for the whole process, never a 400; so is an
+unknown key of a message (clients send back a response's ``refusal`` or ``annotations``) or of
+``stream_options``. The nested objects whose fields change what is generated stay strict (an unknown key is
+a 400 naming it): ``response_format``, ``structured_outputs``, ``tools``, ``tool_choice`` and a message's
+content parts, where a typo would otherwise silently drop a constraint. A known field with a bad value is
+always a 400 naming it. This layer checks only the wire shape (types, ``n > 1``, ``top_logprobs`` without
+``logprobs``, the chat template options); the value rules of every sampling parameter are the engine's
+one rule set (:mod:`pagedgen.sampling.options`), applied when :meth:`to_sampling_params` builds the
+engine-facing :class:`SamplingParams` (a :class:`SamplingOptionsError` there is a 400 naming
+:meth:`wire_name` of its field). Checks that need the model (vocabulary, context length, model name)
+happen in the route. Responses are built as plain dicts by :mod:`pagedgen.server.responses`.
 
 JSON may carry a lone UTF-16 surrogate (``"\\ud800"``), which Python's JSON reader keeps and nothing
 downstream can encode (the tokenizer, llguidance, the JSON of an error echoing it): every string and key of
@@ -15,9 +21,11 @@ a body is checked for one first, and the 400 names its path (``messages[0].conte
 
 from __future__ import annotations
 
+import logging
 import re
+import threading
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -25,6 +33,8 @@ from pydantic_core import PydanticCustomError
 from pagedgen.llm import SamplingParams, StructuredOutputsParams
 from pagedgen.sampling.errors import SamplingOptionsError
 from pagedgen.server.tools import ForcedToolCalls, parameters_schema, required_schema
+
+log = logging.getLogger("pagedgen.server")
 
 PositiveInt = Annotated[int, Field(ge=1)]
 MAX_TOKEN_ID_DIGITS = 9  # a logit_bias key longer than this names no token of any vocabulary
@@ -52,11 +62,81 @@ def surrogate_path(value: Any, path: str = "") -> str | None:
     return None
 
 
+def field_error(param: str, detail: str) -> PydanticCustomError:
+    """A validation error of a whole request that names the field at fault (``param`` of the 400)."""
+    return PydanticCustomError("field_error", "{param}: {detail}", {"param": param, "detail": detail})
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class StreamOptions(_Strict):
+class IgnoredFields:
+    """The names of ignored fields already logged, process-wide (vLLM's "logged once" rule); bounded, so a
+    client inventing names cannot grow it (past the bound, new names are ignored unlogged)."""
+
+    MAX_NAMES = 1024
+    MAX_NAME_CHARS = 64
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def note(self, names: list[str]) -> None:
+        """Log the names not logged before (one warning per request that brings new ones)."""
+        fresh = []
+        with self._lock:
+            for name in names:
+                name = name[: self.MAX_NAME_CHARS]
+                if name not in self._seen and len(self._seen) < self.MAX_NAMES:
+                    self._seen.add(name)
+                    fresh.append(name)
+        if fresh:
+            names = "{" + ", ".join(repr(name) for name in sorted(fresh)) + "}"  # a set, in a stable order
+            log.warning("The following fields were present in the request but ignored: %s", names)
+
+    def seen(self, name: str) -> bool:
+        with self._lock:
+            return name in self._seen
+
+
+IGNORED_FIELDS = IgnoredFields()
+
+
+class _Lenient(BaseModel):
+    """A model whose unknown keys are ignored (and logged once per name as ``<where>.<key>``)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    where: ClassVar[str] = ""  # the body path of the object, for the log ("messages[]"; "" at the top)
+
+    @model_validator(mode="after")
+    def _drop_unknown(self) -> Any:
+        extra = self.__pydantic_extra__
+        if extra:
+            IGNORED_FIELDS.note([f"{self.where}.{key}" if self.where else str(key) for key in extra])
+            extra.clear()
+        return self
+
+
+class _Body(_Lenient):
+    """A request body: lenient about names, and no lone surrogate anywhere in it."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        path = surrogate_path(data)
+        if path is not None:
+            raise PydanticCustomError(
+                "lone_surrogate",
+                "{param}: the text holds a lone UTF-16 surrogate (e.g. \\ud800), which is not valid Unicode",
+                {"param": path},
+            )
+        return data
+
+
+class StreamOptions(_Lenient):
+    where = "stream_options"
+
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
@@ -66,20 +146,24 @@ class TextPart(_Strict):
     text: str
 
 
-class FunctionCall(_Strict):
+class FunctionCall(_Lenient):
+    where = "messages[].tool_calls[].function"
     name: str
     arguments: str
 
 
-class ToolCall(_Strict):
+class ToolCall(_Lenient):
     """A tool call of an earlier assistant message, sent back with the conversation."""
+
+    where = "messages[].tool_calls[]"
 
     id: str
     type: Literal["function"]
     function: FunctionCall
 
 
-class ChatMessage(_Strict):
+class ChatMessage(_Lenient):
+    where = "messages[]"
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -175,7 +259,7 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(_Body):
     """The sampling parameters shared by both routes: OpenAI's, plus vLLM's extensions."""
 
     model: str
@@ -195,21 +279,10 @@ class _SamplingFields(_Strict):
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
-    user: str | None = None
+    user: str | None = None  # accepted, not used
+    skip_special_tokens: bool = True  # False: special tokens the model generates stay in the text
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_lone_surrogates(cls, data: Any) -> Any:
-        path = surrogate_path(data)
-        if path is not None:
-            raise PydanticCustomError(
-                "lone_surrogate",
-                "{param}: the text holds a lone UTF-16 surrogate (e.g. \\ud800), which is not valid Unicode",
-                {"param": path},
-            )
-        return data
 
     @field_validator("n")
     @classmethod
@@ -327,7 +400,56 @@ class _SamplingFields(_Strict):
         )
 
 
-class ChatCompletionRequest(_SamplingFields):
+# Template variables a client may not set through ``chat_template_kwargs``: pagedgen sets them itself.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+TemplateValue = bool | int | float | str | None
+
+
+class ChatTemplateFields(BaseModel):
+    """vLLM's chat template options, shared by the chat route and ``/tokenize``.
+
+    ``add_generation_prompt`` (default true) ends the prompt with the template's opening of an assistant
+    turn; ``continue_final_message`` instead leaves the last message, an assistant's, open for the model
+    to continue (both true is a 400). ``chat_template_kwargs`` are extra template variables
+    (``enable_thinking``): scalars only, and not the names pagedgen sets itself."""
+
+    chat_template_kwargs: dict[str, TemplateValue] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, kwargs: dict[str, TemplateValue] | None) -> Any:
+        for key in kwargs or {}:
+            if key in RESERVED_TEMPLATE_VARIABLES or key.endswith("_token"):
+                raise ValueError(f"{key!r} is set by the server and cannot be passed to the chat template")
+        return kwargs
+
+    @model_validator(mode="after")
+    def _check_continue(self) -> Any:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise field_error(
+                "continue_final_message",
+                "it continues the last message, so add_generation_prompt must be false (it defaults to true)",
+            )
+        if self.continue_final_message:
+            last = getattr(self, "messages", None)
+            if last and last[-1].role != "assistant":
+                raise field_error(
+                    "continue_final_message", "the last message must be an assistant's (it is continued)"
+                )
+        return self
+
+    def template_options(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`pagedgen.server.prompting.chat_prompt_ids`."""
+        return {
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+            "template_kwargs": dict(self.chat_template_kwargs or {}),
+        }
+
+
+class ChatCompletionRequest(ChatTemplateFields, _SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -450,32 +572,48 @@ class ChatCompletionRequest(_SamplingFields):
         return field
 
 
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
 class CompletionRequest(_SamplingFields):
+    """A completion; ``prompt`` is a string, token ids, or a batch of either (one choice per prompt, in
+    order). ``echo`` puts each prompt's text before its choice's text."""
+
     prompt: (
         str
-        | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+        | TokenIds
         | Annotated[list[str], Field(min_length=1)]
+        | Annotated[list[TokenIds], Field(min_length=1)]
     )
     logprobs: int | None = None
     echo: bool = False
 
-    @field_validator("prompt")
+    @model_validator(mode="before")
     @classmethod
-    def _one_prompt(cls, prompt: str | list[int] | list[str]) -> str | list[int]:
-        if isinstance(prompt, list) and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise ValueError(
-                    f"prompt holds {len(prompt)} strings: pagedgen serves one prompt per request"
-                )
-            return prompt[0]
-        return prompt
+    def _no_tools(cls, data: Any) -> Any:
+        """Tools are known to the chat route: ignoring them here would drop the constraint they ask for."""
+        for field in ("tools", "tool_choice"):
+            if isinstance(data, dict) and field in data:
+                raise field_error(field, "tools apply to /v1/chat/completions; a completion calls none")
+        return data
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo=true is not supported")
-        return echo
+    @model_validator(mode="after")
+    def _check_echo(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            raise field_error(
+                "echo",
+                "with logprobs it would need the prompt's logprobs, which pagedgen does not compute; send "
+                "echo or logprobs",
+            )
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: each prompt is a string or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]  # type: ignore[list-item]
+        return list(prompt)  # type: ignore[arg-type]
 
     @property
     def requested_logprobs(self) -> int | None:
@@ -488,6 +626,38 @@ class CompletionRequest(_SamplingFields):
 
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
         return self._sampling_params(max_tokens, self.requested_logprobs)
+
+
+class TokenizeRequest(ChatTemplateFields, _Body):
+    """vLLM's ``/tokenize``: a ``prompt`` (with the tokenizer's sequence tokens unless
+    ``add_special_tokens`` is false) or ``messages`` (through the chat template, as the chat route)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    tools: Annotated[list[Tool], Field(min_length=1)] | None = None
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise field_error("prompt", "send either prompt or messages")
+        if self.messages is not None and self.add_special_tokens:
+            raise field_error(
+                "add_special_tokens", "applies to a prompt: the chat template writes a chat's special tokens"
+            )
+        if self.prompt is not None and self.tools is not None:
+            raise field_error("tools", "tools apply to messages, not to a prompt")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's ``/detokenize``: the text of token ids (special tokens kept unless ``skip_special_tokens``)."""
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+    skip_special_tokens: bool = False
 
 
 def new_id(prefix: str) -> str:

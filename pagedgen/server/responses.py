@@ -155,16 +155,20 @@ class ChatResponses(_Builder):
 
 
 class CompletionResponses(_Builder):
-    """``text_completion`` payloads (the streaming chunks have the same object type)."""
+    """``text_completion`` payloads (the streaming chunks have the same object type); ``echo``, the prompt's
+    text, comes before the generated text (a stream sends it first, in a chunk of its own)."""
 
     id_prefix = "cmpl"
 
-    def __init__(self, model_name: str, tokenizer: Any, logprobs: int | None, include_usage: bool):
+    def __init__(
+        self, model_name: str, tokenizer: Any, logprobs: int | None, include_usage: bool, echo: str = ""
+    ):
         super().__init__(model_name, tokenizer, logprobs, include_usage)
         self._offset = 0  # text offset of the next logprob entry
+        self._echo = echo
 
-    def first_chunk(self) -> None:
-        return None
+    def first_chunk(self) -> dict[str, Any] | None:
+        return self.chunk(self._echo, (), None) if self._echo else None
 
     def chunk(self, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str | None) -> dict[str, Any]:
         choice = {
@@ -184,7 +188,7 @@ class CompletionResponses(_Builder):
     ) -> dict[str, Any]:
         choice = {
             "index": 0,
-            "text": text,
+            "text": self._echo + text,
             "logprobs": self.logprobs(logprobs) if self.top_n is not None else None,
             "finish_reason": finish_reason,
         }

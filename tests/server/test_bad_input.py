@@ -49,8 +49,9 @@ def test_malformed_json_is_400(live_server, content):
         ("/v1/completions", {"model": MODEL_NAME, "prompt": 5}, "prompt"),
         ("/v1/completions", {"model": MODEL_NAME, "prompt": []}, "prompt"),
         ("/v1/completions", {"model": MODEL_NAME, "prompt": [-1]}, "prompt"),
-        ("/v1/completions", {"model": MODEL_NAME, "prompt": ["a", "b"]}, "prompt"),
-        ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "echo": True}, "echo"),
+        ("/v1/completions", {"model": MODEL_NAME, "prompt": ["a", 1]}, "prompt"),  # a batch is one kind
+        ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+        ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "echo": "yes"}, "echo"),
         ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "stream": "yes"}, "stream"),
         ("/v1/chat/completions", {"model": MODEL_NAME, "messages": "hi"}, "messages"),
         (
@@ -69,8 +70,9 @@ def test_wrong_types_are_400(live_server, path, body, param):
 @pytest.mark.parametrize(
     "extra",
     [
-        {"frobnicate": True},
         {"n": 2},
+        {"chat_template_kwargs": {"enable_thinking": [True]}},
+        {"continue_final_message": True},  # with the default add_generation_prompt=true
         {"temperature": 5.0},
         {"top_p": 0.0},
         {"top_logprobs": 3},  # without logprobs=true
