@@ -5,8 +5,11 @@ Python, the quant blocks are expanded in numpy, the tokenizer is rebuilt); readi
 takes a fraction of a second. So the first load writes ``config.json``, ``model.safetensors``,
 ``tokenizer.json`` and ``tokenizer_config.json`` into ``<cache root>/gguf-v<N>/<sha256 of the file>/`` and
 every later load reads that directory like any HF checkpoint. ``native.safetensors`` beside them holds the
-2-D weights whose format has a native kernel as their raw blocks (llama.cpp's Q/K permutation undone), for
-``weights="native"`` (:mod:`pagedgen.models.native_weights`).
+2-D weights whose format has a native kernel as their raw blocks (llama.cpp's Q/K permutation undone, each
+layer's fused projections back to back), for ``weights="native"``, which maps it instead of reading it
+(:mod:`pagedgen.models.native_weights`). Building an entry keeps one tensor (or 8 MB of float32 rows) in
+memory at a time and gives the freed heap back afterwards, so a first load does not stay several times the
+file larger than a later one.
 
 The key is the sha256 of the whole file, streamed (about 0.2 s for the 98 MB default model): a file edited in
 place gets a new entry, and a renamed or copied file reuses the old one. An entry is built in a temporary
