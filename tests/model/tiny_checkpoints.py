@@ -259,7 +259,8 @@ def write_gguf(
     """Write a GGUF file like llama.cpp's converter: metadata, byte-level tokenizer, named tensors.
 
     ``tensors`` use HF names; q/k rows are permuted for the ``llama`` arch. 2-D weights are stored as
-    ``qtype`` (default F32); 1-D tensors stay F32, as llama.cpp keeps norms and biases. ``sliding_window``
+    ``qtype`` (default F32; or a callable of the HF name, for a file mixing formats as llama.cpp's recipes
+    do); 1-D tensors stay F32, as llama.cpp keeps norms and biases. ``sliding_window``
     writes ``{arch}.attention.sliding_window`` (llama.cpp's key; its converter writes it for the families
     it runs windowed).
     """
@@ -295,17 +296,54 @@ def write_gguf(
             data = llama_cpp_permute(data, heads, heads)
         elif arch == "llama" and ".k_proj." in name:
             data = llama_cpp_permute(data, heads, kv_heads)
-        add_tensor(writer, gguf_name(name), data, qtype if data.ndim == 2 else gguf.GGMLQuantizationType.F32)
+        chosen = (
+            gguf.GGMLQuantizationType.F32 if data.ndim != 2 else qtype(name) if callable(qtype) else qtype
+        )
+        add_tensor(writer, gguf_name(name), data, chosen)
     finish_gguf(writer)
 
 
 def add_tensor(writer, name: str, data: np.ndarray, qtype) -> None:
-    """Quantise ``data`` to ``qtype`` with gguf's own quantiser and add it to ``writer``."""
+    """Quantise ``data`` to ``qtype`` with gguf's own quantiser and add it to ``writer``.
+
+    The K-quants, which gguf-py cannot quantise, are written as random valid blocks of ``data``'s shape
+    (:func:`random_k_blocks`, seeded by the name): the file's values then are not ``data``'s, so a test
+    compares against a reader of the file.
+    """
     import gguf
 
+    if qtype.name in K_QUANT_SCALES:
+        seed = sum(name.encode())
+        writer.add_tensor(name, random_k_blocks(qtype.name, data, seed), raw_dtype=qtype)
+        return
     quantized = gguf.quants.quantize(data, qtype)
     raw = None if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) else qtype
     writer.add_tensor(name, quantized, raw_dtype=raw)
+
+
+# K-quant super-blocks: (bytes, ((offset of an f16 scale, its largest multiplier), ...)): d times the
+# largest sub-scale times the largest q (or dmin times the largest min) spans the values' amplitude.
+K_QUANT_SCALES = {
+    "Q2_K": (84, ((80, 15 * 3), (82, 15 * 2))),
+    "Q3_K": (110, ((108, 32 * 4),)),
+    "Q4_K": (144, ((0, 63 * 15), (2, 63 * 2))),
+    "Q5_K": (176, ((0, 63 * 31), (2, 63 * 2))),
+    "Q6_K": (210, ((208, 128 * 32),)),
+}
+
+
+def random_k_blocks(qtype: str, data: np.ndarray, seed: int) -> np.ndarray:
+    """``[rows, row_bytes]`` random K-quant blocks for a ``[rows, k]`` tensor, their scales finite and sized
+    so the values span about three standard deviations of ``data`` (a model that stays numerically tame)."""
+    block_bytes, scales = K_QUANT_SCALES[qtype]
+    rows, k = data.shape
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows, k // 256, block_bytes), dtype=np.uint8)
+    amplitude = 3 * float(data.std()) + 1e-3
+    for offset, largest in scales:
+        jitter = rng.uniform(0.5, 1.0, (rows, k // 256, 1))
+        blocks[..., offset : offset + 2] = (amplitude / largest * jitter).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
 
 
 def hf_config_dict(model) -> dict[str, Any]:
@@ -386,6 +424,7 @@ def write_gemma_gguf(
     pattern: list[bool] | None = None,
     local_base: float | None = None,
     replace: Mapping[str, Any] | None = None,
+    qtype: Any = None,
 ) -> None:
     """Gemma 2 / Gemma 3 text as llama.cpp's ``convert_hf_to_gguf.py`` (``Gemma2Model``, ``Gemma3Model``)
     writes them: arch ``gemma2`` / ``gemma3``, names from gguf's own tensor map, every ``*norm.weight`` stored
@@ -393,7 +432,8 @@ def write_gemma_gguf(
     base; Gemma 3 writes the global layers' RoPE base and linear scaling, its final soft-cap when set and the
     window. The layer pattern and the local RoPE base are llama.cpp's rules unless ``pattern`` (one flag per
     layer, True = sliding) or ``local_base`` (``rope.freq_base_swa``) are given. ``replace`` sets
-    ``<arch>.<key>`` metadata (ints as uint32, floats as float32, lists as arrays) for refusal tests."""
+    ``<arch>.<key>`` metadata (ints as uint32, floats as float32, lists as arrays) for refusal tests.
+    ``qtype`` (a callable of the HF name) stores 2-D weights in other formats than F32."""
     import gguf
 
     c = model.config
@@ -442,5 +482,6 @@ def write_gemma_gguf(
         if name.endswith("norm.weight"):
             array = array + np.float32(1.0)  # Gemma's RMSNorm scales by 1 + weight
         gguf_tensor = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        add_tensor(writer, gguf_tensor, array, gguf.GGMLQuantizationType.F32)
+        chosen = qtype(name) if qtype is not None and array.ndim == 2 else gguf.GGMLQuantizationType.F32
+        add_tensor(writer, gguf_tensor, array, chosen)
     finish_gguf(writer)
