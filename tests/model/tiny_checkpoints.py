@@ -255,11 +255,14 @@ def write_gguf(
     tokenizer: bool = True,
     rope_freqs: np.ndarray | None = None,
     sliding_window: int | None = None,
+    qtypes: Mapping[str, Any] | None = None,
 ) -> None:
     """Write a GGUF file like llama.cpp's converter: metadata, byte-level tokenizer, named tensors.
 
     ``tensors`` use HF names; q/k rows are permuted for the ``llama`` arch. 2-D weights are stored as
-    ``qtype`` (default F32); 1-D tensors stay F32, as llama.cpp keeps norms and biases. ``sliding_window``
+    ``qtype`` (default F32), or as ``qtypes[suffix]`` for the first HF-name suffix of ``qtypes`` they end
+    with (a llama.cpp mix: ``{"v_proj.weight": Q8_0, ...}``); 1-D tensors stay F32, as llama.cpp keeps norms
+    and biases. ``sliding_window``
     writes ``{arch}.attention.sliding_window`` (llama.cpp's key; its converter writes it for the families
     it runs windowed).
     """
@@ -295,17 +298,54 @@ def write_gguf(
             data = llama_cpp_permute(data, heads, heads)
         elif arch == "llama" and ".k_proj." in name:
             data = llama_cpp_permute(data, heads, kv_heads)
-        add_tensor(writer, gguf_name(name), data, qtype if data.ndim == 2 else gguf.GGMLQuantizationType.F32)
+        chosen = stored_type(name, qtype, qtypes) if data.ndim == 2 else gguf.GGMLQuantizationType.F32
+        add_tensor(writer, gguf_name(name), data, chosen)
     finish_gguf(writer)
 
 
+def stored_type(name: str, default: Any, qtypes: Mapping[str, Any] | None) -> Any:
+    """The GGUF type of 2-D tensor ``name``: that of the first matching ``qtypes`` suffix, or ``default``."""
+    return next((q for suffix, q in (qtypes or {}).items() if name.endswith(suffix)), default)
+
+
 def add_tensor(writer, name: str, data: np.ndarray, qtype) -> None:
-    """Quantise ``data`` to ``qtype`` with gguf's own quantiser and add it to ``writer``."""
+    """Quantise ``data`` to ``qtype`` with gguf's own quantiser and add it to ``writer``.
+
+    gguf-py has no quantiser for the K-quants: a Q4_K or Q6_K tensor is written as random blocks (seeded by
+    ``name``) whose values have about ``data``'s spread, not ``data`` itself; a test of such a file compares
+    what reads it, never against ``data``.
+    """
     import gguf
 
+    if qtype in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K):
+        writer.add_tensor(name, random_k_quant(name, data, qtype), raw_dtype=qtype)
+        return
     quantized = gguf.quants.quantize(data, qtype)
     raw = None if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) else qtype
     writer.add_tensor(name, quantized, raw_dtype=raw)
+
+
+def random_k_quant(name: str, data: np.ndarray, qtype) -> np.ndarray:
+    """Random Q4_K / Q6_K blocks ``[rows, row_bytes]`` for a 2-D ``data`` (in a multiple of 256), their f16
+    super-block scales set so the values spread about as ``data``'s do (Q4_K: d * sc * q - dmin * m with
+    6-bit sc, m and 4-bit q; Q6_K: d * sc * (q - 32) with int8 sc and 6-bit q)."""
+    import zlib
+
+    import gguf
+
+    rows, k = data.shape
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    spread = float(np.std(data)) or 0.1
+    if qtype == gguf.GGMLQuantizationType.Q4_K:
+        blocks = rng.integers(0, 256, (rows, k // 256, 144), dtype=np.uint8)
+        d = np.full((rows, k // 256), spread / 200, dtype=np.float16)
+        blocks[..., 0:2] = d.view(np.uint8).reshape(rows, k // 256, 2)
+        blocks[..., 2:4] = (d * np.float16(7.5)).view(np.uint8).reshape(rows, k // 256, 2)
+    else:
+        blocks = rng.integers(0, 256, (rows, k // 256, 210), dtype=np.uint8)
+        d = np.full((rows, k // 256), spread / 800, dtype=np.float16)
+        blocks[..., 208:210] = d.view(np.uint8).reshape(rows, k // 256, 2)
+    return np.ascontiguousarray(blocks.reshape(rows, -1))
 
 
 def hf_config_dict(model) -> dict[str, Any]:
@@ -386,6 +426,7 @@ def write_gemma_gguf(
     pattern: list[bool] | None = None,
     local_base: float | None = None,
     replace: Mapping[str, Any] | None = None,
+    qtypes: Mapping[str, Any] | None = None,
 ) -> None:
     """Gemma 2 / Gemma 3 text as llama.cpp's ``convert_hf_to_gguf.py`` (``Gemma2Model``, ``Gemma3Model``)
     writes them: arch ``gemma2`` / ``gemma3``, names from gguf's own tensor map, every ``*norm.weight`` stored
@@ -393,7 +434,8 @@ def write_gemma_gguf(
     base; Gemma 3 writes the global layers' RoPE base and linear scaling, its final soft-cap when set and the
     window. The layer pattern and the local RoPE base are llama.cpp's rules unless ``pattern`` (one flag per
     layer, True = sliding) or ``local_base`` (``rope.freq_base_swa``) are given. ``replace`` sets
-    ``<arch>.<key>`` metadata (ints as uint32, floats as float32, lists as arrays) for refusal tests."""
+    ``<arch>.<key>`` metadata (ints as uint32, floats as float32, lists as arrays) for refusal tests.
+    ``qtypes`` stores 2-D weights by HF-name suffix as :func:`write_gguf` does (default F32)."""
     import gguf
 
     c = model.config
@@ -442,5 +484,6 @@ def write_gemma_gguf(
         if name.endswith("norm.weight"):
             array = array + np.float32(1.0)  # Gemma's RMSNorm scales by 1 + weight
         gguf_tensor = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        add_tensor(writer, gguf_tensor, array, gguf.GGMLQuantizationType.F32)
+        f32 = gguf.GGMLQuantizationType.F32
+        add_tensor(writer, gguf_tensor, array, stored_type(name, f32, qtypes) if array.ndim == 2 else f32)
     finish_gguf(writer)
