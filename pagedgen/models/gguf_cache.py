@@ -16,13 +16,16 @@ racing to build the same entry both end with one complete copy.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from pagedgen.core.paths import CACHE_DIR_ENV, cache_root
@@ -37,11 +40,15 @@ from pagedgen.models.gguf_reader import (
     plan_weights,
 )
 from pagedgen.models.gguf_tokenizer import gguf_tokenizer_files
-from pagedgen.models.native_weights import write_native_file
+from pagedgen.models.native_weights import native_blocks, write_native_file
 from pagedgen.models.safetensors_stream import TensorSpec, write_safetensors
+from pagedgen.ops.quant_gemm import dequantize
+from pagedgen.ops.qweight import NATIVE_GGUF_TYPES, QuantizedWeight
 
-CACHE_FORMAT = 2  # bump when the entry layout or the dequantisation changes (2: native.safetensors)
+CACHE_FORMAT = 3  # bump when the entry layout or the dequantisation changes (2: native.safetensors; 3: its
+# fused projections back to back, Q2_K/Q3_K/Q5_x kept as blocks)
 _HASH_CHUNK = 1 << 22
+CHUNK_BYTES = 8 << 20  # float32 bytes of one chunk of rows written to model.safetensors
 _KEPT_TYPES = {"F16": "F16", "BF16": "BF16"}  # stored as-is (lossless); every quantised type becomes F32
 
 
@@ -105,7 +112,7 @@ def _build_entry(path: Path, entry: Path) -> None:
                 json.dumps(tokenizer_config, indent=2), encoding="utf-8"
             )
         specs = [TensorSpec(p.name, _KEPT_TYPES.get(p.ggml_type, "F32"), p.shape) for p in plans]
-        tensors = ((p.name, _as_tensor(file, p, config)) for p in plans)
+        tensors = ((p.name, _float32_rows(file, p, config)) for p in plans)
         write_safetensors(tmp / "model.safetensors", specs, tensors, {"format": "pt", "sha256": entry.name})
         write_native_file(tmp, file, plans, config)
         _publish(tmp, entry)
@@ -113,10 +120,42 @@ def _build_entry(path: Path, entry: Path) -> None:
         raise ModelLoadError(f"{entry}: cannot write the weight cache (set ${CACHE_DIR_ENV}): {exc}") from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        release_freed_memory()
 
 
-def _as_tensor(file: GGUFFile, plan: WeightPlan, config: ModelConfig) -> torch.Tensor:
-    return torch.from_numpy(dequantize_weight(file, plan, config))
+def _float32_rows(file: GGUFFile, plan: WeightPlan, config: ModelConfig) -> Iterator[torch.Tensor]:
+    """One tensor's float32 values in HF layout, in chunks of rows of at most :data:`CHUNK_BYTES`.
+
+    Why chunks: the 262k-row embedding of a Gemma 3 file is 671 MB as float32, and gguf-py's dequantiser
+    holds several arrays of that size at once. A native-type 2-D tensor is expanded from its (already
+    unpermuted) blocks by :func:`pagedgen.ops.quant_gemm.dequantize`, bit-identical to gguf-py; any other
+    tensor (norms, biases) is small and goes whole through :func:`dequantize_weight`.
+    """
+    blocks = native_blocks(file, plan, config)
+    if blocks is None:
+        yield torch.from_numpy(dequantize_weight(file, plan, config))
+        return
+    qtype = NATIVE_GGUF_TYPES[plan.ggml_type]
+    rows, k = plan.shape
+    step = max(1, CHUNK_BYTES // (4 * k))
+    for start in range(0, rows, step):
+        part = torch.from_numpy(np.array(blocks[start : start + step]))  # a copy: the map is read-only
+        yield dequantize(QuantizedWeight(qtype, (part.shape[0], k), part))
+
+
+def release_freed_memory() -> None:
+    """Hand the allocator's free pages back to the system (glibc's ``malloc_trim``; elsewhere nothing).
+
+    Why: building an entry frees hundreds of MB in pieces below glibc's mmap threshold, which it keeps in
+    its heaps; without this a first load's process stays 3x the file larger than a later load's.
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
 
 
 def _publish(tmp: Path, entry: Path) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -64,56 +65,116 @@ def resolve_weight_format(
     return WeightFormat.NATIVE, "native kernels available"
 
 
-def native_blocks(file: GGUFFile, plan: WeightPlan, config: ModelConfig) -> np.ndarray | None:
-    """A 2-D tensor of a native type as ``[out, row_bytes]`` uint8 blocks in HF row order, else ``None``.
+# Projections a runtime stacks into one weight (``_fuse_linears``), in its row order. The native file stores
+# each layer's group back to back, so when their formats match the stacked weight is a view of the file's
+# mapping, not a copy.
+FUSED_GROUPS = (
+    ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+)
+_FUSED_RANK = {suffix: (g, i) for g, group in enumerate(FUSED_GROUPS) for i, suffix in enumerate(group)}
 
-    llama.cpp's Q/K row permutation is undone on whole rows (each output row is whole blocks).
-    """
+
+def native_shape(plan: WeightPlan) -> tuple[int, int] | None:
+    """``(out, row_bytes)`` of the blocks of a 2-D tensor of a native type, else ``None`` (dequantised)."""
     qtype = NATIVE_GGUF_TYPES.get(plan.ggml_type)
     if qtype is None or len(plan.shape) != 2 or plan.shape[1] % qtype.block_elems:
         return None
-    blocks = np.asarray(file.reader.tensors[plan.index].data).view(np.uint8)
-    blocks = blocks.reshape(plan.shape[0], qtype.row_bytes(plan.shape[1]))  # [out, row_bytes]
+    return plan.shape[0], qtype.row_bytes(plan.shape[1])
+
+
+def native_blocks(file: GGUFFile, plan: WeightPlan, config: ModelConfig) -> np.ndarray | None:
+    """A 2-D tensor of a native type as ``[out, row_bytes]`` uint8 blocks in HF row order, else ``None``.
+
+    llama.cpp's Q/K row permutation is undone on whole rows (each output row is whole blocks). The result
+    is a read-only view of the file's mapping unless rows were permuted.
+    """
+    shape = native_shape(plan)
+    if shape is None:
+        return None
+    blocks = np.asarray(file.reader.tensors[plan.index].data).view(np.uint8).reshape(shape)
     if file.architecture == "llama" and plan.name.endswith(("q_proj.weight", "k_proj.weight")):
         blocks = unpermute_qk(blocks, config.num_heads if ".q_proj." in plan.name else config.num_kv_heads)
     return np.ascontiguousarray(blocks)
 
 
+def native_file_order(plans: list[WeightPlan]) -> list[WeightPlan]:
+    """``plans`` with each layer's :data:`FUSED_GROUPS` members adjacent, in stacking order; the rest keep
+    their place (a group sits where its first member was)."""
+    first: dict[tuple[str, int], int] = {}  # (layer prefix, group) -> position of its first member
+    keys = []
+    for position, plan in enumerate(plans):
+        member = next(
+            ((plan.name[: -len(s)], rank) for s, rank in _FUSED_RANK.items() if plan.name.endswith(s)), None
+        )
+        if member is None:
+            keys.append((position, 0))
+            continue
+        (prefix, (group, index)) = member
+        keys.append((first.setdefault((prefix, group), position), 1 + index))
+    return [plan for _, plan in sorted(zip(keys, plans, strict=True), key=lambda item: item[0])]
+
+
 def write_native_file(directory: Path, file: GGUFFile, plans: list[WeightPlan], config: ModelConfig) -> None:
-    """Write ``NATIVE_FILE``: the blocks of every native-type 2-D tensor, their qtypes in the metadata."""
-    blocks = {plan.name: native_blocks(file, plan, config) for plan in plans}
-    blocks = {name: b for name, b in blocks.items() if b is not None}
-    qtypes = {plan.name: plan.ggml_type for plan in plans if plan.name in blocks}
-    specs = [TensorSpec(name, "U8", b.shape) for name, b in blocks.items()]
-    tensors = ((name, torch.from_numpy(b.copy())) for name, b in blocks.items())  # b: a read-only map
+    """Write ``NATIVE_FILE``: the blocks of every native-type 2-D tensor (in :func:`native_file_order`),
+    their qtypes in the metadata. One tensor's blocks are in memory at a time."""
+    kept = [plan for plan in native_file_order(plans) if native_shape(plan) is not None]
+    qtypes = {plan.name: plan.ggml_type for plan in kept}
+    specs = [TensorSpec(plan.name, "U8", native_shape(plan)) for plan in kept]
+    tensors = ((plan.name, torch.from_numpy(np.array(native_blocks(file, plan, config)))) for plan in kept)
     write_safetensors(directory / NATIVE_FILE, specs, tensors, {QTYPES_KEY: json.dumps(qtypes)})
 
 
 def read_native_entry(directory: Path) -> dict[str, WeightValue]:
     """A GGUF cache entry's tensors: native blocks from ``NATIVE_FILE``, the rest float32 from the weights.
 
-    Only the float32 tensors not held as blocks are read from ``model.safetensors`` (norms: kilobytes).
-    Raises :class:`ModelLoadError` naming the file when either is missing or damaged.
+    The blocks are views of one read-only mapping of ``NATIVE_FILE`` (:func:`map_native_file`): nothing is
+    copied, pages are read on first use and shared with every process mapping the same entry. Only the
+    float32 tensors not held as blocks are read from ``model.safetensors`` (norms: kilobytes). Raises
+    :class:`ModelLoadError` naming the file when either is missing or damaged.
     """
     from safetensors import SafetensorError, safe_open
 
-    tensors: dict[str, WeightValue] = {}
-    path = directory / NATIVE_FILE
+    tensors: dict[str, WeightValue] = dict(map_native_file(directory / NATIVE_FILE))
+    path = directory / WEIGHTS_FILE
     try:
         with safe_open(path, "pt") as f:
-            qtypes = json.loads((f.metadata() or {})[QTYPES_KEY])
-            for name, qtype in qtypes.items():
-                data = f.get_tensor(name)
-                tensors[name] = QuantizedWeight(NATIVE_GGUF_TYPES[qtype], _shape(data, qtype), data)
-        path = directory / WEIGHTS_FILE
-        with safe_open(path, "pt") as f:
-            names = f.keys()
-            for name in names:
+            for name in f.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
                 if name not in tensors:
                     tensors[name] = f.get_tensor(name)
     except (SafetensorError, OSError, ValueError, KeyError, RuntimeError) as exc:
         raise ModelLoadError(f"{path}: missing, truncated or corrupt cache file ({exc})") from exc
     return tensors
+
+
+def map_native_file(path: Path) -> dict[str, QuantizedWeight]:
+    """Every tensor of ``NATIVE_FILE`` as a :class:`QuantizedWeight` over one ``mmap`` of the file.
+
+    Raises :class:`ModelLoadError` naming the file when it is missing, its header does not parse, or a
+    tensor's bytes fall outside the file or disagree with its qtype.
+    """
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if header_len > size - 8:
+                raise ValueError(f"header of {header_len} bytes in a {size}-byte file")
+            header = json.loads(f.read(header_len))
+        qtypes = json.loads(header.pop("__metadata__")[QTYPES_KEY])
+        whole = torch.empty(0, dtype=torch.uint8)
+        whole.set_(torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size))  # [size] uint8
+        weights = {}
+        for name, qtype in qtypes.items():
+            entry = header[name]
+            start, end = (8 + header_len + offset for offset in entry["data_offsets"])
+            rows, row_bytes = entry["shape"]
+            if entry["dtype"] != "U8" or end > size or end - start != rows * row_bytes:
+                raise ValueError(f"tensor {name!r} {entry} does not fit the {size}-byte file")
+            data = whole[start:end].view(rows, row_bytes)
+            weights[name] = QuantizedWeight(NATIVE_GGUF_TYPES[qtype], _shape(data, qtype), data)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, struct.error) as exc:
+        raise ModelLoadError(f"{path}: missing, truncated or corrupt cache file ({exc})") from exc
+    return weights
 
 
 def _shape(data: torch.Tensor, qtype: str) -> tuple[int, int]:

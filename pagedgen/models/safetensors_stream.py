@@ -13,6 +13,7 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -42,10 +43,13 @@ class TensorSpec:
 def write_safetensors(
     path: Path,
     specs: Sequence[TensorSpec],
-    tensors: Iterable[tuple[str, torch.Tensor]],
+    tensors: Iterable[tuple[str, torch.Tensor | Iterable[torch.Tensor]]],
     metadata: dict[str, str] | None = None,
 ) -> None:
     """Write ``tensors`` (yielded in ``specs`` order) to ``path``; each is cast to its spec's dtype.
+
+    A tensor may come whole or as an iterable of consecutive row chunks (so a large one is never in memory
+    at once).
 
     Raises ``ValueError`` if a yielded tensor's name or shape differs from its spec or the counts differ;
     the partly written file is then left for the caller to discard (write to a temporary path).
@@ -65,7 +69,19 @@ def write_safetensors(
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for spec, (name, tensor) in zip(specs, tensors, strict=True):
-            if name != spec.name or tuple(tensor.shape) != spec.shape:
-                raise ValueError(f"tensor {name!r} {tuple(tensor.shape)} does not match spec {spec}")
-            data = tensor.detach().to(device="cpu", dtype=_DTYPES[spec.dtype]).contiguous()
-            f.write(data.view(torch.uint8).numpy())
+            if name != spec.name:
+                raise ValueError(f"tensor {name!r} does not match spec {spec}")
+            _write_rows(f, spec, [tensor] if isinstance(tensor, torch.Tensor) else tensor)
+
+
+def _write_rows(f: BinaryIO, spec: TensorSpec, chunks: Iterable[torch.Tensor]) -> None:
+    """Write one tensor given whole or as consecutive chunks of its rows (dim 0); checks the shape."""
+    rows = 0
+    for chunk in chunks:
+        if tuple(chunk.shape[1:]) != spec.shape[1:] or (not spec.shape and chunk.dim()):
+            raise ValueError(f"tensor {spec.name!r} {tuple(chunk.shape)} does not match spec {spec}")
+        rows += chunk.shape[0] if spec.shape else 1
+        data = chunk.detach().to(device="cpu", dtype=_DTYPES[spec.dtype]).contiguous()
+        f.write(data.view(torch.uint8).numpy())
+    if rows != (spec.shape[0] if spec.shape else 1):
+        raise ValueError(f"tensor {spec.name!r} of {rows} rows does not match spec {spec}")

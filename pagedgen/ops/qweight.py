@@ -1,5 +1,7 @@
 """A weight matrix kept in the format it is stored in: GGUF quant blocks, f16 or bf16.
 
+Formats: every one of llama.cpp's common recipes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K) and f16/bf16.
+
 Why: the default model's weights are Q4_1/Q8_0 in its GGUF file (85 MB); dequantised to fp32 they are 538 MB,
 and a batch-1 decode step is bound by streaming them. :func:`pagedgen.ops.linear.linear` recognises a
 :class:`QuantizedWeight` and runs :mod:`pagedgen.ops.quant_gemm`, whose kernel expands each weight to fp32 in
@@ -13,6 +15,7 @@ GGUF order (f16/bf16: the 2-byte values). Rows are independent, so permuting or 
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -24,8 +27,13 @@ class QType(enum.Enum):
     F16 = (1, 1, 2)
     Q4_0 = (2, 32, 18)
     Q4_1 = (3, 32, 20)
+    Q5_0 = (6, 32, 22)
+    Q5_1 = (7, 32, 24)
     Q8_0 = (8, 32, 34)
+    Q2_K = (10, 256, 84)
+    Q3_K = (11, 256, 110)
     Q4_K = (12, 256, 144)
+    Q5_K = (13, 256, 176)
     Q6_K = (14, 256, 210)
     BF16 = (30, 1, 2)
 
@@ -91,9 +99,28 @@ class QuantizedWeight:
 
 
 def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
-    """One weight stacking ``parts`` by output row (all of one qtype and in size); copies the blocks once."""
+    """One weight stacking ``parts`` by output row (all of one qtype and in size).
+
+    A view when the parts already lie back to back in one storage (a GGUF cache entry stores each layer's
+    fused projections so: :data:`pagedgen.models.native_weights.FUSED_GROUPS`), else one copy of the blocks.
+    """
     first = parts[0]
     if any(p.qtype is not first.qtype or p.shape[1] != first.shape[1] for p in parts):
         raise ValueError(f"cannot stack {[(p.qtype.name, p.shape) for p in parts]}: qtype or in size differ")
-    data = torch.cat([p.data for p in parts])  # [sum(out), row_bytes]
-    return QuantizedWeight(first.qtype, (data.shape[0], first.shape[1]), data)
+    rows = sum(p.shape[0] for p in parts)
+    if _back_to_back(parts):
+        data = first.data.as_strided((rows, first.data.shape[1]), (first.data.shape[1], 1))
+    else:
+        data = torch.cat([p.data for p in parts])  # [sum(out), row_bytes]
+    return QuantizedWeight(first.qtype, (rows, first.shape[1]), data)
+
+
+def _back_to_back(parts: list[QuantizedWeight]) -> bool:
+    """Whether each part's bytes start where the previous one's end, inside one storage."""
+    storage = parts[0].data.untyped_storage().data_ptr()
+    for previous, part in itertools.pairwise(parts):
+        if part.data.untyped_storage().data_ptr() != storage:
+            return False
+        if part.data.data_ptr() != previous.data.data_ptr() + previous.nbytes:
+            return False
+    return True

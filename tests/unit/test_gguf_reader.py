@@ -86,6 +86,7 @@ def test_dequantize_each_supported_type(tmp_path, qtype):
 
 # K-quant block layouts: bytes per 256 values and where its fp16 super-block scales sit.
 K_QUANTS = {Q.Q4_K: (144, (0, 2)), Q.Q5_K: (176, (0, 2)), Q.Q6_K: (210, (208,))}
+K_QUANTS |= {Q.Q2_K: (84, (80, 82)), Q.Q3_K: (110, (108,))}
 
 
 @pytest.mark.parametrize("qtype", list(K_QUANTS), ids=lambda q: q.name)
@@ -108,9 +109,9 @@ def test_k_quants_match_transformers_dequantizer(tmp_path, qtype):
 
 
 def test_unsupported_type_is_refused_naming_it(tmp_path):
-    raw = np.zeros((2, 84), dtype=np.uint8)  # two Q2_K blocks
-    path = _write(tmp_path / "q2k.gguf", {"blk.0.ffn_up.weight": (raw, Q.Q2_K)})
-    with pytest.raises(ModelLoadError, match=r"'blk\.0\.ffn_up\.weight' uses GGUF type Q2_K"):
+    raw = np.zeros((2, 36), dtype=np.uint8)  # four IQ4_NL blocks (not among llama.cpp's common recipes)
+    path = _write(tmp_path / "iq4.gguf", {"blk.0.ffn_up.weight": (raw, Q.IQ4_NL)})
+    with pytest.raises(ModelLoadError, match=r"'blk\.0\.ffn_up\.weight' uses GGUF type IQ4_NL"):
         plan_weights(open_gguf(path))
 
 
