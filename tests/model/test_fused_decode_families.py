@@ -31,15 +31,15 @@ Q = gguf.GGMLQuantizationType
 WIDE = dict(hidden_size=256, intermediate_size=256, head_dim=64, initializer_range=0.05)
 MIX = {
     "model.embed_tokens.weight": Q.Q8_0,
-    "q_proj.weight": Q.Q4_0,
-    "k_proj.weight": Q.Q4_0,
+    "q_proj.weight": Q.Q5_0,
+    "k_proj.weight": Q.Q5_0,
     "v_proj.weight": Q.Q8_0,
-    "gate_proj.weight": Q.Q4_1,
-    "up_proj.weight": Q.Q4_1,
+    "gate_proj.weight": Q.Q5_0,
+    "up_proj.weight": Q.Q5_0,
     "down_proj.weight": Q.Q6_K,
     "lm_head.weight": Q.Q6_K,
 }
-O_PROJ = {"qwen3": Q.Q8_0, "gemma3": Q.Q4_K}
+O_PROJ = {"qwen3": Q.Q5_1, "gemma3": Q.Q4_K}  # Qwen3 o: in 128, not a K-quant multiple
 FAMILIES = ["qwen3", "gemma3"]
 
 

@@ -311,13 +311,13 @@ def stored_type(name: str, default: Any, qtypes: Mapping[str, Any] | None) -> An
 def add_tensor(writer, name: str, data: np.ndarray, qtype) -> None:
     """Quantise ``data`` to ``qtype`` with gguf's own quantiser and add it to ``writer``.
 
-    gguf-py has no quantiser for the K-quants: a Q4_K or Q6_K tensor is written as random blocks (seeded by
-    ``name``) whose values have about ``data``'s spread, not ``data`` itself; a test of such a file compares
-    what reads it, never against ``data``.
+    gguf-py has no quantiser for the K-quants: such a tensor is written as random blocks (seeded by ``name``)
+    whose values have about ``data``'s spread, not ``data`` itself; a test of such a file compares what
+    reads it, never against ``data``.
     """
     import gguf
 
-    if qtype in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K):
+    if qtype.name in _K_QUANTS:
         writer.add_tensor(name, random_k_quant(name, data, qtype), raw_dtype=qtype)
         return
     quantized = gguf.quants.quantize(data, qtype)
@@ -325,26 +325,30 @@ def add_tensor(writer, name: str, data: np.ndarray, qtype) -> None:
     writer.add_tensor(name, quantized, raw_dtype=raw)
 
 
+# K-quant layouts for random blocks: bytes per 256 values, the f16 d and dmin offsets (None: no dmin), and
+# about how many d a value spans (6-bit sub-scales times the quant range), so d = spread / span.
+_K_QUANTS = {
+    "Q2_K": (84, 80, 82, 12),  # d * sc * q - dmin * m, 4-bit sc/m, 2-bit q
+    "Q3_K": (110, 108, None, 32),  # d * (sc - 32) * q, 6-bit sc, q in -4..3
+    "Q4_K": (144, 0, 2, 200),  # d * sc * q - dmin * m, 6-bit sc/m, 4-bit q
+    "Q5_K": (176, 0, 2, 500),  # likewise, 5-bit q
+    "Q6_K": (210, 208, None, 800),  # d * sc * (q - 32), int8 sc, 6-bit q
+}
+
+
 def random_k_quant(name: str, data: np.ndarray, qtype) -> np.ndarray:
-    """Random Q4_K / Q6_K blocks ``[rows, row_bytes]`` for a 2-D ``data`` (in a multiple of 256), their f16
-    super-block scales set so the values spread about as ``data``'s do (Q4_K: d * sc * q - dmin * m with
-    6-bit sc, m and 4-bit q; Q6_K: d * sc * (q - 32) with int8 sc and 6-bit q)."""
+    """Random K-quant blocks ``[rows, row_bytes]`` for a 2-D ``data`` (in a multiple of 256), their f16
+    super-block scales set so the values spread about as ``data``'s do (:data:`_K_QUANTS`)."""
     import zlib
 
-    import gguf
-
+    block_bytes, d_at, dmin_at, span = _K_QUANTS[qtype.name]
     rows, k = data.shape
     rng = np.random.default_rng(zlib.crc32(name.encode()))
-    spread = float(np.std(data)) or 0.1
-    if qtype == gguf.GGMLQuantizationType.Q4_K:
-        blocks = rng.integers(0, 256, (rows, k // 256, 144), dtype=np.uint8)
-        d = np.full((rows, k // 256), spread / 200, dtype=np.float16)
-        blocks[..., 0:2] = d.view(np.uint8).reshape(rows, k // 256, 2)
-        blocks[..., 2:4] = (d * np.float16(7.5)).view(np.uint8).reshape(rows, k // 256, 2)
-    else:
-        blocks = rng.integers(0, 256, (rows, k // 256, 210), dtype=np.uint8)
-        d = np.full((rows, k // 256), spread / 800, dtype=np.float16)
-        blocks[..., 208:210] = d.view(np.uint8).reshape(rows, k // 256, 2)
+    blocks = rng.integers(0, 256, (rows, k // 256, block_bytes), dtype=np.uint8)
+    d = np.full((rows, k // 256), (float(np.std(data)) or 0.1) / span, dtype=np.float16)
+    blocks[..., d_at : d_at + 2] = d.view(np.uint8).reshape(rows, k // 256, 2)
+    if dmin_at is not None:  # centres q's range on zero
+        blocks[..., dmin_at : dmin_at + 2] = (d * np.float16(7.5)).view(np.uint8).reshape(rows, k // 256, 2)
     return np.ascontiguousarray(blocks.reshape(rows, -1))
 
 

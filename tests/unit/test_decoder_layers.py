@@ -269,16 +269,27 @@ def test_a_ring_slot_outside_the_window_pool_raises_and_writes_nothing(tmp_path,
 WIDE_RAW = {**TINY_RAW, "hidden_size": 256, "intermediate_size": 256, "head_dim": 64}
 Q = gguf.GGMLQuantizationType
 MIXES = {
-    # llama.cpp's Q4_K_M recipe with the formats of this build: q/k and gate/up share one, v another
+    # llama.cpp's Q4_K_M recipe on a small model: q/k and gate/up in Q5_0, v in Q8_0, o/down in K-quants
     "q4_k_m-like": {
-        "q_proj.weight": Q.Q4_0,
-        "k_proj.weight": Q.Q4_0,
+        "q_proj.weight": Q.Q5_0,
+        "k_proj.weight": Q.Q5_0,
         "v_proj.weight": Q.Q8_0,
         "o_proj.weight": Q.Q4_K,
-        "gate_proj.weight": Q.Q4_1,
-        "up_proj.weight": Q.Q4_1,
+        "gate_proj.weight": Q.Q5_0,
+        "up_proj.weight": Q.Q5_0,
         "down_proj.weight": Q.Q6_K,
         "lm_head.weight": Q.Q6_K,
+    },
+    # the low-bit K-quant recipes' formats (Q2_K, Q3_K, Q5_K) and Q5_1, each part of gate/up its own
+    "k-quants": {
+        "q_proj.weight": Q.Q3_K,
+        "k_proj.weight": Q.Q3_K,
+        "v_proj.weight": Q.Q5_K,
+        "o_proj.weight": Q.Q2_K,
+        "gate_proj.weight": Q.Q5_1,
+        "up_proj.weight": Q.Q2_K,
+        "down_proj.weight": Q.Q5_K,
+        "lm_head.weight": Q.Q3_K,
     },
     # every part of q/k/v and of gate/up in its own format
     "all-different": {
@@ -310,7 +321,7 @@ def test_parts_in_different_formats_stay_on_the_fused_path(tmp_path, need_kernel
     model = _mixed_model(tmp_path, mix)
     runtime = model.runtime
     layer = runtime.model.layers[0]
-    gate_up_apart = mix == "all-different"  # the Q4_K_M-like mix stores gate and up alike: one weight
+    gate_up_apart = mix != "q4_k_m-like"  # which stores gate and up alike: one weight
     assert layer.self_attn.qkv is None and (layer.mlp.gate_up is None) == gate_up_apart
     assert runtime.fused_decoder is not None
     c_layer = runtime.fused_decoder._c_layers[0]
