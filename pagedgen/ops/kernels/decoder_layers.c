@@ -24,8 +24,9 @@
  *
  * Segments: a fused matrix (q/k/v, gate/up) is up to three row ranges, each stored in its own format and
  * memory (a Q4_K_M file keeps q/k in one format, v in another). Each segment is one quant_gemm_f32 call
- * into its column range of the output, which is what the per-layer path computes with one call per part:
- * an output's sum depends only on k and the format, never on the rows beside it in the call.
+ * into its column range of the output: the very call the per-layer path makes for that part (same weight,
+ * same x rows), so the bits are the same. Segments are never merged, even when two are adjacent and alike,
+ * so the result does not depend on how the kernel splits a matrix's rows.
  *
  * Layouts: all row-major and contiguous; weights are packed rows as in quant_gemm.c (the qtype is a ggml
  * type id). The step is decode only: row r of the step is token r (token_rows = 0 .. tokens - 1).
