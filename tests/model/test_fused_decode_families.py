@@ -21,7 +21,14 @@ from pagedgen.ops import native
 from pagedgen.ops.qweight import QType, QuantizedWeight
 from tests.model.hf_cases import ids_of
 from tests.model.paged_runner import PagedRunner, PagedSequence, stepwise_logits
-from tests.model.tiny_checkpoints import hf_config_dict, hf_state, tiny_hf_model, write_gemma_gguf, write_gguf
+from tests.model.tiny_checkpoints import (
+    formats_by_suffix,
+    hf_config_dict,
+    hf_state,
+    tiny_hf_model,
+    write_gemma_gguf,
+    write_gguf,
+)
 
 pytestmark = [pytest.mark.model, pytest.mark.cpu]
 
@@ -57,11 +64,13 @@ def case(request, tmp_path_factory):
     mix = {**MIX, "o_proj.weight": O_PROJ[kind]}
     if kind == "qwen3":
         hf = tiny_hf_model(kind, **WIDE)
-        write_gguf(path, "qwen3", hf_state(hf), hf_config_dict(hf), qtype=Q.Q8_0, tokenizer=False, qtypes=mix)
+        qtype = formats_by_suffix(mix, Q.Q8_0)
+        write_gguf(path, "qwen3", hf_state(hf), hf_config_dict(hf), qtype=qtype, tokenizer=False)
     else:
         # llama.cpp's gemma3 file carries no query scale: its rule is the head size, so the HF config takes it
         hf = tiny_hf_model(kind, tie_word_embeddings=True, query_pre_attn_scalar=WIDE["head_dim"], **WIDE)
-        write_gemma_gguf(path, hf, pattern=[True, False, True, True], local_base=1_000.0, qtypes=mix)
+        qtype = formats_by_suffix(mix, Q.F32)
+        write_gemma_gguf(path, hf, pattern=[True, False, True, True], local_base=1_000.0, qtype=qtype)
     cache = tmp_path_factory.mktemp(f"{kind}-cache")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PAGEDGEN_CACHE_DIR", str(cache))

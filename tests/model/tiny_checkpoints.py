@@ -255,14 +255,12 @@ def write_gguf(
     tokenizer: bool = True,
     rope_freqs: np.ndarray | None = None,
     sliding_window: int | None = None,
-    qtypes: Mapping[str, Any] | None = None,
 ) -> None:
     """Write a GGUF file like llama.cpp's converter: metadata, byte-level tokenizer, named tensors.
 
     ``tensors`` use HF names; q/k rows are permuted for the ``llama`` arch. 2-D weights are stored as
-    ``qtype`` (default F32), or as ``qtypes[suffix]`` for the first HF-name suffix of ``qtypes`` they end
-    with (a llama.cpp mix: ``{"v_proj.weight": Q8_0, ...}``); 1-D tensors stay F32, as llama.cpp keeps norms
-    and biases. ``sliding_window``
+    ``qtype`` (default F32; or a callable of the HF name, for a file mixing formats as llama.cpp's recipes
+    do); 1-D tensors stay F32, as llama.cpp keeps norms and biases. ``sliding_window``
     writes ``{arch}.attention.sliding_window`` (llama.cpp's key; its converter writes it for the families
     it runs windowed).
     """
@@ -298,58 +296,54 @@ def write_gguf(
             data = llama_cpp_permute(data, heads, heads)
         elif arch == "llama" and ".k_proj." in name:
             data = llama_cpp_permute(data, heads, kv_heads)
-        chosen = stored_type(name, qtype, qtypes) if data.ndim == 2 else gguf.GGMLQuantizationType.F32
+        chosen = (
+            gguf.GGMLQuantizationType.F32 if data.ndim != 2 else qtype(name) if callable(qtype) else qtype
+        )
         add_tensor(writer, gguf_name(name), data, chosen)
     finish_gguf(writer)
-
-
-def stored_type(name: str, default: Any, qtypes: Mapping[str, Any] | None) -> Any:
-    """The GGUF type of 2-D tensor ``name``: that of the first matching ``qtypes`` suffix, or ``default``."""
-    return next((q for suffix, q in (qtypes or {}).items() if name.endswith(suffix)), default)
 
 
 def add_tensor(writer, name: str, data: np.ndarray, qtype) -> None:
     """Quantise ``data`` to ``qtype`` with gguf's own quantiser and add it to ``writer``.
 
-    gguf-py has no quantiser for the K-quants: such a tensor is written as random blocks (seeded by ``name``)
-    whose values have about ``data``'s spread, not ``data`` itself; a test of such a file compares what
-    reads it, never against ``data``.
+    The K-quants, which gguf-py cannot quantise, are written as random valid blocks of ``data``'s shape
+    (:func:`random_k_blocks`, seeded by the name): the file's values then are not ``data``'s, so a test
+    compares against a reader of the file.
     """
     import gguf
 
-    if qtype.name in _K_QUANTS:
-        writer.add_tensor(name, random_k_quant(name, data, qtype), raw_dtype=qtype)
+    if qtype.name in K_QUANT_SCALES:
+        seed = sum(name.encode())
+        writer.add_tensor(name, random_k_blocks(qtype.name, data, seed), raw_dtype=qtype)
         return
     quantized = gguf.quants.quantize(data, qtype)
     raw = None if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) else qtype
     writer.add_tensor(name, quantized, raw_dtype=raw)
 
 
-# K-quant layouts for random blocks: bytes per 256 values, the f16 d and dmin offsets (None: no dmin), and
-# about how many d a value spans (6-bit sub-scales times the quant range), so d = spread / span.
-_K_QUANTS = {
-    "Q2_K": (84, 80, 82, 12),  # d * sc * q - dmin * m, 4-bit sc/m, 2-bit q
-    "Q3_K": (110, 108, None, 32),  # d * (sc - 32) * q, 6-bit sc, q in -4..3
-    "Q4_K": (144, 0, 2, 200),  # d * sc * q - dmin * m, 6-bit sc/m, 4-bit q
-    "Q5_K": (176, 0, 2, 500),  # likewise, 5-bit q
-    "Q6_K": (210, 208, None, 800),  # d * sc * (q - 32), int8 sc, 6-bit q
+# K-quant super-blocks: (bytes, ((offset of an f16 scale, its largest multiplier), ...)): d times the
+# largest sub-scale times the largest q (or dmin times the largest min) spans the values' amplitude.
+K_QUANT_SCALES = {
+    "Q2_K": (84, ((80, 15 * 3), (82, 15 * 2))),
+    "Q3_K": (110, ((108, 32 * 4),)),
+    "Q4_K": (144, ((0, 63 * 15), (2, 63 * 2))),
+    "Q5_K": (176, ((0, 63 * 31), (2, 63 * 2))),
+    "Q6_K": (210, ((208, 128 * 32),)),
 }
 
 
-def random_k_quant(name: str, data: np.ndarray, qtype) -> np.ndarray:
-    """Random K-quant blocks ``[rows, row_bytes]`` for a 2-D ``data`` (in a multiple of 256), their f16
-    super-block scales set so the values spread about as ``data``'s do (:data:`_K_QUANTS`)."""
-    import zlib
-
-    block_bytes, d_at, dmin_at, span = _K_QUANTS[qtype.name]
+def random_k_blocks(qtype: str, data: np.ndarray, seed: int) -> np.ndarray:
+    """``[rows, row_bytes]`` random K-quant blocks for a ``[rows, k]`` tensor, their scales finite and sized
+    so the values span about three standard deviations of ``data`` (a model that stays numerically tame)."""
+    block_bytes, scales = K_QUANT_SCALES[qtype]
     rows, k = data.shape
-    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, (rows, k // 256, block_bytes), dtype=np.uint8)
-    d = np.full((rows, k // 256), (float(np.std(data)) or 0.1) / span, dtype=np.float16)
-    blocks[..., d_at : d_at + 2] = d.view(np.uint8).reshape(rows, k // 256, 2)
-    if dmin_at is not None:  # centres q's range on zero
-        blocks[..., dmin_at : dmin_at + 2] = (d * np.float16(7.5)).view(np.uint8).reshape(rows, k // 256, 2)
-    return np.ascontiguousarray(blocks.reshape(rows, -1))
+    amplitude = 3 * float(data.std()) + 1e-3
+    for offset, largest in scales:
+        jitter = rng.uniform(0.5, 1.0, (rows, k // 256, 1))
+        blocks[..., offset : offset + 2] = (amplitude / largest * jitter).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
 
 
 def hf_config_dict(model) -> dict[str, Any]:
@@ -430,7 +424,7 @@ def write_gemma_gguf(
     pattern: list[bool] | None = None,
     local_base: float | None = None,
     replace: Mapping[str, Any] | None = None,
-    qtypes: Mapping[str, Any] | None = None,
+    qtype: Any = None,
 ) -> None:
     """Gemma 2 / Gemma 3 text as llama.cpp's ``convert_hf_to_gguf.py`` (``Gemma2Model``, ``Gemma3Model``)
     writes them: arch ``gemma2`` / ``gemma3``, names from gguf's own tensor map, every ``*norm.weight`` stored
@@ -439,7 +433,7 @@ def write_gemma_gguf(
     window. The layer pattern and the local RoPE base are llama.cpp's rules unless ``pattern`` (one flag per
     layer, True = sliding) or ``local_base`` (``rope.freq_base_swa``) are given. ``replace`` sets
     ``<arch>.<key>`` metadata (ints as uint32, floats as float32, lists as arrays) for refusal tests.
-    ``qtypes`` stores 2-D weights by HF-name suffix as :func:`write_gguf` does (default F32)."""
+    ``qtype`` (a callable of the HF name) stores 2-D weights in other formats than F32."""
     import gguf
 
     c = model.config
@@ -488,6 +482,12 @@ def write_gemma_gguf(
         if name.endswith("norm.weight"):
             array = array + np.float32(1.0)  # Gemma's RMSNorm scales by 1 + weight
         gguf_tensor = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        f32 = gguf.GGMLQuantizationType.F32
-        add_tensor(writer, gguf_tensor, array, stored_type(name, f32, qtypes) if array.ndim == 2 else f32)
+        chosen = qtype(name) if qtype is not None and array.ndim == 2 else gguf.GGMLQuantizationType.F32
+        add_tensor(writer, gguf_tensor, array, chosen)
     finish_gguf(writer)
+
+
+def formats_by_suffix(formats: Mapping[str, Any], default: Any) -> Any:
+    """A ``qtype`` callable for the GGUF writers: the format of the first ``formats`` HF-name suffix a
+    tensor's name ends with (``{"v_proj.weight": Q8_0, ...}``, a llama.cpp mix), else ``default``."""
+    return lambda name: next((q for suffix, q in formats.items() if name.endswith(suffix)), default)

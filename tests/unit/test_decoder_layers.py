@@ -23,7 +23,7 @@ from pagedgen.models.model import Model
 from pagedgen.ops import native
 from pagedgen.ops.attention import plan_attention
 from tests.model.paged_runner import PagedRunner, PagedSequence
-from tests.model.tiny_checkpoints import TINY_RAW, random_state, write_gguf
+from tests.model.tiny_checkpoints import TINY_RAW, formats_by_suffix, random_state, write_gguf
 
 pytestmark = pytest.mark.cpu  # the fused decode path is the native CPU kernel (fp32 on the CPU only)
 
@@ -309,7 +309,8 @@ def _mixed_model(tmp_path, mix: str, weights: str = "native") -> Model:
     path = tmp_path / f"mixed-{mix}.gguf"
     if not path.exists():
         state = random_state(WIDE_RAW, seed=9)
-        write_gguf(path, "llama", state, WIDE_RAW, qtype=Q.Q8_0, tokenizer=False, qtypes=MIXES[mix])
+        qtype = formats_by_suffix(MIXES[mix], Q.Q8_0)
+        write_gguf(path, "llama", state, WIDE_RAW, qtype=qtype, tokenizer=False)
     return Model(str(path), device="cpu", weights=weights)
 
 

@@ -142,3 +142,82 @@ def test_parts_stored_in_different_formats_are_left_unfused():
     assert fused.weight.shape == (24, 256) and np.shares_memory(
         parts[2].weight.data.numpy(), fused.weight.data.numpy()
     )
+
+
+# llama.cpp's Q4_K_M-style mix on a tiny Llama (K-quants need 256-wide inputs): q/k Q5_0 beside v Q8_0 in
+# layer 0 (three GEMMs), one format for q/k/v in layer 1 (one fused GEMM), gate/up Q5_1 fused.
+MIXED_SIZES = dict(TINY_RAW, hidden_size=256, intermediate_size=512, head_dim=64)
+MIXED_TYPES = {
+    "model.embed_tokens.weight": "Q8_0",
+    "lm_head.weight": "Q6_K",
+    "self_attn.q_proj.weight": ("Q5_0", "Q3_K"),
+    "self_attn.k_proj.weight": ("Q5_0", "Q3_K"),
+    "self_attn.v_proj.weight": ("Q8_0", "Q3_K"),
+    "self_attn.o_proj.weight": ("Q4_K", "Q2_K"),
+    "mlp.gate_proj.weight": ("Q5_1", "Q4_0"),
+    "mlp.up_proj.weight": ("Q5_1", "Q4_0"),
+    "mlp.down_proj.weight": ("Q6_K", "Q5_K"),
+}
+
+
+def _mixed_type(name: str):
+    if name in MIXED_TYPES:
+        return gguf.GGMLQuantizationType[MIXED_TYPES[name]]
+    layer, suffix = int(name.split(".")[2]), ".".join(name.split(".")[3:])
+    return gguf.GGMLQuantizationType[MIXED_TYPES[suffix][layer % 2]]
+
+
+def _reachable(module: torch.nn.Module) -> tuple[dict[str, QuantizedWeight], dict[str, torch.Tensor]]:
+    """Every stored-format weight and every float tensor the runtime holds (parameters, buffers and plain
+    attributes), by dotted name."""
+    quantized, floats = {}, {}
+    for prefix, sub in module.named_modules():
+        for attr, value in {**vars(sub), **sub._parameters, **sub._buffers}.items():
+            name = f"{prefix}.{attr}" if prefix else attr
+            if isinstance(value, QuantizedWeight):
+                quantized[name] = value
+            elif isinstance(value, torch.Tensor) and value.is_floating_point():
+                floats[name] = value
+    return quantized, floats
+
+
+def _unique_bytes(spans: list[tuple[int, int]]) -> int:
+    """Bytes covered by ``(start, end)`` spans, overlaps counted once (a fused weight and its parts)."""
+    total, reach = 0, 0
+    for start, end in sorted(spans):
+        total += max(0, end - max(start, reach))
+        reach = max(reach, end)
+    return total
+
+
+def test_a_mixed_file_keeps_every_quantized_tensor_as_its_bytes_and_no_float32_copy(tmp_path, need_kernels):
+    path = tmp_path / "mixed.gguf"
+    write_gguf(
+        path, "llama", random_state(MIXED_SIZES, seed=4), MIXED_SIZES, qtype=_mixed_type, tokenizer=False
+    )
+    tensors = gguf.GGUFReader(path).tensors
+    quantized_in_file = sum(int(t.n_bytes) for t in tensors if t.tensor_type != gguf.GGMLQuantizationType.F32)
+    float_in_file = {t.name for t in tensors if t.tensor_type == gguf.GGMLQuantizationType.F32}
+    model = Model(str(path), device="cpu")
+    quantized, floats = _reachable(model.runtime)
+    spans = [(w.data.data_ptr(), w.data.data_ptr() + w.nbytes) for w in quantized.values()]
+    assert _unique_bytes(spans) == quantized_in_file == 884_104  # each block once, nothing else
+    assert len({w.data.untyped_storage().data_ptr() for w in quantized.values()}) == 1  # one file mapping
+    # The only float32 tensors are the file's F32 ones (norms) and the rotary table computed at build.
+    persistent = {name for name in floats if not name.endswith("rotary_emb.inv_freq")}
+    assert len(persistent) == len(float_in_file) == 5
+    assert sum(floats[n].numel() for n in persistent) == sum(
+        int(t.n_elements) for t in tensors if t.name in float_in_file
+    )
+    layers = model.runtime.model.layers
+    assert layers[0].self_attn.qkv is None and layers[1].self_attn.qkv is not None  # formats differ / agree
+    fused = layers[1].self_attn.qkv.weight
+    assert fused.data.data_ptr() == layers[1].self_attn.q_proj.weight.data.data_ptr()  # a view, not a copy
+    assert layers[0].mlp.gate_up.weight.qtype is QType.Q5_1
+    plain = Model(str(path), device="cpu", weights="float32")
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):  # the Q/K permutation undone on the blocks
+        for i in (0, 1):
+            got = dequantize(getattr(layers[i].self_attn, name).weight)
+            assert torch.equal(got, getattr(plain.runtime.model.layers[i].self_attn, name).weight), (i, name)
+    got, expected = _logits(model, IDS), _logits(plain, IDS)
+    assert (got - expected).abs().max().item() <= 1e-4

@@ -209,6 +209,18 @@ def test_fusing_rows_is_concatenating_blocks():
         concat_rows([parts[0], random_weight(QType.Q8_0, 4, 64)])
 
 
+def test_parts_back_to_back_in_one_storage_are_stacked_as_a_view():
+    whole = random_weight(QType.Q5_0, 16, 64, seed=9)
+    parts = [whole.rows(0, 8), whole.rows(8, 12), whole.rows(12, 16)]
+    fused = concat_rows(parts)
+    assert fused.data.data_ptr() == whole.data.data_ptr() and torch.equal(fused.data, whole.data)  # no copy
+    gapped = concat_rows([whole.rows(0, 8), whole.rows(12, 16)])  # not adjacent: copied
+    assert gapped.data.data_ptr() != whole.data.data_ptr()
+    assert torch.equal(gapped.data, torch.cat([whole.data[:8], whole.data[12:]]))
+    swapped = concat_rows([whole.rows(8, 16), whole.rows(0, 8)])
+    assert torch.equal(swapped.data, torch.cat([whole.data[8:], whole.data[:8]]))
+
+
 def test_a_malformed_weight_is_refused_naming_the_field():
     with pytest.raises(ValueError, match="not a multiple of Q4_1 blocks"):
         QuantizedWeight(QType.Q4_1, (2, 48), torch.zeros(2, 30, dtype=torch.uint8))
