@@ -13,14 +13,16 @@ final soft-cap ``cap * tanh(logits / cap)``. Gemma's traits, each as transformer
   configured scaling (``config.rope``), and normalises each q/k head (``q_norm`` / ``k_norm``) before RoPE.
 
 Module and parameter names follow HF's ``Gemma2ForCausalLM`` / ``Gemma3ForCausalLM``, so a state dict loads
-by name. Every layer keeps paged K/V (KV-spec layer ``i`` is decoder layer ``i``); the local layers keep
-theirs in window rings when the engine gives the step rings, as Mistral's do.
+by name. On float32 CPU activations the norms and the activation run as the native layer ops (the norm's
+``1 + weight`` formed once after loading), so a pure decode step can run every layer in one native call
+(:mod:`pagedgen.ops.decoder_layers`) with the same bits; soft-capped attention (Gemma 2) stays per layer.
+Every layer keeps paged K/V (KV-spec layer ``i`` is decoder layer ``i``); the local layers keep theirs in
+window rings when the engine gives the step rings, as Mistral's do.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedgen.core.kv import KVSpec, PagedKVCache
@@ -28,8 +30,17 @@ from pagedgen.core.step_inputs import StepInputs
 from pagedgen.models.config import ModelConfig
 from pagedgen.models.llama import MLP as LlamaMLP
 from pagedgen.models.llama import Attention as LlamaAttention
-from pagedgen.models.llama import Embedding, RMSNorm, RotaryEmbedding, TiedHead
+from pagedgen.models.llama import (
+    Embedding,
+    RMSNorm,
+    RotaryEmbedding,
+    TiedHead,
+    decoder_dims,
+    fused_layer_parts,
+)
 from pagedgen.ops.attention import AttentionPlan, plan_attention
+from pagedgen.ops.decoder_layers import FusedDecoder, LayerWeights
+from pagedgen.ops.layer_ops import Activation, add_rms_norm, gated_activation, rms_norm
 
 
 def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -42,13 +53,36 @@ def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
 class GemmaRMSNorm(RMSNorm):
     """RMSNorm scaling by ``1 + weight``, all in float32, then cast back (transformers' Gemma order).
 
-    Llama's parameters (``weight``, ``eps``); only the scaling differs, so only ``forward`` is Gemma's.
+    Llama's parameters (``weight``, ``eps``); only the scaling differs. On float32 CPU tensors it is the
+    native RMSNorm with ``1 + weight`` as its weight (formed by :meth:`fold` once the weights are loaded,
+    else per call), the one the fused decode path runs; elsewhere transformers' formula.
     """
 
+    scale: torch.Tensor | None = None  # 1 + weight in float32, set by fold()
+
+    def fold(self) -> None:
+        """Form ``1 + weight`` once (after the weights are assigned; the model's fuse step calls it)."""
+        self.scale = (1.0 + self.weight.float()).contiguous()
+
+    @property
+    def native_weight(self) -> torch.Tensor:
+        return self.scale if self.scale is not None else (1.0 + self.weight.float()).contiguous()
+
+    def _native(self, x: torch.Tensor) -> bool:
+        return x.dtype is torch.float32 and x.device.type == "cpu"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._native(x):
+            return rms_norm(x, self.native_weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+    def add_forward(self, residual: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._native(residual):
+            return add_rms_norm(residual, delta, self.native_weight, self.eps)
+        residual = residual + delta
+        return residual, self(residual)
 
 
 class Attention(LlamaAttention):
@@ -77,7 +111,7 @@ class MLP(LlamaMLP):
             gate, up = self.gate_proj(x), self.up_proj(x)
         else:
             gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(gated_activation(gate, up, Activation.GELU_TANH))
 
 
 class DecoderLayer(nn.Module):
@@ -97,16 +131,23 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        delta: torch.Tensor | None,
         rope: tuple[torch.Tensor, torch.Tensor],
         inputs: StepInputs,
         plan: AttentionPlan,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-    ) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), rope, inputs, plan, k_cache, v_cache)
-        x = x + self.post_attention_layernorm(h)
-        h = self.mlp(self.pre_feedforward_layernorm(x))
-        return x + self.post_feedforward_layernorm(h)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Like Llama's layer: ``x`` still misses ``delta`` (the previous layer's normed MLP output,
+        ``None`` before the first layer); returns the stream and this layer's, likewise unadded, so each
+        residual add is fused into the norm after it."""
+        if delta is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = self.input_layernorm.add_forward(x, delta)
+        h = self.self_attn(h, rope, inputs, plan, k_cache, v_cache)
+        x, h = self.pre_feedforward_layernorm.add_forward(x, self.post_attention_layernorm(h))
+        return x, self.post_feedforward_layernorm(self.mlp(h))
 
 
 class GemmaModel(nn.Module):
@@ -129,8 +170,6 @@ class GemmaForCausalLM(TiedHead, nn.Module):
 
     fixed_state_specs: tuple = ()  # every layer attends: paged K/V only
 
-    fused_decoder = None  # the fused native decode path is for plain Llama layers only
-
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
         super().__init__()
         if "freq_factors" in (config.rope.rope_type, getattr(config.local_rope, "rope_type", None)):
@@ -147,12 +186,45 @@ class GemmaForCausalLM(TiedHead, nn.Module):
         )
         self.model = GemmaModel(config, dtype, device)
         self._init_head(config, dtype)
+        self.fused_decoder: FusedDecoder | None = None  # set by fuse_projections() when it can run
 
     def fuse_projections(self) -> None:
-        """One GEMM for q/k/v and one for gate/up per layer (the parts become views; names stay valid)."""
+        """One GEMM for q/k/v and one for gate/up per layer (the parts become views; names stay valid), every
+        norm's ``1 + weight`` formed once, and the one-call decode path built when the weights allow it."""
+        for module in self.modules():
+            if isinstance(module, GemmaRMSNorm):
+                module.fold()
         for layer in self.model.layers:
             layer.self_attn.fuse_qkv()
             layer.mlp.fuse_gate_up()
+        self.fused_decoder = self._build_fused_decoder()
+
+    def _build_fused_decoder(self) -> FusedDecoder | None:
+        """``None`` for soft-capped attention scores (not in the fused kernel), other dtypes, or a projection
+        not kept in a stored format."""
+        if self.dtype is not torch.float32 or self.config.attn_softcap is not None:
+            return None
+        local_rope = self.model.rotary_emb_local is not None
+        layers = []
+        for layer in self.model.layers:
+            parts = fused_layer_parts(layer.self_attn, layer.mlp)
+            if parts is None:
+                return None
+            layers.append(
+                LayerWeights(
+                    input_norm=layer.input_layernorm.native_weight,
+                    post_norm=layer.pre_feedforward_layernorm.native_weight,
+                    attn_out_norm=layer.post_attention_layernorm.native_weight,
+                    mlp_out_norm=layer.post_feedforward_layernorm.native_weight,
+                    down=layer.mlp.down_proj.weight,
+                    down_bias=layer.mlp.down_proj.bias,
+                    windowed=layer.local,
+                    local_rope=layer.local and local_rope,
+                    **parts,
+                )
+            )
+        dims = decoder_dims(self.config, self.model.layers[0].self_attn, Activation.GELU_TANH)
+        return FusedDecoder.build(layers, dims)
 
     def _plans(
         self, inputs: StepInputs, kv_cache: PagedKVCache
@@ -183,10 +255,17 @@ class GemmaForCausalLM(TiedHead, nn.Module):
             rope if model.rotary_emb_local is None else model.rotary_emb_local(inputs.positions, x.dtype)
         )
         plan, window_plan = self._plans(inputs, kv_cache)
-        for layer, k_cache, v_cache in zip(model.layers, kv_cache.keys, kv_cache.values, strict=True):
-            if layer.local:
-                x = layer(x, local_rope, inputs, window_plan, k_cache, v_cache)
-            else:
-                x = layer(x, rope, inputs, plan, k_cache, v_cache)
-        x = model.norm(x[inputs.logits_rows])  # [R, hidden]
+        fused = self.fused_decoder
+        if fused is not None and fused.supports(x, inputs, plan, window_plan):
+            keys, values = kv_cache.keys, kv_cache.values
+            x, delta = fused.run(x, rope, inputs, plan, keys, values, window_plan, local_rope)
+        else:
+            delta = None
+            for layer, k_cache, v_cache in zip(model.layers, kv_cache.keys, kv_cache.values, strict=True):
+                if layer.local:
+                    x, delta = layer(x, delta, local_rope, inputs, window_plan, k_cache, v_cache)
+                else:
+                    x, delta = layer(x, delta, rope, inputs, plan, k_cache, v_cache)
+        rows = inputs.logits_rows
+        x = model.norm(x[rows] + delta[rows])  # [R, hidden]
         return soft_cap(self._head(x), self.config.final_softcap).float()  # [R, vocab]

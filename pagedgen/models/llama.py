@@ -24,7 +24,15 @@ from pagedgen.core.step_inputs import StepInputs
 from pagedgen.models.config import ModelConfig, RopeConfig
 from pagedgen.ops.attention import AttentionPlan, paged_attention, plan_attention, write_kv
 from pagedgen.ops.decoder_layers import DecoderDims, FusedDecoder, LayerWeights
-from pagedgen.ops.layer_ops import add_rms_norm, apply_rotary_, rms_norm, silu_and_mul
+from pagedgen.ops.layer_ops import (
+    Activation,
+    add_rms_norm,
+    apply_rotary_,
+    gated_activation,
+    rms_norm,
+    rms_norm_heads_,
+    silu_and_mul,
+)
 from pagedgen.ops.linear import linear
 from pagedgen.ops.quant_gemm import embedding
 from pagedgen.ops.qweight import QuantizedWeight, concat_rows
@@ -118,6 +126,16 @@ class RMSNorm(nn.Module):
     def add_forward(self, residual: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(residual + delta, norm(residual + delta))``; may add into ``residual`` in place."""
         return add_rms_norm(residual, delta, self.weight, self.eps)
+
+    @property
+    def native_weight(self) -> torch.Tensor:
+        """What the native RMSNorm multiplies by (the fused decode path takes it): here the weight."""
+        return self.weight
+
+    def heads_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm of each head of ``x [T, H, D]`` (q/k norms), in place where the native kernel can."""
+        normed = rms_norm_heads_(x, self.native_weight, self.eps)
+        return self(x) if normed is None else normed
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -218,7 +236,7 @@ class Attention(nn.Module):
         tokens = x.shape[0]
         q, k, v = self._project_qkv(x)  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm.heads_forward(q), self.k_norm.heads_forward(k)
         cos, sin = rope
         q, k = apply_rotary_(q, cos, sin), apply_rotary_(k, cos, sin)  # in place (fresh GEMM output)
         slots = inputs.slot_mapping if plan.slot_mapping is None else plan.slot_mapping  # a ring's own
@@ -245,8 +263,8 @@ class MLP(nn.Module):
         self.gate_up = _fuse_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:  # parts in different formats: the same activation kernel over both
+            return self.down_proj(gated_activation(self.gate_proj(x), self.up_proj(x), Activation.SILU))
         return self.down_proj(silu_and_mul(self.gate_up(x)))
 
 
@@ -296,6 +314,55 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim, device)
+
+
+def _segments(fused: Linear | None, parts: list[Linear]) -> tuple | None:
+    """A fused matrix as its segments: the fused weight, or the parts as stored (different formats)."""
+    weights = (fused.weight,) if fused is not None else tuple(p.weight for p in parts)
+    return weights if all(isinstance(w, QuantizedWeight) for w in weights) else None
+
+
+def _stacked_bias(fused: Linear | None, parts: list[Linear]) -> torch.Tensor | None:
+    """The fused matrix's bias over all its rows (the parts' biases stacked when they were kept apart)."""
+    if fused is not None:
+        return fused.bias
+    return None if parts[0].bias is None else torch.cat([p.bias for p in parts])
+
+
+def fused_layer_parts(attn: Attention, mlp: MLP) -> dict | None:
+    """The :class:`LayerWeights` fields of a layer's attention and MLP projections (q/k/v and gate/up as
+    segments, the q/k norms), or ``None`` when a projection is not kept in a stored format."""
+    qkv_parts, gate_up_parts = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
+    qkv, gate_up = _segments(attn.qkv, qkv_parts), _segments(mlp.gate_up, gate_up_parts)
+    if qkv is None or gate_up is None:
+        return None
+    q_norm, k_norm = attn.q_norm, attn.k_norm
+    return dict(
+        qkv=qkv,
+        qkv_bias=_stacked_bias(attn.qkv, qkv_parts),
+        o=attn.o_proj.weight,
+        o_bias=attn.o_proj.bias,
+        gate_up=gate_up,
+        gate_up_bias=_stacked_bias(mlp.gate_up, gate_up_parts),
+        q_norm=None if q_norm is None else q_norm.native_weight,
+        k_norm=None if k_norm is None else k_norm.native_weight,
+    )
+
+
+def decoder_dims(
+    config: ModelConfig, attn: Attention, activation: Activation = Activation.SILU
+) -> DecoderDims:
+    """The fused decode path's sizes; the attention scale is the per-layer path's own."""
+    return DecoderDims(
+        hidden=config.hidden_size,
+        q_heads=config.num_heads,
+        kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        inner=config.intermediate_size,
+        eps=config.rms_norm_eps,
+        scale=attn.scale,
+        activation=activation,
+    )
 
 
 class TiedHead:
@@ -362,39 +429,26 @@ class LlamaForCausalLM(TiedHead, nn.Module):
         self.fused_decoder = self._build_fused_decoder()
 
     def _build_fused_decoder(self) -> FusedDecoder | None:
-        """``None`` unless every layer is the plain pre-norm block with fused, stored-format projections."""
-        config = self.config
-        if self.dtype is not torch.float32 or config.qk_norm:
-            return None  # q/k norms are not in the fused kernel
+        """``None`` unless every layer is the plain pre-norm block with stored-format projections."""
+        if self.dtype is not torch.float32:
+            return None
         layers = []
         for i, layer in enumerate(self.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            if attn.qkv is None or mlp.gate_up is None:
+            parts = fused_layer_parts(attn, mlp)
+            if parts is None:
                 return None
             layers.append(
                 LayerWeights(
-                    input_norm=layer.input_layernorm.weight,
-                    post_norm=layer.post_attention_layernorm.weight,
-                    qkv=attn.qkv.weight,
-                    qkv_bias=attn.qkv.bias,
-                    o=attn.o_proj.weight,
-                    gate_up=mlp.gate_up.weight,
-                    gate_up_bias=mlp.gate_up.bias,
+                    input_norm=layer.input_layernorm.native_weight,
+                    post_norm=layer.post_attention_layernorm.native_weight,
                     down=mlp.down_proj.weight,
                     down_bias=mlp.down_proj.bias,
                     windowed=i in self.windowed,
+                    **parts,
                 )
             )
-        dims = DecoderDims(
-            hidden=config.hidden_size,
-            q_heads=config.num_heads,
-            kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            inner=config.intermediate_size,
-            eps=config.rms_norm_eps,
-            scale=self.model.layers[0].self_attn.scale,  # the per-layer path's own
-        )
-        return FusedDecoder.build(layers, dims)
+        return FusedDecoder.build(layers, decoder_dims(self.config, self.model.layers[0].self_attn))
 
     def _window_plan(self, inputs: StepInputs, kv_cache: PagedKVCache) -> AttentionPlan | None:
         """The sliding-window layers' plan (their ring, or the block tables masked to the window)."""

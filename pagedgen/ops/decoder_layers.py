@@ -1,15 +1,21 @@
 """Every decoder layer of a pure-decode step in one native call (``kernels/decoder_layers.c``).
 
-Why: at batch 1 a Llama layer is ten microsecond-sized kernels; calling them one by one from Python, with
+Why: at batch 1 a decoder layer is ten microsecond-sized kernels; calling them one by one from Python, with
 the tensor bookkeeping between them, cost about a quarter of a forward (docs/performance.md, "The fused
 decode path"). :class:`FusedDecoder` runs the same kernels, in the same order, on the same kinds of
 buffers, from one C loop over the layers, so its output is bit-identical to the per-layer path.
 
+The loop covers the Llama family (Llama, Mistral, Qwen2, Qwen3 with its q/k norms, sliding-window layers)
+and Gemma 3 (sandwich norms, GELU-tanh MLP, query scale, local layers with their own RoPE table). A fused
+matrix (q/k/v, gate/up) may be made of up to three segments stored in different formats, as the parts of a
+llama.cpp Q4_K_M file are: each segment is one GEMM into its columns.
+
 It applies only where that per-layer path would itself run those native kernels: float32 CPU activations,
 every linear weight kept in its stored format (:class:`~pagedgen.ops.qweight.QuantizedWeight`) and run by
 the native quant kernel at the step's row count, steps whose rows are all single-token decodes read by the
-native paged decode kernel. Anything else (prefill and mixed steps, float32 weights, other devices) takes the
-per-layer path. :meth:`FusedDecoder.build` returns ``None`` for a model it cannot run.
+native paged decode kernel. Anything else (prefill and mixed steps, float32 weights, other devices,
+soft-capped attention scores) takes the per-layer path. :meth:`FusedDecoder.build` returns ``None`` for a
+model it cannot run. :data:`FUSED_STEPS` counts the steps it ran (benchmarks and tests read which path ran).
 """
 
 from __future__ import annotations
@@ -23,22 +29,42 @@ import torch
 from pagedgen.core.step_inputs import StepInputs
 from pagedgen.ops.attention import AttentionPlan
 from pagedgen.ops.gemm_threads import torch_pool
+from pagedgen.ops.layer_ops import Activation
 from pagedgen.ops.native import native_library
 from pagedgen.ops.quant_gemm import use_quant_kernel
 from pagedgen.ops.qweight import QuantizedWeight
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
+MAX_SEGMENTS = 3  # of one fused matrix (kernels/decoder_layers.c)
+
+
+@dataclass
+class FusedSteps:
+    """How many forward steps ran every layer through the fused path (a process-wide counter)."""
+
+    count: int = 0
+
+
+FUSED_STEPS = FusedSteps()
+
+
+class _Segment(ctypes.Structure):
+    _fields_ = [("data", _P), ("row_bytes", _I64), ("qtype", _I64), ("rows", _I64)]
 
 
 class _PackedWeight(ctypes.Structure):
-    _fields_ = [("data", _P), ("row_bytes", _I64), ("qtype", _I64), ("bias", _P)]
+    _fields_ = [("segments", _Segment * MAX_SEGMENTS), ("num_segments", _I64), ("bias", _P)]
 
 
 class _Layer(ctypes.Structure):
     _fields_ = [
         ("input_norm", _P),
         ("post_norm", _P),
+        ("q_norm", _P),
+        ("k_norm", _P),
+        ("attn_out_norm", _P),
+        ("mlp_out_norm", _P),
         ("qkv", _PackedWeight),
         ("o", _PackedWeight),
         ("gate_up", _PackedWeight),
@@ -46,6 +72,7 @@ class _Layer(ctypes.Structure):
         ("k_cache", _P),
         ("v_cache", _P),
         ("windowed", _I64),
+        ("local_rope", _I64),
     ]
 
 
@@ -58,6 +85,7 @@ class _Dims(ctypes.Structure):
         ("inner", _I64),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
+        ("activation", _I64),
     ]
 
 
@@ -77,28 +105,43 @@ class _Step(ctypes.Structure):
         ("tokens", _I64),
         ("cos", _P),
         ("sin", _P),
+        ("local_cos", _P),
+        ("local_sin", _P),
         ("full", _KVView),
         ("window", _KVView),
         ("token_rows", _P),
         ("block_size", _I64),
-        *((name, _P) for name in ("x", "delta", "h", "qkv", "q", "attn", "o", "gate_up", "act")),
+        *((name, _P) for name in ("x", "delta", "h", "qkv", "q", "attn", "o", "gate_up", "act", "scratch")),
     ]
+
+
+Segments = tuple[QuantizedWeight, ...]  # one matrix's row ranges, stacked by output row, in order
 
 
 @dataclass(frozen=True, slots=True)
 class LayerWeights:
-    """One Llama-style layer's parameters: fused q/k/v and gate/up, as the per-layer path runs them."""
+    """One layer's parameters as the per-layer path runs them; q/k/v and gate/up each one matrix given as
+    its segments (one when the parts were fused into one weight, else the parts as stored).
+
+    The norm weights are the ones the native RMSNorm multiplies by (Gemma's ``1 + weight`` already formed).
+    """
 
     input_norm: torch.Tensor  # [hidden] fp32
-    post_norm: torch.Tensor  # [hidden] fp32
-    qkv: QuantizedWeight  # [(Hq + 2 Hkv) D, hidden]
-    qkv_bias: torch.Tensor | None
+    post_norm: torch.Tensor  # [hidden] fp32, before the MLP
+    qkv: Segments  # rows sum to (Hq + 2 Hkv) D; each [rows, hidden]
+    qkv_bias: torch.Tensor | None  # [(Hq + 2 Hkv) D]
     o: QuantizedWeight  # [hidden, Hq D]
-    gate_up: QuantizedWeight  # [2 inner, hidden]
+    gate_up: Segments  # rows sum to 2 inner (gate first); each [rows, hidden]
     gate_up_bias: torch.Tensor | None
     down: QuantizedWeight  # [hidden, inner]
     down_bias: torch.Tensor | None
     windowed: bool = False  # a sliding-window layer: writes and reads through the step's window plan
+    o_bias: torch.Tensor | None = None  # [hidden]
+    q_norm: torch.Tensor | None = None  # [D] per-head RMSNorm of q before RoPE (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None = None  # [D] likewise of k; present exactly when q_norm is
+    attn_out_norm: torch.Tensor | None = None  # [hidden] sandwich norm of o (Gemma)
+    mlp_out_norm: torch.Tensor | None = None  # [hidden] sandwich norm of the MLP output (Gemma)
+    local_rope: bool = False  # rotated with the step's local table (Gemma 3's local layers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +153,7 @@ class DecoderDims:
     inner: int
     eps: float
     scale: float
+    activation: Activation = Activation.SILU
 
 
 def _fp32_vector(t: torch.Tensor | None, size: int) -> bool:
@@ -141,12 +185,23 @@ def _view(plan: AttentionPlan, slots: torch.Tensor, cache: torch.Tensor) -> _KVV
     )
 
 
-def _packed(weight: QuantizedWeight, bias: torch.Tensor | None) -> _PackedWeight:
-    return _PackedWeight(
-        weight.data.data_ptr(),
-        weight.data.shape[1],
-        weight.qtype.ggml_id,
-        None if bias is None else bias.data_ptr(),
+def _packed(segments: Segments, bias: torch.Tensor | None) -> _PackedWeight:
+    packed = _PackedWeight(num_segments=len(segments), bias=None if bias is None else bias.data_ptr())
+    for c, w in zip(packed.segments, segments, strict=False):
+        c.data, c.row_bytes, c.qtype, c.rows = w.data.data_ptr(), w.data.shape[1], w.qtype.ggml_id, w.shape[0]
+    return packed
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _segments_fit(segments: Segments, rows: int, k: int) -> bool:
+    """1 to MAX_SEGMENTS stored-format weights of in size ``k`` whose rows sum to ``rows``."""
+    return (
+        0 < len(segments) <= MAX_SEGMENTS
+        and all(isinstance(w, QuantizedWeight) and w.shape[1] == k for w in segments)
+        and sum(w.shape[0] for w in segments) == rows
     )
 
 
@@ -158,17 +213,28 @@ class FusedDecoder:
         self._weights = tuple(layers)
         self._dims = dims
         self._c_dims = _Dims(
-            dims.hidden, dims.q_heads, dims.kv_heads, dims.head_dim, dims.inner, dims.eps, dims.scale
+            dims.hidden,
+            dims.q_heads,
+            dims.kv_heads,
+            dims.head_dim,
+            dims.inner,
+            dims.eps,
+            dims.scale,
+            int(dims.activation),
         )
         self._c_layers = (_Layer * len(layers))()
         for c, w in zip(self._c_layers, layers, strict=True):
             c.input_norm, c.post_norm = w.input_norm.data_ptr(), w.post_norm.data_ptr()
-            c.qkv, c.o = _packed(w.qkv, w.qkv_bias), _packed(w.o, None)
-            c.gate_up, c.down = _packed(w.gate_up, w.gate_up_bias), _packed(w.down, w.down_bias)
-            c.windowed = int(w.windowed)
+            c.q_norm, c.k_norm = _ptr(w.q_norm), _ptr(w.k_norm)
+            c.attn_out_norm, c.mlp_out_norm = _ptr(w.attn_out_norm), _ptr(w.mlp_out_norm)
+            c.qkv, c.o = _packed(w.qkv, w.qkv_bias), _packed((w.o,), w.o_bias)
+            c.gate_up, c.down = _packed(w.gate_up, w.gate_up_bias), _packed((w.down,), w.down_bias)
+            c.windowed, c.local_rope = int(w.windowed), int(w.local_rope)
         self._windowed = any(w.windowed for w in layers)
+        self._local_rope = any(w.local_rope for w in layers)
+        self._scratch_width = max(w.shape[0] for lw in layers for w in (*lw.qkv, *lw.gate_up))
         # one weight per (format, shape): the quant kernel's use is decided per format and shape
-        every = (w for lw in layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down))
+        every = (w for lw in layers for w in (*lw.qkv, lw.o, *lw.gate_up, lw.down))
         self._distinct = tuple({(w.qtype, w.shape): w for w in every}.values())
 
     def _cache_of(self, keys: Sequence[torch.Tensor], windowed: bool) -> torch.Tensor:
@@ -181,16 +247,25 @@ class FusedDecoder:
         library = native_library()
         if library is None or not layers or not hasattr(library, "decoder_layers_f32"):
             return None
-        q, kv, d = dims.q_heads * dims.head_dim, dims.kv_heads * dims.head_dim, dims.head_dim
-        shapes = {"qkv": (q + 2 * kv, dims.hidden), "o": (dims.hidden, q)}
-        shapes |= {"gate_up": (2 * dims.inner, dims.hidden), "down": (dims.hidden, dims.inner)}
+        q, kv, d, hidden = (
+            dims.q_heads * dims.head_dim,
+            dims.kv_heads * dims.head_dim,
+            dims.head_dim,
+            dims.hidden,
+        )
         for w in layers:
-            if not all(isinstance(getattr(w, n), QuantizedWeight) for n in shapes):
+            if not (
+                _segments_fit(w.qkv, q + 2 * kv, hidden)
+                and _segments_fit(w.gate_up, 2 * dims.inner, hidden)
+                and _segments_fit((w.o,), hidden, q)
+                and _segments_fit((w.down,), hidden, dims.inner)
+            ):
                 return None
-            if any(getattr(w, n).shape != shape for n, shape in shapes.items()):
+            if (w.q_norm is None) != (w.k_norm is None) or w.input_norm is None or w.post_norm is None:
                 return None
-            vectors = ((w.input_norm, dims.hidden), (w.post_norm, dims.hidden), (w.qkv_bias, q + 2 * kv))
-            vectors += ((w.gate_up_bias, 2 * dims.inner), (w.down_bias, dims.hidden))
+            vectors = ((w.input_norm, hidden), (w.post_norm, hidden), (w.qkv_bias, q + 2 * kv))
+            vectors += ((w.gate_up_bias, 2 * dims.inner), (w.down_bias, hidden), (w.o_bias, hidden))
+            vectors += ((w.q_norm, d), (w.k_norm, d), (w.attn_out_norm, hidden), (w.mlp_out_norm, hidden))
             if not all(_fp32_vector(t, n) for t, n in vectors):
                 return None
         if d % 2 or dims.q_heads % dims.kv_heads:
@@ -230,8 +305,11 @@ class FusedDecoder:
         keys: Sequence[torch.Tensor],
         values: Sequence[torch.Tensor],
         window_plan: AttentionPlan | None = None,
+        local_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer over the step: ``(x, delta)`` as the per-layer loop leaves them (``x`` in place).
+
+        ``local_rope`` is the cos/sin table of the layers built with ``local_rope`` (required then).
 
         Writes each layer's new K/V into ``keys``/``values`` (``[num_blocks, block_size, Hkv, D]`` fp32,
         contiguous; checked by :meth:`supports` through the plan): a full-attention layer through the
@@ -255,6 +333,11 @@ class FusedDecoder:
             ring_slots = inputs.slot_mapping if window_plan.slot_mapping is None else window_plan.slot_mapping
             window_slots = ring_slots.to(torch.int64).contiguous()
             window = _view(window_plan, window_slots, self._cache_of(keys, windowed=True))
+        local_cos = local_sin = None
+        if self._local_rope:
+            if local_rope is None:
+                raise ValueError("the model has layers with their own RoPE: run() needs their local_rope")
+            local_cos, local_sin = (t.contiguous() for t in local_rope)
         q_width, kv_width = dims.q_heads * dims.head_dim, dims.kv_heads * dims.head_dim
 
         def buffer(width: int) -> torch.Tensor:
@@ -263,15 +346,18 @@ class FusedDecoder:
         delta, h, o = buffer(dims.hidden), buffer(dims.hidden), buffer(dims.hidden)
         qkv, q, attn = buffer(q_width + 2 * kv_width), buffer(q_width), buffer(q_width)
         gate_up, act = buffer(2 * dims.inner), buffer(dims.inner)
+        scratch = buffer(self._scratch_width if tokens > 1 else 0)
         step = _Step(
             tokens,
             cos.data_ptr(),
             sin.data_ptr(),
+            _ptr(local_cos),
+            _ptr(local_sin),
             full,
             window,
             plan.decode_token_rows.data_ptr(),
             keys[0].shape[1],
-            *(t.data_ptr() for t in (x, delta, h, qkv, q, attn, o, gate_up, act)),
+            *(t.data_ptr() for t in (x, delta, h, qkv, q, attn, o, gate_up, act, scratch)),
         )
         torch_pool.restore()
         failed = self._fn(self._c_layers, len(self._c_layers), self._c_dims, step, torch.get_num_threads())
@@ -280,4 +366,5 @@ class FusedDecoder:
             raise IndexError(f"write_kv: a slot of {slots.tolist()} is outside the cache{rings}")
         if failed:
             raise MemoryError(f"decoder_layers_f32 failed ({failed})")
+        FUSED_STEPS.count += 1
         return x, delta

@@ -9,6 +9,8 @@ native kernels were built.
 
 from __future__ import annotations
 
+import enum
+
 import torch
 import torch.nn.functional as F
 
@@ -56,6 +58,27 @@ def add_rms_norm(
     return residual, rms_norm_reference(residual, weight, eps)
 
 
+def rms_norm_heads_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMSNorm of each head of ``x [T, H, D]`` in place (q/k norms), when the native kernel can take it.
+
+    ``x`` may be a view into a fused q/k/v product (rows at any stride, heads and dims contiguous). Returns
+    ``x``, or ``None`` (``x`` untouched) when it cannot: the caller then runs its own norm's formula.
+    """
+    kernels = layer_ops_kernels()
+    if (
+        kernels is not None
+        and _native_ok(x, weight)
+        and x.dim() == 3
+        and x.stride(2) == 1
+        and x.stride(1) == x.shape[2]
+        and weight.is_contiguous()
+        and weight.shape == (x.shape[2],)
+    ):
+        kernels.head_rms_norm_(x, weight, eps)
+        return x
+    return None
+
+
 def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x [T, H, D]`` by the "rotate half" convention of HF checkpoints (cos, sin ``[T, D]``)."""
     half = x.shape[-1] // 2
@@ -78,6 +101,34 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
         kernels.rotary_(x, cos, sin)
         return x
     return x.copy_(rotary_reference(x, cos, sin))
+
+
+class Activation(enum.IntEnum):
+    """The gate activation of a gated MLP; the value is the native kernels' code."""
+
+    SILU = 0  # SwiGLU: Llama, Qwen, Mistral
+    GELU_TANH = 1  # GeGLU with the tanh approximation: Gemma
+
+
+def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: Activation) -> torch.Tensor:
+    """``act(gate) * up`` for ``[rows, inner]`` tensors (two products, or the halves of one fused product).
+
+    Native (one pass) when both are fp32 CPU 2-D views with contiguous rows at one stride; else torch.
+    """
+    kernels = layer_ops_kernels()
+    if (
+        kernels is not None
+        and _native_ok(gate, up)
+        and gate.dim() == 2
+        and gate.shape == up.shape
+        and gate.stride(1) == 1
+        and up.stride(1) == 1
+        and gate.stride(0) == up.stride(0)
+    ):
+        return kernels.gated_act(gate, up, int(activation))
+    if activation is Activation.SILU:
+        return F.silu(gate) * up
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

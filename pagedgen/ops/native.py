@@ -235,8 +235,13 @@ class LayerOpsKernels:
         self._rotary.argtypes = [_POINTER, _I64, _I64, _I64, _I64, _POINTER, _POINTER, threads]
         self._silu_mul = library.silu_mul_f32
         self._silu_mul.argtypes = [_POINTER, _I64, _I64, _POINTER, threads]
-        for fn in (self._rms, self._add_rms, self._rotary, self._silu_mul):
+        self._head_rms = library.head_rms_norm_f32
+        self._head_rms.argtypes = [_POINTER, _I64, _I64, _I64, _I64, _POINTER, f32, threads]
+        for fn in (self._rms, self._add_rms, self._rotary, self._silu_mul, self._head_rms):
             fn.restype = None
+        self._gated = library.gated_act_f32
+        self._gated.argtypes = [_POINTER, _POINTER, _I64, _I64, _I64, ctypes.c_int, _POINTER, threads]
+        self._gated.restype = ctypes.c_int
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Contiguous ``x [rows, dim]`` -> a new ``[rows, dim]``."""
@@ -276,6 +281,32 @@ class LayerOpsKernels:
             sin.data_ptr(),
             torch.get_num_threads(),
         )
+
+    def head_rms_norm_(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+        """RMSNorm of each head of ``x [T, H, D]`` in place (rows at any stride; heads, dims contiguous)."""
+        rows, heads, dim = x.shape
+        self._head_rms(
+            x.data_ptr(), rows, heads, dim, x.stride(0), weight.data_ptr(), eps, torch.get_num_threads()
+        )
+
+    def gated_act(self, gate: torch.Tensor, up: torch.Tensor, activation: int) -> torch.Tensor:
+        """``act(gate) * up`` for ``[rows, inner]`` views sharing one row stride (dims contiguous);
+        ``activation`` 0 silu, 1 gelu_tanh. Returns a new contiguous ``[rows, inner]``."""
+        rows, inner = gate.shape
+        out = torch.empty(rows, inner, dtype=gate.dtype)
+        failed = self._gated(
+            gate.data_ptr(),
+            up.data_ptr(),
+            rows,
+            inner,
+            gate.stride(0),
+            activation,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise ValueError(f"gated_act_f32: unknown activation {activation}")
+        return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """Contiguous ``[rows, 2 * inner]`` -> ``silu(gate) * up`` ``[rows, inner]``."""

@@ -485,3 +485,9 @@ def write_gemma_gguf(
         chosen = qtype(name) if qtype is not None and array.ndim == 2 else gguf.GGMLQuantizationType.F32
         add_tensor(writer, gguf_tensor, array, chosen)
     finish_gguf(writer)
+
+
+def formats_by_suffix(formats: Mapping[str, Any], default: Any) -> Any:
+    """A ``qtype`` callable for the GGUF writers: the format of the first ``formats`` HF-name suffix a
+    tensor's name ends with (``{"v_proj.weight": Q8_0, ...}``, a llama.cpp mix), else ``default``."""
+    return lambda name: next((q for suffix, q in formats.items() if name.endswith(suffix)), default)

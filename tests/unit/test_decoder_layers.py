@@ -23,7 +23,7 @@ from pagedgen.models.model import Model
 from pagedgen.ops import native
 from pagedgen.ops.attention import plan_attention
 from tests.model.paged_runner import PagedRunner, PagedSequence
-from tests.model.tiny_checkpoints import TINY_RAW, random_state, write_gguf
+from tests.model.tiny_checkpoints import TINY_RAW, formats_by_suffix, random_state, write_gguf
 
 pytestmark = pytest.mark.cpu  # the fused decode path is the native CPU kernel (fp32 on the CPU only)
 
@@ -263,3 +263,81 @@ def test_a_ring_slot_outside_the_window_pool_raises_and_writes_nothing(tmp_path,
     assert all(
         torch.equal(a, b) for a, b in zip(before, runner.cache.keys + runner.cache.values, strict=True)
     )
+
+
+# Wide enough for K-quant blocks (256 in): q/k/v/gate/up take hidden in, o Hq D = 256, down inner = 256.
+WIDE_RAW = {**TINY_RAW, "hidden_size": 256, "intermediate_size": 256, "head_dim": 64}
+Q = gguf.GGMLQuantizationType
+MIXES = {
+    # llama.cpp's Q4_K_M recipe on a small model: q/k and gate/up in Q5_0, v in Q8_0, o/down in K-quants
+    "q4_k_m-like": {
+        "q_proj.weight": Q.Q5_0,
+        "k_proj.weight": Q.Q5_0,
+        "v_proj.weight": Q.Q8_0,
+        "o_proj.weight": Q.Q4_K,
+        "gate_proj.weight": Q.Q5_0,
+        "up_proj.weight": Q.Q5_0,
+        "down_proj.weight": Q.Q6_K,
+        "lm_head.weight": Q.Q6_K,
+    },
+    # the low-bit K-quant recipes' formats (Q2_K, Q3_K, Q5_K) and Q5_1, each part of gate/up its own
+    "k-quants": {
+        "q_proj.weight": Q.Q3_K,
+        "k_proj.weight": Q.Q3_K,
+        "v_proj.weight": Q.Q5_K,
+        "o_proj.weight": Q.Q2_K,
+        "gate_proj.weight": Q.Q5_1,
+        "up_proj.weight": Q.Q2_K,
+        "down_proj.weight": Q.Q5_K,
+        "lm_head.weight": Q.Q3_K,
+    },
+    # every part of q/k/v and of gate/up in its own format
+    "all-different": {
+        "q_proj.weight": Q.Q4_K,
+        "k_proj.weight": Q.Q4_1,
+        "v_proj.weight": Q.Q6_K,
+        "o_proj.weight": Q.Q8_0,
+        "gate_proj.weight": Q.F16,
+        "up_proj.weight": Q.BF16,
+        "down_proj.weight": Q.Q4_0,
+        "lm_head.weight": Q.Q4_K,
+    },
+}
+
+
+def _mixed_model(tmp_path, mix: str, weights: str = "native") -> Model:
+    path = tmp_path / f"mixed-{mix}.gguf"
+    if not path.exists():
+        state = random_state(WIDE_RAW, seed=9)
+        qtype = formats_by_suffix(MIXES[mix], Q.Q8_0)
+        write_gguf(path, "llama", state, WIDE_RAW, qtype=qtype, tokenizer=False)
+    return Model(str(path), device="cpu", weights=weights)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_parts_in_different_formats_stay_on_the_fused_path(tmp_path, need_kernels, mix, batch):
+    """q/k/v and gate/up stored in different formats are run as segments of one fused matrix: bit for bit
+    the per-layer path, which runs them as separate GEMMs; every decode step takes the fused path."""
+    model = _mixed_model(tmp_path, mix)
+    runtime = model.runtime
+    layer = runtime.model.layers[0]
+    gate_up_apart = mix != "q4_k_m-like"  # which stores gate and up alike: one weight
+    assert layer.self_attn.qkv is None and (layer.mlp.gate_up is None) == gate_up_apart
+    assert runtime.fused_decoder is not None
+    c_layer = runtime.fused_decoder._c_layers[0]
+    assert (c_layer.qkv.num_segments, c_layer.gate_up.num_segments) == (3, 2 if gate_up_apart else 1)
+    before = decoder_layers.FUSED_STEPS.count
+    _assert_same(model, PROMPTS[:batch])
+    assert decoder_layers.FUSED_STEPS.count - before == 5  # the five decode steps of the fused run
+
+
+def test_a_mixed_model_matches_its_dequantised_float32_model(tmp_path, need_kernels):
+    """The fused mixed-format decode computes the file's model: the float32 load of the same file (every
+    weight dequantised at load, per-layer path) gives the same logits up to summation order."""
+    native, dense = _mixed_model(tmp_path, "q4_k_m-like"), _mixed_model(tmp_path, "q4_k_m-like", "float32")
+    assert native.runtime.fused_decoder is not None and dense.runtime.fused_decoder is None
+    got, _ = _run(native, True, PROMPTS[:3])
+    expected, _ = _run(dense, False, PROMPTS[:3])
+    for g, e in zip(got, expected, strict=True):
+        assert (g - e).abs().max().item() <= 1e-4

@@ -8,9 +8,12 @@ import torch.nn.functional as F
 
 from pagedgen.ops import layer_ops
 from pagedgen.ops.layer_ops import (
+    Activation,
     add_rms_norm,
     apply_rotary_,
+    gated_activation,
     rms_norm,
+    rms_norm_heads_,
     rms_norm_reference,
     rotary_reference,
     silu_and_mul,
@@ -82,6 +85,47 @@ def test_silu_and_mul_matches_torch_over_the_whole_range(path, rows):
     got = silu_and_mul(gate_up)
     assert got.shape == (rows, 1536)
     assert torch.allclose(got, F.silu(gate) * up, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("activation", list(Activation), ids=lambda a: a.name)
+@pytest.mark.parametrize("rows", [1, 70])
+def test_gated_activation_matches_torch_on_fused_halves_and_separate_products(path, rows, activation):
+    gen = torch.Generator().manual_seed(4)
+    gate_up = torch.randn(rows, 2 * 640, generator=gen) * 6
+    gate_up[0, :8] = torch.tensor([-200.0, -90.0, -12.0, -1e-4, 0.0, 3e-3, 87.0, 200.0])  # clamp edges, ~0
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch_act = F.silu if activation is Activation.SILU else lambda g: F.gelu(g, approximate="tanh")
+    want = (torch_act(gate.double()) * up.double()).float()  # torch's fp32 GELU-tanh flushes below -5
+    for args in ((gate, up), (gate.contiguous(), up.contiguous())):
+        got = gated_activation(*args, activation)
+        assert got.shape == (rows, 640) and got.is_contiguous()
+        if path == "torch":
+            assert torch.equal(got, torch_act(gate) * up)
+        else:
+            assert torch.allclose(got, want, rtol=3e-6, atol=1e-6)
+            assert torch.allclose(got, torch_act(gate) * up, rtol=1e-5, atol=2e-5)
+    if activation is Activation.SILU:  # SwiGLU's fused entry is the same kernel, bit for bit
+        assert torch.equal(silu_and_mul(gate_up), gated_activation(gate, up, activation))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 70])
+def test_head_norm_norms_each_head_of_a_strided_view_in_place(path, rows):
+    """q and k are views into one q/k/v product; each head is normed exactly as a row of head_dim."""
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, d = 4, 2, 32
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=gen) * 3
+    original = qkv.clone()
+    q = qkv[:, : heads * d].view(rows, heads, d)
+    w = torch.randn(d, generator=gen)
+    got = rms_norm_heads_(q, w, 1e-6)
+    if path == "torch":
+        assert got is None and torch.equal(qkv, original)  # untouched: the caller norms it
+        return
+    assert got is q
+    want = rms_norm(original[:, : heads * d].reshape(rows * heads, d), w, 1e-6).view(rows, heads, d)
+    assert torch.equal(q, want)
+    assert torch.allclose(q, rms_norm_reference(original[:, : heads * d].view(rows, heads, d), w, 1e-6))
+    assert torch.equal(qkv[:, heads * d :], original[:, heads * d :])  # k and v untouched
 
 
 def test_other_dtypes_take_the_reference_path():
