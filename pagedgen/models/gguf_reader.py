@@ -35,7 +35,10 @@ from pagedgen.models.config import FULL, GEMMA_FAMILIES, SLIDING, ModelConfig, c
 GGUF_MAGIC = b"GGUF"
 
 # ggml types we dequantise; any other raises naming its type.
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TYPES = (
+    *("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"),
+    *("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"),
+)
 
 # GGUF ``general.architecture`` -> our family key. llama.cpp writes Mistral 1-2 models as ``llama``.
 GGUF_ARCHITECTURES = {

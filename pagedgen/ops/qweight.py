@@ -1,5 +1,7 @@
 """A weight matrix kept in the format it is stored in: GGUF quant blocks, f16 or bf16.
 
+Formats: every one of llama.cpp's common recipes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K) and f16/bf16.
+
 Why: the default model's weights are Q4_1/Q8_0 in its GGUF file (85 MB); dequantised to fp32 they are 538 MB,
 and a batch-1 decode step is bound by streaming them. :func:`pagedgen.ops.linear.linear` recognises a
 :class:`QuantizedWeight` and runs :mod:`pagedgen.ops.quant_gemm`, whose kernel expands each weight to fp32 in
@@ -24,8 +26,13 @@ class QType(enum.Enum):
     F16 = (1, 1, 2)
     Q4_0 = (2, 32, 18)
     Q4_1 = (3, 32, 20)
+    Q5_0 = (6, 32, 22)
+    Q5_1 = (7, 32, 24)
     Q8_0 = (8, 32, 34)
+    Q2_K = (10, 256, 84)
+    Q3_K = (11, 256, 110)
     Q4_K = (12, 256, 144)
+    Q5_K = (13, 256, 176)
     Q6_K = (14, 256, 210)
     BF16 = (30, 1, 2)
 

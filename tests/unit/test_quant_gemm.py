@@ -40,6 +40,10 @@ pytestmark = pytest.mark.cpu  # the quantized GEMM kernels are native CPU code
 ROWS = [1, 2, 3, 5, 16, 33, 64, 65, 200]
 # in sizes of several blocks (K-quants: super-blocks of 256) and out sizes off every tile multiple
 IN_FEATURES = {QType.Q4_K: 512, QType.Q6_K: 768, QType.F16: 160, QType.BF16: 72}  # BF16: AVX-512 tail
+IN_FEATURES |= {QType.Q2_K: 256, QType.Q3_K: 768, QType.Q5_K: 512, QType.Q5_0: 160, QType.Q5_1: 64}
+# Byte offsets of each K-quant super-block's f16 scales (d, and dmin where there is one).
+K_SCALE_OFFSETS = {QType.Q2_K: (80, 82), QType.Q3_K: (108,), QType.Q4_K: (0, 2), QType.Q5_K: (0, 2)}
+K_SCALE_OFFSETS[QType.Q6_K] = (208,)
 DEFAULT_IN = 96
 
 
@@ -56,11 +60,11 @@ def random_weight(qtype: QType, out: int, k: int, seed: int = 0) -> QuantizedWei
     if qtype in (QType.F16, QType.BF16):
         half = torch.from_numpy(values).to(torch.float16 if qtype is QType.F16 else torch.bfloat16)
         return QuantizedWeight.from_half(half)
-    if qtype in (QType.Q4_K, QType.Q6_K):
+    if qtype in K_SCALE_OFFSETS:
         blocks = rng.integers(0, 256, (out, k // 256, qtype.block_bytes), dtype=np.uint8)
         scales = (rng.standard_normal((out, k // 256, 2)) * 0.01).astype(np.float16).view(np.uint8)
-        offsets = (0, 2) if qtype is QType.Q4_K else (208,)
-        for i, offset in enumerate(offsets):
+        scales[0, 0, :2] = np.array([3e-7], dtype=np.float16).view(np.uint8)  # an f16 subnormal scale
+        for i, offset in enumerate(K_SCALE_OFFSETS[qtype]):
             blocks[..., offset : offset + 2] = scales[..., 2 * i : 2 * i + 2]
         data = blocks.reshape(out, -1)
     else:

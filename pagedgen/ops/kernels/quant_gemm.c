@@ -1,5 +1,6 @@
 /*
- * GEMM over weights kept in their stored format: GGUF Q4_0, Q4_1, Q8_0, Q4_K, Q6_K blocks, f16 and bf16.
+ * GEMM over weights kept in their stored format: GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K,
+ * Q6_K blocks, f16 and bf16.
  *
  * Why: a decode step at 1-64 rows is a stream of the weight matrices. Dequantised to fp32 the default
  * model's weights are 538 MB; as Q4_1/Q8_0 blocks they are 85 MB. Here each thread of torch's OpenMP pool
@@ -9,9 +10,9 @@
  *
  * Exactness: every expanded weight equals gguf.quants.dequantize's float32 bit for bit. Its formulas are a
  * product of an f16 scale (11 significant bits) with a small integer (at most 8 bits), which fp32 holds
- * exactly, plus at most one add (Q4_1's min, Q4_K's block min): one rounding whether or not the compiler
- * fuses them into an FMA. Q4_K and Q6_K first form d * sub-scale (exact), then multiply by q (one
- * rounding), in gguf-py's order.
+ * exactly, plus at most one add (Q4_1/Q5_1's min, Q2_K/Q4_K/Q5_K's block min): one rounding whether or not
+ * the compiler fuses them into an FMA. The K-quants first form d * sub-scale (exact: at most 11 + 6 bits),
+ * then multiply by q (exact up to 23 bits, so at most one rounding with the min), in gguf-py's order.
  *
  * Invariance: an output's sum is one thread's fixed-order sum whose order depends on k only, never on how
  * many x rows share the call or on the thread count, so a row gets the same bits alone or in any batch.
@@ -31,7 +32,20 @@
 #include <immintrin.h>
 #endif
 
-enum { QT_F16 = 1, QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8, QT_Q4_K = 12, QT_Q6_K = 14, QT_BF16 = 30 };
+enum {
+    QT_F16 = 1,
+    QT_Q4_0 = 2,
+    QT_Q4_1 = 3,
+    QT_Q5_0 = 6,
+    QT_Q5_1 = 7,
+    QT_Q8_0 = 8,
+    QT_Q2_K = 10,
+    QT_Q3_K = 11,
+    QT_Q4_K = 12,
+    QT_Q5_K = 13,
+    QT_Q6_K = 14,
+    QT_BF16 = 30
+};
 
 static inline float f16_to_f32(uint16_t h) {
 #if defined(__F16C__)
@@ -184,6 +198,171 @@ static void expand_q4_k(const uint8_t *row, int64_t k, float *out) {
     }
 }
 
+/* The 5-bit formats' fifth bits: 16 bytes whose byte j is 0x10 where bit j of the 16-bit bits is set. */
+#ifdef VW
+static inline __m128i high_bits16(uint32_t bits) {
+    const __m128i first_two = _mm_set_epi8(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m128i spread = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)bits), first_two); /* bytes 0, 1 x 8 */
+    const __m128i select = _mm_set1_epi64x((long long)0x8040201008040201ull);
+    return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, select), select), _mm_set1_epi8(0x10));
+}
+
+/* 16 bytes of 0x10 (or of `value`) where bit `bit` of each byte of b is set, else 0. */
+static inline __m128i bit_of_bytes(__m128i b, int bit, char value) {
+    const __m128i select = _mm_set1_epi8((char)(1u << bit));
+    return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(b, select), select), _mm_set1_epi8(value));
+}
+#endif
+
+/* Q5_0: d (f16), 32 fifth bits (u32 little-endian), 16 bytes of nibbles; w = d * (q - 16), exact. */
+static void expand_q5_0(const uint8_t *row, int64_t k, float *out) {
+    for (int64_t b = 0; b < k / 32; ++b, row += 22, out += 32) {
+        const float d = f16_at(row);
+        uint32_t qh;
+        memcpy(&qh, row + 2, 4);
+        const uint8_t *qs = row + 6;
+#ifdef VW
+        const __m128i q = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(15), bias = _mm_set1_epi8(16);
+        const vec vd = vset1(d);
+        const __m128i lo = _mm_or_si128(_mm_and_si128(q, mask), high_bits16(qh & 0xffff));
+        const __m128i hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(q, 4), mask), high_bits16(qh >> 16));
+        bytes16_i(_mm_sub_epi8(lo, bias), vd, out);
+        bytes16_i(_mm_sub_epi8(hi, bias), vd, out + 16);
+#else
+        for (int j = 0; j < 16; ++j) {
+            out[j] = d * (float)((int)((qs[j] & 15) | (((qh >> j) & 1) << 4)) - 16);
+            out[j + 16] = d * (float)((int)((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+        }
+#endif
+    }
+}
+
+/* Q5_1: d, m (f16), 32 fifth bits, 16 bytes of nibbles; w = d * q + m (one rounding). */
+static void expand_q5_1(const uint8_t *row, int64_t k, float *out) {
+    for (int64_t b = 0; b < k / 32; ++b, row += 24, out += 32) {
+        const float d = f16_at(row), m = f16_at(row + 2);
+        uint32_t qh;
+        memcpy(&qh, row + 4, 4);
+        const uint8_t *qs = row + 8;
+#ifdef VW
+        const __m128i q = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(15);
+        const vec vd = vset1(d), vm = vset1(m);
+        bytes16_u(_mm_or_si128(_mm_and_si128(q, mask), high_bits16(qh & 0xffff)), vd, vm, out);
+        bytes16_u(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(q, 4), mask), high_bits16(qh >> 16)), vd, vm, out + 16);
+#else
+        for (int j = 0; j < 16; ++j) {
+            out[j] = d * (float)((qs[j] & 15) | (((qh >> j) & 1) << 4)) + m;
+            out[j + 16] = d * (float)((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) + m;
+        }
+#endif
+    }
+}
+
+/* Q2_K: 16 bytes of 4-bit scale/min pairs, 64 bytes of 2-bit q, d, dmin (f16). Output h * 128 + s * 32 + l
+ * (half h, shift s, l < 32) is bits 2s of qs[32h + l], in sub-block of 16 number 8h + 2s + l / 16;
+ * w = (d * scale) * q - dmin * min. */
+static void expand_q2_k(const uint8_t *row, int64_t k, float *out) {
+    for (int64_t b = 0; b < k / 256; ++b, row += 84, out += 256) {
+        const uint8_t *sc = row, *qs = row + 16;
+        const float d = f16_at(row + 80), dmin = f16_at(row + 82);
+        float scale[16], min[16];
+        for (int i = 0; i < 16; ++i) {
+            scale[i] = d * (float)(sc[i] & 15);
+            min[i] = dmin * (float)(sc[i] >> 4);
+        }
+        for (int h = 0; h < 2; ++h) {
+            for (int s = 0; s < 4; ++s) {
+                const int sub = 8 * h + 2 * s;
+                float *o = out + 128 * h + 32 * s;
+#ifdef VW
+                const __m128i three = _mm_set1_epi8(3);
+                for (int l = 0; l < 32; l += 16) {
+                    const __m128i q = _mm_loadu_si128((const __m128i *)(qs + 32 * h + l));
+                    const __m128i v = _mm_and_si128(_mm_srl_epi16(q, _mm_cvtsi32_si128(2 * s)), three);
+                    bytes16_u(v, vset1(scale[sub + l / 16]), vset1(-min[sub + l / 16]), o + l);
+                }
+                continue;
+#endif
+                for (int l = 0; l < 32; ++l) {
+                    const int q = (qs[32 * h + l] >> (2 * s)) & 3;
+                    o[l] = scale[sub + l / 16] * (float)q - min[sub + l / 16];
+                }
+            }
+        }
+    }
+}
+
+/* Q3_K: 32 bytes of high-bit masks, 64 bytes of 2-bit q, 12 bytes of 6-bit scales, d (f16). Output
+ * h * 128 + s * 32 + l takes bits 2s of qs[32h + l] and bit 4h + s of hmask[l] (clear: minus 4); its
+ * sub-block of 16 is 8h + 2s + l / 16; w = (d * (scale - 32)) * q, exact. */
+static void expand_q3_k(const uint8_t *row, int64_t k, float *out) {
+    for (int64_t b = 0; b < k / 256; ++b, row += 110, out += 256) {
+        const uint8_t *hmask = row, *qs = row + 32, *sc = row + 96;
+        const float d = f16_at(row + 108);
+        float scale[16];
+        for (int i = 0; i < 16; ++i) {
+            const int low = i < 8 ? sc[i] & 15 : sc[i - 8] >> 4, high = (sc[8 + i % 4] >> (2 * (i / 4))) & 3;
+            scale[i] = d * (float)((low | (high << 4)) - 32);
+        }
+        for (int h = 0; h < 2; ++h) {
+            for (int s = 0; s < 4; ++s) {
+                const int sub = 8 * h + 2 * s, bit = 4 * h + s;
+                float *o = out + 128 * h + 32 * s;
+#ifdef VW
+                const __m128i three = _mm_set1_epi8(3), four = _mm_set1_epi8(4);
+                for (int l = 0; l < 32; l += 16) {
+                    const __m128i q = _mm_loadu_si128((const __m128i *)(qs + 32 * h + l));
+                    const __m128i hm = _mm_loadu_si128((const __m128i *)(hmask + l));
+                    const __m128i low = _mm_and_si128(_mm_srl_epi16(q, _mm_cvtsi32_si128(2 * s)), three);
+                    const __m128i v = _mm_sub_epi8(low, _mm_andnot_si128(bit_of_bytes(hm, bit, 4), four));
+                    bytes16_i(v, vset1(scale[sub + l / 16]), o + l);
+                }
+                continue;
+#endif
+                for (int l = 0; l < 32; ++l) {
+                    const int q = ((qs[32 * h + l] >> (2 * s)) & 3) - (((hmask[l] >> bit) & 1) ? 0 : 4);
+                    o[l] = scale[sub + l / 16] * (float)q;
+                }
+            }
+        }
+    }
+}
+
+/* Q5_K: d, dmin (f16), Q4_K's 12 bytes of 6-bit scales and mins, 32 bytes of fifth bits, 128 bytes of
+ * nibbles. Sub-block j (32 weights) takes the low (even j) or high (odd j) nibbles of qs[32 (j / 2) + l]
+ * and bit j of qh[l]; w = (d * scale) * q - dmin * min. */
+static void expand_q5_k(const uint8_t *row, int64_t k, float *out) {
+    for (int64_t b = 0; b < k / 256; ++b, row += 176, out += 256) {
+        const float d = f16_at(row), dmin = f16_at(row + 2);
+        const uint8_t *s = row + 4, *qh = row + 16, *qs = row + 48;
+        float scale[8], min[8];
+        for (int j = 0; j < 4; ++j) {
+            scale[j] = d * (float)(s[j] & 63);
+            min[j] = dmin * (float)(s[j + 4] & 63);
+            scale[j + 4] = d * (float)((s[j + 8] & 15) | ((s[j] >> 2) & 0x30));
+            min[j + 4] = dmin * (float)((s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30));
+        }
+        for (int j = 0; j < 8; ++j) {
+            const uint8_t *q4 = qs + 32 * (j / 2);
+            const int shift = 4 * (j & 1);
+#ifdef VW
+            const __m128i mask = _mm_set1_epi8(15);
+            for (int l = 0; l < 32; l += 16) {
+                const __m128i q = _mm_loadu_si128((const __m128i *)(q4 + l));
+                const __m128i nib = _mm_and_si128(_mm_srl_epi16(q, _mm_cvtsi32_si128(shift)), mask);
+                const __m128i high = bit_of_bytes(_mm_loadu_si128((const __m128i *)(qh + l)), j, 0x10);
+                bytes16_u(_mm_or_si128(nib, high), vset1(scale[j]), vset1(-min[j]), out + 32 * j + l);
+            }
+            continue;
+#endif
+            for (int l = 0; l < 32; ++l) {
+                const int q = ((q4[l] >> shift) & 15) | (((qh[l] >> j) & 1) << 4);
+                out[32 * j + l] = scale[j] * (float)q - min[j];
+            }
+        }
+    }
+}
+
 /* Q6_K: each half of a super-block (128 weights) takes 64 bytes of low nibbles and 32 bytes of 2-bit highs;
  * output l, l + 32, l + 64, l + 96 of the half share ql[l], ql[l + 32] and qh[l] (gguf-py's reshapes, which
  * are llama.cpp's dequantize_row_q6_K). Written as four 32-wide loops the compiler vectorises. */
@@ -262,8 +441,13 @@ static int expand_row(int qtype, const uint8_t *row, int64_t k, float *out) {
     switch (qtype) {
     case QT_Q4_0: expand_q4_0(row, k, out); return 0;
     case QT_Q4_1: expand_q4_1(row, k, out); return 0;
+    case QT_Q5_0: expand_q5_0(row, k, out); return 0;
+    case QT_Q5_1: expand_q5_1(row, k, out); return 0;
     case QT_Q8_0: expand_q8_0(row, k, out); return 0;
+    case QT_Q2_K: expand_q2_k(row, k, out); return 0;
+    case QT_Q3_K: expand_q3_k(row, k, out); return 0;
     case QT_Q4_K: expand_q4_k(row, k, out); return 0;
+    case QT_Q5_K: expand_q5_k(row, k, out); return 0;
     case QT_Q6_K: expand_q6_k(row, k, out); return 0;
     case QT_F16: expand_f16(row, k, out); return 0;
     case QT_BF16: expand_bf16(row, k, out); return 0;
