@@ -183,7 +183,7 @@ def test_the_few_row_paths_give_the_whole_row_paths_bits(kernels, qtype):
     """1-3 rows take the chunked (or, for some formats at 1 row, the register-direct) path, 4+ rows the
     whole-row buffer: across several chunks and a short last one (k = 576 = 256 + 256 + 64; K-quants 768)
     and a short last row group, every row's bits are the same on either side of that boundary."""
-    k = 768 if qtype in (QType.Q4_K, QType.Q6_K) else 576
+    k = 768 if qtype.block_elems == 256 else 576
     weight = random_weight(qtype, 45, k, seed=8)
     x, bias = torch.randn(7, k, generator=torch.Generator().manual_seed(8)), torch.randn(45)
     batch = kernels.gemm(x, weight, bias)  # 7 rows: the whole-row path

@@ -544,8 +544,13 @@ static int64_t block_elems(int qtype, int64_t *bytes) {
     case QT_F16: case QT_BF16: *bytes = 2; return 1;
     case QT_Q4_0: *bytes = 18; return 32;
     case QT_Q4_1: *bytes = 20; return 32;
+    case QT_Q5_0: *bytes = 22; return 32;
+    case QT_Q5_1: *bytes = 24; return 32;
     case QT_Q8_0: *bytes = 34; return 32;
+    case QT_Q2_K: *bytes = 84; return 256;
+    case QT_Q3_K: *bytes = 110; return 256;
     case QT_Q4_K: *bytes = 144; return 256;
+    case QT_Q5_K: *bytes = 176; return 256;
     case QT_Q6_K: *bytes = 210; return 256;
     default: *bytes = 0; return 0;
     }
