@@ -145,7 +145,7 @@ def _packed(weight: QuantizedWeight, bias: torch.Tensor | None) -> _PackedWeight
     return _PackedWeight(
         weight.data.data_ptr(),
         weight.data.shape[1],
-        weight.qtype.ggml_id,
+        weight.kernel_id,
         None if bias is None else bias.data_ptr(),
     )
 

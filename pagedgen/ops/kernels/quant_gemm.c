@@ -47,6 +47,11 @@ enum {
     QT_BF16 = 30
 };
 
+/* qtype | QT_Q8_ACTIVATIONS asks quant_gemm_f32 for 8-bit activations (quant_q8.c: approximate, opt-in). */
+#define QT_Q8_ACTIVATIONS 0x100
+int quant_gemm_q8(const float *x, int64_t m_rows, const uint8_t *w, int64_t row_bytes, int qtype, int64_t k,
+                  int64_t n_out, const float *bias, float *y, int num_threads);
+
 static inline float f16_to_f32(uint16_t h) {
 #if defined(__F16C__)
     return _cvtsh_ss(h);
@@ -698,9 +703,11 @@ static void group_by_chunks(int qtype, const uint8_t *w, int64_t row_bytes, int6
 #endif
 
 /* y = x @ dequant(w).T (+ bias). Returns 0, -1 for an unknown qtype, -2 if a thread's buffer could not be
- * allocated (y is then incomplete). */
+ * allocated (y is then incomplete). A qtype with QT_Q8_ACTIVATIONS set runs quant_gemm_q8 instead. */
 int quant_gemm_f32(const float *x, int64_t m_rows, const uint8_t *w, int64_t row_bytes, int qtype, int64_t k,
                    int64_t n_out, const float *bias, float *y, int num_threads) {
+    if (qtype & QT_Q8_ACTIVATIONS)
+        return quant_gemm_q8(x, m_rows, w, row_bytes, qtype & ~QT_Q8_ACTIVATIONS, k, n_out, bias, y, num_threads);
     int64_t bytes;
     const int64_t elems = block_elems(qtype, &bytes);
     if (elems == 0 || expand_row(qtype, w, 0, NULL) != 0) return -1;
