@@ -220,3 +220,21 @@ def test_q8_activations_are_refused_for_a_model_without_such_formats(tmp_path):
     path = str(_gguf(tmp_path, gguf.GGMLQuantizationType.F16))
     with pytest.raises(ModelLoadError, match=r"no weight in a format with an 8-bit-activation kernel.*F16"):
         Model(path, device="cpu", activations="q8")
+
+
+def test_a_decode_step_runs_the_q8_kernel(tmp_path):
+    """The decode step (the fused decoder's path) carries the flag too: its logits move, a little."""
+    _need_kernels()
+    from pagedgen.core.kv import PagedKVCache
+    from pagedgen.executor.inputs import SequenceChunk, pack_step
+
+    path = str(_gguf(tmp_path, gguf.GGMLQuantizationType.Q4_1))
+    logits = []
+    for model in (Model(path, device="cpu"), Model(path, device="cpu", activations="q8")):
+        cache = PagedKVCache(model.kv_spec, num_blocks=8, block_size=16)
+        with torch.inference_mode():
+            model.runtime.forward(pack_step([SequenceChunk(list(range(5, 40)), 0, [0, 1, 2])], 16), cache)
+            logits.append(model.runtime.forward(pack_step([SequenceChunk([77], 35, [0, 1, 2])], 16), cache))
+    exact, fast = logits
+    assert not torch.equal(exact, fast)
+    assert float((exact - fast).abs().max()) <= 0.05 * float(exact.abs().max())

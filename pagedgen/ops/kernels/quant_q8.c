@@ -33,7 +33,6 @@
 #pragma clang fp contract(off)
 #endif
 
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -109,15 +108,28 @@ static inline float half_at(const uint8_t *p) {
     return half_to_float(h);
 }
 
+/* roundf for |v| <= 127.5 (the scaled activations): truncate, then step away from zero on a half or more.
+ * v - t is exact there. Written out so that the library needs no libm. */
+static inline int round_half_away(float v) {
+    int t = (int)v;
+    const float f = v - (float)t;
+    if (f >= 0.5f) ++t;
+    else if (f <= -0.5f) --t;
+    return t;
+}
+
 /* One x row of k values -> k int8 q, k / 32 scales dx and scaled sums sx (see the top). */
 static void quantize_row(const float *x, int64_t k, int8_t *q, float *dx, float *sx) {
     for (int64_t b = 0; b < k / 32; ++b, x += 32, q += 32) {
         float amax = 0.f;
-        for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(x[j]));
+        for (int j = 0; j < 32; ++j) {
+            const float a = x[j] < 0.f ? -x[j] : x[j];
+            amax = a > amax ? a : amax;
+        }
         const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
         int sum = 0;
         for (int j = 0; j < 32; ++j) {
-            q[j] = (int8_t)roundf(x[j] * id);
+            q[j] = (int8_t)round_half_away(x[j] * id);
             sum += q[j];
         }
         dx[b] = half_to_float(float_to_half(d));
@@ -213,10 +225,17 @@ static inline __m256i sum_each(const __m256i v[8]) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
+/* The f16 at offset of each of the eight rows, as fp32 lanes. Built in registers: eight 2-byte stores
+ * read back as one 16-byte load would stall on store forwarding, once per block. */
 static inline __m256 halves_at(const uint8_t *const rows[8], int64_t offset) {
-    uint16_t h[8];
-    for (int r = 0; r < 8; ++r) memcpy(h + r, rows[r] + offset, 2);
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+    uint32_t pair[4];
+    for (int i = 0; i < 4; ++i) {
+        uint16_t lo, hi;
+        memcpy(&lo, rows[2 * i] + offset, 2);
+        memcpy(&hi, rows[2 * i + 1] + offset, 2);
+        pair[i] = (uint32_t)lo | (uint32_t)hi << 16;
+    }
+    return _mm256_cvtph_ps(_mm_set_epi32((int)pair[3], (int)pair[2], (int)pair[1], (int)pair[0]));
 }
 
 /* Eight weight rows (lane r: row rows[r]) against one quantised x row: the portable arithmetic with the
@@ -255,6 +274,16 @@ static void group_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int64_t b
 }
 #endif
 
+/* Ask for the eight rows Q8_PREFETCH_ROWS ahead (into L2), as quant_gemm.c does: the integer loop computes
+ * between its loads and would otherwise keep too few misses in flight to stream a large matrix. */
+#define Q8_PREFETCH_ROWS 32
+static inline void prefetch_rows(const uint8_t *w, int64_t row_bytes, int64_t first, int64_t n_out) {
+    const int64_t last = first + 8 < n_out ? first + 8 : n_out;
+    if (first >= last) return;
+    for (const uint8_t *p = w + first * row_bytes, *end = w + last * row_bytes; p < end; p += 64)
+        __builtin_prefetch(p, 0, 1);
+}
+
 /* y = x @ W^T (+ bias) with x rounded to 8-bit blocks (see the top). Returns 0, -1 for a qtype without a
  * q8 kernel or k not a multiple of 32, -2 if the quantised rows could not be allocated. */
 int quant_gemm_q8(const float *x, int64_t m_rows, const uint8_t *w, int64_t row_bytes, int qtype, int64_t k,
@@ -275,6 +304,7 @@ int quant_gemm_q8(const float *x, int64_t m_rows, const uint8_t *w, int64_t row_
     for (int64_t g = 0; g < groups; ++g) {
         const int64_t n = 8 * g;
         const int nr = n_out - n >= 8 ? 8 : (int)(n_out - n);
+        prefetch_rows(w, row_bytes, n + Q8_PREFETCH_ROWS, n_out);
         for (int64_t m = 0; m < m_rows; ++m) {
             float out[8];
 #ifdef Q8_AVX2
