@@ -606,72 +606,54 @@ static inline __attribute__((always_inline)) void chunk_3x4(const float *x, int6
     acc[7] = a13, acc[8] = a20, acc[9] = a21, acc[10] = a22, acc[11] = a23;
 }
 
-/* One x row against eight weight rows of Q4_0 or Q8_0 (Q4_1 can too, see has_direct) with no buffer at
- * all: each block's bytes are widened straight into registers (zero/sign-extended to 32-bit lanes, converted, scaled: the expanders'
- * exact arithmetic, so the same weight values) and fed to the same chains as chunk_1x8, in the same
- * order. Saves the expanders' stores and the reloads, and the byte shuffles of widening 16 bytes from one
- * register. Rows past nr point at row n (read, never stored). */
+/* One x row against eight weight rows of Q4_0 with no buffer at all: each block's bytes are widened
+ * straight into registers (zero-extended to 32-bit lanes, offset, converted, scaled: expand_q4_0's exact
+ * arithmetic, so the same weight values) and fed to the same chains as chunk_1x8, in the same order.
+ * Saves the expander's stores and the reloads. Rows past nr point at row n (read, never stored).
+ * Measured (AVX2, 1 thread, a 49152 x 576 matrix streamed from DRAM): Q4_0 4.19 ms direct against 4.69
+ * through the chunk buffer; Q4_1 written this way (two scales per block) was 3-6% slower than the chunk
+ * buffer, and Q8_0 (twice the bytes per weight) slower still (7.5 ms against 5.0 on the whole-row path,
+ * which quant_gemm_f32 therefore keeps for Q8_0). */
 #if VW == 16
-typedef __m512i veci;
-static inline veci load_u8(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
-static inline veci load_i8(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
-static inline veci vand_i(veci a, int m) { return _mm512_and_si512(a, _mm512_set1_epi32(m)); }
-static inline veci vsrl_i(veci a, int s) { return _mm512_srli_epi32(a, s); }
-static inline veci vsub_i(veci a, int b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
-static inline vec vcvt(veci a) { return _mm512_cvtepi32_ps(a); }
-static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+static inline vec q4_0_lanes(const uint8_t *block, int h, int j) {
+    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + 2 + j)));
+    q = h ? _mm512_srli_epi32(q, 4) : _mm512_and_si512(q, _mm512_set1_epi32(15));
+    return _mm512_mul_ps(vset1(f16_at(block)),
+                         _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(8))));
+}
 #else
-typedef __m256i veci;
-static inline veci load_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
-static inline veci load_i8(const uint8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
-static inline veci vand_i(veci a, int m) { return _mm256_and_si256(a, _mm256_set1_epi32(m)); }
-static inline veci vsrl_i(veci a, int s) { return _mm256_srli_epi32(a, s); }
-static inline veci vsub_i(veci a, int b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
-static inline vec vcvt(veci a) { return _mm256_cvtepi32_ps(a); }
-static inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+static inline vec q4_0_lanes(const uint8_t *block, int h, int j) {
+    __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block + 2 + j)));
+    q = h ? _mm256_srli_epi32(q, 4) : _mm256_and_si256(q, _mm256_set1_epi32(15));
+    return _mm256_mul_ps(vset1(f16_at(block)),
+                         _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(8))));
+}
 #endif
 
-/* Weights 16 h + j .. 16 h + j + VW - 1 of a 32-block (nibble formats: byte j's low nibble is weight j,
- * its high nibble weight j + 16), exactly as bytes16_u / bytes16_i compute them. */
-static inline __attribute__((always_inline)) vec direct_lanes(int qtype, const uint8_t *block, int h, int j) {
-    if (qtype == QT_Q8_0) return vmul(vset1(f16_at(block)), vcvt(load_i8(block + 2 + 16 * h + j)));
-    const int skip = qtype == QT_Q4_1 ? 4 : 2;
-    veci q = load_u8(block + skip + j);
-    q = h ? vsrl_i(q, 4) : vand_i(q, 15);
-    if (qtype == QT_Q4_1) return vfma(vset1(f16_at(block)), vcvt(q), vset1(f16_at(block + 2)));
-    return vmul(vset1(f16_at(block)), vcvt(vsub_i(q, 8)));
-}
-
-static inline __attribute__((always_inline)) void direct_1x8(const int qtype, const uint8_t *w,
-                                                             int64_t row_bytes, int64_t n, int nr,
-                                                             const float *x, int64_t k, vec acc[8]) {
-    const int64_t bytes = qtype == QT_Q8_0 ? 34 : qtype == QT_Q4_1 ? 20 : 18;
+/* Weights 16 h + j .. 16 h + j + VW - 1 of each 32-block: byte j's low nibble is weight j, its high
+ * nibble weight j + 16. */
+static void direct_q4_0_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int nr, const float *x, int64_t k,
+                            vec acc[8]) {
     const uint8_t *rows[8];
     for (int r = 0; r < 8; ++r) rows[r] = w + (n + (r < nr ? r : 0)) * row_bytes;
     vec a0 = vzero(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     for (int64_t b = 0; b < k / 32; ++b) {
-        const int64_t off = b * bytes;
+        const int64_t off = b * 18;
         for (int h = 0; h < 2; ++h)
             for (int j = 0; j < 16; j += VW) {
                 const vec v = vload(x + 32 * b + 16 * h + j);
-                a0 = vfma(v, direct_lanes(qtype, rows[0] + off, h, j), a0);
-                a1 = vfma(v, direct_lanes(qtype, rows[1] + off, h, j), a1);
-                a2 = vfma(v, direct_lanes(qtype, rows[2] + off, h, j), a2);
-                a3 = vfma(v, direct_lanes(qtype, rows[3] + off, h, j), a3);
-                a4 = vfma(v, direct_lanes(qtype, rows[4] + off, h, j), a4);
-                a5 = vfma(v, direct_lanes(qtype, rows[5] + off, h, j), a5);
-                a6 = vfma(v, direct_lanes(qtype, rows[6] + off, h, j), a6);
-                a7 = vfma(v, direct_lanes(qtype, rows[7] + off, h, j), a7);
+                a0 = vfma(v, q4_0_lanes(rows[0] + off, h, j), a0);
+                a1 = vfma(v, q4_0_lanes(rows[1] + off, h, j), a1);
+                a2 = vfma(v, q4_0_lanes(rows[2] + off, h, j), a2);
+                a3 = vfma(v, q4_0_lanes(rows[3] + off, h, j), a3);
+                a4 = vfma(v, q4_0_lanes(rows[4] + off, h, j), a4);
+                a5 = vfma(v, q4_0_lanes(rows[5] + off, h, j), a5);
+                a6 = vfma(v, q4_0_lanes(rows[6] + off, h, j), a6);
+                a7 = vfma(v, q4_0_lanes(rows[7] + off, h, j), a7);
             }
     }
     acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3, acc[4] = a4, acc[5] = a5, acc[6] = a6, acc[7] = a7;
 }
-
-/* Measured (AVX2, 1 thread, a 49152 x 576 matrix streamed from DRAM): Q4_0 runs faster direct, Q4_1 (two
- * scales per block) as fast through the chunk buffer, so it keeps that path. Q8_0 (twice the bytes per
- * weight) streamed fastest through the whole-row path (5.0 ms against 6.8 chunked and 7.5 direct), so
- * quant_gemm_f32 keeps it there; its direct code stays for the comparison (has_direct is the switch). */
-static int has_direct(int qtype) { return qtype == QT_Q4_0; }
 
 /* Output rows n .. n + nr - 1 (nr <= group) of every x row (m_rows <= 3; group 8 for one row, else 4). */
 static void group_by_chunks(int qtype, const uint8_t *w, int64_t row_bytes, int64_t elems, int64_t bytes,
@@ -679,11 +661,8 @@ static void group_by_chunks(int qtype, const uint8_t *w, int64_t row_bytes, int6
                             float *y, int64_t n_out, float *buf) {
     vec acc[12];
     for (int i = 0; i < 12; ++i) acc[i] = vzero();
-    if (m_rows == 1 && has_direct(qtype)) {
-        if (qtype == QT_Q4_0)
-            direct_1x8(QT_Q4_0, w, row_bytes, n, nr, x, k, acc);
-        else
-            direct_1x8(QT_Q8_0, w, row_bytes, n, nr, x, k, acc);
+    if (m_rows == 1 && qtype == QT_Q4_0) {
+        direct_q4_0_1x8(w, row_bytes, n, nr, x, k, acc);
         for (int c = 0; c < nr; ++c) y[n + c] = add_bias(vsum(acc[c]), bias, n + c);
         return;
     }
@@ -715,7 +694,7 @@ int quant_gemm_f32(const float *x, int64_t m_rows, const uint8_t *w, int64_t row
     if (elems == 0 || expand_row(qtype, w, 0, NULL) != 0) return -1;
     int by_chunks = 0;
 #ifdef VW
-    by_chunks = m_rows <= 3 && k % VW == 0 && CHUNK % elems == 0 && qtype != QT_Q8_0; /* see has_direct */
+    by_chunks = m_rows <= 3 && k % VW == 0 && CHUNK % elems == 0 && qtype != QT_Q8_0; /* see direct_q4_0_1x8 */
 #endif
     const int group = by_chunks && m_rows == 1 ? 8 : 4;
     const int64_t groups = (n_out + group - 1) / group;
