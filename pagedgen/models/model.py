@@ -10,6 +10,7 @@ per step with a :class:`pagedgen.core.kv.PagedKVCache` built from ``model.kv_spe
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cached_property
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from pagedgen.models.native_weights import (
 )
 from pagedgen.models.tokenizer import Tokenizer
 from pagedgen.models.weights import load_weights
+from pagedgen.ops.qweight import Q8_ACTIVATION_TYPES, QuantizedWeight
 
 # Family key (ModelConfig.architecture) -> runtime class. The Llama families share one implementation, and
 # Gemma 2 and 3 another.
@@ -81,13 +83,50 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torc
     return dtype
 
 
+ACTIVATIONS = ("fp32", "q8")
+
+
+def resolve_activations(activations: str, weights_format: WeightFormat, weights_reason: str) -> str:
+    """``"fp32"`` (exact, the default) or ``"q8"``: llama.cpp-style 8-bit activations with integer dot
+    products for the weights whose format has such a kernel (approximate; docs/performance.md). ``"q8"``
+    needs native weights; anything else is a :class:`ModelLoadError` naming the problem."""
+    if activations not in ACTIVATIONS:
+        raise ModelLoadError(f"activations={activations!r} is not one of {list(ACTIVATIONS)}")
+    if activations == "q8" and weights_format is not WeightFormat.NATIVE:
+        raise ModelLoadError(
+            f"activations='q8' needs native quantised weights, but this model loads weights="
+            f"{weights_format.value!r} ({weights_reason}): no 8-bit-activation kernel runs on those"
+        )
+    return activations
+
+
+def with_q8_activations(weights: dict, source: str) -> dict:
+    """``weights`` with every quantised weight of a format in ``Q8_ACTIVATION_TYPES`` flagged for 8-bit
+    activations; the others (K-quants, f16/bf16) stay exact. Raises :class:`ModelLoadError` if none is."""
+    flagged = {
+        name: replace(w, q8_activations=True)
+        if isinstance(w, QuantizedWeight) and w.qtype in Q8_ACTIVATION_TYPES
+        else w
+        for name, w in weights.items()
+    }
+    if not any(isinstance(w, QuantizedWeight) and w.q8_activations for w in flagged.values()):
+        formats = sorted({w.qtype.name for w in weights.values() if isinstance(w, QuantizedWeight)})
+        kernels = sorted(q.name for q in Q8_ACTIVATION_TYPES)
+        raise ModelLoadError(
+            f"activations='q8': {source} has no weight in a format with an 8-bit-activation kernel "
+            f"(its formats: {formats or ['float']}; kernels exist for {kernels})"
+        )
+    return flagged
+
+
 class Model:
     """A loaded model: ``runtime`` runs packed steps, ``tokenizer`` encodes and decodes.
 
     Raises :class:`ModelLoadError` (or :class:`UnsupportedArchitectureError`) naming the file and the
     problem: a missing path, an unknown architecture, an unsupported quant type, a truncated file, missing
-    tensors, an embedding that does not match the vocab size, or a ``weights`` other than ``"native"`` or
-    ``"float32"``. ``weights_format`` is the format actually loaded, ``weights_reason`` why (native falls
+    tensors, an embedding that does not match the vocab size, a ``weights`` other than ``"native"`` or
+    ``"float32"``, or ``activations="q8"`` (see :func:`resolve_activations`) where no weight has its kernel.
+    ``weights_format`` is the format actually loaded, ``weights_reason`` why (native falls
     back to float32, logged, without the native kernels or off the CPU float32 path). ``state_manifest``
     says which decoder state each layer owns (:mod:`pagedgen.models.manifest`); the engine picks its cache
     paths from it.
@@ -99,10 +138,12 @@ class Model:
         dtype: torch.dtype | str | None = None,
         device: torch.device | str | None = None,
         weights: str = "native",
+        activations: str = "fp32",
     ):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.weights_format, self.weights_reason = resolve_weight_format(weights, self.device, self.dtype)
+        self.activations = resolve_activations(activations, self.weights_format, self.weights_reason)
         checkpoint = resolve_checkpoint(name_or_path)
         try:
             self.config, self.runtime = self._load(checkpoint)
@@ -125,6 +166,8 @@ class Model:
             weights = read_native_entry(checkpoint.directory)
         else:
             weights = keep_half_weights(read_hf_weights(checkpoint.directory, self.device))
+        if self.activations == "q8":
+            weights = with_q8_activations(weights, str(checkpoint.source))
         runtime = RUNTIMES[config.architecture](config, self.dtype, self.device)
         load_weights(runtime, weights, str(checkpoint.source), self.device)
         runtime.fuse_projections()
@@ -171,5 +214,5 @@ class Model:
     def __repr__(self) -> str:
         return (
             f"Model({self.name!r}, {self.config.architecture}, dtype={self.dtype}, device={self.device}, "
-            f"weights={self.weights_format.value!r})"
+            f"weights={self.weights_format.value!r}, activations={self.activations!r})"
         )

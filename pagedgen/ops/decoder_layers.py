@@ -188,7 +188,7 @@ def _view(plan: AttentionPlan, slots: torch.Tensor, cache: torch.Tensor) -> _KVV
 def _packed(segments: Segments, bias: torch.Tensor | None) -> _PackedWeight:
     packed = _PackedWeight(num_segments=len(segments), bias=None if bias is None else bias.data_ptr())
     for c, w in zip(packed.segments, segments, strict=False):
-        c.data, c.row_bytes, c.qtype, c.rows = w.data.data_ptr(), w.data.shape[1], w.qtype.ggml_id, w.shape[0]
+        c.data, c.row_bytes, c.qtype, c.rows = w.data.data_ptr(), w.data.shape[1], w.kernel_id, w.shape[0]
     return packed
 
 

@@ -51,7 +51,14 @@ DISABLE_ENV = "PAGEDGEN_NATIVE_KERNELS"
 KERNELS = Path(__file__).with_name("kernels")
 SOURCES = tuple(
     KERNELS / name
-    for name in ("paged_decode.c", "small_gemm.c", "layer_ops.c", "quant_gemm.c", "decoder_layers.c")
+    for name in (
+        "paged_decode.c",
+        "small_gemm.c",
+        "layer_ops.c",
+        "quant_gemm.c",
+        "quant_q8.c",
+        "decoder_layers.c",
+    )
 )
 HEADERS = (KERNELS / "vec_math.h",)
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")

@@ -63,7 +63,7 @@ class QuantKernels:
             x.shape[0],
             weight.data.data_ptr(),
             weight.data.shape[1],
-            weight.qtype.ggml_id,
+            weight.kernel_id,
             k,
             out_features,
             None if bias is None else bias.data_ptr(),

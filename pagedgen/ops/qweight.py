@@ -56,6 +56,11 @@ class QType(enum.Enum):
 # The GGUF type names (``gguf.GGMLQuantizationType(...).name``) run natively; the rest are dequantised.
 NATIVE_GGUF_TYPES = {q.name: q for q in QType}
 
+# Formats with an 8-bit-activation kernel (``kernels/quant_q8.c``, ``pg.Model(..., activations="q8")``), and
+# the flag a weight's kernel id carries when it takes that path.
+Q8_ACTIVATION_TYPES = frozenset({QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0})
+Q8_ACTIVATIONS_FLAG = 0x100
+
 
 @dataclass(frozen=True, slots=True)
 class QuantizedWeight:
@@ -68,8 +73,13 @@ class QuantizedWeight:
     qtype: QType
     shape: tuple[int, int]  # (out_features, in_features), as the fp32 weight would be
     data: torch.Tensor  # [out, row_bytes] uint8, CPU, rows contiguous
+    q8_activations: bool = False  # multiply with 8-bit activations (approximate; Q8_ACTIVATION_TYPES only)
 
     def __post_init__(self) -> None:
+        if self.q8_activations and self.qtype not in Q8_ACTIVATION_TYPES:
+            raise ValueError(
+                f"QuantizedWeight.q8_activations: {self.qtype.name} has no 8-bit-activation kernel"
+            )
         out, k = self.shape
         if k <= 0 or k % self.qtype.block_elems:
             raise ValueError(f"QuantizedWeight.shape: in={k} is not a multiple of {self.qtype.name} blocks")
@@ -86,9 +96,16 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return self.data.numel()
 
+    @property
+    def kernel_id(self) -> int:
+        """The type id the native GEMM is called with: ggml's, with the 8-bit-activations flag when set."""
+        return self.qtype.ggml_id | (Q8_ACTIVATIONS_FLAG if self.q8_activations else 0)
+
     def rows(self, start: int, end: int) -> QuantizedWeight:
         """Output rows ``start:end`` as a view (the fused q/k/v parts keep pointing into one tensor)."""
-        return QuantizedWeight(self.qtype, (end - start, self.shape[1]), self.data[start:end])
+        return QuantizedWeight(
+            self.qtype, (end - start, self.shape[1]), self.data[start:end], self.q8_activations
+        )
 
     @staticmethod
     def from_half(weight: torch.Tensor) -> QuantizedWeight:
@@ -107,12 +124,14 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     first = parts[0]
     if any(p.qtype is not first.qtype or p.shape[1] != first.shape[1] for p in parts):
         raise ValueError(f"cannot stack {[(p.qtype.name, p.shape) for p in parts]}: qtype or in size differ")
+    if any(p.q8_activations != first.q8_activations for p in parts):
+        raise ValueError("cannot stack weights with and without q8_activations")
     rows = sum(p.shape[0] for p in parts)
     if _back_to_back(parts):
         data = first.data.as_strided((rows, first.data.shape[1]), (first.data.shape[1], 1))
     else:
         data = torch.cat([p.data for p in parts])  # [sum(out), row_bytes]
-    return QuantizedWeight(first.qtype, (rows, first.shape[1]), data)
+    return QuantizedWeight(first.qtype, (rows, first.shape[1]), data, first.q8_activations)
 
 
 def _back_to_back(parts: list[QuantizedWeight]) -> bool:

@@ -104,8 +104,8 @@ def kernels(request, tmp_path_factory) -> QuantKernels:
     flags = {"avx2": ["-O3", "-mavx2", "-mfma", "-mf16c"], "portable": ["-O3"]}[request.param]
     compiler = shutil.which("cc") or shutil.which("gcc")
     path = tmp_path_factory.mktemp("kernels") / f"quant-{request.param}.so"
-    source = native.KERNELS / "quant_gemm.c"
-    cmd = [compiler, *flags, "-fopenmp", "-shared", "-fPIC", "-o", str(path), str(source)]
+    sources = [str(native.KERNELS / name) for name in ("quant_gemm.c", "quant_q8.c")]  # q8: its flag's target
+    cmd = [compiler, *flags, "-fopenmp", "-shared", "-fPIC", "-o", str(path), *sources]
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
     return QuantKernels(ctypes.CDLL(str(path)))
 
@@ -176,6 +176,22 @@ def test_a_rows_output_bits_do_not_depend_on_the_batch_or_the_thread_count(kerne
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(batch, alone) and torch.equal(batch, pairs) and torch.equal(batch, other_threads)
+
+
+@pytest.mark.parametrize("qtype", list(QType), ids=lambda q: q.name)
+def test_the_few_row_paths_give_the_whole_row_paths_bits(kernels, qtype):
+    """1-3 rows take the chunked (or, for some formats at 1 row, the register-direct) path, 4+ rows the
+    whole-row buffer: across several chunks and a short last one (k = 576 = 256 + 256 + 64; K-quants 768)
+    and a short last row group, every row's bits are the same on either side of that boundary."""
+    k = 768 if qtype.block_elems == 256 else 576
+    weight = random_weight(qtype, 45, k, seed=8)
+    x, bias = torch.randn(7, k, generator=torch.Generator().manual_seed(8)), torch.randn(45)
+    batch = kernels.gemm(x, weight, bias)  # 7 rows: the whole-row path
+    assert_matches_float64(batch, x, weight, bias)
+    for rows in (1, 2, 3):
+        for start in range(0, 7 - rows + 1):
+            part = slice(start, start + rows)
+            assert torch.equal(kernels.gemm(x[part], weight, bias), batch[part])
 
 
 def test_embedding_dequantizes_the_looked_up_rows():

@@ -1,0 +1,337 @@
+/*
+ * The opt-in approximate path (pg.Model(..., activations="q8")): llama.cpp's arithmetic for 32-blocks.
+ *
+ * Why: an exact decode expands every weight to fp32 and spends about three floating-point operations per
+ * weight (convert, scale, FMA). llama.cpp instead rounds each activation row to 8-bit blocks and multiplies
+ * integers: 32 weight bytes by 32 activation bytes in two instructions (AVX2 maddubs + madd; one dpbusd
+ * with AVX-512 VNNI or AVX-VNNI), one float scale per block. Faster, but not the fp32 model: the
+ * activations are rounded to 8 bits, so the default stays exact and this path is only taken for weights
+ * flagged by the caller.
+ *
+ * Arithmetic (each step as llama.cpp's reference code computes it; the tests rebuild it in numpy and
+ * compare bit for bit):
+ *   x row, per block of 32: amax = max |x_j|; d = amax / 127; id = d != 0 ? 1 / d : 0;
+ *     q_j = roundf(x_j * id) (half away from zero); dx = f16(d); sx = f16((float)sum_j q_j * d)
+ *     (quantize_row_q8_0 / q8_1; f16() rounds to nearest even, as the block format stores them).
+ *   per output and block b: i_b = sum_j w_j q_j in int32 (w_j the block's integers: Q8_0 q, Q4_0 q - 8,
+ *     Q5_0 q - 16; Q4_1 and Q5_1 their unsigned q), then
+ *     t_b = (float)i_b * (dw_b * dx_b)  [Q4_1 / Q5_1: t_b = t_b + mw_b * sx_b]
+ *     acc = acc + t_b, blocks in order from acc = 0; y = acc (+ bias).
+ *   Every float operation is a separate IEEE fp32 operation (contraction into FMA is off in this file),
+ *   so the vector build, the portable build and the reference agree exactly. The int32 sums are exact
+ *   (|i_b| <= 32 * 128 * 127) and so is their conversion to fp32.
+ *
+ * Invariance: an output depends on its own x row and the weights only, in an order fixed by k: the same
+ * bits alone or in any batch, on any thread count.
+ *
+ * Formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (llama.cpp pairs the K-quants with 256-element Q8_K activations;
+ * those weights stay on the exact path). Layouts as quant_gemm_f32.
+ */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("fp-contract=off")
+#elif defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#define Q8_AVX2 1
+#endif
+
+enum { Q8_Q4_0 = 2, Q8_Q4_1 = 3, Q8_Q5_0 = 6, Q8_Q5_1 = 7, Q8_Q8_0 = 8 };
+
+/* Block bytes of a format with a q8 kernel; 0 for any other. */
+static int64_t q8_block_bytes(int qtype) {
+    switch (qtype) {
+    case Q8_Q4_0: return 18;
+    case Q8_Q4_1: return 20;
+    case Q8_Q5_0: return 22;
+    case Q8_Q5_1: return 24;
+    case Q8_Q8_0: return 34;
+    default: return 0;
+    }
+}
+
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0 && man == 0) {
+        bits = sign;
+    } else if (exp == 0) {
+        exp = 113;
+        while (!(man & 0x400)) man <<= 1, --exp;
+        bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* fp32 -> f16, rounding to nearest even (F16C's _cvtss_sh(f, 0), numpy's astype(float16)). */
+static uint16_t float_to_half(float f) {
+#if defined(__F16C__)
+    return _cvtss_sh(f, 0);
+#else
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000, exp = (x >> 23) & 0xff;
+    uint32_t man = x & 0x7fffff;
+    if (exp == 0xff) return (uint16_t)(sign | 0x7c00 | (man ? 0x200 : 0));
+    const int e = (int)exp - 112; /* the f16 exponent field */
+    if (e >= 31) return (uint16_t)(sign | 0x7c00);
+    if (e <= 0) { /* f16 subnormal (or zero): units of 2^-24 */
+        if (e < -10) return (uint16_t)sign;
+        man |= 0x800000;
+        const int shift = 14 - e;
+        uint32_t half = man >> shift;
+        const uint32_t rem = man & ((1u << shift) - 1), mid = 1u << (shift - 1);
+        if (rem > mid || (rem == mid && (half & 1))) ++half;
+        return (uint16_t)(sign | half);
+    }
+    uint32_t half = ((uint32_t)e << 10) | (man >> 13);
+    const uint32_t rem = man & 0x1fff;
+    if (rem > 0x1000 || (rem == 0x1000 && (half & 1))) ++half; /* a carry rounds up to the next binade/inf */
+    return (uint16_t)(sign | half);
+#endif
+}
+
+static inline float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return half_to_float(h);
+}
+
+/* roundf for |v| <= 127.5 (the scaled activations): truncate, then step away from zero on a half or more.
+ * v - t is exact there. Written out so that the library needs no libm. */
+static inline int round_half_away(float v) {
+    int t = (int)v;
+    const float f = v - (float)t;
+    if (f >= 0.5f) ++t;
+    else if (f <= -0.5f) --t;
+    return t;
+}
+
+/* One x row of k values -> k int8 q, k / 32 scales dx and scaled sums sx (see the top). */
+static void quantize_row(const float *x, int64_t k, int8_t *q, float *dx, float *sx) {
+    for (int64_t b = 0; b < k / 32; ++b, x += 32, q += 32) {
+        float amax = 0.f;
+        for (int j = 0; j < 32; ++j) {
+            const float a = x[j] < 0.f ? -x[j] : x[j];
+            amax = a > amax ? a : amax;
+        }
+        const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+        int sum = 0;
+        for (int j = 0; j < 32; ++j) {
+            q[j] = (int8_t)round_half_away(x[j] * id);
+            sum += q[j];
+        }
+        dx[b] = half_to_float(float_to_half(d));
+        sx[b] = half_to_float(float_to_half((float)sum * d));
+    }
+}
+
+#ifndef Q8_AVX2
+/* The 32 integers of one weight block (signed formats already offset). */
+static void block_ints(int qtype, const uint8_t *block, int *out) {
+    if (qtype == Q8_Q8_0) {
+        for (int j = 0; j < 32; ++j) out[j] = (int8_t)block[2 + j];
+        return;
+    }
+    const int five = qtype == Q8_Q5_0 || qtype == Q8_Q5_1, affine = qtype == Q8_Q4_1 || qtype == Q8_Q5_1;
+    const uint8_t *qs = block + (affine ? 4 : 2) + (five ? 4 : 0);
+    uint32_t qh = 0;
+    if (five) memcpy(&qh, block + (affine ? 4 : 2), 4);
+    const int offset = affine ? 0 : five ? 16 : 8;
+    for (int j = 0; j < 16; ++j) {
+        out[j] = (int)((qs[j] & 15) | (five ? ((qh >> j) & 1) << 4 : 0)) - offset;
+        out[j + 16] = (int)((qs[j] >> 4) | (five ? ((qh >> (j + 16)) & 1) << 4 : 0)) - offset;
+    }
+}
+
+/* One output of one x row, portably (the vector path does the same per lane). */
+static float row_dot_portable(int qtype, const uint8_t *wrow, int64_t bytes, const int8_t *q, const float *dx,
+                              const float *sx, int64_t nb) {
+    const int affine = qtype == Q8_Q4_1 || qtype == Q8_Q5_1;
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *block = wrow + b * bytes;
+        int w[32], isum = 0;
+        block_ints(qtype, block, w);
+        for (int j = 0; j < 32; ++j) isum += w[j] * q[32 * b + j];
+        const float scale = half_at(block) * dx[b];
+        float t = (float)isum * scale;
+        if (affine) {
+            const float m = half_at(block + 2) * sx[b];
+            t = t + m;
+        }
+        acc = acc + t;
+    }
+    return acc;
+}
+#endif
+
+#ifdef Q8_AVX2
+/* Byte j = 0xFF where bit j of the 32 bits at p is set. */
+static inline __m256i bits_to_bytes(const uint8_t *p) {
+    uint32_t bits;
+    memcpy(&bits, p, 4);
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)bits),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));
+    const __m256i others = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe); /* every bit but byte j's own */
+    return _mm256_cmpeq_epi8(_mm256_or_si256(spread, others), _mm256_set1_epi64x(-1));
+}
+
+/* A block's 32 integers as bytes, in weight order: the unsigned q of Q4_1/Q5_1, else the signed values. */
+static inline __m256i block_bytes(const int qtype, const uint8_t *block) {
+    if (qtype == Q8_Q8_0) return _mm256_loadu_si256((const __m256i *)(block + 2));
+    const int five = qtype == Q8_Q5_0 || qtype == Q8_Q5_1, affine = qtype == Q8_Q4_1 || qtype == Q8_Q5_1;
+    const __m128i qs = _mm_loadu_si128((const __m128i *)(block + (affine ? 4 : 2) + (five ? 4 : 0)));
+    __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), _mm256_set1_epi8(15));
+    if (five) v = _mm256_or_si256(v, _mm256_and_si256(bits_to_bytes(block + (affine ? 4 : 2)), _mm256_set1_epi8(16)));
+    if (!affine) v = _mm256_sub_epi8(v, _mm256_set1_epi8(five ? 16 : 8));
+    return v;
+}
+
+/* 8 int32 lanes whose sum is sum_j w_j q_j: u unsigned bytes times s signed bytes, four per lane. */
+static inline __m256i dot_lanes(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    /* |u * s| <= 128 * 127 per byte, so a pair never saturates the int16 of maddubs */
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline __m256i block_lanes(const int qtype, const uint8_t *block, __m256i q) {
+    const __m256i w = block_bytes(qtype, block);
+    if (qtype == Q8_Q4_1 || qtype == Q8_Q5_1) return dot_lanes(w, q);
+    return dot_lanes(_mm256_sign_epi8(w, w), _mm256_sign_epi8(q, w)); /* |w| times q with w's sign */
+}
+
+/* Lane r = the sum of v[r]'s eight lanes (exact: int32). */
+static inline __m256i sum_each(const __m256i v[8]) {
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+/* The f16 at offset of each of the eight rows, as fp32 lanes. Built in registers: eight 2-byte stores
+ * read back as one 16-byte load would stall on store forwarding, once per block. */
+static inline __m256 halves_at(const uint8_t *const rows[8], int64_t offset) {
+    uint32_t pair[4];
+    for (int i = 0; i < 4; ++i) {
+        uint16_t lo, hi;
+        memcpy(&lo, rows[2 * i] + offset, 2);
+        memcpy(&hi, rows[2 * i + 1] + offset, 2);
+        pair[i] = (uint32_t)lo | (uint32_t)hi << 16;
+    }
+    return _mm256_cvtph_ps(_mm_set_epi32((int)pair[3], (int)pair[2], (int)pair[1], (int)pair[0]));
+}
+
+/* Eight weight rows (lane r: row rows[r]) against one quantised x row: the portable arithmetic with the
+ * rows in lanes, so each lane's operations are row_dot_portable's, in its order. */
+static inline __attribute__((always_inline)) __m256 rows_dot_avx2(const int qtype, const uint8_t *const rows[8],
+                                                                  int64_t bytes, const int8_t *q,
+                                                                  const float *dx, const float *sx, int64_t nb) {
+    const int affine = qtype == Q8_Q4_1 || qtype == Q8_Q5_1;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const int64_t off = b * bytes;
+        const __m256i qv = _mm256_loadu_si256((const __m256i *)(q + 32 * b));
+        __m256i lanes[8];
+        for (int r = 0; r < 8; ++r) lanes[r] = block_lanes(qtype, rows[r] + off, qv);
+        const __m256 scale = _mm256_mul_ps(halves_at(rows, off), _mm256_set1_ps(dx[b]));
+        __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(sum_each(lanes)), scale);
+        if (affine) t = _mm256_add_ps(t, _mm256_mul_ps(halves_at(rows, off + 2), _mm256_set1_ps(sx[b])));
+        acc = _mm256_add_ps(acc, t);
+    }
+    return acc;
+}
+
+static void group_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int64_t bytes, int64_t n, int nr,
+                       const int8_t *q, const float *dx, const float *sx, int64_t nb, float out[8]) {
+    const uint8_t *rows[8];
+    for (int r = 0; r < 8; ++r) rows[r] = w + (n + (r < nr ? r : 0)) * row_bytes;
+    __m256 acc;
+    switch (qtype) {
+    case Q8_Q4_0: acc = rows_dot_avx2(Q8_Q4_0, rows, bytes, q, dx, sx, nb); break;
+    case Q8_Q4_1: acc = rows_dot_avx2(Q8_Q4_1, rows, bytes, q, dx, sx, nb); break;
+    case Q8_Q5_0: acc = rows_dot_avx2(Q8_Q5_0, rows, bytes, q, dx, sx, nb); break;
+    case Q8_Q5_1: acc = rows_dot_avx2(Q8_Q5_1, rows, bytes, q, dx, sx, nb); break;
+    default: acc = rows_dot_avx2(Q8_Q8_0, rows, bytes, q, dx, sx, nb); break;
+    }
+    _mm256_storeu_ps(out, acc);
+}
+#endif
+
+/* Ask for the eight rows Q8_PREFETCH_ROWS ahead (into L2), as quant_gemm.c does: the integer loop computes
+ * between its loads and would otherwise keep too few misses in flight to stream a large matrix. */
+#define Q8_PREFETCH_ROWS 32
+static inline void prefetch_rows(const uint8_t *w, int64_t row_bytes, int64_t first, int64_t n_out) {
+    const int64_t last = first + 8 < n_out ? first + 8 : n_out;
+    if (first >= last) return;
+    for (const uint8_t *p = w + first * row_bytes, *end = w + last * row_bytes; p < end; p += 64)
+        __builtin_prefetch(p, 0, 1);
+}
+
+/* y = x @ W^T (+ bias) with x rounded to 8-bit blocks (see the top). Returns 0, -1 for a qtype without a
+ * q8 kernel or k not a multiple of 32, -2 if the quantised rows could not be allocated. */
+int quant_gemm_q8(const float *x, int64_t m_rows, const uint8_t *w, int64_t row_bytes, int qtype, int64_t k,
+                  int64_t n_out, const float *bias, float *y, int num_threads) {
+    const int64_t bytes = q8_block_bytes(qtype), nb = k / 32;
+    if (bytes == 0 || k % 32) return -1;
+    int8_t *q = malloc((size_t)(m_rows * k) + 1);
+    float *scales = malloc(sizeof(float) * (size_t)(2 * m_rows * nb) + 1);
+    if (q == NULL || scales == NULL) {
+        free(q);
+        free(scales);
+        return -2;
+    }
+    float *dx = scales, *sx = scales + m_rows * nb;
+    for (int64_t m = 0; m < m_rows; ++m) quantize_row(x + m * k, k, q + m * k, dx + m * nb, sx + m * nb);
+    const int64_t groups = (n_out + 7) / 8;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t g = 0; g < groups; ++g) {
+        const int64_t n = 8 * g;
+        const int nr = n_out - n >= 8 ? 8 : (int)(n_out - n);
+        prefetch_rows(w, row_bytes, n + Q8_PREFETCH_ROWS, n_out);
+        for (int64_t m = 0; m < m_rows; ++m) {
+            float out[8];
+#ifdef Q8_AVX2
+            group_avx2(qtype, w, row_bytes, bytes, n, nr, q + m * k, dx + m * nb, sx + m * nb, nb, out);
+#else
+            for (int r = 0; r < nr; ++r)
+                out[r] = row_dot_portable(qtype, w + (n + r) * row_bytes, bytes, q + m * k, dx + m * nb,
+                                          sx + m * nb, nb);
+#endif
+            for (int r = 0; r < nr; ++r) y[m * n_out + n + r] = bias ? out[r] + bias[n + r] : out[r];
+        }
+    }
+    free(q);
+    free(scales);
+    return 0;
+}
+
+/* Whether qtype has a q8 kernel (for the Python side's refusal). */
+int quant_q8_supports(int qtype) { return q8_block_bytes(qtype) != 0; }
+
+/* The instruction set the integer dot products use: 0 portable, 1 AVX2 maddubs, 2 VNNI dpbusd. */
+int quant_q8_variant(void) {
+#if defined(Q8_AVX2) && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
+    return 2;
+#elif defined(Q8_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
