@@ -11,7 +11,8 @@ A server that is shutting down closes its admission: from then on every request 
 retrying here will not help) while the admitted ones finish.
 
 The count lives on the event loop only (no lock): a ticket is taken by a route and released once, when its
-response ends, whichever way it ends.
+response ends, whichever way it ends. A request for ``n`` choices runs ``n`` engine requests, so its ticket
+holds ``n`` places (all or none).
 """
 
 from __future__ import annotations
@@ -24,13 +25,15 @@ RETRY_AFTER_S = 1  # the Retry-After of a 429: a batch of short turns drains in 
 
 @dataclass(slots=True)
 class Ticket:
-    """One admitted request's place; ``release()`` is idempotent so every exit path may call it."""
+    """One admitted request's places (``count``, its choices); ``release()`` is idempotent so every exit
+    path may call it."""
 
     _admission: Admission | None
+    count: int = 1
 
     def release(self) -> None:
         if self._admission is not None:
-            self._admission.in_flight -= 1
+            self._admission.in_flight -= self.count
             self._admission = None
 
 
@@ -62,10 +65,12 @@ class Admission:
         """Admit nothing from now on (the server drains); tickets already held release as before."""
         self.closed = True
 
-    def admit(self) -> Ticket | None:
-        """A ticket, or None when closed or ``capacity`` requests are already in flight (the caller answers
-        503 or 429)."""
-        if self.closed or self.in_flight >= self.capacity:
+    def admit(self, count: int = 1) -> Ticket | None:
+        """A ticket for ``count`` places, or None when closed or fewer than ``count`` of ``capacity`` are
+        free (the caller answers 503 or 429)."""
+        if count < 1:
+            raise ValueError(f"Admission.admit count must be >= 1, got {count}")
+        if self.closed or self.in_flight + count > self.capacity:
             return None
-        self.in_flight += 1
-        return Ticket(self)
+        self.in_flight += count
+        return Ticket(self, count)

@@ -392,14 +392,16 @@ async def _complete(
 async def _complete_batch(
     server: _Server, body: CompletionRequest, prompts: list[str | list[int]], arrived: float, request: Request
 ) -> Any:
-    """A batch of prompts: each its own job (and admission ticket), run together; one choice per prompt in
-    order, usage summed. A refused prompt refuses the batch (the others are cancelled)."""
+    """A batch of prompts: each its own job (and admission ticket), run together; ``n`` choices per prompt
+    in order (prompt 0's first), usage summed. A refused prompt refuses the batch (the others are
+    cancelled)."""
     if body.stream:
         message = "a batch of prompts is answered without streaming: send stream=false, or one prompt"
         raise ApiError(400, message, param="stream")
-    if len(prompts) > server.admission.capacity:
+    if len(prompts) * body.n > server.admission.capacity:
         message = (
-            f"prompt holds {len(prompts)} prompts; this server admits at most {server.admission.capacity}"
+            f"prompt holds {len(prompts)} prompts of n={body.n} choices; this server admits at most "
+            f"{server.admission.capacity}"
         )
         raise ApiError(400, message, param="prompt")
     tasks = [
@@ -416,8 +418,9 @@ async def _complete_batch(
     if gone is not None:
         return gone  # the client left
     choices = []
-    for index, result in enumerate(results):
-        choices.append({**result["choices"][0], "index": index})
+    for result in results:
+        for choice in result["choices"]:
+            choices.append({**choice, "index": len(choices)})
     usage = {
         key: sum(result["usage"][key] for result in results)
         for key in results[0]["usage"]
@@ -452,8 +455,8 @@ def _chat_ids(
     return chat_prompt_ids(tokenizer, messages, tools, parse_special, **template)
 
 
-def _admit(admission: Admission) -> Ticket:
-    ticket = admission.admit()
+def _admit(admission: Admission, count: int = 1) -> Ticket:
+    ticket = admission.admit(count)
     if ticket is None and admission.closed:
         raise ApiError(503, SHUTDOWN_MESSAGE, code="shutting_down", headers=_SHUTTING_DOWN)
     if ticket is None:
@@ -476,7 +479,10 @@ async def _serve(
 ) -> Any:
     """Admit the request, check its parameters and tokenize it off the loop, then run its job; the ticket
     is released when the response ends (a stream's own cleanup releases it)."""
-    ticket = _admit(server.admission)
+    if body.n > server.admission.max_running:  # its choices could never run together
+        message = f"n={body.n} is more choices than the server runs at once (--max-batch-size "
+        raise ApiError(400, message + f"{server.admission.max_running})", param="n")
+    ticket = _admit(server.admission, body.n)
     response: Any = None
     try:
         params = await _sampling_params(server, body)
@@ -528,6 +534,10 @@ async def _run_job(
     problem = check_prompt_fits(len(ids), params.max_tokens, server.context)
     if problem is not None:
         raise ApiError(400, problem, param=prompt_param, code="context_length_exceeded")
+    if body.n > 1:
+        from pagedgen.server.choices import run_choices  # it uses this module's helpers
+
+        return await run_choices(server, body, params, ids, builder, arrived, request, ticket)
     handle = server.client.submit(ids, params, arrived, request_id_of(request.scope) or "")
     try:
         first = await _unless_disconnected(handle.next(), request.receive)  # a queued client may leave

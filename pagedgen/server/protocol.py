@@ -7,7 +7,7 @@ unknown key of a message (clients send back a response's ``refusal`` or ``annota
 ``stream_options``. The nested objects whose fields change what is generated stay strict (an unknown key is
 a 400 naming it): ``response_format``, ``structured_outputs``, ``tools``, ``tool_choice`` and a message's
 content parts, where a typo would otherwise silently drop a constraint. A known field with a bad value is
-always a 400 naming it. This layer checks only the wire shape (types, ``n > 1``, ``top_logprobs`` without
+always a 400 naming it. This layer checks only the wire shape (types, ``n <= 16``, ``top_logprobs`` without
 ``logprobs``, the chat template options); the value rules of every sampling parameter are the engine's
 one rule set (:mod:`pagedgen.sampling.options`), applied when :meth:`to_sampling_params` builds the
 engine-facing :class:`SamplingParams` (a :class:`SamplingOptionsError` there is a 400 naming
@@ -37,6 +37,7 @@ from pagedgen.server.tools import ForcedToolCalls, parameters_schema, required_s
 log = logging.getLogger("pagedgen.server")
 
 PositiveInt = Annotated[int, Field(ge=1)]
+MAX_CHOICES = 16  # a request's largest n (the server also needs n <= --max-batch-size)
 MAX_TOKEN_ID_DIGITS = 9  # a logit_bias key longer than this names no token of any vocabulary
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -286,9 +287,9 @@ class _SamplingFields(_Body):
 
     @field_validator("n")
     @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(f"n={n} is not supported: pagedgen returns exactly one choice per request (n=1)")
+    def _at_most_max_choices(cls, n: int) -> int:
+        if n > MAX_CHOICES:
+            raise ValueError(f"n={n} is more choices than one request may ask for (at most {MAX_CHOICES})")
         return n
 
     @model_validator(mode="after")

@@ -44,6 +44,13 @@ class _Builder:
         self.top_n = logprobs
         self.include_usage = include_usage
 
+    def sibling(self) -> _Builder:
+        """A fresh builder for another choice of the same response (same id, creation time and settings;
+        its own per-choice state)."""
+        other = self._fresh()  # each builder class constructs itself with its own settings
+        other.id, other.created = self.id, self.created
+        return other
+
     def _token_text(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
@@ -76,6 +83,9 @@ class ChatResponses(_Builder):
         self._tools = tools
         self._call_id = new_tool_call_id()
         self._held: list[str] = []  # a "required" stream's text, parsed when it ends
+
+    def _fresh(self) -> ChatResponses:
+        return ChatResponses(self.model, self._tokenizer, self.top_n, self.include_usage, self._tools)
 
     def first_chunk(self) -> dict[str, Any]:
         if self._tools is None:
@@ -166,6 +176,9 @@ class CompletionResponses(_Builder):
         super().__init__(model_name, tokenizer, logprobs, include_usage)
         self._offset = 0  # text offset of the next logprob entry
         self._echo = echo
+
+    def _fresh(self) -> CompletionResponses:
+        return CompletionResponses(self.model, self._tokenizer, self.top_n, self.include_usage, self._echo)
 
     def first_chunk(self) -> dict[str, Any] | None:
         return self.chunk(self._echo, (), None) if self._echo else None

@@ -70,7 +70,7 @@ def test_wrong_types_are_400(live_server, path, body, param):
 @pytest.mark.parametrize(
     "extra",
     [
-        {"n": 2},
+        {"n": 17},  # above MAX_CHOICES
         {"chat_template_kwargs": {"enable_thinking": [True]}},
         {"continue_final_message": True},  # with the default add_generation_prompt=true
         {"temperature": 5.0},

@@ -1,0 +1,268 @@
+"""``n > 1``: several choices of one prompt, served as ``n`` engine jobs that compute the prompt once.
+
+Choice ``i`` is its own engine request (its own sampler, stop matcher, constraint and blocks), submitted in
+index order right after the others. The prompt is shared through the prefix cache: the scheduler holds back
+an admission whose next uncached block an earlier prefill is about to compute (docs/cache.md, "Arriving
+together"), so choice 0 prefills the prompt and choices 1..n-1 start from its committed full blocks; each of
+them computes only the prompt's tail that no full block holds (at least its last token, whose logits it
+needs: 1 to ``block_size`` tokens). ``usage`` counts the prompt once (``prompt_tokens``, and
+``cached_tokens`` as choice 0 found the cache), ``completion_tokens`` summed over the choices; the siblings'
+hits show in ``pagedgen:prefix_cache_hits_total``.
+
+Seeds: with ``seed=s``, choice ``i`` samples with seed ``s + i`` (wrapped into the engine's 64-bit range),
+so the same request with the same seed returns the same choices, and a choice's seed stream never equals
+another's; without a seed each choice draws a fresh one. Greedy choices are identical.
+
+The choices succeed or fail together: the first error (a refused submission, ``guidance_failed``, an
+unhealthy engine) answers the whole request (a stream ends with its error event), the other choices are
+cancelled and their blocks freed; a client that leaves cancels all of them. Streams interleave the choices'
+chunks as their tokens come, each chunk naming its choice's ``index``, each choice ending with its own
+``finish_reason``; the usage chunk comes after the last one ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from fastapi import Request
+
+from pagedgen.llm import SamplingParams, TokenLogprob, finish_reason_text
+from pagedgen.models.tokenizer import IncrementalDetokenizer
+from pagedgen.sampling.options import SEED_MAX
+from pagedgen.server.admission import Ticket
+from pagedgen.server.guard import ApiError, request_id_of
+from pagedgen.server.metrics import ServerMetrics
+from pagedgen.server.responses import usage_dict
+from pagedgen.server.sse import DONE, EventStreamResponse, sse_event
+from pagedgen.server.worker import EngineWorker, Finish, JobUpdate
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice ``index`` of a request seeded ``seed`` (see the module docstring)."""
+    if seed is None:
+        return None
+    derived = seed + index
+    return derived - (1 << 64) if derived > SEED_MAX else derived
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    return [dataclasses.replace(params, seed=choice_seed(params.seed, i)) for i in range(n)]
+
+
+class JobGroup:
+    """The asyncio end of a request's ``n`` jobs: ``next()`` yields ``(index, update)`` as the worker sends
+    them (each job's updates in order); ``cancel()`` cancels every unfinished job and is idempotent."""
+
+    def __init__(self, worker: EngineWorker, n: int):
+        self._worker = worker
+        self._updates: asyncio.Queue[tuple[int, JobUpdate]] = asyncio.Queue()
+        self._backlog: deque[tuple[int, JobUpdate]] = deque()
+        self._job_ids: list[int] = []
+        self._finished = [False] * n
+
+    @classmethod
+    def submit(
+        cls,
+        worker: EngineWorker,
+        prompt_ids: Sequence[int],
+        params: Sequence[SamplingParams],
+        arrived_at: float,
+        tag: str,
+    ) -> JobGroup:
+        """Submit one job per choice, in index order (choice 0 first, so it is the one that prefills)."""
+        group = cls(worker, len(params))
+        loop = asyncio.get_running_loop()
+        for index, choice in enumerate(params):
+
+            def sink(update: JobUpdate, index: int = index) -> None:
+                loop.call_soon_threadsafe(group._updates.put_nowait, (index, update))
+
+            group._job_ids.append(worker.submit(prompt_ids, choice, sink, arrived_at, tag))
+        return group
+
+    @property
+    def n(self) -> int:
+        return len(self._finished)
+
+    @property
+    def done(self) -> bool:
+        return all(self._finished)
+
+    async def next(self) -> tuple[int, JobUpdate]:
+        item = self._backlog.popleft() if self._backlog else await self._updates.get()
+        if item[1].final:
+            self._finished[item[0]] = True
+        return item
+
+    async def started(self) -> JobUpdate | None:
+        """Wait for every job's first update; the first refusal among them, or None when all started.
+
+        Later updates of jobs that started meanwhile are kept for ``next()``, in order."""
+        waiting = set(range(self.n))
+        held: list[tuple[int, JobUpdate]] = []
+        try:
+            while waiting:
+                index, update = await self._updates.get()
+                if index not in waiting:
+                    held.append((index, update))
+                    continue
+                waiting.discard(index)
+                if update.error is not None:
+                    self._finished[index] = True
+                    return update
+        finally:
+            self._backlog.extend(held)
+        return None
+
+    def cancel(self) -> None:
+        for index, job_id in enumerate(self._job_ids):
+            if not self._finished[index]:
+                self._finished[index] = True
+                self._worker.cancel(job_id)
+
+
+async def run_choices(
+    server: Any,
+    body: Any,
+    params: SamplingParams,
+    ids: list[int],
+    builder: Any,
+    arrived: float,
+    request: Request,
+    ticket: Ticket,
+) -> Any:
+    """Serve a validated request's ``body.n`` choices (the route's ``_run_job`` for ``n > 1``)."""
+    from pagedgen.server import app  # the route's helpers; app imports this module lazily as well
+
+    tag = request_id_of(request.scope) or ""
+    group = JobGroup.submit(server.client.worker, ids, choice_params(params, body.n), arrived, tag)
+    try:
+        refusal = await app._unless_disconnected(group.started(), request.receive)
+        if refusal is app._CLIENT_GONE:
+            return app._client_gone(group, server.metrics)
+        if refusal is not None:
+            app._raise_for(refusal)
+    except BaseException:
+        group.cancel()
+        raise
+    builders = [builder] + [builder.sibling() for _ in range(body.n - 1)]
+    texts = [IncrementalDetokenizer(server.tokenizer) for _ in range(body.n)]
+    if body.stream:
+        close = _close_stream(group, ticket, server.metrics)
+        return EventStreamResponse(_stream(group, texts, builders, server.metrics, tag), on_close=close)
+    try:
+        collected = await app._unless_disconnected(_collect(group, texts, builders), request.receive)
+        if collected is app._CLIENT_GONE:
+            return app._client_gone(group, server.metrics)
+        for reason in collected[1]:
+            server.metrics.on_success(reason)
+        return collected[0]
+    finally:
+        group.cancel()  # the other choices of a failed one, or a handler interrupted
+
+
+def _close_stream(group: JobGroup, ticket: Ticket, metrics: ServerMetrics) -> Any:
+    def close() -> None:
+        if not group.done:
+            group.cancel()
+            metrics.on_disconnect()
+        ticket.release()
+
+    return close
+
+
+def _usage_finish(finishes: Sequence[Finish]) -> Finish:
+    """One ``Finish`` whose usage is the request's: the prompt once, the completions summed."""
+    return dataclasses.replace(finishes[0], generated_tokens=sum(f.generated_tokens for f in finishes))
+
+
+def _indexed(payload: dict[str, Any], index: int) -> dict[str, Any]:
+    for choice in payload["choices"]:
+        choice["index"] = index
+    return payload
+
+
+async def _collect(
+    group: JobGroup, texts: list[IncrementalDetokenizer], builders: list[Any]
+) -> tuple[dict[str, Any], list[str]]:
+    """The whole response (choices ordered by index) and each choice's engine finish reason."""
+    from pagedgen.server import app
+
+    n = group.n
+    parts: list[list[str]] = [[] for _ in range(n)]
+    logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
+    finishes: list[Finish | None] = [None] * n
+    while None in finishes:
+        index, update = await group.next()
+        app._raise_for(update)
+        parts[index].append(await asyncio.to_thread(texts[index].add, update.tokens))
+        logprobs[index].extend(update.logprobs)
+        if update.finish is not None:
+            parts[index].append(await asyncio.to_thread(texts[index].flush) + update.finish.text_before_stop)
+            finishes[index] = update.finish
+    done = [f for f in finishes if f is not None]
+    reasons = [finish_reason_text(f.reason) for f in done]
+    choices = []
+    for index, builder in enumerate(builders):
+        text = "".join(parts[index])
+        full = await asyncio.to_thread(builder.full, text, logprobs[index], reasons[index], done[index])
+        choices.extend(_indexed(full, index)["choices"])
+    full["choices"] = choices
+    full["usage"] = usage_dict(_usage_finish(done))
+    return full, reasons
+
+
+async def _stream(
+    group: JobGroup,
+    texts: list[IncrementalDetokenizer],
+    builders: list[Any],
+    metrics: ServerMetrics,
+    request_id: str,
+) -> AsyncIterator[bytes]:
+    """SSE chunks of every choice, interleaved as they come; cancels what is left if the stream ends early."""
+    from pagedgen.server import app
+
+    try:
+        for index, builder in enumerate(builders):
+            first = builder.first_chunk()
+            if first is not None:
+                yield sse_event(_indexed(first, index))
+        finishes: list[Finish | None] = [None] * group.n
+        while None in finishes:
+            index, update = await group.next()
+            try:
+                app._raise_for(update)
+            except ApiError as exc:
+                metrics.on_error_status(exc.status)
+                if exc.status >= 500:
+                    app.log.error("request %s failed with %d: %s", request_id, exc.status, exc.message)
+                group.cancel()  # the whole request fails: its other choices stop here
+                yield sse_event(app.error_json_body(exc))
+                break
+            builder, finish = builders[index], update.finish
+            delta = await asyncio.to_thread(texts[index].add, update.tokens)
+            if finish is None:
+                if delta or update.logprobs:
+                    chunk = await app._chunk(builder, delta, update.logprobs, None)
+                    if chunk is not None:  # None: the builder holds the text until the turn ends
+                        yield sse_event(_indexed(chunk, index))
+                continue
+            delta += await asyncio.to_thread(texts[index].flush) + finish.text_before_stop
+            reason = finish_reason_text(finish.reason)
+            yield sse_event(_indexed(await app._chunk(builder, delta, update.logprobs, reason), index))
+            metrics.on_success(reason)
+            finishes[index] = finish
+        else:
+            if builders[0].include_usage:
+                done = [f for f in finishes if f is not None]
+                yield sse_event(builders[0].usage_chunk(_usage_finish(done)))
+        yield DONE
+    finally:
+        left_early = not group.done
+        group.cancel()
+        if left_early:
+            metrics.on_disconnect()
