@@ -268,3 +268,20 @@ def test_a_failing_choice_fails_the_whole_request():
         assert app_state(live).admission.in_flight == 0
     finally:
         live.stop()
+
+
+def test_a_stream_whose_choices_fail_ends_with_one_error_event():
+    """The engine fails in the step after both turns were accepted: one error event, then [DONE]."""
+    live = serve(FailingModel(vocab_size=VOCAB))
+    try:
+        body = {"model": "synthetic", "prompt": [1, POISON], "max_tokens": 3, "n": 2, "stream": True}
+        with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=120) as response:
+            assert response.status_code == 200
+            lines = [line.removeprefix("data: ") for line in response.iter_lines() if line]
+        assert lines[-1] == "[DONE]"
+        assert [json.loads(line)["error"]["code"] for line in lines[:-1]] == ["unhealthy"]
+        metrics = settled_metrics(live)
+        assert metric(metrics, "pagedgen:client_disconnects_total", model_name="synthetic") == 0
+        assert app_state(live).admission.in_flight == 0
+    finally:
+        live.stop()
