@@ -399,8 +399,9 @@ async def _complete_batch(
         message = "a batch of prompts is answered without streaming: send stream=false, or one prompt"
         raise ApiError(400, message, param="stream")
     if len(prompts) * body.n > server.admission.capacity:
+        choices = f" of n={body.n} choices ({len(prompts) * body.n} requests)" if body.n > 1 else ""
         message = (
-            f"prompt holds {len(prompts)} prompts of n={body.n} choices; this server admits at most "
+            f"prompt holds {len(prompts)} prompts{choices}; this server admits at most "
             f"{server.admission.capacity}"
         )
         raise ApiError(400, message, param="prompt")

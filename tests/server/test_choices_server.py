@@ -285,3 +285,25 @@ def test_a_stream_whose_choices_fail_ends_with_one_error_event():
         assert app_state(live).admission.in_flight == 0
     finally:
         live.stop()
+
+
+def test_a_batch_of_prompts_gets_n_choices_each_in_order_and_echo_reaches_every_choice(server):
+    client = client_of(server)
+    prompts = [[5, 6, 7], [40, 2, 9, 11]]
+    response = client.completions.create(model="synthetic", prompt=prompts, max_tokens=4, temperature=0, n=2)
+    assert [choice.index for choice in response.choices] == [0, 1, 2, 3]
+    expected = [expected_text(prompts[0], 4)] * 2 + [expected_text(prompts[1], 4)] * 2
+    assert _texts(response) == expected
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (7, 16)
+    echoed = client.completions.create(
+        model="synthetic", prompt="ab", max_tokens=3, temperature=0, n=2, echo=True
+    )
+    assert [text[:2] for text in _texts(echoed)] == ["ab", "ab"]
+    assert echoed.choices[0].text == echoed.choices[1].text and len(echoed.choices[0].text) == 5
+    with pytest.raises(openai.BadRequestError) as info:  # 70 prompts of 4 choices: 280 > 4 + 256 places
+        client.completions.create(model="synthetic", prompt=[[1]] * 70, max_tokens=2, n=4)
+    assert info.value.body["param"] == "prompt"
+    assert (
+        info.value.body["message"]
+        == "prompt holds 70 prompts of n=4 choices (280 requests); this server admits at most 260"
+    )
