@@ -32,6 +32,8 @@
 #include <immintrin.h>
 #endif
 
+#include "half.h"
+
 enum {
     QT_F16 = 1,
     QT_Q4_0 = 2,
@@ -51,35 +53,6 @@ enum {
 #define QT_Q8_ACTIVATIONS 0x100
 int quant_gemm_q8(const float *x, int64_t m_rows, const uint8_t *w, int64_t row_bytes, int qtype, int64_t k,
                   int64_t n_out, const float *bias, float *y, int num_threads);
-
-static inline float f16_to_f32(uint16_t h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    /* The exact widening: normals rebias the exponent, subnormals are normalised, inf/NaN keep their bits. */
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0 && man == 0) {
-        bits = sign;
-    } else if (exp == 0) {
-        exp = 113;
-        while (!(man & 0x400)) man <<= 1, --exp;
-        bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
-
-static inline float f16_at(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return f16_to_f32(h);
-}
 
 #if defined(__AVX512F__)
 #define VW 16

@@ -37,6 +37,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "half.h"
+
 #if defined(__AVX2__) && defined(__F16C__)
 #include <immintrin.h>
 #define Q8_AVX2 1
@@ -54,58 +56,6 @@ static int64_t q8_block_bytes(int qtype) {
     case Q8_Q8_0: return 34;
     default: return 0;
     }
-}
-
-static float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0 && man == 0) {
-        bits = sign;
-    } else if (exp == 0) {
-        exp = 113;
-        while (!(man & 0x400)) man <<= 1, --exp;
-        bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-/* fp32 -> f16, rounding to nearest even (F16C's _cvtss_sh(f, 0), numpy's astype(float16)). */
-static uint16_t float_to_half(float f) {
-#if defined(__F16C__)
-    return _cvtss_sh(f, 0);
-#else
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    const uint32_t sign = (x >> 16) & 0x8000, exp = (x >> 23) & 0xff;
-    uint32_t man = x & 0x7fffff;
-    if (exp == 0xff) return (uint16_t)(sign | 0x7c00 | (man ? 0x200 : 0));
-    const int e = (int)exp - 112; /* the f16 exponent field */
-    if (e >= 31) return (uint16_t)(sign | 0x7c00);
-    if (e <= 0) { /* f16 subnormal (or zero): units of 2^-24 */
-        if (e < -10) return (uint16_t)sign;
-        man |= 0x800000;
-        const int shift = 14 - e;
-        uint32_t half = man >> shift;
-        const uint32_t rem = man & ((1u << shift) - 1), mid = 1u << (shift - 1);
-        if (rem > mid || (rem == mid && (half & 1))) ++half;
-        return (uint16_t)(sign | half);
-    }
-    uint32_t half = ((uint32_t)e << 10) | (man >> 13);
-    const uint32_t rem = man & 0x1fff;
-    if (rem > 0x1000 || (rem == 0x1000 && (half & 1))) ++half; /* a carry rounds up to the next binade/inf */
-    return (uint16_t)(sign | half);
-#endif
-}
-
-static inline float half_at(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return half_to_float(h);
 }
 
 /* roundf for |v| <= 127.5 (the scaled activations): truncate, then step away from zero on a half or more.
@@ -132,8 +82,8 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *dx, float 
             q[j] = (int8_t)round_half_away(x[j] * id);
             sum += q[j];
         }
-        dx[b] = half_to_float(float_to_half(d));
-        sx[b] = half_to_float(float_to_half((float)sum * d));
+        dx[b] = f16_to_f32(f32_to_f16(d));
+        sx[b] = f16_to_f32(f32_to_f16((float)sum * d));
     }
 }
 
@@ -165,10 +115,10 @@ static float row_dot_portable(int qtype, const uint8_t *wrow, int64_t bytes, con
         int w[32], isum = 0;
         block_ints(qtype, block, w);
         for (int j = 0; j < 32; ++j) isum += w[j] * q[32 * b + j];
-        const float scale = half_at(block) * dx[b];
+        const float scale = f16_at(block) * dx[b];
         float t = (float)isum * scale;
         if (affine) {
-            const float m = half_at(block + 2) * sx[b];
+            const float m = f16_at(block + 2) * sx[b];
             t = t + m;
         }
         acc = acc + t;
