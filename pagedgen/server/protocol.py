@@ -377,7 +377,7 @@ class _SamplingFields(_Body):
                 return StructuredOutputsParams(json=self.response_format.json_schema.json_schema)
             except SamplingOptionsError as exc:
                 message = str(exc).replace("structured_outputs.json:", "response_format.json_schema.schema:")
-                raise SamplingOptionsError(message, "response_format") from None
+                raise SamplingOptionsError(message, "response_format.json_schema.schema") from None
         return None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:

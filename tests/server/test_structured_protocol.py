@@ -89,8 +89,8 @@ def test_response_format_and_structured_outputs_become_one_constraint(make):
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"response_format": _schema_format({"type": "nope"})}, "response_format"),
-        ({"response_format": _schema_format({"$ref": "#/no"})}, "response_format"),
+        ({"response_format": _schema_format({"type": "nope"})}, "response_format.json_schema.schema"),
+        ({"response_format": _schema_format({"$ref": "#/no"})}, "response_format.json_schema.schema"),
         ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
          "structured_outputs"),
         ({"structured_outputs": {}}, "structured_outputs"),

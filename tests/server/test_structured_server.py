@@ -86,8 +86,8 @@ def schema_format(schema: object) -> dict:
 
 
 BOTH_ROUTES = [
-    ({"response_format": schema_format({"type": "nope"})}, "response_format"),
-    ({"response_format": schema_format({"$ref": "#/$defs/missing"})}, "response_format"),
+    ({"response_format": schema_format({"type": "nope"})}, "response_format.json_schema.schema"),
+    ({"response_format": schema_format({"$ref": "#/$defs/missing"})}, "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}},
      "response_format.json_schema.schema"),
     ({"response_format": {"type": "yaml"}}, "response_format"),
