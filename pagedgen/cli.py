@@ -519,6 +519,16 @@ class ChatLoop:
         return True, f"[unknown command {name}: not sent to the model; /help lists the commands]"
 
 
+def split_chat_line(line: str) -> tuple[bool, str]:
+    """(is a command, its text): ``/name args`` is a command; ``//text`` is the message ``/text``."""
+    stripped = line.strip()
+    if stripped.startswith("//"):
+        return False, line.lstrip()[1:]
+    if stripped.startswith("/"):
+        return True, stripped
+    return False, line
+
+
 def _enable_line_editing() -> None:
     """Give input() history and editing (Up recalls, Left/Right move) where Python has readline."""
     with contextlib.suppress(ImportError):  # Windows without pyreadline: plain input()
@@ -547,20 +557,16 @@ def cmd_chat(args: argparse.Namespace) -> int:
             except EOFError:
                 print()
                 return 0
-            text = line.strip()
-            if not text:
-                continue
-            if text.startswith("/") and not text.startswith("//"):
+            is_command, text = split_chat_line(line)
+            if is_command:
                 keep_going, message = loop.command(text)
                 if message is not None:
                     print(message, flush=True)
                 if not keep_going:
                     return 0
-                continue
-            if text.startswith("//"):
-                line = line.lstrip()[1:]
-            loop.turn += 1
-            _chat_turn(loop.session, line, loop.turn, args.stats)
+            elif text.strip():
+                loop.turn += 1
+                _chat_turn(loop.session, text, loop.turn, args.stats)
     finally:
         loop.session.close()
 

@@ -68,6 +68,14 @@ def test_help_quit_and_unknown_commands():
     assert len(opened) == 1 and loop.turn == 0  # none of them opened a session or counted a turn
 
 
+def test_a_slash_starts_a_command_and_a_double_slash_escapes_it():
+    assert cli.split_chat_line("  /reset  ") == (True, "/reset")
+    assert cli.split_chat_line("/system Be terse.") == (True, "/system Be terse.")
+    assert cli.split_chat_line("//etc/hosts is a file") == (False, "/etc/hosts is a file")
+    assert cli.split_chat_line("what is 1/2?") == (False, "what is 1/2?")
+    assert cli.split_chat_line("   ") == (False, "   ")
+
+
 def test_throughput_line_counts_generated_tokens_per_second():
     outputs = [
         types.SimpleNamespace(prompt_token_ids=[1, 2, 3], token_ids=[4, 5, 6, 7]),
