@@ -332,9 +332,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pagedgen.server.app import build_app
     from pagedgen.server.lifecycle import build_server
 
-    check_port_free(
-        args.host, args.port
-    )  # before the model loads: a busy port fails in a second, not minutes
+    # Before the model loads: a busy port fails in a second, not after minutes of loading.
+    check_port_free(args.host, args.port)
     _log_to_stderr(args.log_level)
     options = server_options(args)
     model = _load_model(args.model, args.weights)
