@@ -2,29 +2,57 @@
 
 Heavy imports (torch, the model code, FastAPI) happen inside the subcommands, so ``pagedgen --help`` is quick.
 ``pagedgen bench ...`` is handed whole to ``pagedgen.bench.cli:main(argv)`` when that module exists.
+
+A user's mistake (a wrong model path, a bad file, a busy port, an unknown flag) ends the command with one line
+on stderr and exit status 2, never a traceback: pagedgen's own errors (:class:`pagedgen.errors.PagedGenError`)
+name the problem already, so the traceback would only bury it. ``--debug`` shows it anyway.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
+import socket
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+USAGE_ERROR = 2  # argparse's exit status for a bad command line; also every other user mistake
+
+
+class UsageError(Exception):
+    """A mistake on the command line found after parsing (a busy port): one line, exit status 2."""
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pagedgen")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        from pagedgen import __version__
+
+        return __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pagedgen", description="Continuous-batching LLM inference over a paged KV cache."
     )
+    parser.add_argument("--version", action="version", version=f"pagedgen {_version()}")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # argparse hands a subcommand's unknown flags up to the top-level parser, whose usage does not list them:
+    # main() reports them with the subcommand's own usage instead.
+    parser.subcommands = {}  # type: ignore[attr-defined]
 
-    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    serve = _subcommand(parser, sub, "serve", help="run the OpenAI-compatible HTTP server")
     _add_model_args(serve)
     serve.add_argument("--host", default=DEFAULT_HOST, help=f"bind address (default {DEFAULT_HOST})")
     serve.add_argument("--port", type=_port, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
@@ -52,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_speculative_args(serve)
     _add_content_args(serve)
 
-    generate = sub.add_parser("generate", help="complete prompts offline and print the completions")
+    generate = _subcommand(parser, sub, "generate", help="complete prompts offline and print the completions")
     generate.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text (one completion each)")
     _add_model_args(generate)
     generate.add_argument(
@@ -64,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_speculative_args(generate)
     _add_content_args(generate)
 
-    chat = sub.add_parser("chat", help="interactive chat: one multi-turn request, streamed replies")
+    chat = _subcommand(parser, sub, "chat", help="interactive chat: one multi-turn request, streamed replies")
     _add_model_args(chat)
     chat.add_argument("--system", help="system message")
     chat.add_argument("--stats", action="store_true", help="print token counts after every reply")
@@ -75,6 +103,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("bench", help="benchmarks (see 'pagedgen bench --help')", add_help=False)
     return parser
+
+
+def _subcommand(
+    parser: argparse.ArgumentParser, sub: Any, name: str, *, help: str
+) -> argparse.ArgumentParser:
+    command = sub.add_parser(name, help=help, description=help)
+    # SUPPRESS: without the flag the subcommand leaves the top level's --debug as it was.
+    command.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of an error"
+    )
+    parser.subcommands[name] = command  # type: ignore[attr-defined]
+    return command
 
 
 def positive_int(text: str) -> int:
@@ -317,12 +357,82 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pagedgen.server.app import build_app
     from pagedgen.server.lifecycle import build_server
 
+    # Before the model loads: a busy port fails in a second, not after minutes of loading.
+    check_port_free(args.host, args.port)
     _log_to_stderr(args.log_level)
     options = server_options(args)
-    app = build_app(_load_model(args.model, args.weights), engine_config(args), options)
+    model = _load_model(args.model, args.weights)
+    config = engine_config(args)
+    app = build_app(model, config, options)
+    _announce_on_startup(app, lambda: startup_lines(model, config, options, app.state.worker.snapshot))
     server = build_server(app, host=args.host, port=args.port, log_level=args.log_level)
     server.run()
     return 0 if server.started else 3  # 3: uvicorn's startup failure (it logged why)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise :class:`UsageError` unless ``host:port`` can be bound now (uvicorn binds it the same way)."""
+    if port == 0:  # any free port: nothing to check
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a TIME_WAIT port is free
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+
+
+def startup_lines(model: Any, config: Any, options: Any, snapshot: Any) -> list[str]:
+    """What an operator needs once the engine is up: the id clients send, the context, the cache, memory."""
+    from pagedgen.engine.cache_layout import plan_cache_layout
+
+    layout = plan_cache_layout(model, config)  # the engine's own plan (a pure function of model and config)
+    kv_bytes = snapshot.total_blocks * layout.bytes_per_block + layout.window_bytes + layout.fixed_bytes
+    return [
+        f'model id to send: "{options.model_name}" (GET /v1/models lists it)',
+        f"context length: {int(model.max_context)} tokens per request",
+        f"KV cache: {snapshot.total_blocks} blocks of {config.block_size} tokens, {_mib(kv_bytes)}",
+        f"weights: {model.weights_format.value} ({model.weights_reason}), dtype {_dtype_name(model.dtype)}",
+        f"resident memory: {_mib(resident_bytes())}",
+    ]
+
+
+def resident_bytes() -> int:
+    """This process's resident set size now (Linux /proc), else its peak (getrusage)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / (1 << 20):.1f} MiB"
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _announce_on_startup(app: Any, lines: Any) -> None:
+    """Log ``lines()`` once the app's lifespan has started the engine (its cache size is known only then)."""
+    import logging
+
+    logger = logging.getLogger("pagedgen.cli")
+    lifespan = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def announcing(app_: Any) -> Any:
+        async with lifespan(app_) as state:
+            for line in lines():
+                logger.info(line)
+            yield state
+
+    app.router.lifespan_context = announcing
 
 
 def _log_to_stderr(level: str) -> None:
@@ -349,10 +459,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         parse_special_in_content=args.parse_special_in_content,
     )
     params = sampling_params(args)
+    started = time.perf_counter()
     if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params, use_tqdm=False)
     else:
-        outputs = llm.generate(list(args.prompts), params)
+        outputs = llm.generate(list(args.prompts), params, use_tqdm=False)
+    elapsed = time.perf_counter() - started
     for prompt, out in zip(args.prompts, outputs, strict=True):
         if args.json:
             record = {
@@ -367,10 +479,84 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(json.dumps(record, ensure_ascii=False))
         else:
             print(out.text)
+    print(throughput_line(outputs, elapsed), file=sys.stderr, flush=True)
     return 0
 
 
-CHAT_HELP = "Type a message and press Enter. /reset starts a new conversation; /exit or Ctrl-D quits."
+def throughput_line(outputs: Sequence[Any], elapsed: float) -> str:
+    """The run's summary: prompts, tokens in and out, and generated tokens per second of wall time."""
+    prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs)
+    generated = sum(len(out.token_ids) for out in outputs)
+    rate = generated / elapsed if elapsed > 0 else float("inf")
+    plural = "" if len(outputs) == 1 else "s"
+    return (
+        f"[{len(outputs)} prompt{plural}: {prompt_tokens} prompt tokens, {generated} generated tokens "
+        f"in {elapsed:.2f} s, {rate:.1f} tokens/s]"
+    )
+
+
+CHAT_HELP = (
+    "Type a message and press Enter (Up/Down recall earlier lines). /help lists the commands; Ctrl-D quits."
+)
+CHAT_COMMANDS = (
+    "/help          this list\n"
+    "/reset         start a new conversation (same system message)\n"
+    "/system TEXT   set the system message and start a new conversation (/system alone clears it)\n"
+    "/quit, /exit   leave (as Ctrl-D)\n"
+    "//TEXT         send TEXT starting with one '/'"
+)
+
+
+class ChatLoop:
+    """The slash commands and the turn counter of ``pagedgen chat``, over one :class:`ChatSession` at a time.
+
+    A line that starts with ``/`` is a command, handled here and never sent to the model; an unknown one is
+    refused with a message, so a typo cannot become a turn. ``//`` escapes a message that starts with ``/``.
+    """
+
+    def __init__(self, new_session: Any, system: str | None):
+        self._new_session = new_session
+        self.system = system
+        self.session = new_session(system)
+        self.turn = 0
+
+    def restart(self) -> None:
+        self.session.close()
+        self.session = self._new_session(self.system)
+        self.turn = 0
+
+    def command(self, line: str) -> tuple[bool, str | None]:
+        """Handle a command line: (keep going, the message to print)."""
+        name, _, rest = line.partition(" ")
+        if name in ("/quit", "/exit"):
+            return False, None
+        if name == "/help":
+            return True, CHAT_COMMANDS
+        if name == "/reset":
+            self.restart()
+            return True, "[new conversation]"
+        if name == "/system":
+            self.system = rest.strip() or None
+            self.restart()
+            shown = "cleared" if self.system is None else repr(self.system)
+            return True, f"[system message {shown}; new conversation]"
+        return True, f"[unknown command {name}: not sent to the model; /help lists the commands]"
+
+
+def split_chat_line(line: str) -> tuple[bool, str]:
+    """(is a command, its text): ``/name args`` is a command; ``//text`` is the message ``/text``."""
+    stripped = line.strip()
+    if stripped.startswith("//"):
+        return False, line.lstrip()[1:]
+    if stripped.startswith("/"):
+        return True, stripped
+    return False, line
+
+
+def _enable_line_editing() -> None:
+    """Give input() history and editing (Up recalls, Left/Right move) where Python has readline."""
+    with contextlib.suppress(ImportError):  # Windows without pyreadline: plain input()
+        import readline  # noqa: F401  (importing it is what makes input() use it)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -384,9 +570,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
         parse_special_in_content=args.parse_special_in_content,
     )
     params = sampling_params(args)
-    session = ChatSession(llm, params, args.system)
+    loop = ChatLoop(lambda system: ChatSession(llm, params, system), args.system)
+    if sys.stdin.isatty():
+        _enable_line_editing()
     print(CHAT_HELP, flush=True)
-    turn = 0
     try:
         while True:
             try:
@@ -394,20 +581,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
             except EOFError:
                 print()
                 return 0
-            command = line.strip()
-            if command in ("/exit", "/quit"):
-                return 0
-            if command == "/reset":
-                session.close()
-                session = ChatSession(llm, params, args.system)
-                print("[new conversation]", flush=True)
-                continue
-            if not command:
-                continue
-            turn += 1
-            _chat_turn(session, line, turn, args.stats)
+            is_command, text = split_chat_line(line)
+            if is_command:
+                keep_going, message = loop.command(text)
+                if message is not None:
+                    print(message, flush=True)
+                if not keep_going:
+                    return 0
+            elif text.strip():
+                loop.turn += 1
+                _chat_turn(loop.session, text, loop.turn, args.stats)
     finally:
-        session.close()
+        loop.session.close()
 
 
 def _chat_turn(session: Any, line: str, turn: int, stats: bool) -> None:
@@ -447,9 +632,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
         return cmd_bench(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # exits with status 2, showing the subcommand's usage
+        parser.subcommands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     handlers = {"serve": cmd_serve, "generate": cmd_generate, "chat": cmd_chat}
-    return handlers[args.command](args)
+    return run_reporting_errors(handlers[args.command], args)
+
+
+def run_reporting_errors(handler: Any, args: argparse.Namespace) -> int:
+    """Run a subcommand; a user's mistake is one line on stderr and exit status 2 (``--debug``: raise)."""
+    from pagedgen.errors import PagedGenError
+
+    try:
+        return handler(args)
+    except (PagedGenError, UsageError) as exc:
+        if args.debug:
+            raise
+        print(f"pagedgen {args.command}: error: {exc}", file=sys.stderr, flush=True)
+        return USAGE_ERROR
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print(file=sys.stderr)
+        return 130  # the shell's status for a command ended by SIGINT
 
 
 if __name__ == "__main__":

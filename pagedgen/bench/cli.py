@@ -20,14 +20,48 @@ from typing import Any
 from pagedgen.bench.extras import INSTALL_HINT, MissingBenchExtra, importable, require
 from pagedgen.cli import positive_int
 
-DEFAULT_BASELINES = "hf-static"
+DEFAULT_BASELINES = ""  # pagedgen alone: a plain run stays within minutes; baselines on request
+WORKLOAD_MEANINGS = {
+    "W1": "offline batch: every prompt the same length, fixed outputs",
+    "W2": "mixed lengths (online-like): prompts and outputs drawn from ranges",
+    "B1": "batch 1: one request at a time, the single-stream decode speed",
+    "R1": "batch 1, repeat-the-text prompts: where n-gram speculative decoding helps",
+}
+
+
+def _workloads_epilog() -> str:
+    from pagedgen.bench.workloads import NAMED_WORKLOADS
+
+    lines = ["named workloads (--workload):"]
+    for name, spec in NAMED_WORKLOADS.items():
+        lines.append(f"  {name}  {WORKLOAD_MEANINGS.get(name, '')}")
+        lines.append(f"      {spec.describe()}")
+    return "\n".join(lines)
+
+
+def _say(line: str) -> None:
+    """Progress as it happens, also when stdout is a pipe or a file."""
+    print(line, flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedgen bench", description="Benchmarks: offline, online, GEMM.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _throughput_parser(sub.add_parser("throughput", help="offline throughput vs transformers (and others)"))
-    _serve_parser(sub.add_parser("serve", help="online latency against a running 'pagedgen serve'"))
+    epilog = _workloads_epilog()
+    raw = argparse.RawDescriptionHelpFormatter
+    throughput = sub.add_parser(
+        "throughput",
+        help="offline throughput of pagedgen (baselines on request)",
+        description="Offline throughput: each workload's requests submitted at once. Baselines and the "
+        "float32-weights reference run only on request (--baselines, --reference).",
+        epilog=epilog,
+        formatter_class=raw,
+    )
+    _throughput_parser(throughput)
+    serve = sub.add_parser(
+        "serve", help="online latency against a running 'pagedgen serve'", epilog=epilog, formatter_class=raw
+    )
+    _serve_parser(serve)
     _gemm_parser(sub.add_parser("gemm", help="GEMM backend timings per shape and the table they imply"))
     _prefix_parser(sub.add_parser("prefix", help="TTFT and prefill work with prefix caching off and on"))
     _guidance_parser(sub.add_parser("guidance", help="decode-step cost of JSON-schema constrained decoding"))
@@ -259,7 +293,14 @@ def _throughput_parser(p: argparse.ArgumentParser) -> None:
         "--weights",
         choices=("native", "float32"),
         default="native",
-        help="pagedgen's weight format; with native, a float32-weights run is the fp32 reference too",
+        help="pagedgen's weight format (default: native)",
+    )
+    p.add_argument(
+        "--reference",
+        action="store_true",
+        help="with native weights, first run pagedgen on float32 weights too (pagedgen-f32w): the fp32 "
+        "reference of every match rate (default: pagedgen's own outputs are the reference; a second load "
+        "and run)",
     )
     p.add_argument(
         "--device", choices=("cpu", "cuda"), help="where every system runs (default: CUDA if present)"
@@ -282,7 +323,7 @@ def _throughput_parser(p: argparse.ArgumentParser) -> None:
         "--baselines",
         default=DEFAULT_BASELINES,
         help="comma list of hf-static, hf-cb, ort-genai, ort-genai-int4, vllm, vllm-eager, llama.cpp, run in "
-        "this order after pagedgen ('' none); the ort-genai ones need the bench extra",
+        "this order after pagedgen (default: none); the ort-genai ones need the bench extra",
     )
     p.add_argument(
         "--llama-cpp-dir",
@@ -469,11 +510,13 @@ def _load_model(
     random_weights: Path | None = None,
     weights_seed: int = 0,
     scratch: Path | None = None,
+    reference: bool = False,
 ) -> tuple[Any, Any, Path | None, Any]:
     """(model, tokenizer, checkpoint dir for the baselines, float32-weights reference model or None).
 
-    ``synthetic`` is the weightless test model. When the model runs its weights as stored (native), the same
-    checkpoint is also loaded on float32 weights: that run is the fp32 reference of every match rate.
+    ``synthetic`` is the weightless test model. With ``reference`` and the model running its weights as
+    stored (native), the same checkpoint is also loaded on float32 weights: that run is the fp32 reference of
+    every match rate.
     ``random_weights`` (a config dir) replaces ``name``: its checkpoint is written under ``scratch``
     (:mod:`pagedgen.bench.random_weights`).
     """
@@ -492,8 +535,8 @@ def _load_model(
         source = random_checkpoint(random_weights, scratch / "random-checkpoint", seed=weights_seed)
     model = Model(source, dtype=dtype, device=device, weights=weights)
     native = getattr(model.weights_format, "value", "float32") != "float32"
-    reference = Model(source, dtype=dtype, device=device, weights="float32") if native else None
-    return model, bench_tokenizer(model, model.checkpoint_dir), model.checkpoint_dir, reference
+    f32 = Model(source, dtype=dtype, device=device, weights="float32") if native and reference else None
+    return model, bench_tokenizer(model, model.checkpoint_dir), model.checkpoint_dir, f32
 
 
 def cmd_throughput(args: argparse.Namespace) -> int:
@@ -507,10 +550,14 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     plot = _plot_path(args.plot, args.json, "the throughput chart")
     _setup_machine(args.threads, args.gemm)
     on_cpu = args.device == "cpu" or (args.device is None and not _cuda_available())
+    if not args.no_roofline and on_cpu:
+        _say("measuring the fp32 GEMM peak (--no-roofline skips it) ...")
     peak = None if args.no_roofline or not on_cpu else measure_gemm_flops()  # a CPU GEMM roofline
     result = ThroughputResult(machine=machine_info(peak))
     _print_machine(result.machine)
     with tempfile.TemporaryDirectory(prefix="pagedgen-bench-") as scratch:  # a random checkpoint lives here
+        reference = " and its float32-weights reference" if args.reference else ""
+        _say(f"loading {args.random_weights or args.model!s} ({args.weights} weights){reference} ...")
         loaded = _load_model(
             args.model,
             args.weights,
@@ -519,6 +566,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
             random_weights=args.random_weights,
             weights_seed=args.weights_seed,
             scratch=Path(scratch),
+            reference=args.reference,
         )
         result.machine.update(device_info(loaded[0]))
         return _throughput_runs(args, specs, names, plot, peak, result, loaded)
@@ -591,6 +639,7 @@ def _throughput_runs(
             peak_flops=peak,
             profile=args.profile,
             result=result,
+            log=_say,
             reference_model=reference_model,
         )
     if "llama.cpp" in names:

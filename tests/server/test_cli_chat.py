@@ -1,4 +1,5 @@
-"""``pagedgen chat`` driven through a pseudo-terminal for two turns on the default model.
+"""``pagedgen chat`` driven through a pseudo-terminal: two turns on the default model, and the line editing,
+slash commands and turn counter on a tiny GGUF model.
 
 The second turn must continue the same engine Request: its prompt is only the new fragment the chat template
 adds (end of the previous reply, the new user message, the generation prompt), not the whole conversation.
@@ -15,9 +16,8 @@ import pexpect
 import pytest
 
 import pagedgen as pg
-from pagedgen.cli import CHAT_HELP
-
-pytestmark = pytest.mark.model
+from pagedgen.cli import CHAT_COMMANDS, CHAT_HELP
+from tests.model.tiny_checkpoints import TINY_RAW, random_state, write_gguf
 
 MAX_TOKENS = 8
 # Loading the model in the child process is the slow part; this bounds a hung child, it times nothing.
@@ -33,6 +33,7 @@ def _reply(child: pexpect.spawn) -> tuple[str, tuple[int, int, int, str]]:
     return text, (int(turn), int(prompt_tokens), int(generated), finish.decode())
 
 
+@pytest.mark.model
 def test_chat_two_turns_in_one_request(reference_llm):
     pagedgen = Path(sys.executable).with_name("pagedgen")
     child = pexpect.spawn(
@@ -99,3 +100,57 @@ def test_chat_two_turns_in_one_request(reference_llm):
     )
     assert second_text == fresh[0].text
     assert second_stats[2:] == (len(fresh[0].token_ids), fresh[0].finish_reason)
+
+
+UP = "\x1b[A"  # the Up arrow as a terminal sends it
+TURN = re.compile(rb"\[turn (\d+): prompt_tokens=\d+ generated_tokens=\d+ finish_reason=\w+\]")
+UNKNOWN_FOO = "[unknown command /foo: not sent to the model; /help lists the commands]"
+
+
+def test_chat_line_editing_slash_commands_and_turn_counter(tmp_path):
+    model = tmp_path / "tiny.gguf"
+    write_gguf(model, "llama", random_state(TINY_RAW), TINY_RAW)
+    pagedgen = Path(sys.executable).with_name("pagedgen")
+    child = pexpect.spawn(
+        str(pagedgen),
+        ["chat", "--model", str(model), "--max-tokens", "3", "--num-blocks", "32", "--stats"],
+        env={**os.environ, "TERM": "dumb", "PAGEDGEN_CACHE_DIR": str(tmp_path / "cache")},
+        echo=False,
+        timeout=EXPECT_TIMEOUT_S,
+    )
+    turns = []
+    try:
+        child.expect_exact(CHAT_HELP)
+        child.expect_exact(">>> ")
+        child.sendline("/help")
+        child.expect_exact(CHAT_COMMANDS.replace("\n", "\r\n"))
+        child.expect_exact(">>> ")
+        child.sendline("hello")
+        child.expect(TURN)
+        turns.append(int(child.match.group(1)))
+        child.expect_exact(">>> ")
+        child.sendline("/foo")  # refused here: no turn, nothing sent to the model
+        child.expect_exact(UNKNOWN_FOO)
+        child.expect_exact(">>> ")
+        assert TURN.search(child.before) is None
+        child.send(UP + "\r")  # recalls "/foo" (without readline it would send "^[[A" as a message)
+        index = child.expect([re.escape(UNKNOWN_FOO.encode()), TURN])
+        assert index == 0
+        child.expect_exact(">>> ")
+        child.send(UP + UP + "\r")  # two lines back: "hello", a second turn
+        child.expect(TURN)
+        turns.append(int(child.match.group(1)))
+        child.expect_exact(">>> ")
+        child.sendline("/reset")
+        child.expect_exact("[new conversation]")
+        child.expect_exact(">>> ")
+        child.sendline("again")
+        child.expect(TURN)
+        turns.append(int(child.match.group(1)))
+        child.expect_exact(">>> ")
+        child.sendline("/quit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert turns == [1, 2, 1]  # the counter restarts with the conversation
+    assert child.exitstatus == 0
