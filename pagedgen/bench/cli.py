@@ -26,6 +26,8 @@ WORKLOAD_MEANINGS = {
     "W2": "mixed lengths (online-like): prompts and outputs drawn from ranges",
     "B1": "batch 1: one request at a time, the single-stream decode speed",
     "R1": "batch 1, repeat-the-text prompts: where n-gram speculative decoding helps",
+    "PP512": "llama-bench's prompt test: 512-token prompts, one token out, batch 1 (prefill speed)",
+    "TG128": "llama-bench's generation test: 1-token prompts, 128 tokens out, batch 1 (decode speed)",
 }
 
 
