@@ -23,6 +23,18 @@ RECOVERABLE = [
 ]
 RECOVERABLE_IDS = [f"{p}-{type(e).__name__}" for p, e in RECOVERABLE]
 
+# A JSON schema whose every object requires two more of itself: llguidance's item limit refuses it.
+RECURSIVE = {
+    "$defs": {
+        "n": {
+            "type": "object",
+            "properties": {"a": {"$ref": "#/$defs/n"}, "b": {"$ref": "#/$defs/n"}},
+            "required": ["a", "b"],
+        }
+    },
+    "$ref": "#/$defs/n",
+}
+
 # ---- engine on the synthetic model ------------------------------------------------------------------
 
 VOCAB = 257

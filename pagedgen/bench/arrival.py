@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedgen.bench.extras import require
-from pagedgen.bench.serve import LatencyStats, chunk_has_text, parse_sse_line, send_request
+from pagedgen.bench.serve import LatencyStats, chunk_has_text, parse_sse_line, record_dict, send_request
 from pagedgen.bench.workloads import BenchRequest
 
 POLL_S = 0.01  # how often the scenario looks at the streams' progress
@@ -48,15 +48,7 @@ class ArrivalSummary:
     errors: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for name in self.__slots__:
-            value = getattr(self, name)
-            if isinstance(value, LatencyStats):
-                value = {k: getattr(value, k) for k in value.__slots__}
-            elif isinstance(value, tuple):
-                value = list(value)
-            out[name] = value
-        return out
+        return record_dict(self)
 
 
 def split_gaps(chunk_times: Sequence[float], sent: float, first: float) -> tuple[list[float], list[float]]:

@@ -91,6 +91,19 @@ class LatencyStats:
         return cls(float(ms.mean()), p50, p90, p99, len(seconds), float(ms.max()))
 
 
+def record_dict(record: Any) -> dict[str, Any]:
+    """A slotted bench record as JSON-ready values: LatencyStats as dicts, tuples as lists, inf as None."""
+    out: dict[str, Any] = {}
+    for name in record.__slots__:
+        value = getattr(record, name)
+        if isinstance(value, LatencyStats):
+            value = {k: getattr(value, k) for k in value.__slots__}
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[name] = None if isinstance(value, float) and math.isinf(value) else value
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class ServeSummary:
     """What one rate produced: counts, throughput over the run's duration, and the four latency metrics."""
@@ -113,14 +126,7 @@ class ServeSummary:
     rejected: int = 0  # answered 429 (admission queue full)
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for name in self.__slots__:
-            value = getattr(self, name)
-            if isinstance(value, LatencyStats):
-                value = {k: getattr(value, k) for k in value.__slots__}
-            elif isinstance(value, tuple):
-                value = list(value)
-            out[name] = None if isinstance(value, float) and math.isinf(value) else value
+        out = record_dict(self)
         out["request_rate"] = "inf" if math.isinf(self.request_rate) else self.request_rate
         return out
 

@@ -18,20 +18,11 @@ import httpx
 import pytest
 
 from pagedgen.models.synthetic import SyntheticModel, SyntheticTokenizer
+from tests.helpers import RECURSIVE
 from tests.server.doubles import VOCAB, app_state, expected_text, serve
 
 NEIGHBOUR_PROMPT = [5, 6, 7]
 NEIGHBOUR_TOKENS = 300
-RECURSIVE = {
-    "$defs": {
-        "n": {
-            "type": "object",
-            "properties": {"a": {"$ref": "#/$defs/n"}, "b": {"$ref": "#/$defs/n"}},
-            "required": ["a", "b"],
-        }
-    },
-    "$ref": "#/$defs/n",
-}
 
 
 def mib_regex() -> str:

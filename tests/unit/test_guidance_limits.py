@@ -20,19 +20,10 @@ from pagedgen.guidance.masks import MaskComputer, MaskRow
 from pagedgen.guidance.spec import GuidanceError, parser_limits
 from pagedgen.guidance.tokenizer import guidance_tokenizer
 from pagedgen.models.synthetic import SyntheticModel
+from tests.helpers import RECURSIVE
 
 V = 257
 EOS = 256
-RECURSIVE = {
-    "$defs": {
-        "n": {
-            "type": "object",
-            "properties": {"a": {"$ref": "#/$defs/n"}, "b": {"$ref": "#/$defs/n"}},
-            "required": ["a", "b"],
-        }
-    },
-    "$ref": "#/$defs/n",
-}
 CHOICES = "start: " + " | ".join(json.dumps(f"c{i}") for i in range(20_000))
 
 
