@@ -72,19 +72,19 @@ def test_unknown_gguf_architecture_is_named(tmp_path):
 
 
 def test_unsupported_gguf_quant_type_is_named_and_nothing_is_cached(tmp_path):
-    path = tmp_path / "q2k.gguf"
+    path = tmp_path / "iq4.gguf"  # IQ4_NL: not among llama.cpp's common recipes, so not supported
     writer = gguf.GGUFWriter(str(path), "llama")
     _add_tiny_metadata(writer)
-    q2k = gguf.GGMLQuantizationType.Q2_K
+    iq4 = gguf.GGMLQuantizationType.IQ4_NL
     writer.add_tensor(
-        "blk.0.ffn_up.weight", np.zeros((96, 84), dtype=np.uint8), raw_dtype=q2k
-    )  # 256 values/row
+        "blk.0.ffn_up.weight", np.zeros((96, 144), dtype=np.uint8), raw_dtype=iq4
+    )  # 256 values/row: eight 18-byte blocks
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(
-        ModelLoadError, match=r"q2k\.gguf: tensor 'blk\.0\.ffn_up\.weight' uses GGUF type Q2_K"
+        ModelLoadError, match=r"iq4\.gguf: tensor 'blk\.0\.ffn_up\.weight' uses GGUF type IQ4_NL"
     ):
         Model(str(path))
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*"))
