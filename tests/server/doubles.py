@@ -85,3 +85,33 @@ def wait_until(condition: Callable[[], bool], what: str) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"never happened: {what}"
         time.sleep(0.01)
+
+
+class ChatTokenizer(SyntheticTokenizer):
+    """The synthetic codec with a chat template: ``role: content`` lines; remembers the tools it saw."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__(vocab_size)
+        self.seen_tools: list[object] = []
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tools=None, **_variables) -> str:
+        self.seen_tools.append(tools)
+        lines = [f"{m['role']}: {m['content']}" for m in messages]
+        return "\n".join(lines) + ("\nassistant: " if add_generation_prompt else "")
+
+
+def serve_counting_submits(model, tokenizer) -> LiveServer:
+    """:func:`serve` whose ``.submitted`` lists every job handed to the worker (refusals submit none)."""
+    live = serve(model, tokenizer=tokenizer)
+    worker = app_state(live).worker
+    submitted = []
+    original = worker.submit
+
+    def counting_submit(*args, **kwargs):
+        submitted.append(args)
+        return original(*args, **kwargs)
+
+    worker.submit = counting_submit
+    live.submitted = submitted
+    live.tokenizer = tokenizer
+    return live

@@ -17,9 +17,9 @@ import threading
 import httpx
 import pytest
 
-from pagedgen.models.synthetic import SyntheticModel, SyntheticTokenizer
+from pagedgen.models.synthetic import SyntheticModel
 from tests.helpers import RECURSIVE
-from tests.server.doubles import VOCAB, app_state, expected_text, serve
+from tests.server.doubles import VOCAB, ChatTokenizer, app_state, expected_text, serve_counting_submits
 
 NEIGHBOUR_PROMPT = [5, 6, 7]
 NEIGHBOUR_TOKENS = 300
@@ -58,27 +58,9 @@ PROBE_IDS = ["nested-repeat-regex", "exponential-lark", "20k-choices", "1mib-reg
              "recursive-tool"]  # fmt: skip
 
 
-class ChatTokenizer(SyntheticTokenizer):
-    """The synthetic codec with a trivial chat template (``role: content`` lines)."""
-
-    def apply_chat_template(self, messages, add_generation_prompt=True, tools=None, **_variables) -> str:
-        lines = [f"{m['role']}: {m['content']}" for m in messages]
-        return "\n".join(lines) + ("\nassistant: " if add_generation_prompt else "")
-
-
 @pytest.fixture(scope="module")
 def server():
-    live = serve(SyntheticModel(vocab_size=VOCAB), tokenizer=ChatTokenizer(VOCAB))
-    worker = app_state(live).worker
-    submitted = []
-    original = worker.submit
-
-    def counting_submit(*args, **kwargs):
-        submitted.append(args)
-        return original(*args, **kwargs)
-
-    worker.submit = counting_submit
-    live.submitted = submitted
+    live = serve_counting_submits(SyntheticModel(vocab_size=VOCAB), ChatTokenizer(VOCAB))
     yield live
     live.stop()
 

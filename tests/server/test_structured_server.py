@@ -15,8 +15,8 @@ import httpx
 import jsonschema
 import pytest
 
-from pagedgen.models.synthetic import SyntheticModel, SyntheticTokenizer
-from tests.server.doubles import VOCAB, app_state, serve
+from pagedgen.models.synthetic import SyntheticModel
+from tests.server.doubles import VOCAB, ChatTokenizer, app_state, serve_counting_submits
 
 TOOLS = [
     {
@@ -36,34 +36,9 @@ TOOLS = [
 CHAT = [{"role": "user", "content": "Hi"}]
 
 
-class ChatTokenizer(SyntheticTokenizer):
-    """The synthetic codec with a chat template: ``role: content`` lines; remembers the tools it saw."""
-
-    def __init__(self, vocab_size: int):
-        super().__init__(vocab_size)
-        self.seen_tools: list[object] = []
-
-    def apply_chat_template(self, messages, add_generation_prompt=True, tools=None, **_variables) -> str:
-        self.seen_tools.append(tools)
-        lines = [f"{m['role']}: {m['content']}" for m in messages]
-        return "\n".join(lines) + ("\nassistant: " if add_generation_prompt else "")
-
-
 @pytest.fixture(scope="module")
 def server():
-    tokenizer = ChatTokenizer(VOCAB)
-    live = serve(SyntheticModel(vocab_size=VOCAB), tokenizer=tokenizer)
-    worker = app_state(live).worker
-    submitted = []
-    original = worker.submit
-
-    def counting_submit(*args, **kwargs):
-        submitted.append(args)
-        return original(*args, **kwargs)
-
-    worker.submit = counting_submit
-    live.submitted = submitted
-    live.tokenizer = tokenizer
+    live = serve_counting_submits(SyntheticModel(vocab_size=VOCAB), ChatTokenizer(VOCAB))
     yield live
     live.stop()
 
