@@ -19,6 +19,7 @@ import torch
 
 from pagedgen.bench.memory import PeakRss
 from pagedgen.bench.profile import ProfileSummary, StepProfiler
+from pagedgen.bench.progress import ProgressLine
 from pagedgen.bench.records import BenchRecord, RunStatus, SystemRun, SystemSkipped, make_record
 from pagedgen.bench.roofline import flop_model_of
 from pagedgen.bench.workloads import BenchRequest, WorkloadSpec, build_workload
@@ -75,11 +76,13 @@ def run_pagedgen(
     profile: bool = False,
     speculative: str | None = None,
     num_speculative_tokens: int = 4,
+    progress: ProgressLine | None = None,
 ) -> PagedgenRun:
     """Generate every request's tokens on one fresh Engine; returns outputs in request order.
 
-    ``speculative`` puts that proposer above the engine (:func:`pagedgen.spec.make_driver`). Raises
-    :class:`EngineError` if the engine fails or a turn ends before its requested length.
+    ``speculative`` puts that proposer above the engine (:func:`pagedgen.spec.make_driver`); ``progress``
+    is told each step's tokens and finished requests. Raises :class:`EngineError` if the engine fails or a
+    turn ends before its requested length.
     """
     from pagedgen.engine.engine import Engine
     from pagedgen.spec import make_driver
@@ -92,7 +95,7 @@ def run_pagedgen(
         drafter = make_driver(engine, speculative, num_speculative_tokens)
         buffer = engine.create_event_buffer(4 * config.max_batch_size + 16)
         start = time.perf_counter()
-        outputs, peak_blocks = _drive(engine, buffer, model, requests, profiler, drafter)
+        outputs, peak_blocks = _drive(engine, buffer, model, requests, profiler, drafter, progress)
         wall = time.perf_counter() - start
         stats = engine.stats()
         details = {"steps": stats.steps, "rollbacks": stats.rollbacks}
@@ -118,6 +121,7 @@ def _drive(
     requests: Sequence[BenchRequest],
     profiler: StepProfiler | None,
     drafter: Any = None,
+    progress: ProgressLine | None = None,
 ) -> tuple[list[list[int]], int]:
     """Submit all requests, run the engine loop to completion (``drafter`` proposing before each step);
     returns outputs and peak blocks in use."""
@@ -142,6 +146,7 @@ def _drive(
         if drafter is not None:
             drafter.propose(open_handles.values())
         events = profiler.run(engine, buffer) if profiler is not None else engine.run(buffer)
+        tokens_before, open_before = sum(map(len, outputs)), len(open_handles)
         for event in events:
             if event.request is None:
                 if event.flags & EngineEventFlags.FAILED:
@@ -155,6 +160,8 @@ def _drive(
                     raise EngineError(f"request {i} finished with {event.finish_reason.value}")
                 del open_handles[id(event.request)]
                 event.request.close()
+        if progress is not None:
+            progress.advance(sum(map(len, outputs)) - tokens_before, open_before - len(open_handles))
         stats = engine.stats()
         peak_blocks = max(peak_blocks, stats.total_blocks - stats.free_blocks)
     return outputs, peak_blocks
@@ -225,13 +232,17 @@ def bench_workload(
     if reference_model is not None:  # pagedgen on float32 weights first: the reference of every record
         run_pagedgen(reference_model, warmup_requests(requests), config)
         with PeakRss() as rss:
-            f32 = run_pagedgen(reference_model, requests, config)
+            f32 = run_pagedgen(
+                reference_model, requests, config, progress=_progress("pagedgen-f32w", requests, log)
+            )
         reference = Reference(f32.run.outputs, reference_name(reference_model))
         costs = (model_flops, peak_flops, rss.peak_bytes)
         _record_pagedgen(spec, "pagedgen-f32w", requests, f32.run, costs, batch, reference, result, log)
     run_pagedgen(model, warmup_requests(requests), config)
     with PeakRss() as rss:
-        paged = run_pagedgen(model, requests, config, profile=profile)
+        paged = run_pagedgen(
+            model, requests, config, profile=profile, progress=_progress("pagedgen", requests, log)
+        )
     if reference is None:
         reference = Reference(paged.run.outputs, reference_name(model))
     costs = (model_flops, peak_flops, rss.peak_bytes)
@@ -242,9 +253,16 @@ def bench_workload(
     if options.speculative is not None:
         _bench_speculative(spec, model, requests, config, options, costs, batch, reference, result, log)
     for name, runner in baselines.items():
+        log(f"  {name:<14} ... running (warm-up, then {len(requests)} requests)")
         record = _run_baseline(spec, name, runner, requests, batch, reference, model_flops, peak_flops)
         result.records.append(record)
         log(_one_line(record))
+
+
+def _progress(label: str, requests: Sequence[BenchRequest], log: Callable[[str], None]) -> ProgressLine:
+    """A progress line for one timed pagedgen run of ``requests``."""
+    total = sum(r.output_len for r in requests)
+    return ProgressLine(label, total_tokens=total, total_requests=len(requests), log=log)
 
 
 def _record_pagedgen(
@@ -293,7 +311,14 @@ def _bench_speculative(
     method, k = options.speculative, options.num_speculative_tokens
     run_pagedgen(model, warmup_requests(requests), config, speculative=method, num_speculative_tokens=k)
     with PeakRss() as rss:
-        drafted = run_pagedgen(model, requests, config, speculative=method, num_speculative_tokens=k)
+        drafted = run_pagedgen(
+            model,
+            requests,
+            config,
+            speculative=method,
+            num_speculative_tokens=k,
+            progress=_progress(f"pagedgen+{method}", requests, log),
+        )
     costs = (costs[0], costs[1], rss.peak_bytes)
     _record_pagedgen(spec, f"pagedgen+{method}", requests, drafted.run, costs, batch, reference, result, log)
     plain = next(r for r in reversed(result.records) if r.workload == spec.name and r.system == "pagedgen")

@@ -23,7 +23,9 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import WebDriverWait
 
+import pagedgen as pg
 from pagedgen.models.synthetic import SyntheticModel, SyntheticTokenizer
+from pagedgen.server.app import ServerOptions, build_app
 from tests.server.conftest import metric
 from tests.server.doubles import (
     NUM_BLOCKS,
@@ -35,6 +37,7 @@ from tests.server.doubles import (
     settled_metrics,
 )
 from tests.server.doubles import wait_until as server_wait_until
+from tests.server.live import LiveServer
 
 WAIT_S = 120
 KEY = "page-key-42"
@@ -335,6 +338,54 @@ def test_a_stopped_server_is_reported(browser):
     say(browser, "Hello?")
     assert error_text(browser) == "Cannot reach the server: is `pagedgen serve` still running?"
     assert browser.find_element(By.ID, "input").get_attribute("value") == "Hello?"
+
+
+class CutAfterEvents:
+    """ASGI wrapper that ends each chat-completions stream after its first ``events`` SSE events, with no
+    ``[DONE]``: what a client sees when a proxy or the network drops the connection mid-answer."""
+
+    def __init__(self, app, events: int) -> None:
+        self.app, self.events = app, events
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] != "/v1/chat/completions":
+            return await self.app(scope, receive, send)
+        seen, cut = 0, False
+
+        async def cutting_send(message):
+            nonlocal seen, cut
+            if cut:
+                return  # the client's connection is already over: the rest is dropped
+            if message["type"] == "http.response.body":
+                seen += message.get("body", b"").count(b"data: ")
+                if seen >= self.events:
+                    cut = True
+                    message = {**message, "more_body": False}
+            await send(message)
+
+        await self.app(scope, receive, cutting_send)
+
+
+def test_an_answer_cut_off_before_done_is_reported_and_kept(browser):
+    config = pg.EngineConfig(max_batch_size=8, num_blocks=NUM_BLOCKS, debug_invariants=True)
+    app = build_app(
+        SyntheticModel(vocab_size=VOCAB), config, ServerOptions(model_name="synthetic"), tokenizer=TOKENIZER
+    )
+    live = LiveServer(CutAfterEvents(app, events=4)).start()
+    try:
+        open_page(browser, live)
+        settings(browser, temperature="0", max_tokens="40")
+        say(browser, "Tell me more")
+        message = error_text(browser)
+        assert message == "The answer was cut off: the connection closed before the server finished it."
+        kept = stored_history(browser)
+        assert [m["role"] for m in kept] == ["user", "assistant"]
+        full = answer_to([{"role": "user", "content": "Tell me more"}], 40)
+        assert kept[1]["content"] != "" and full.startswith(kept[1]["content"]) and kept[1]["content"] != full
+        assert "streaming" not in answers(browser)[0].get_attribute("class")
+        assert not browser.find_element(By.ID, "stop").is_displayed()
+    finally:
+        live.stop()
 
 
 def test_the_api_key_flow(browser):

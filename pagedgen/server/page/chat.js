@@ -72,6 +72,7 @@
   }
 
   const UNREACHABLE = "Cannot reach the server: is `pagedgen serve` still running?";
+  const CUT_OFF = "The answer was cut off: the connection closed before the server finished it.";
 
   async function fetchModel() {
     try {
@@ -170,13 +171,14 @@
   }
 
   // Reads SSE events from a fetch body; calls onEvent with each parsed JSON payload until [DONE].
+  // Returns true at [DONE], false when the body ended first (the connection was cut).
   async function readEvents(response, onEvent) {
     const reader = response.body.getReader();
     const decoder = new TextDecoder();
     let buffer = "";
     for (;;) {
       const { value, done } = await reader.read();
-      if (done) return;
+      if (done) return false;
       buffer += decoder.decode(value, { stream: true });
       let end;
       while ((end = buffer.indexOf("\n\n")) >= 0) {
@@ -185,7 +187,7 @@
         for (const line of event.split("\n")) {
           if (!line.startsWith("data: ")) continue;
           const data = line.slice(6);
-          if (data === "[DONE]") return;
+          if (data === "[DONE]") return true;
           onEvent(JSON.parse(data));
         }
       }
@@ -227,7 +229,7 @@
         signal: controller.signal,
       });
       if (!response.ok) throw new Error(await errorOf(response));
-      await readEvents(response, (chunk) => {
+      const complete = await readEvents(response, (chunk) => {
         if (chunk.error) throw new Error("The server ended the answer: " + chunk.error.message);
         const choice = chunk.choices && chunk.choices[0];
         if (choice && choice.delta && choice.delta.content) {
@@ -238,6 +240,7 @@
         if (choice && choice.finish_reason) answer.stats = { finish_reason: choice.finish_reason };
         if (chunk.usage) answer.stats = { ...answer.stats, ...usageStats(chunk.usage, started, firstAt) };
       });
+      if (!complete) throw new Error(CUT_OFF);
     } catch (err) {
       if (err.name === "AbortError") stopped = true;
       else failure = err instanceof TypeError ? UNREACHABLE : err.message;
