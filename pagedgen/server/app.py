@@ -72,6 +72,7 @@ from pagedgen.server.metrics import ServerMetrics
 from pagedgen.server.page import add_chat_page
 from pagedgen.server.prompting import chat_prompt_ids
 from pagedgen.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedgen.server.reasoning import PROMPT_TAIL_TOKENS, ReasoningResponses, reasoning_parser
 from pagedgen.server.responses import ChatResponses, CompletionResponses
 from pagedgen.server.routes_misc import MiscContext, add_misc_routes, check_model, model_card
 from pagedgen.server.sse import DONE, EventStreamResponse, sse_event
@@ -119,7 +120,8 @@ class ServerOptions:
     ``parse_special_in_content``: read special-token strings in messages and prompts as special tokens
     (off: they are text, and only the chat template's markup writes control tokens).
     ``allowed_origins``: the web origins answered cross-origin (``*`` for all; empty: no CORS), see
-    :mod:`pagedgen.server.cors`.
+    :mod:`pagedgen.server.cors`. ``reasoning_parser``: how chat replies split into reasoning and content
+    (:mod:`pagedgen.server.reasoning`; None: they are all content).
     """
 
     model_name: str = "default"
@@ -136,8 +138,11 @@ class ServerOptions:
     allowed_hosts: frozenset[str] | None = None
     parse_special_in_content: bool = False
     allowed_origins: tuple[str, ...] = ()
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
+        if self.reasoning_parser is not None:
+            reasoning_parser(self.reasoning_parser)  # ValueError naming the known parsers
         for origin in self.allowed_origins:
             check_origin(origin)
         if not self.model_name:
@@ -343,6 +348,9 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
         builder = ChatResponses(
             name, server.tokenizer, body.requested_logprobs, body.include_usage, body.forced_tool_calls
         )
+        if server.options.reasoning_parser is not None:
+            parser = reasoning_parser(server.options.reasoning_parser)
+            builder = ReasoningResponses(builder, parser, body.chat_template_kwargs or {})
         parse = server.options.parse_special_in_content
         prepare = functools.partial(
             _chat_ids, server.tokenizer, messages, body.template_tools, parse, **body.template_options()
@@ -488,6 +496,8 @@ async def _serve(
     try:
         params = await _sampling_params(server, body)
         ids = await asyncio.get_running_loop().run_in_executor(server.prepare_pool, prepare)
+        if isinstance(builder, ReasoningResponses):
+            params = await _after_reasoning(server, body, builder, params, ids)
         response = await _run_job(server, body, params, ids, builder, arrived, prompt_param, request, ticket)
         return response
     finally:
@@ -516,6 +526,23 @@ async def _sampling_params(server: _Server, body: Any) -> SamplingParams:
         param = body.constraint_param if exc.field == "guidance" else body.wire_name(exc.field)
         raise ApiError(400, str(exc), param=param) from exc
     return params
+
+
+async def _after_reasoning(
+    server: _Server, body: Any, builder: ReasoningResponses, params: SamplingParams, ids: list[int]
+) -> SamplingParams:
+    """Start the reply's reasoning split where the prompt leaves it, and move the output constraint (if
+    any) after the reasoning; a combined grammar that does not compile is a 400 naming the constraint."""
+    builder.begin(server.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False))
+    if params.structured_outputs is None:
+        return params
+    try:
+        constrained = await asyncio.to_thread(builder.constrain, params)
+        if constrained is not params:
+            await asyncio.to_thread(constrained.generator_params, server.model)
+    except (SamplingOptionsError, InvalidArgumentError) as exc:
+        raise ApiError(400, str(exc), param=body.constraint_param) from exc
+    return constrained
 
 
 async def _run_job(
