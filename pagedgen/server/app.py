@@ -344,7 +344,8 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
         if not hasattr(server.tokenizer, "apply_chat_template"):
             raise ApiError(400, f"model {name!r} has no chat template: use /v1/completions", param="messages")
         messages = [m.as_template_message() for m in body.messages]
-        _check_text(server, prompt_chars(messages), body.requested_max_tokens, "messages")
+        tokens = body.wire_name("max_tokens")
+        _check_text(server, prompt_chars(messages), body.requested_max_tokens, "messages", tokens)
         builder = ChatResponses(
             name, server.tokenizer, body.requested_logprobs, body.include_usage, body.forced_tool_calls
         )
@@ -440,12 +441,16 @@ async def _complete_batch(
     return {**results[0], "choices": choices, "usage": usage}
 
 
-def _check_text(server: _Server, num_chars: int, max_tokens: int | None, param: str) -> None:
-    """Refuse, before any templating or tokenizing, a text too long to fit the context whatever it says."""
+def _check_text(
+    server: _Server, num_chars: int, max_tokens: int | None, param: str, tokens_param: str = "max_tokens"
+) -> None:
+    """Refuse, before any templating or tokenizing, a text too long to fit the context whatever it says
+    (``tokens_param`` is named when the completion alone fills the context)."""
     bound = getattr(server.tokenizer, "max_token_chars", None)
     problem = check_text_fits(num_chars, max_tokens, server.context, bound)
     if problem is not None:
-        raise ApiError(400, problem, param=param, code="context_length_exceeded")
+        alone = max_tokens is not None and max_tokens >= server.context
+        raise ApiError(400, problem, param=tokens_param if alone else param, code="context_length_exceeded")
 
 
 def _chat_ids(

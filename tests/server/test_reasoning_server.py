@@ -19,7 +19,7 @@ from pagedgen import cli
 from pagedgen.server.app import ServerOptions, build_app
 from tests.server.doubles import client_of
 from tests.server.live import LiveServer
-from tests.server.reasoning_doubles import EOS, VOCAB, ScriptedModel, ThinkingTemplate, scripted
+from tests.server.reasoning_doubles import EOS, VOCAB, ScriptedModel, ThinkingTemplate, script_reply
 
 CHAT = [{"role": "user", "content": "Hi"}]
 SCHEMA = {
@@ -43,8 +43,7 @@ class Scripted:
         self.api = client_of(self.live)
 
     def reply(self, text: str, **variables) -> None:
-        self.model.script = scripted(text)
-        self.model.prompt_len = len(self.template.apply_chat_template(CHAT, **variables))
+        script_reply(self.model, self.template, CHAT, text, **variables)
 
     def stop(self) -> None:
         self.live.stop()
