@@ -302,20 +302,34 @@ def _error_param(error: Any, body: Any) -> str | None:
 
     pydantic's ``loc`` also names union members (``str``, ``list[TextPart]``) and discriminator values
     (``json_schema``); walking the request body along it keeps only the segments that are its keys and
-    indexes (and a last, missing field's name)."""
+    indexes (and a last, missing field's name). A discriminator value can also be a key of the object
+    (``response_format: {"type": "json_schema", "json_schema": ...}``): for an unknown key, the walk that
+    skips the value and reaches the key wins (``response_format.strictly``)."""
     ctx = error.get("ctx") or {}
     if error.get("type") in _NAMED_ERRORS and isinstance(ctx.get("param"), str):
         return ctx["param"]
     loc = [part for part in error.get("loc", ()) if part != "body"]
-    path, node = "", body
+    path, reached = _body_path(loc, body, skip_tags=False)
+    if error.get("type") == "extra_forbidden" and not reached:
+        tagless, reached = _body_path(loc, body, skip_tags=True)
+        if reached:
+            return tagless
+    return path
+
+
+def _body_path(loc: list[Any], body: Any, *, skip_tags: bool) -> tuple[str | None, bool]:
+    """The body path along ``loc``, and whether its last segment is in the body."""
+    path, node, present = "", body, False
     for index, part in enumerate(loc):
+        if skip_tags and isinstance(node, dict) and node.get("type") == part and index < len(loc) - 1:
+            continue  # the discriminator's value, not a key
         present = isinstance(node, dict) and part in node
         present = present or (isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node))
         if not present and (index < len(loc) - 1 or _PYDANTIC_TAG.search(str(part))):
             continue  # a union member's or a discriminator's tag
         path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
         node = node[part] if present else None
-    return path or None
+    return path or None, present
 
 
 def _add_routes(app: FastAPI, server: _Server) -> None:
