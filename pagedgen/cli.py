@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve)
     _add_speculative_args(serve)
     _add_content_args(serve)
+    _add_reasoning_args(serve)
 
     generate = _subcommand(parser, sub, "generate", help="complete prompts offline and print the completions")
     generate.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text (one completion each)")
@@ -153,6 +154,28 @@ def _origins(text: str) -> tuple[str, ...]:
         return parse_allowed_origins(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _reasoning_parser(name: str | None) -> str | None:
+    """``--reasoning-parser``, checked after parsing: an unknown name is one line and exit status 2."""
+    from pagedgen.server.reasoning import reasoning_parser
+
+    if name is None:
+        return None
+    try:
+        return reasoning_parser(name).name
+    except ValueError as exc:
+        raise UsageError(f"--reasoning-parser: {exc}") from None
+
+
+def _add_reasoning_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--reasoning-parser",
+        default=None,
+        metavar="NAME",
+        help="split a reasoning model's <think>...</think> from its answer into message.reasoning_content "
+        "(and reasoning): deepseek_r1, qwen3 or think (default: none, all text is content)",
+    )
 
 
 def _non_negative_seconds(text: str) -> float:
@@ -350,6 +373,7 @@ def server_options(args: argparse.Namespace) -> Any:
         allowed_hosts=host_allow_list(args.host, api_key, args.allowed_host),
         parse_special_in_content=args.parse_special_in_content,
         allowed_origins=args.allowed_origins,
+        reasoning_parser=_reasoning_parser(args.reasoning_parser),
     )
 
 
@@ -357,10 +381,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pagedgen.server.app import build_app
     from pagedgen.server.lifecycle import build_server
 
-    # Before the model loads: a busy port fails in a second, not after minutes of loading.
+    # Before the model loads: a bad option or a busy port fails in a second, not after minutes of loading.
+    options = server_options(args)
     check_port_free(args.host, args.port)
     _log_to_stderr(args.log_level)
-    options = server_options(args)
     model = _load_model(args.model, args.weights)
     config = engine_config(args)
     app = build_app(model, config, options)

@@ -72,6 +72,7 @@ from pagedgen.server.metrics import ServerMetrics
 from pagedgen.server.page import add_chat_page
 from pagedgen.server.prompting import chat_prompt_ids
 from pagedgen.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedgen.server.reasoning import PROMPT_TAIL_TOKENS, ReasoningResponses, reasoning_parser
 from pagedgen.server.responses import ChatResponses, CompletionResponses
 from pagedgen.server.routes_misc import MiscContext, add_misc_routes, check_model, model_card
 from pagedgen.server.sse import DONE, EventStreamResponse, sse_event
@@ -119,7 +120,8 @@ class ServerOptions:
     ``parse_special_in_content``: read special-token strings in messages and prompts as special tokens
     (off: they are text, and only the chat template's markup writes control tokens).
     ``allowed_origins``: the web origins answered cross-origin (``*`` for all; empty: no CORS), see
-    :mod:`pagedgen.server.cors`.
+    :mod:`pagedgen.server.cors`. ``reasoning_parser``: how chat replies split into reasoning and content
+    (:mod:`pagedgen.server.reasoning`; None: they are all content).
     """
 
     model_name: str = "default"
@@ -136,8 +138,11 @@ class ServerOptions:
     allowed_hosts: frozenset[str] | None = None
     parse_special_in_content: bool = False
     allowed_origins: tuple[str, ...] = ()
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
+        if self.reasoning_parser is not None:
+            reasoning_parser(self.reasoning_parser)  # ValueError naming the known parsers
         for origin in self.allowed_origins:
             check_origin(origin)
         if not self.model_name:
@@ -297,20 +302,34 @@ def _error_param(error: Any, body: Any) -> str | None:
 
     pydantic's ``loc`` also names union members (``str``, ``list[TextPart]``) and discriminator values
     (``json_schema``); walking the request body along it keeps only the segments that are its keys and
-    indexes (and a last, missing field's name)."""
+    indexes (and a last, missing field's name). A discriminator value can also be a key of the object
+    (``response_format: {"type": "json_schema", "json_schema": ...}``): for an unknown key, the walk that
+    skips the value and reaches the key wins (``response_format.strictly``)."""
     ctx = error.get("ctx") or {}
     if error.get("type") in _NAMED_ERRORS and isinstance(ctx.get("param"), str):
         return ctx["param"]
     loc = [part for part in error.get("loc", ()) if part != "body"]
-    path, node = "", body
+    path, reached = _body_path(loc, body, skip_tags=False)
+    if error.get("type") == "extra_forbidden" and not reached:
+        tagless, reached = _body_path(loc, body, skip_tags=True)
+        if reached:
+            return tagless
+    return path
+
+
+def _body_path(loc: list[Any], body: Any, *, skip_tags: bool) -> tuple[str | None, bool]:
+    """The body path along ``loc``, and whether its last segment is in the body."""
+    path, node, present = "", body, False
     for index, part in enumerate(loc):
+        if skip_tags and isinstance(node, dict) and node.get("type") == part and index < len(loc) - 1:
+            continue  # the discriminator's value, not a key
         present = isinstance(node, dict) and part in node
         present = present or (isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node))
         if not present and (index < len(loc) - 1 or _PYDANTIC_TAG.search(str(part))):
             continue  # a union member's or a discriminator's tag
         path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
         node = node[part] if present else None
-    return path or None
+    return path or None, present
 
 
 def _add_routes(app: FastAPI, server: _Server) -> None:
@@ -339,10 +358,14 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
         if not hasattr(server.tokenizer, "apply_chat_template"):
             raise ApiError(400, f"model {name!r} has no chat template: use /v1/completions", param="messages")
         messages = [m.as_template_message() for m in body.messages]
-        _check_text(server, prompt_chars(messages), body.requested_max_tokens, "messages")
+        tokens = body.wire_name("max_tokens")
+        _check_text(server, prompt_chars(messages), body.requested_max_tokens, "messages", tokens)
         builder = ChatResponses(
             name, server.tokenizer, body.requested_logprobs, body.include_usage, body.forced_tool_calls
         )
+        if server.options.reasoning_parser is not None:
+            parser = reasoning_parser(server.options.reasoning_parser)
+            builder = ReasoningResponses(builder, parser, body.chat_template_kwargs or {})
         parse = server.options.parse_special_in_content
         prepare = functools.partial(
             _chat_ids, server.tokenizer, messages, body.template_tools, parse, **body.template_options()
@@ -432,12 +455,16 @@ async def _complete_batch(
     return {**results[0], "choices": choices, "usage": usage}
 
 
-def _check_text(server: _Server, num_chars: int, max_tokens: int | None, param: str) -> None:
-    """Refuse, before any templating or tokenizing, a text too long to fit the context whatever it says."""
+def _check_text(
+    server: _Server, num_chars: int, max_tokens: int | None, param: str, tokens_param: str = "max_tokens"
+) -> None:
+    """Refuse, before any templating or tokenizing, a text too long to fit the context whatever it says
+    (``tokens_param`` is named when the completion alone fills the context)."""
     bound = getattr(server.tokenizer, "max_token_chars", None)
     problem = check_text_fits(num_chars, max_tokens, server.context, bound)
     if problem is not None:
-        raise ApiError(400, problem, param=param, code="context_length_exceeded")
+        alone = max_tokens is not None and max_tokens >= server.context
+        raise ApiError(400, problem, param=tokens_param if alone else param, code="context_length_exceeded")
 
 
 def _chat_ids(
@@ -488,6 +515,8 @@ async def _serve(
     try:
         params = await _sampling_params(server, body)
         ids = await asyncio.get_running_loop().run_in_executor(server.prepare_pool, prepare)
+        if isinstance(builder, ReasoningResponses):
+            params = await _after_reasoning(server, body, builder, params, ids)
         response = await _run_job(server, body, params, ids, builder, arrived, prompt_param, request, ticket)
         return response
     finally:
@@ -516,6 +545,23 @@ async def _sampling_params(server: _Server, body: Any) -> SamplingParams:
         param = body.constraint_param if exc.field == "guidance" else body.wire_name(exc.field)
         raise ApiError(400, str(exc), param=param) from exc
     return params
+
+
+async def _after_reasoning(
+    server: _Server, body: Any, builder: ReasoningResponses, params: SamplingParams, ids: list[int]
+) -> SamplingParams:
+    """Start the reply's reasoning split where the prompt leaves it, and move the output constraint (if
+    any) after the reasoning; a combined grammar that does not compile is a 400 naming the constraint."""
+    builder.begin(server.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False))
+    if params.structured_outputs is None:
+        return params
+    try:
+        constrained = await asyncio.to_thread(builder.constrain, params)
+        if constrained is not params:
+            await asyncio.to_thread(constrained.generator_params, server.model)
+    except (SamplingOptionsError, InvalidArgumentError) as exc:
+        raise ApiError(400, str(exc), param=body.constraint_param) from exc
+    return constrained
 
 
 async def _run_job(

@@ -465,7 +465,7 @@ class ChatCompletionRequest(ChatTemplateFields, _SamplingFields):
             raise ValueError("top_logprobs requires logprobs to be true")
         both = self.max_tokens is not None and self.max_completion_tokens is not None
         if both and self.max_tokens != self.max_completion_tokens:
-            raise ValueError("max_tokens and max_completion_tokens disagree; send one of them")
+            raise field_error("max_completion_tokens", "disagrees with max_tokens; send one of them")
         return self
 
     @property

@@ -212,7 +212,7 @@ def test_bad_values_of_known_fields_stay_400s_naming_them(server):
         ),
         ({"chat_template_kwargs": {"messages": "x"}}, "chat_template_kwargs"),
         ({"chat_template_kwargs": {"bos_token": "x"}}, "chat_template_kwargs"),
-        ({"max_tokens": 3, "max_completion_tokens": 4}, None),
+        ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens"),
         ({"n": 17}, "n"),  # above MAX_CHOICES
         ({"continue_final_message": True}, "continue_final_message"),
     ]
