@@ -73,6 +73,7 @@ from pagedgen.server.page import add_chat_page
 from pagedgen.server.prompting import chat_prompt_ids
 from pagedgen.server.protocol import ChatCompletionRequest, CompletionRequest
 from pagedgen.server.responses import ChatResponses, CompletionResponses
+from pagedgen.server.responses_api.store import StoreLimits
 from pagedgen.server.routes_misc import MiscContext, add_misc_routes, check_model, model_card
 from pagedgen.server.sse import DONE, EventStreamResponse, sse_event
 from pagedgen.server.worker import (
@@ -83,6 +84,7 @@ from pagedgen.server.worker import (
     JobError,
     JobHandle,
     JobUpdate,
+    Keep,
 )
 
 log = logging.getLogger("pagedgen.server")
@@ -120,6 +122,8 @@ class ServerOptions:
     (off: they are text, and only the chat template's markup writes control tokens).
     ``allowed_origins``: the web origins answered cross-origin (``*`` for all; empty: no CORS), see
     :mod:`pagedgen.server.cors`.
+    ``response_store``: how many stored Responses-API responses are kept, and for how long
+    (:mod:`pagedgen.server.responses_api.store`).
     """
 
     model_name: str = "default"
@@ -136,6 +140,7 @@ class ServerOptions:
     allowed_hosts: frozenset[str] | None = None
     parse_special_in_content: bool = False
     allowed_origins: tuple[str, ...] = ()
+    response_store: StoreLimits = StoreLimits()
 
     def __post_init__(self) -> None:
         for origin in self.allowed_origins:
@@ -251,6 +256,9 @@ def create_app(
         add_cors(app, options.allowed_origins)  # outside the guard: a preflight carries no key
     _add_error_handlers(app, metrics)
     _add_routes(app, server)
+    from pagedgen.server.responses_api.route import add_responses_routes  # it uses this module's helpers
+
+    add_responses_routes(app, server)
     misc = MiscContext(
         options.model_name, context, vocab_size, tokenizer, options.parse_special_in_content, prepare_pool
     )
@@ -477,9 +485,11 @@ async def _serve(
     arrived: float,
     prompt_param: str,
     request: Request,
+    keep: Keep | None = None,
 ) -> Any:
     """Admit the request, check its parameters and tokenize it off the loop, then run its job; the ticket
-    is released when the response ends (a stream's own cleanup releases it)."""
+    is released when the response ends (a stream's own cleanup releases it). ``keep``: the job's
+    multi-turn options (the Responses API's, :mod:`pagedgen.server.responses_api`)."""
     if body.n > server.admission.max_running:  # its choices could never run together
         message = f"n={body.n} is more choices than the server runs at once (--max-batch-size "
         raise ApiError(400, message + f"{server.admission.max_running})", param="n")
@@ -488,7 +498,9 @@ async def _serve(
     try:
         params = await _sampling_params(server, body)
         ids = await asyncio.get_running_loop().run_in_executor(server.prepare_pool, prepare)
-        response = await _run_job(server, body, params, ids, builder, arrived, prompt_param, request, ticket)
+        response = await _run_job(
+            server, body, params, ids, builder, arrived, prompt_param, request, ticket, keep
+        )
         return response
     finally:
         if not isinstance(response, EventStreamResponse):
@@ -528,6 +540,7 @@ async def _run_job(
     prompt_param: str,
     request: Request,
     ticket: Ticket,
+    keep: Keep | None = None,
 ) -> Any:
     """Validate the prompt length, submit the job, then stream or collect its output."""
     if not ids:
@@ -539,7 +552,7 @@ async def _run_job(
         from pagedgen.server.choices import run_choices  # it uses this module's helpers
 
         return await run_choices(server, body, params, ids, builder, arrived, request, ticket)
-    handle = server.client.submit(ids, params, arrived, request_id_of(request.scope) or "")
+    handle = server.client.submit(ids, params, arrived, request_id_of(request.scope) or "", keep)
     try:
         first = await _unless_disconnected(handle.next(), request.receive)  # a queued client may leave
         if first is _CLIENT_GONE:
