@@ -33,6 +33,9 @@ WEATHER = {
 }
 
 
+BLOCK = 16  # the engine's default block size: the prefix cache shares whole blocks
+
+
 def _serve(**options):
     return serve(SyntheticModel(vocab_size=VOCAB), tokenizer=ChatTokenizer(VOCAB), **options)
 
@@ -250,10 +253,61 @@ def test_a_follow_up_continues_in_the_open_request_and_computes_only_its_new_tok
         branch = create(client, input="other", previous_response_id=first.id, max_output_tokens=5)
         branched = rendered("user: hello", f"assistant: {first.output_text}", "user: other")
         assert branch.output_text == greedy_text(branched, 5)
-        assert branch.usage.input_tokens_details.cached_tokens > 0
+        shared = len(rendered("user: hello", f"assistant: {first.output_text}", "user: "))
+        assert branch.usage.input_tokens_details.cached_tokens == shared // BLOCK * BLOCK  # full blocks
         final = settled_metrics(live)
         assert metric(final, "pagedgen:num_turns_resumed_total", model_name="synthetic") == 1
         assert metric(final, "pagedgen:num_requests_kept", model_name="synthetic") == 2
+    finally:
+        live.stop()
+
+
+def test_a_follow_up_with_other_sampling_options_runs_in_a_fresh_request():
+    live = _serve()
+    try:
+        client = client_of(live)
+        first = create(client, input="hello", max_output_tokens=5)
+        second = client.responses.create(
+            model="synthetic",
+            input="again",
+            previous_response_id=first.id,
+            max_output_tokens=5,
+            temperature=0,
+            extra_body={"seed": 5},  # greedy all the same, but not the kept Request's options
+        )
+        conversation = rendered("user: hello", f"assistant: {first.output_text}", "user: again")
+        assert second.output_text == greedy_text(conversation, 5)
+        shared = len(rendered("user: hello")) + 5 - 1  # what the closed Request had computed
+        assert second.usage.input_tokens_details.cached_tokens == shared // BLOCK * BLOCK
+        metrics = settled_metrics(live)
+        assert metric(metrics, "pagedgen:num_turns_resumed_total", model_name="synthetic") == 0
+        assert metric(metrics, "pagedgen:num_requests_kept", model_name="synthetic") == 1  # second's
+    finally:
+        live.stop()
+
+
+def test_a_constrained_turn_does_not_constrain_its_resumed_follow_up():
+    """The kept Request was created with the first turn's schema; the follow-up asks for plain text."""
+    live = _serve()
+    try:
+        client = client_of(live)
+        schema = {
+            "type": "object",
+            "properties": {"a": {"type": "boolean"}},
+            "required": ["a"],
+            "additionalProperties": False,
+        }
+        first = create(
+            client,
+            input="json",
+            text={"format": {"type": "json_schema", "name": "s", "schema": schema}},
+            max_output_tokens=40,
+        )
+        assert first.status == "completed" and json.loads(first.output_text) in ({"a": True}, {"a": False})
+        second = create(client, input="free", previous_response_id=first.id, max_output_tokens=6)
+        conversation = rendered("user: json", f"assistant: {first.output_text}", "user: free")
+        assert second.output_text == greedy_text(conversation, 6)
+        assert metric(settled_metrics(live), "pagedgen:num_turns_resumed_total", model_name="synthetic") == 1
     finally:
         live.stop()
 
