@@ -9,12 +9,15 @@ computation of the whole conversation answers, while computing only its new toke
 from __future__ import annotations
 
 import json
+from typing import Annotated
 
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 
+import pagedgen.server.worker as worker_module
 from pagedgen.models.synthetic import SyntheticModel, SyntheticTokenizer, synthetic_greedy
 from pagedgen.server.responses_api.store import StoreLimits
 from tests.server.conftest import metric
@@ -227,6 +230,84 @@ def test_text_format_json_schema_output_validates(client):
     assert plain.output_text == greedy_text(rendered("user: any"), 8)
 
 
+@pytest.mark.parametrize("tool_choice", [None, "auto", "none"])
+def test_tool_choice_auto_and_none_answer_as_the_chat_route_does(server, tool_choice):
+    """One implementation: whatever the chat route answers for these tools (a refusal naming the field,
+    text, or tool calls), the Responses route answers the same, in its own shape."""
+    choice = {} if tool_choice is None else {"tool_choice": tool_choice}
+    chat_tools = [{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}]
+    chat = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={
+            "model": "synthetic",
+            "messages": [{"role": "user", "content": "weather?"}],
+            "tools": chat_tools,
+            "max_tokens": 30,
+            "temperature": 0,
+            **choice,
+        },
+        timeout=120,
+    )
+    reply = httpx.post(
+        server.url + "/v1/responses",
+        json={
+            "model": "synthetic",
+            "input": "weather?",
+            "tools": [WEATHER],
+            "max_output_tokens": 30,
+            "temperature": 0,
+            **choice,
+        },
+        timeout=120,
+    )
+    assert reply.status_code == chat.status_code
+    if chat.status_code != 200:
+        assert reply.json()["error"]["param"] == chat.json()["error"]["param"]
+        assert reply.json()["error"]["message"] == chat.json()["error"]["message"]
+        return
+    message = chat.json()["choices"][0]["message"]
+    output = reply.json()["output"]
+    texts = [part["text"] for item in output if item["type"] == "message" for part in item["content"]]
+    assert "".join(texts) == (message["content"] or "")
+    calls = [(item["name"], item["arguments"]) for item in output if item["type"] == "function_call"]
+    assert calls == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or ()
+    ]
+
+
+class Verdict(pydantic.BaseModel):
+    ok: bool
+    note: Annotated[str, pydantic.Field(max_length=5)]
+
+
+def test_the_clients_stream_manager_and_parse_helpers(client):
+    """``responses.stream`` rebuilds the response from the events (and checks their order and identities);
+    ``responses.parse`` reads the output into the pydantic model its schema came from."""
+    parsed = client.responses.parse(
+        model="synthetic", input="judge", text_format=Verdict, max_output_tokens=60
+    )
+    assert isinstance(parsed.output_parsed, Verdict)
+    with client.responses.stream(
+        model="synthetic", input="judge", text_format=Verdict, max_output_tokens=60, temperature=0
+    ) as stream:
+        deltas = [event.delta for event in stream if event.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert final.output_parsed == parsed.output_parsed and "".join(deltas) == final.output_text
+    with client.responses.stream(
+        model="synthetic",
+        input="weather?",
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=200,
+        temperature=0,
+    ) as stream:
+        final = stream.get_final_response()
+    (call,) = final.output
+    assert call.type == "function_call" and call.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+
+
 def test_a_follow_up_continues_in_the_open_request_and_computes_only_its_new_tokens():
     live = _serve()
     try:
@@ -372,6 +453,30 @@ def test_the_store_is_bounded_and_evicts_the_least_recently_used():
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve(response.id)
         assert metric(settled_metrics(live), "pagedgen:num_requests_kept", model_name="synthetic") == 0
+    finally:
+        live.stop()
+
+
+def test_the_worker_keeps_a_bounded_number_of_requests(monkeypatch):
+    """Past the bound the least recently kept Request is closed; its response stays stored, and its
+    follow-up runs in a fresh Request that finds the closed one's full blocks in the prefix cache."""
+    monkeypatch.setattr(worker_module, "MAX_KEPT_REQUESTS", 1)
+    live = _serve()
+    try:
+        client = client_of(live)
+        a = create(client, input="hello", max_output_tokens=5)
+        b = create(client, input="other", max_output_tokens=5)
+        assert metric(settled_metrics(live), "pagedgen:num_requests_kept", model_name="synthetic") == 1
+        follow = create(client, input="again", previous_response_id=a.id, max_output_tokens=5)
+        conversation = rendered("user: hello", f"assistant: {a.output_text}", "user: again")
+        assert follow.output_text == greedy_text(conversation, 5)
+        computed = len(rendered("user: hello")) + 5 - 1
+        assert follow.usage.input_tokens_details.cached_tokens == computed // BLOCK * BLOCK
+        resumed = create(client, input="more", previous_response_id=follow.id, max_output_tokens=5)
+        assert resumed.usage.input_tokens_details.cached_tokens == follow.usage.total_tokens - 1
+        metrics = settled_metrics(live)
+        assert metric(metrics, "pagedgen:num_turns_resumed_total", model_name="synthetic") == 1
+        assert client.responses.retrieve(b.id).output_text == b.output_text
     finally:
         live.stop()
 

@@ -116,30 +116,18 @@ async def _create(server: Any, store: ResponseStore, body: ResponsesRequest, req
 def _chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
     """The chat route's request; a rule of its own that the translated body breaks is a 400 naming the
     Responses field."""
+    from pagedgen.server import app as chat
+
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
         error = exc.errors()[0]
-        loc = [part for part in error.get("loc", ()) if isinstance(part, int) or part in _KEYS]
-        param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
-        ctx = error.get("ctx") or {}
-        if error.get("type") == "field_error" and isinstance(ctx.get("param"), str):
-            param = ctx["param"]
+        param = chat._error_param(error, body)
         message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
         name = wire_param(param)
-        raise ApiError(
-            400, f"{name}: {wire_message(message, param)}" if name else message, param=name
-        ) from exc
-
-
-_KEYS = frozenset(ChatCompletionRequest.model_fields) | {
-    "function",
-    "parameters",
-    "name",
-    "content",
-    "json_schema",
-    "schema",
-}
+        if error.get("type") != "field_error":
+            message = f"{name or 'input'}: {message}"
+        raise ApiError(400, wire_message(message, param), param=name) from exc
 
 
 def _header(body: ResponsesRequest, response_id: str, model: str) -> dict[str, Any]:
