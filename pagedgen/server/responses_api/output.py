@@ -9,8 +9,10 @@ opens with ``response.created`` and ``response.in_progress``; an item is announc
 it), grows by ``response.output_text.delta`` / ``response.function_call_arguments.delta`` events, and is
 closed by its ``...done`` events when the next item starts or the turn ends; ``response.completed`` (or
 ``response.incomplete`` when ``max_output_tokens`` cut the answer) carries the whole response and its
-usage. Every event has the next ``sequence_number``, from 0. A turn that produced nothing still answers one
-empty message, as OpenAI does.
+usage. Reasoning the chat route separates (``reasoning_content``, or ``reasoning``) becomes a ``reasoning``
+item with a ``reasoning_text`` part, streamed by ``response.reasoning_text.delta`` events; one item streams
+at a time, so opening the next closes the one before. Every event has the next ``sequence_number``, from
+0. A turn that produced nothing still answers one empty message, as OpenAI does.
 
 ``usage.input_tokens`` counts the whole prompt (the earlier turns too); ``cached_tokens`` those the turn
 did not compute: the history still held by the previous response's Request, or what the prefix cache held.
@@ -32,7 +34,7 @@ from pagedgen.server.worker import Finish
 class _Item:
     """An output item being built: a message's text, or a function call's arguments."""
 
-    kind: str  # "message" or "function_call"
+    kind: str  # "message", "function_call" or "reasoning"
     id: str
     output_index: int
     text: str = ""
@@ -41,13 +43,16 @@ class _Item:
     open: bool = True
 
     def payload(self, status: str) -> dict[str, Any]:
+        if self.kind == "reasoning":
+            content = [_part("reasoning", self.text)] if status != "in_progress" else []
+            return {"id": self.id, "type": "reasoning", "status": status, "summary": [], "content": content}
         if self.kind == "message":
             return {
                 "id": self.id,
                 "type": "message",
                 "status": status,
                 "role": "assistant",
-                "content": [_text_part(self.text)] if status != "in_progress" else [],
+                "content": [_part("message", self.text)] if status != "in_progress" else [],
             }
         return {
             "id": self.id,
@@ -59,8 +64,14 @@ class _Item:
         }
 
 
-def _text_part(text: str) -> dict[str, Any]:
+def _part(kind: str, text: str) -> dict[str, Any]:
+    """A message's ``output_text`` part, or a reasoning item's ``reasoning_text``."""
+    if kind == "reasoning":
+        return {"type": "reasoning_text", "text": text}
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+_TEXT_EVENTS = {"message": "response.output_text", "reasoning": "response.reasoning_text"}
 
 
 class ResponseBuilder:
@@ -103,8 +114,8 @@ class ResponseBuilder:
         events = self._delta(choice["delta"])
         if finish_reason is not None:
             self._status = _status(choice["finish_reason"])
-            if not self._items:
-                events += self._open_message()
+            if not any(item.kind == "message" or item.kind == "function_call" for item in self._items):
+                events += self._open("message")
             for item in self._items:
                 events += self._close(item)
         return events
@@ -120,8 +131,13 @@ class ResponseBuilder:
         choice = self._chat.full(text, logprobs, finish_reason, finish)["choices"][0]
         message = choice["message"]
         self._status = _status(choice["finish_reason"])
+        reasoning = _reasoning(message)
+        if reasoning:
+            self._items.append(_Item("reasoning", new_id("rs", "_"), 0, reasoning))
         if message.get("content") or not message.get("tool_calls"):
-            self._items.append(_Item("message", new_id("msg", "_"), 0, message.get("content") or ""))
+            self._items.append(
+                _Item("message", new_id("msg", "_"), len(self._items), message.get("content") or "")
+            )
         for call in message.get("tool_calls") or ():
             function = call["function"]
             item = _Item("function_call", new_id("fc", "_"), len(self._items), function["arguments"])
@@ -133,20 +149,19 @@ class ResponseBuilder:
 
     def _delta(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
-        content = delta.get("content")
-        if content:
-            message = next((item for item in self._items if item.kind == "message" and item.open), None)
-            if message is None:
-                events += self._open_message()
-                message = self._items[-1]
-            message.text += content
-            events.append(self._text_event("response.output_text.delta", message, delta=content))
+        for kind, text in (("reasoning", _reasoning(delta)), ("message", delta.get("content"))):
+            if text:
+                last = self._items[-1] if self._items else None
+                if last is None or last.kind != kind or not last.open:
+                    events += self._open(kind)
+                    last = self._items[-1]
+                last.text += text
+                events.append(self._text_event(f"{_TEXT_EVENTS[kind]}.delta", last, delta=text))
         for call in delta.get("tool_calls") or ():
             item = self._calls.get(call["index"])
             function = call.get("function") or {}
             if item is None:
-                for other in self._items:
-                    events += self._close(other)  # the answer's text, or the call before, is done
+                events += self._close_open()
                 item = _Item("function_call", new_id("fc", "_"), len(self._items))
                 item.call_id, item.name = call.get("id") or "", function.get("name") or ""
                 self._items.append(item)
@@ -155,30 +170,35 @@ class ResponseBuilder:
             arguments = function.get("arguments") or ""
             if arguments:
                 item.text += arguments
-                events.append(
-                    self._event(
-                        **self._at(item), type="response.function_call_arguments.delta", delta=arguments
-                    )
-                )
+                kind = "response.function_call_arguments.delta"
+                events.append(self._event(kind, **self._at(item), delta=arguments))
         return events
 
-    def _open_message(self) -> list[dict[str, Any]]:
-        item = _Item("message", new_id("msg", "_"), len(self._items))
+    def _open(self, kind: str) -> list[dict[str, Any]]:
+        """Close the item being streamed, and open a message or reasoning item (one streams at a time)."""
+        events = self._close_open()
+        item = _Item(kind, new_id("msg" if kind == "message" else "rs", "_"), len(self._items))
         self._items.append(item)
-        return [
+        return events + [
             self._item_event("response.output_item.added", item, "in_progress"),
-            self._text_event("response.content_part.added", item, part=_text_part("")),
+            self._text_event("response.content_part.added", item, part=_part(kind, "")),
         ]
+
+    def _close_open(self) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        for item in self._items:
+            events += self._close(item)
+        return events
 
     def _close(self, item: _Item) -> list[dict[str, Any]]:
         if not item.open:
             return []
         item.open = False
         status = "incomplete" if self._status == "incomplete" else "completed"
-        if item.kind == "message":
+        if item.kind != "function_call":
             events = [
-                self._text_event("response.output_text.done", item, text=item.text),
-                self._text_event("response.content_part.done", item, part=_text_part(item.text)),
+                self._text_event(f"{_TEXT_EVENTS[item.kind]}.done", item, text=item.text),
+                self._text_event("response.content_part.done", item, part=_part(item.kind, item.text)),
             ]
         else:
             done = self._event(
@@ -233,6 +253,12 @@ class ResponseBuilder:
     def _text_event(self, kind: str, item: _Item, **fields: Any) -> dict[str, Any]:
         extra = {"logprobs": []} if kind.startswith("response.output_text") else {}
         return self._event(kind, **self._at(item), content_index=0, **fields, **extra)
+
+
+def _reasoning(message: dict[str, Any]) -> str:
+    """The reasoning text of a chat message or delta (``reasoning_content``, or vLLM's newer
+    ``reasoning``), when the chat route separates it."""
+    return message.get("reasoning_content") or message.get("reasoning") or ""
 
 
 def _status(finish_reason: str) -> str:
