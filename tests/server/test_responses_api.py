@@ -284,7 +284,7 @@ def test_the_clients_stream_manager_and_parse_helpers(client):
     """``responses.stream`` rebuilds the response from the events (and checks their order and identities);
     ``responses.parse`` reads the output into the pydantic model its schema came from."""
     parsed = client.responses.parse(
-        model="synthetic", input="judge", text_format=Verdict, max_output_tokens=60
+        model="synthetic", input="judge", text_format=Verdict, max_output_tokens=60, temperature=0
     )
     assert isinstance(parsed.output_parsed, Verdict)
     with client.responses.stream(
