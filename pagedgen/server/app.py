@@ -348,9 +348,7 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
             raise ApiError(400, f"model {name!r} has no chat template: use /v1/completions", param="messages")
         messages = [m.as_template_message() for m in body.messages]
         _check_text(server, prompt_chars(messages), body.requested_max_tokens, "messages")
-        builder = ChatResponses(
-            name, server.tokenizer, body.requested_logprobs, body.include_usage, body.forced_tool_calls
-        )
+        builder = chat_builder(server, body)
         parse = server.options.parse_special_in_content
         prepare = functools.partial(
             _chat_ids, server.tokenizer, messages, body.template_tools, parse, **body.template_options()
@@ -368,6 +366,17 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
 
 
 _check_model = check_model  # the routes here and in routes_misc.py share one model check
+
+
+def chat_builder(server: _Server, body: ChatCompletionRequest) -> ChatResponses:
+    """The chat payload builder of a request (the Responses API builds on the same one)."""
+    return ChatResponses(
+        server.options.model_name,
+        server.tokenizer,
+        body.requested_logprobs,
+        body.include_usage,
+        body.forced_tool_calls,
+    )
 
 
 async def _complete(

@@ -26,7 +26,6 @@ from pydantic import ValidationError
 from pagedgen.llm import prompt_chars
 from pagedgen.server.guard import ApiError
 from pagedgen.server.protocol import ChatCompletionRequest, new_id
-from pagedgen.server.responses import ChatResponses
 from pagedgen.server.responses_api.convert import chat_turn, wire_message, wire_param
 from pagedgen.server.responses_api.output import ResponseBuilder
 from pagedgen.server.responses_api.store import ResponseStore, StoredResponse
@@ -79,10 +78,9 @@ async def _create(server: Any, store: ResponseStore, body: ResponsesRequest, req
             record = StoredResponse(response_id, response, [*turn.conversation, message], kept=True)
             store.put(record)
 
-    inner = ChatResponses(
-        server.options.model_name, server.tokenizer, None, False, chat_body.forced_tool_calls
+    builder = ResponseBuilder(
+        chat.chat_builder(server, chat_body), _header(body, response_id, server.options.model_name), done
     )
-    builder = ResponseBuilder(inner, _header(body, response_id, server.options.model_name), done)
     parse = server.options.parse_special_in_content
     template = functools.partial(
         chat._chat_ids,
