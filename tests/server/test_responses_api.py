@@ -8,6 +8,7 @@ computation of the whole conversation answers, while computing only its new toke
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 from typing import Annotated
 
@@ -339,6 +340,28 @@ def test_a_follow_up_continues_in_the_open_request_and_computes_only_its_new_tok
         final = settled_metrics(live)
         assert metric(final, "pagedgen:num_turns_resumed_total", model_name="synthetic") == 1
         assert metric(final, "pagedgen:num_requests_kept", model_name="synthetic") == 2
+    finally:
+        live.stop()
+
+
+def test_two_follow_ups_of_one_response_at_once_both_answer_and_one_resumes():
+    live = _serve()
+    try:
+        client = client_of(live)
+        first = create(client, input="hello", max_output_tokens=5)
+        texts = ("left", "right")
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            futures = [
+                pool.submit(create, client, input=t, previous_response_id=first.id, max_output_tokens=5)
+                for t in texts
+            ]
+            replies = [future.result() for future in futures]
+        for text, reply in zip(texts, replies, strict=True):
+            conversation = rendered("user: hello", f"assistant: {first.output_text}", f"user: {text}")
+            assert reply.output_text == greedy_text(conversation, 5)
+        metrics = settled_metrics(live)
+        assert metric(metrics, "pagedgen:num_turns_resumed_total", model_name="synthetic") == 1
+        assert metric(metrics, "pagedgen:num_requests_kept", model_name="synthetic") == 2
     finally:
         live.stop()
 
