@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     _add_connection_args(serve)
+    _add_response_store_args(serve)
     _add_engine_args(serve)
     _add_speculative_args(serve)
     _add_content_args(serve)
@@ -232,6 +233,30 @@ def _add_connection_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_response_store_args(parser: argparse.ArgumentParser) -> None:
+    # The defaults are pagedgen.server.responses_api.store's, not imported so that --help stays quick.
+    group = parser.add_argument_group("stored responses (/v1/responses, previous_response_id)")
+    group.add_argument(
+        "--responses-max-stored",
+        type=_non_negative_int,
+        default=1000,
+        help="responses kept for previous_response_id and GET, least recently used evicted first "
+        "(default 1000; 0 stores none)",
+    )
+    group.add_argument(
+        "--responses-max-bytes",
+        type=_non_negative_int,
+        default=64 << 20,
+        help="bytes of JSON the stored responses and their conversations may take (default 64 MiB)",
+    )
+    group.add_argument(
+        "--responses-max-age",
+        type=_seconds,
+        default=3600.0,
+        help="seconds a stored response is kept (default 3600)",
+    )
+
+
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
@@ -356,6 +381,7 @@ def _load_model(name: str, weights: str = "native") -> Any:
 def server_options(args: argparse.Namespace) -> Any:
     from pagedgen.server.app import ServerOptions
     from pagedgen.server.guard import host_allow_list
+    from pagedgen.server.responses_api.store import StoreLimits
 
     api_key = args.api_key or None
     return ServerOptions(
@@ -374,6 +400,9 @@ def server_options(args: argparse.Namespace) -> Any:
         parse_special_in_content=args.parse_special_in_content,
         allowed_origins=args.allowed_origins,
         reasoning_parser=_reasoning_parser(args.reasoning_parser),
+        response_store=StoreLimits(
+            args.responses_max_stored, args.responses_max_bytes, args.responses_max_age
+        ),
     )
 
 

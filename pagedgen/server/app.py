@@ -74,6 +74,7 @@ from pagedgen.server.prompting import chat_prompt_ids
 from pagedgen.server.protocol import ChatCompletionRequest, CompletionRequest
 from pagedgen.server.reasoning import PROMPT_TAIL_TOKENS, ReasoningResponses, reasoning_parser
 from pagedgen.server.responses import ChatResponses, CompletionResponses
+from pagedgen.server.responses_api.store import StoreLimits
 from pagedgen.server.routes_misc import MiscContext, add_misc_routes, check_model, model_card
 from pagedgen.server.sse import DONE, EventStreamResponse, sse_event
 from pagedgen.server.worker import (
@@ -84,6 +85,7 @@ from pagedgen.server.worker import (
     JobError,
     JobHandle,
     JobUpdate,
+    Keep,
 )
 
 log = logging.getLogger("pagedgen.server")
@@ -122,6 +124,8 @@ class ServerOptions:
     ``allowed_origins``: the web origins answered cross-origin (``*`` for all; empty: no CORS), see
     :mod:`pagedgen.server.cors`. ``reasoning_parser``: how chat replies split into reasoning and content
     (:mod:`pagedgen.server.reasoning`; None: they are all content).
+    ``response_store``: how many stored Responses-API responses are kept, and for how long
+    (:mod:`pagedgen.server.responses_api.store`).
     """
 
     model_name: str = "default"
@@ -139,6 +143,7 @@ class ServerOptions:
     parse_special_in_content: bool = False
     allowed_origins: tuple[str, ...] = ()
     reasoning_parser: str | None = None
+    response_store: StoreLimits = StoreLimits()
 
     def __post_init__(self) -> None:
         if self.reasoning_parser is not None:
@@ -256,6 +261,9 @@ def create_app(
         add_cors(app, options.allowed_origins)  # outside the guard: a preflight carries no key
     _add_error_handlers(app, metrics)
     _add_routes(app, server)
+    from pagedgen.server.responses_api.route import add_responses_routes  # it uses this module's helpers
+
+    add_responses_routes(app, server)
     misc = MiscContext(
         options.model_name, context, vocab_size, tokenizer, options.parse_special_in_content, prepare_pool
     )
@@ -360,12 +368,7 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
         messages = [m.as_template_message() for m in body.messages]
         tokens = body.wire_name("max_tokens")
         _check_text(server, prompt_chars(messages), body.requested_max_tokens, "messages", tokens)
-        builder = ChatResponses(
-            name, server.tokenizer, body.requested_logprobs, body.include_usage, body.forced_tool_calls
-        )
-        if server.options.reasoning_parser is not None:
-            parser = reasoning_parser(server.options.reasoning_parser)
-            builder = ReasoningResponses(builder, parser, body.chat_template_kwargs or {})
+        builder = chat_builder(server, body)
         parse = server.options.parse_special_in_content
         prepare = functools.partial(
             _chat_ids, server.tokenizer, messages, body.template_tools, parse, **body.template_options()
@@ -383,6 +386,22 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
 
 
 _check_model = check_model  # the routes here and in routes_misc.py share one model check
+
+
+def chat_builder(server: _Server, body: ChatCompletionRequest) -> ChatResponses | ReasoningResponses:
+    """The chat payload builder of a request (the Responses API builds on the same one): with a reasoning
+    parser, its split of reasoning and content wraps the plain builder."""
+    builder = ChatResponses(
+        server.options.model_name,
+        server.tokenizer,
+        body.requested_logprobs,
+        body.include_usage,
+        body.forced_tool_calls,
+    )
+    if server.options.reasoning_parser is None:
+        return builder
+    parser = reasoning_parser(server.options.reasoning_parser)
+    return ReasoningResponses(builder, parser, body.chat_template_kwargs or {})
 
 
 async def _complete(
@@ -504,9 +523,11 @@ async def _serve(
     arrived: float,
     prompt_param: str,
     request: Request,
+    keep: Keep | None = None,
 ) -> Any:
     """Admit the request, check its parameters and tokenize it off the loop, then run its job; the ticket
-    is released when the response ends (a stream's own cleanup releases it)."""
+    is released when the response ends (a stream's own cleanup releases it). ``keep``: the job's
+    multi-turn options (the Responses API's, :mod:`pagedgen.server.responses_api`)."""
     if body.n > server.admission.max_running:  # its choices could never run together
         message = f"n={body.n} is more choices than the server runs at once (--max-batch-size "
         raise ApiError(400, message + f"{server.admission.max_running})", param="n")
@@ -515,9 +536,12 @@ async def _serve(
     try:
         params = await _sampling_params(server, body)
         ids = await asyncio.get_running_loop().run_in_executor(server.prepare_pool, prepare)
-        if isinstance(builder, ReasoningResponses):
-            params = await _after_reasoning(server, body, builder, params, ids)
-        response = await _run_job(server, body, params, ids, builder, arrived, prompt_param, request, ticket)
+        split = _reasoning_split(builder)
+        if split is not None:
+            params = await _after_reasoning(server, body, split, params, ids)
+        response = await _run_job(
+            server, body, params, ids, builder, arrived, prompt_param, request, ticket, keep
+        )
         return response
     finally:
         if not isinstance(response, EventStreamResponse):
@@ -547,6 +571,14 @@ async def _sampling_params(server: _Server, body: Any) -> SamplingParams:
     return params
 
 
+def _reasoning_split(builder: Any) -> ReasoningResponses | None:
+    """The reasoning split of a chat builder, also when another route's builder wraps it (``.chat``)."""
+    for candidate in (builder, getattr(builder, "chat", None)):
+        if isinstance(candidate, ReasoningResponses):
+            return candidate
+    return None
+
+
 async def _after_reasoning(
     server: _Server, body: Any, builder: ReasoningResponses, params: SamplingParams, ids: list[int]
 ) -> SamplingParams:
@@ -574,6 +606,7 @@ async def _run_job(
     prompt_param: str,
     request: Request,
     ticket: Ticket,
+    keep: Keep | None = None,
 ) -> Any:
     """Validate the prompt length, submit the job, then stream or collect its output."""
     if not ids:
@@ -585,7 +618,7 @@ async def _run_job(
         from pagedgen.server.choices import run_choices  # it uses this module's helpers
 
         return await run_choices(server, body, params, ids, builder, arrived, request, ticket)
-    handle = server.client.submit(ids, params, arrived, request_id_of(request.scope) or "")
+    handle = server.client.submit(ids, params, arrived, request_id_of(request.scope) or "", keep)
     try:
         first = await _unless_disconnected(handle.next(), request.receive)  # a queued client may leave
         if first is _CLIENT_GONE:

@@ -44,6 +44,7 @@ _GAUGES = {
     "fixed_state_slots_free": "Fixed conv/recurrent state slots free (each resident owns one).",
     "healthy": "1 while the engine is healthy, 0 once it failed.",
     "spec_decode_draft_acceptance_rate": "Accepted / verified speculative draft tokens (0 before any).",
+    "num_requests_kept": "Finished Responses-API turns whose engine Request stays open for a follow-up.",
 }
 _COUNTERS = {
     "engine_steps": "Engine transactions committed.",
@@ -53,6 +54,7 @@ _COUNTERS = {
     "prefix_cache_queries": "Prompt tokens whose admission looked up the prefix cache.",
     "prefix_cache_hits": "Prompt tokens served from the prefix cache instead of computed.",
     "num_preemptions": "Running requests preempted (sent back to the queue, re-prefilled later).",
+    "num_turns_resumed": "Follow-up turns (previous_response_id) continued in the previous turn's Request.",
 }
 
 
@@ -82,6 +84,7 @@ class _EngineCollector(Collector):
             "spec_decode_draft_acceptance_rate": (
                 snap.drafts_accepted / snap.drafts_proposed if snap.drafts_proposed else 0.0
             ),
+            "num_requests_kept": snap.kept_requests,
         }
         for name, value in levels.items():
             yield self._sample(
@@ -95,6 +98,7 @@ class _EngineCollector(Collector):
             "prefix_cache_queries": snap.prefix_queried_tokens,
             "prefix_cache_hits": snap.prefix_hit_tokens,
             "num_preemptions": snap.preemptions,
+            "num_turns_resumed": snap.resumed_turns,
         }
         for name, value in counts.items():
             family = CounterMetricFamily(f"pagedgen:{name}", _COUNTERS[name], labels=["model_name"])

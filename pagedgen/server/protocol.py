@@ -661,6 +661,6 @@ class DetokenizeRequest(_Body):
     skip_special_tokens: bool = False
 
 
-def new_id(prefix: str) -> str:
-    """A fresh OpenAI-style object id (``chatcmpl-…``, ``cmpl-…``)."""
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_id(prefix: str, separator: str = "-") -> str:
+    """A fresh OpenAI-style object id (``chatcmpl-…``, ``cmpl-…``; the Responses API's ``resp_…``)."""
+    return f"{prefix}{separator}{uuid.uuid4().hex}"

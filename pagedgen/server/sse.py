@@ -1,4 +1,5 @@
-"""Server-sent events as the OpenAI API streams them: ``data: {json}`` events, then ``data: [DONE]``."""
+"""Server-sent events as the OpenAI API streams them: ``data: {json}`` events, then ``data: [DONE]``
+(the Responses API's events also carry their ``event:`` name)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,13 @@ from starlette.types import Receive, Scope, Send
 DONE = b"data: [DONE]\n\n"
 
 
-def sse_event(payload: dict[str, Any]) -> bytes:
-    """One SSE ``data`` event carrying ``payload`` as compact JSON."""
+def sse_event(payload: dict[str, Any] | list[dict[str, Any]]) -> bytes:
+    """One SSE ``data`` event carrying ``payload`` as compact JSON; a list is one event per payload, each
+    named by its ``type`` (``event: response.created``), as the Responses API streams them."""
+    if isinstance(payload, list):
+        return b"".join(
+            b"event: " + event["type"].encode("utf-8") + b"\n" + sse_event(event) for event in payload
+        )
     return (
         b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
     )

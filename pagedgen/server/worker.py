@@ -19,6 +19,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -58,6 +59,7 @@ class Finish:
     error_code: EngineErrorCode
     text_before_stop: str = ""
     error_message: str = ""  # with a failed turn: why, when the engine says (llguidance's reason)
+    reused_tokens: int = 0  # positions before the turn's input it did not compute (a kept Request's history)
 
 
 @dataclass(slots=True)
@@ -100,6 +102,8 @@ class EngineSnapshot:
     prefix_queried_tokens: int = 0  # prompt tokens of committed admissions that looked up the prefix cache
     prefix_hit_tokens: int = 0  # of those, served from the cache
     preemptions: int = 0
+    kept_requests: int = 0  # finished turns whose Request stays open for a follow-up (see Keep)
+    resumed_turns: int = 0  # follow-up turns that continued in a kept Request
 
     @property
     def used_blocks(self) -> int:
@@ -107,7 +111,34 @@ class EngineSnapshot:
 
 
 # The snapshot's fields copied from ``engine.stats()`` under the same name (all but the worker's own).
-_ENGINE_COUNTS = tuple(f.name for f in fields(EngineSnapshot) if f.name not in ("jobs", "healthy"))
+_WORKER_COUNTS = ("jobs", "healthy", "kept_requests", "resumed_turns")
+_ENGINE_COUNTS = tuple(f.name for f in fields(EngineSnapshot) if f.name not in _WORKER_COUNTS)
+# Kept Requests beyond this many are closed, least recently kept first (their blocks go to the prefix
+# cache): the server's response store releases the ones it evicts, this bounds the ones nobody stored.
+MAX_KEPT_REQUESTS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Keep:
+    """A job's multi-turn options: ``keep_as`` keeps its Request open after the turn ends (under that key,
+    until :meth:`EngineWorker.release` or the ``MAX_KEPT_REQUESTS`` bound closes it); ``resume`` names a
+    kept Request to continue in.
+
+    A resumed job's ``prompt_ids`` are still the whole conversation: the worker continues in the kept
+    Request with only the ids past the tokens it holds when they are a prefix of the conversation and
+    the sampling options are the same, and otherwise closes it and starts a fresh Request with the whole
+    conversation (whose admission then finds what the closed one held in the prefix cache).
+    """
+
+    keep_as: str | None = None
+    resume: str | None = None
+
+
+@dataclass(slots=True)
+class _Kept:
+    request: Any
+    search_options: dict[str, Any]
+
 
 Sink = Callable[[JobUpdate], None]
 
@@ -120,11 +151,17 @@ class _Submit:
     sink: Sink
     arrived_at: float
     tag: str  # the HTTP request id, for log lines
+    keep: Keep | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class _Cancel:
     job_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Release:
+    key: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +192,8 @@ class _Job:
     first_token_at: float | None = None
     num_tokens: int = 0
     tag: str = ""  # the HTTP request id, for log lines
+    keep_as: str | None = None
+    search_options: dict[str, Any] = field(default_factory=dict)
 
 
 class EngineWorker:
@@ -187,6 +226,8 @@ class EngineWorker:
         self._ids = itertools.count(1)
         self._jobs: dict[int, _Job] = {}  # owner thread only
         self._by_request: dict[int, _Job] = {}  # id(request) -> job; owner thread only
+        self._kept: OrderedDict[str, _Kept] = OrderedDict()  # owner thread only; least recently kept first
+        self._resumed_turns = 0
         self._engine: Any = None
         self._buffer: Any = None
         self._snapshot = EngineSnapshot()
@@ -228,12 +269,23 @@ class EngineWorker:
         return int(getattr(self._config, "max_batch_size", 1))
 
     def submit(
-        self, prompt_ids: Sequence[int], params: SamplingParams, sink: Sink, arrived_at: float, tag: str = ""
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        sink: Sink,
+        arrived_at: float,
+        tag: str = "",
+        keep: Keep | None = None,
     ) -> int:
-        """Queue a one-turn job; its updates go to ``sink`` (called on the owner thread). Returns its id."""
+        """Queue a one-turn job; its updates go to ``sink`` (called on the owner thread). Returns its id.
+        ``keep``: keep its Request open afterwards, or continue in a kept one (see :class:`Keep`)."""
         job_id = next(self._ids)
-        self._commands.put(_Submit(job_id, tuple(prompt_ids), params, sink, arrived_at, tag))
+        self._commands.put(_Submit(job_id, tuple(prompt_ids), params, sink, arrived_at, tag, keep))
         return job_id
+
+    def release(self, key: str) -> None:
+        """Close the Request kept under ``key`` (its blocks go to the prefix cache); no-op if none is."""
+        self._commands.put(_Release(key))
 
     def cancel(self, job_id: int) -> None:
         """Cancel the job's turn and close its request (its blocks return to the pool); no-op if finished."""
@@ -320,6 +372,8 @@ class EngineWorker:
                 self._submit(command)
             elif isinstance(command, _Cancel):
                 self._cancel(command.job_id)
+            elif isinstance(command, _Release):
+                self._close_kept(command.key)
             elif isinstance(command, _Abort):
                 self._abort()
             elif isinstance(command, _Sync):
@@ -337,14 +391,9 @@ class EngineWorker:
         if self._aborted:
             _deliver(command.sink, JobUpdate(error=JobError.SHUTDOWN, message=SHUTDOWN_MESSAGE))
             return
-        request = None
         try:
-            request = self._engine.create_request(command.params.generator_params(self._model), _options())
-            turn_id = request.begin_turn(list(command.prompt_ids), command.params.turn_options(request))
+            request, turn_id = self._begin(command)
         except Exception as exc:
-            if request is not None:
-                with contextlib.suppress(Exception):  # a refused begin_turn left the request unassigned
-                    request.close()
             _deliver(command.sink, _refusal(exc, command.tag))
             if isinstance(exc, EngineUnhealthyError | EngineClosedError):
                 raise
@@ -353,11 +402,58 @@ class EngineWorker:
             command.job_id, request, turn_id, command.sink, command.arrived_at, len(command.prompt_ids)
         )
         job.tag = command.tag
+        if command.keep is not None and command.keep.keep_as is not None:
+            job.keep_as = command.keep.keep_as
+            job.search_options = command.params.search_options()
         self._jobs[job.job_id] = job
         self._by_request[id(request)] = job
         if self._metrics is not None:
             self._metrics.on_started(job.prompt_tokens)
         _deliver(job.sink, JobUpdate(started=True))
+
+    def _begin(self, command: _Submit) -> tuple[Any, int]:
+        """The job's Request (a kept one it resumes, or a fresh one) and its started turn."""
+        params, ids = command.params, list(command.prompt_ids)
+        kept = self._take_kept(command)
+        if kept is not None:
+            held = len(kept.request.tokens)
+            options = params.turn_options(kept.request)
+            if params.structured_outputs is None:  # the kept Request's params may carry a constraint
+                options.set_guidance(None)
+            try:
+                turn_id = kept.request.begin_turn(ids[held:], options)
+            except Exception:
+                kept.request.close()
+                raise
+            self._resumed_turns += 1
+            return kept.request, turn_id
+        request = self._engine.create_request(params.generator_params(self._model), _options())
+        try:
+            return request, request.begin_turn(ids, params.turn_options(request))
+        except Exception:
+            with contextlib.suppress(Exception):  # a refused begin_turn left the request unassigned
+                request.close()
+            raise
+
+    def _take_kept(self, command: _Submit) -> _Kept | None:
+        """The kept Request the job resumes when it can continue there (see :class:`Keep`), else None
+        (a kept Request that cannot serve it is closed)."""
+        key = None if command.keep is None else command.keep.resume
+        kept = None if key is None else self._kept.pop(key, None)
+        if kept is None:
+            return None
+        held = kept.request.tokens
+        ids = command.prompt_ids
+        fits = len(ids) > len(held) and ids[: len(held)] == tuple(held)
+        if fits and kept.search_options == command.params.search_options():
+            return kept
+        kept.request.close()
+        return None
+
+    def _close_kept(self, key: str) -> None:
+        kept = self._kept.pop(key, None)
+        if kept is not None:
+            kept.request.close()
 
     def _cancel(self, job_id: int) -> None:
         job = self._jobs.get(job_id)
@@ -381,13 +477,21 @@ class EngineWorker:
                 self._metrics.on_cancelled()
         self._publish()
 
-    def _forget(self, job: _Job) -> None:
-        """Close the job's request (purging its undrained events, freeing its blocks) and drop it."""
+    def _forget(self, job: _Job, keep: bool = False) -> None:
+        """Close the job's request (purging its undrained events, freeing its blocks) and drop it; with
+        ``keep``, the finished request stays open under the job's ``keep_as`` key instead."""
         del self._jobs[job.job_id]
         del self._by_request[id(job.request)]
         if self._drafter is not None:
             self._drafter.forget(job.request)
-        job.request.close()
+        if not keep or job.keep_as is None:
+            job.request.close()
+            return
+        self._close_kept(job.keep_as)
+        self._kept[job.keep_as] = _Kept(job.request, job.search_options)
+        while len(self._kept) > MAX_KEPT_REQUESTS:
+            _key, oldest = self._kept.popitem(last=False)
+            oldest.request.close()
 
     def _step(self) -> None:
         try:
@@ -443,7 +547,7 @@ class EngineWorker:
             if self._metrics is not None:
                 self._metrics.on_tokens(len(update.tokens))
         if update.finish is not None:
-            self._forget(job)
+            self._forget(job, keep=update.finish.reason not in (FinishReason.FAILED, FinishReason.CANCELLED))
             if self._metrics is not None:
                 self._metrics.on_finished(
                     update.finish.reason, job.arrived_at, job.first_token_at, job.num_tokens, now
@@ -462,6 +566,7 @@ class EngineWorker:
                 job.request.close()
         self._jobs.clear()
         self._by_request.clear()
+        self._kept.clear()  # the engine is unusable: nothing to close
         self._publish()
 
     def _publish(self) -> None:
@@ -472,7 +577,9 @@ class EngineWorker:
             return
         stats = self._engine.stats()
         counts = {name: getattr(stats, name) for name in _ENGINE_COUNTS}
-        self._snapshot = EngineSnapshot(jobs=len(self._jobs), **counts)
+        self._snapshot = EngineSnapshot(
+            jobs=len(self._jobs), kept_requests=len(self._kept), resumed_turns=self._resumed_turns, **counts
+        )
 
     def _teardown(self) -> None:
         for job in list(self._jobs.values()):
@@ -482,6 +589,8 @@ class EngineWorker:
         self._jobs.clear()
         self._by_request.clear()
         if self._error is None:
+            for key in list(self._kept):
+                self._close_kept(key)
             self._log_blocks()
         self._error = self._error or SHUTDOWN_MESSAGE
         try:
@@ -531,6 +640,7 @@ def _copy_event(event: Any, update: JobUpdate) -> None:
             error_code=event.error_code,
             text_before_stop=event.text_before_stop,
             error_message=event.error_message,
+            reused_tokens=usage.reused_tokens if usage else 0,
         )
 
 
@@ -584,12 +694,16 @@ class AsyncEngineClient:
         self.worker = worker
 
     def submit(
-        self, prompt_ids: Sequence[int], params: SamplingParams, arrived_at: float, tag: str = ""
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        arrived_at: float,
+        tag: str = "",
+        keep: Keep | None = None,
     ) -> JobHandle:
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue[JobUpdate] = asyncio.Queue()
         handle = JobHandle(self.worker, updates)
-        handle.job_id = self.worker.submit(
-            prompt_ids, params, lambda u: loop.call_soon_threadsafe(updates.put_nowait, u), arrived_at, tag
-        )
+        sink = lambda u: loop.call_soon_threadsafe(updates.put_nowait, u)  # noqa: E731
+        handle.job_id = self.worker.submit(prompt_ids, params, sink, arrived_at, tag, keep)
         return handle

@@ -303,7 +303,6 @@ def test_row_4_tokenize_detokenize_models_and_version(server, api):
     assert version.json() == {"version": pg.__version__}
 
 
-@pytest.mark.xfail(strict=True, reason="the Responses API (/v1/responses) is being built on another branch")
 def test_row_4_the_responses_api(api):
     chat = api.chat.completions.create(model="synthetic", messages=CHAT, max_tokens=6, temperature=0)
     first = api.responses.create(model="synthetic", input="Hi", max_output_tokens=6, temperature=0)

@@ -173,3 +173,27 @@ def test_parse_special_in_content_is_off_unless_asked_on_every_command():
     for argv in (["serve"], ["generate", "x"], ["chat"]):
         args = cli.build_parser().parse_args([*argv, "--parse-special-in-content"])
         assert args.parse_special_in_content is True
+
+
+def test_response_store_flags_default_to_the_store_defaults_and_reach_the_server_options(monkeypatch):
+    from pagedgen.server.responses_api.store import StoreLimits
+
+    assert cli.server_options(_serve_args(monkeypatch)).response_store == StoreLimits()
+    assert ServerOptions().response_store == StoreLimits()
+    args = _serve_args(
+        monkeypatch,
+        "--responses-max-stored",
+        "3",
+        "--responses-max-bytes",
+        "4096",
+        "--responses-max-age",
+        "9",
+    )
+    assert cli.server_options(args).response_store == StoreLimits(3, 4096, 9.0)
+
+
+def test_a_zero_response_age_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["serve", "--responses-max-age", "0"])
+    assert info.value.code == 2
+    assert "positive number of seconds" in capsys.readouterr().err
