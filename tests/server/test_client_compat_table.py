@@ -310,7 +310,9 @@ def test_row_4_the_responses_api(api):
     events = list(
         api.responses.create(model="synthetic", input="Hi", max_output_tokens=6, temperature=0, stream=True)
     )
-    assert (events[0].type, events[-1].type) == ("response.created", "response.completed")
+    # max_output_tokens ends the answer: OpenAI's "incomplete" status, and its closing event
+    assert (first.status, first.incomplete_details.reason) == ("incomplete", "max_output_tokens")
+    assert (events[0].type, events[-1].type) == ("response.created", "response.incomplete")
     deltas = "".join(event.delta for event in events if event.type == "response.output_text.delta")
     assert deltas == first.output_text
     follow = api.responses.create(
@@ -383,3 +385,16 @@ def test_row_6_cors_for_the_allowed_origins_and_a_405_without_the_flag(server):
         assert refused.status_code == 405 and "access-control-allow-origin" not in refused.headers
     finally:
         closed.stop()
+
+
+def test_row_5_reasoning_on_the_responses_api_is_a_reasoning_item():
+    live, model, template = scripted_server(serve_options("--reasoning-parser", "qwen3"))
+    try:
+        api = client_of(live)
+        script_reply(model, template, CHAT, "<think>The user greets me.</think>  Hello!")
+        response = api.responses.create(model="synthetic", input="Hi", temperature=0)
+        assert [item.type for item in response.output] == ["reasoning", "message"]
+        assert response.output[0].content[0].text == "The user greets me."
+        assert response.output_text == "Hello!"
+    finally:
+        live.stop()
