@@ -52,6 +52,7 @@ from pagedgen.models.tokenizer import IncrementalDetokenizer
 from pagedgen.sampling.errors import SamplingOptionsError
 from pagedgen.server.admission import DEFAULT_MAX_QUEUED_REQUESTS, RETRY_AFTER_S, Admission, Ticket
 from pagedgen.server.apidocs import add_offline_docs
+from pagedgen.server.auto_tools import AutoToolSettings, auto_tool_calls
 from pagedgen.server.cors import add_cors, check_origin
 from pagedgen.server.guard import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -120,6 +121,8 @@ class ServerOptions:
     (off: they are text, and only the chat template's markup writes control tokens).
     ``allowed_origins``: the web origins answered cross-origin (``*`` for all; empty: no CORS), see
     :mod:`pagedgen.server.cors`.
+    ``enable_auto_tool_choice`` serves ``tool_choice: "auto"`` (and tools without ``tool_choice``) in the
+    ``tool_call_parser`` format, None: the chat template's (:mod:`pagedgen.server.auto_tools`).
     """
 
     model_name: str = "default"
@@ -136,8 +139,11 @@ class ServerOptions:
     allowed_hosts: frozenset[str] | None = None
     parse_special_in_content: bool = False
     allowed_origins: tuple[str, ...] = ()
+    enable_auto_tool_choice: bool = True
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
+        AutoToolSettings(self.enable_auto_tool_choice, self.tool_call_parser)  # raises naming a bad parser
         for origin in self.allowed_origins:
             check_origin(origin)
         if not self.model_name:
@@ -340,8 +346,11 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
             raise ApiError(400, f"model {name!r} has no chat template: use /v1/completions", param="messages")
         messages = [m.as_template_message() for m in body.messages]
         _check_text(server, prompt_chars(messages), body.requested_max_tokens, "messages")
+        settings = AutoToolSettings(server.options.enable_auto_tool_choice, server.options.tool_call_parser)
+        auto = auto_tool_calls(body, server.tokenizer, settings)  # "auto" tools: 400 if refused
+        messages = messages if auto is None else auto.prompt_messages(messages)
         builder = ChatResponses(
-            name, server.tokenizer, body.requested_logprobs, body.include_usage, body.forced_tool_calls
+            name, server.tokenizer, body.requested_logprobs, body.include_usage, body.forced_tool_calls, auto
         )
         parse = server.options.parse_special_in_content
         prepare = functools.partial(
