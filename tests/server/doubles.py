@@ -130,6 +130,7 @@ class LineTokenizer:
         self.vocab_size = self.VOCAB
         self.eos_token_ids = (self.EOS,)
         self.seen_tools: list[object] = []
+        self.seen_messages: list[list[dict]] = []
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [self.NEWLINE if ch == "\n" else (ord(ch) - 32) % 95 for ch in text]
@@ -148,6 +149,7 @@ class LineTokenizer:
 
     def apply_chat_template(self, messages, add_generation_prompt=True, tools=None, **_variables) -> str:
         self.seen_tools.append(tools)
+        self.seen_messages.append(list(messages))
         lines = [f"{m['role']}: {m['content']}" for m in messages]
         return "\n".join(lines) + ("\nassistant: " if add_generation_prompt else "")
 
