@@ -257,8 +257,15 @@ def create_app(
         add_cors(app, options.allowed_origins)  # outside the guard: a preflight carries no key
     _add_error_handlers(app, metrics)
     _add_routes(app, server)
+    auto_tools = AutoToolSettings(options.enable_auto_tool_choice, options.tool_call_parser)
     misc = MiscContext(
-        options.model_name, context, vocab_size, tokenizer, options.parse_special_in_content, prepare_pool
+        options.model_name,
+        context,
+        vocab_size,
+        tokenizer,
+        options.parse_special_in_content,
+        prepare_pool,
+        auto_tools,
     )
     add_misc_routes(app, misc)
     return app

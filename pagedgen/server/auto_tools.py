@@ -107,6 +107,23 @@ def auto_tool_calls(body: Any, tokenizer: Any, settings: AutoToolSettings) -> Au
     return plan
 
 
+def tokenized_messages(
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    tokenizer: Any,
+    settings: AutoToolSettings,
+) -> list[dict[str, Any]]:
+    """The messages ``/tokenize`` renders for a chat with ``tools`` (no ``tool_choice`` there: the chat
+    route's default, ``"auto"``), so its count is the chat's ``usage.prompt_tokens``: with the fallback
+    prompt where the template has no ``tools`` and automatic calls are on."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if tools is None or not settings.enabled or renders_tools(template):
+        return messages
+    fmt = FORMATS[settings.parser] if settings.parser is not None else HERMES
+    plan = AutoToolCalls(fmt, "", fallback_system_prompt(fmt, tools), keep_special_tokens=False)
+    return plan.prompt_messages(messages)
+
+
 def _format(settings: AutoToolSettings, template: str, renders: bool) -> ToolCallFormat:
     if settings.parser is not None:
         return FORMATS[settings.parser]

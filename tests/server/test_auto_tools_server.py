@@ -225,3 +225,15 @@ def test_auto_tool_choice_off_is_a_400_naming_tool_choice(model):
         assert ask(client, "text", tools=None).choices[0].message.content == SCRIPTS["text"]
     finally:
         live.stop()
+
+
+def test_tokenize_counts_the_chat_prompt_of_a_request_with_tools(client, server):
+    """``/tokenize`` renders a chat sent with tools as the chat route does by default ("auto"): with the
+    fallback system prompt on a template without ``tools``."""
+    messages = [{"role": "user", "content": "text"}]
+    count = httpx.post(server.url + "/tokenize", json={"messages": messages, "tools": TOOLS}, timeout=120)
+    assert count.status_code == 200
+    usage = ask(client, "text").usage.prompt_tokens
+    assert count.json()["count"] == usage
+    plain = httpx.post(server.url + "/tokenize", json={"messages": messages}, timeout=120).json()["count"]
+    assert plain < usage
