@@ -81,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_speculative_args(serve)
     _add_content_args(serve)
     _add_reasoning_args(serve)
+    _add_tool_args(serve)
 
     generate = _subcommand(parser, sub, "generate", help="complete prompts offline and print the completions")
     generate.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text (one completion each)")
@@ -257,6 +258,25 @@ def _add_response_store_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_tool_args(parser: argparse.ArgumentParser) -> None:
+    # The names are pagedgen.server.tool_parsers.TOOL_CALL_PARSERS, not imported so that --help stays quick.
+    group = parser.add_argument_group("tool calls")
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help='serve tool_choice "auto" (and tools without tool_choice): the model answers in text or calls '
+        "tools, each call constrained to a tool and its schema once opened (default: on; "
+        '--no-enable-auto-tool-choice makes "auto" a 400, as vLLM without the flag)',
+    )
+    group.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "llama3_json", "mistral"),
+        help="the format the model writes tool calls in (default: detected from the chat template; hermes, "
+        "with the tools in a system prompt, for a template without tools)",
+    )
+
+
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
@@ -403,6 +423,8 @@ def server_options(args: argparse.Namespace) -> Any:
         response_store=StoreLimits(
             args.responses_max_stored, args.responses_max_bytes, args.responses_max_age
         ),
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

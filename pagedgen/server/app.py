@@ -52,6 +52,7 @@ from pagedgen.models.tokenizer import IncrementalDetokenizer
 from pagedgen.sampling.errors import SamplingOptionsError
 from pagedgen.server.admission import DEFAULT_MAX_QUEUED_REQUESTS, RETRY_AFTER_S, Admission, Ticket
 from pagedgen.server.apidocs import add_offline_docs
+from pagedgen.server.auto_tools import AutoToolCalls, AutoToolSettings, auto_tool_calls
 from pagedgen.server.cors import add_cors, check_origin
 from pagedgen.server.guard import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -126,6 +127,8 @@ class ServerOptions:
     (:mod:`pagedgen.server.reasoning`; None: they are all content).
     ``response_store``: how many stored Responses-API responses are kept, and for how long
     (:mod:`pagedgen.server.responses_api.store`).
+    ``enable_auto_tool_choice`` serves ``tool_choice: "auto"`` (and tools without ``tool_choice``) in the
+    ``tool_call_parser`` format, None: the chat template's (:mod:`pagedgen.server.auto_tools`).
     """
 
     model_name: str = "default"
@@ -144,10 +147,13 @@ class ServerOptions:
     allowed_origins: tuple[str, ...] = ()
     reasoning_parser: str | None = None
     response_store: StoreLimits = StoreLimits()
+    enable_auto_tool_choice: bool = True
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.reasoning_parser is not None:
             reasoning_parser(self.reasoning_parser)  # ValueError naming the known parsers
+        AutoToolSettings(self.enable_auto_tool_choice, self.tool_call_parser)  # raises naming a bad parser
         for origin in self.allowed_origins:
             check_origin(origin)
         if not self.model_name:
@@ -264,8 +270,15 @@ def create_app(
     from pagedgen.server.responses_api.route import add_responses_routes  # it uses this module's helpers
 
     add_responses_routes(app, server)
+    auto_tools = AutoToolSettings(options.enable_auto_tool_choice, options.tool_call_parser)
     misc = MiscContext(
-        options.model_name, context, vocab_size, tokenizer, options.parse_special_in_content, prepare_pool
+        options.model_name,
+        context,
+        vocab_size,
+        tokenizer,
+        options.parse_special_in_content,
+        prepare_pool,
+        auto_tools,
     )
     add_misc_routes(app, misc)
     return app
@@ -368,7 +381,9 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
         messages = [m.as_template_message() for m in body.messages]
         tokens = body.wire_name("max_tokens")
         _check_text(server, prompt_chars(messages), body.requested_max_tokens, "messages", tokens)
-        builder = chat_builder(server, body)
+        auto = plan_auto_tools(server, body)
+        messages = messages if auto is None else auto.prompt_messages(messages)
+        builder = chat_builder(server, body, auto)
         parse = server.options.parse_special_in_content
         prepare = functools.partial(
             _chat_ids, server.tokenizer, messages, body.template_tools, parse, **body.template_options()
@@ -388,15 +403,24 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
 _check_model = check_model  # the routes here and in routes_misc.py share one model check
 
 
-def chat_builder(server: _Server, body: ChatCompletionRequest) -> ChatResponses | ReasoningResponses:
-    """The chat payload builder of a request (the Responses API builds on the same one): with a reasoning
-    parser, its split of reasoning and content wraps the plain builder."""
+def plan_auto_tools(server: _Server, body: ChatCompletionRequest) -> AutoToolCalls | None:
+    """How a request's ``"auto"`` tools are prompted and parsed (None without them); a 400 if refused."""
+    settings = AutoToolSettings(server.options.enable_auto_tool_choice, server.options.tool_call_parser)
+    return auto_tool_calls(body, server.tokenizer, settings)
+
+
+def chat_builder(
+    server: _Server, body: ChatCompletionRequest, auto: AutoToolCalls | None = None
+) -> ChatResponses | ReasoningResponses:
+    """The chat payload builder of a request (the Responses API builds on the same one): ``auto`` parses
+    automatic tool calls; with a reasoning parser, its split of reasoning and content wraps the builder."""
     builder = ChatResponses(
         server.options.model_name,
         server.tokenizer,
         body.requested_logprobs,
         body.include_usage,
         body.forced_tool_calls,
+        auto,
     )
     if server.options.reasoning_parser is None:
         return builder

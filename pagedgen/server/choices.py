@@ -150,7 +150,7 @@ async def run_choices(
         group.cancel()
         raise
     builders = [builder] + [builder.sibling() for _ in range(body.n - 1)]
-    texts = [IncrementalDetokenizer(server.tokenizer) for _ in range(body.n)]
+    texts = [IncrementalDetokenizer(server.tokenizer, body.skip_special_tokens) for _ in range(body.n)]
     if body.stream:
         close = _close_stream(group, ticket, server.metrics)
         return EventStreamResponse(_stream(group, texts, builders, server.metrics, tag), on_close=close)

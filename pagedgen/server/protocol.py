@@ -27,7 +27,7 @@ import threading
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from pagedgen.llm import SamplingParams, StructuredOutputsParams
@@ -457,7 +457,8 @@ class ChatCompletionRequest(ChatTemplateFields, _SamplingFields):
     top_logprobs: int | None = None
     tools: Annotated[list[Tool], Field(min_length=1)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True  # False: "required" makes exactly one call
+    parallel_tool_calls: bool = True  # False: "required" makes exactly one call, "auto" at most one
+    _auto_tool_grammar: str | None = PrivateAttr(None)  # "auto": set by the route (server.auto_tools)
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
@@ -488,6 +489,11 @@ class ChatCompletionRequest(ChatTemplateFields, _SamplingFields):
             return ForcedToolCalls(self.tool_choice.function.name)
         return ForcedToolCalls(None)
 
+    def use_auto_tool_grammar(self, grammar: str) -> None:
+        """Serve ``tool_choice: "auto"`` with this constraint (:mod:`pagedgen.server.auto_tools` builds it:
+        it depends on the server's tool-call format and the model's tokenizer)."""
+        self._auto_tool_grammar = grammar
+
     @property
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools the chat template sees: none when ``tool_choice`` is ``"none"`` (they are ignored)."""
@@ -497,13 +503,16 @@ class ChatCompletionRequest(ChatTemplateFields, _SamplingFields):
 
     @property
     def constrains_output(self) -> bool:
-        return super().constrains_output or self.forced_tool_calls is not None
+        forced = self.forced_tool_calls is not None or self._auto_tool_grammar is not None
+        return super().constrains_output or forced
 
     @property
     def constraint_param(self) -> str:
         """A forced call's constraint is its tool's ``parameters`` (one tool, or the named one); the
         ``"required"`` array over several tools is ``tools``."""
         forced = self.forced_tool_calls
+        if self._auto_tool_grammar is not None and forced is None:
+            return "tools"
         if forced is None or self.tools is None:
             return super().constraint_param
         names = [tool.function.name for tool in self.tools]
@@ -522,19 +531,13 @@ class ChatCompletionRequest(ChatTemplateFields, _SamplingFields):
         return tool_constraint or other
 
     def _tool_constraint(self) -> StructuredOutputsParams | None:
-        """The constraint of a forced tool call; raises :class:`SamplingOptionsError` naming the field."""
+        """The constraint of a forced or automatic tool call; raises :class:`SamplingOptionsError` naming the
+        field."""
         choice = self.tool_choice
         if choice == "none" or (choice is None and self.tools is None):
             return None
         if self.tools is None:
             raise SamplingOptionsError("tool_choice is set but no tools are given", "tool_choice")
-        if choice in (None, "auto"):
-            raise SamplingOptionsError(
-                'tool_choice "auto" (the default when tools are given) needs a tool-call parser, which '
-                'pagedgen does not have: set tool_choice to "required" or to a named function '
-                '({"type": "function", "function": {"name": ...}})',
-                "tool_choice",
-            )
         names = [tool.function.name for tool in self.tools]
         for index, name in enumerate(names):
             if name in names[:index]:
@@ -546,6 +549,8 @@ class ChatCompletionRequest(ChatTemplateFields, _SamplingFields):
             except SamplingOptionsError as exc:
                 message = str(exc).replace("structured_outputs.json:", f"{field}:")
                 raise SamplingOptionsError(message, field) from None
+        if choice in (None, "auto"):
+            return self._auto_tool_constraint()
         if isinstance(choice, NamedToolChoice):
             by_name = {tool.function.name: tool.function for tool in self.tools}
             function = by_name.get(choice.function.name)
@@ -563,6 +568,20 @@ class ChatCompletionRequest(ChatTemplateFields, _SamplingFields):
             if exc.field is not None and exc.field.startswith("tools["):
                 raise
             message = str(exc).replace("structured_outputs.json:", "tools:")
+            raise SamplingOptionsError(message, "tools") from None
+
+    def _auto_tool_constraint(self) -> StructuredOutputsParams:
+        if self._auto_tool_grammar is None:
+            raise SamplingOptionsError(
+                'tool_choice "auto" (the default when tools are given) needs the tool-call parser of a '
+                "server (pagedgen.server.auto_tools), which this request was not given: set tool_choice to "
+                '"required" or to a named function',
+                "tool_choice",
+            )
+        try:
+            return StructuredOutputsParams(grammar=self._auto_tool_grammar)
+        except SamplingOptionsError as exc:
+            message = str(exc).replace("structured_outputs.grammar:", "tools:")
             raise SamplingOptionsError(message, "tools") from None
 
     def wire_name(self, field: str | None) -> str | None:

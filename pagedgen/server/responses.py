@@ -10,6 +10,12 @@ carries the call's id and name, as OpenAI streams). A ``"required"`` list is par
 its stream sends every call in the last chunk; its ``finish_reason`` is ``"tool_calls"`` where the output
 ended normally (``"stop"`` for a named function, as OpenAI and vLLM answer). Output that does not parse
 (cut short by ``max_tokens`` or a stop string) is returned as ``content`` with the engine's finish reason.
+
+An automatic call (``tool_choice: "auto"``, :mod:`pagedgen.server.auto_tools`) is found by the format's
+parser as the text streams: text before the call streams as ``content``, each call's first delta carries its
+id and name, then its ``arguments`` as generated. The reply's ``finish_reason`` is ``"tool_calls"`` when it
+ended normally with every call whole; a call cut short by ``max_tokens`` keeps the arguments generated so
+far, with ``"length"``.
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagedgen.llm import TokenLogprob
+from pagedgen.server.auto_tools import AutoToolCalls
 from pagedgen.server.protocol import new_id
+from pagedgen.server.tool_parsers import ParserDelta, ToolCallParser
 from pagedgen.server.tools import ForcedToolCalls, new_tool_call_id, parse_required_calls, tool_call
 from pagedgen.server.worker import Finish
 
@@ -78,14 +86,19 @@ class ChatResponses(_Builder):
         logprobs: int | None,
         include_usage: bool,
         tools: ForcedToolCalls | None = None,
+        auto: AutoToolCalls | None = None,
     ):
         super().__init__(model_name, tokenizer, logprobs, include_usage)
         self._tools = tools
         self._call_id = new_tool_call_id()
         self._held: list[str] = []  # a "required" stream's text, parsed when it ends
+        self._auto = auto
+        self._parser: ToolCallParser | None = None if auto is None else auto.parser()
 
     def _fresh(self) -> ChatResponses:
-        return ChatResponses(self.model, self._tokenizer, self.top_n, self.include_usage, self._tools)
+        return ChatResponses(
+            self.model, self._tokenizer, self.top_n, self.include_usage, self._tools, self._auto
+        )
 
     def first_chunk(self) -> dict[str, Any]:
         if self._tools is None:
@@ -101,6 +114,8 @@ class ChatResponses(_Builder):
     ) -> dict[str, Any] | None:
         """One stream chunk, or None when there is nothing to send yet (a "required" list being held)."""
         entries = self.logprobs(logprobs) if logprobs else None
+        if self._parser is not None:
+            return self._auto_chunk(self._parser, text, entries, finish_reason)
         if self._tools is None:
             return self._chunk({"content": text} if text else {}, entries, finish_reason)
         if self._tools.function is not None:
@@ -115,6 +130,17 @@ class ChatResponses(_Builder):
         else:
             delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]}
         return self._chunk(delta, entries, reason)
+
+    def _auto_chunk(
+        self, parser: ToolCallParser, text: str, entries: Any, finish_reason: str | None
+    ) -> dict[str, Any] | None:
+        parsed = parser.feed(text)
+        if finish_reason is not None:
+            parsed.extend(parser.finish())
+            finish_reason = _auto_finish_reason(parser, finish_reason)
+        elif not parsed and entries is None:
+            return None  # text held back (a trigger's beginning, whitespace before a call)
+        return self._chunk(auto_delta(parsed), entries, finish_reason)
 
     def _chunk(self, delta: dict[str, Any], logprobs: Any, finish_reason: str | None) -> dict[str, Any]:
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -138,6 +164,8 @@ class ChatResponses(_Builder):
 
     def _message(self, text: str, finish_reason: str) -> tuple[dict[str, Any], str]:
         """The assistant message of a whole turn and its finish reason."""
+        if self._parser is not None:
+            return _auto_message(self._parser, text, finish_reason)
         if self._tools is None:
             return {"role": "assistant", "content": text}, finish_reason
         if self._tools.function is not None:
@@ -162,6 +190,44 @@ class ChatResponses(_Builder):
     def _alternative(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self._token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def auto_delta(parsed: ParserDelta) -> dict[str, Any]:
+    """The stream delta of parsed text: ``content`` and OpenAI's tool-call deltas (a call's pieces within
+    one chunk merged into one entry)."""
+    delta: dict[str, Any] = {}
+    if parsed.content:
+        delta["content"] = parsed.content
+    entries: list[dict[str, Any]] = []
+    for call in parsed.calls:
+        if entries and entries[-1]["index"] == call.index:
+            entries[-1]["function"]["arguments"] += call.arguments
+            continue
+        entry: dict[str, Any] = {"index": call.index}
+        if call.id is not None:
+            entry.update(
+                id=call.id, type="function", function={"name": call.name, "arguments": call.arguments}
+            )
+        else:
+            entry["function"] = {"arguments": call.arguments}
+        entries.append(entry)
+    if entries:
+        delta["tool_calls"] = entries
+    return delta
+
+
+def _auto_message(parser: ToolCallParser, text: str, finish_reason: str) -> tuple[dict[str, Any], str]:
+    parser.feed(text)
+    parser.finish()
+    if not parser.calls:
+        return {"role": "assistant", "content": parser.content}, finish_reason
+    calls = [tool_call(call.id, call.name, call.arguments) for call in parser.calls]
+    message = {"role": "assistant", "content": parser.content or None, "tool_calls": calls}
+    return message, _auto_finish_reason(parser, finish_reason)
+
+
+def _auto_finish_reason(parser: ToolCallParser, finish_reason: str) -> str:
+    return "tool_calls" if finish_reason == "stop" and parser.complete else finish_reason
 
 
 class CompletionResponses(_Builder):

@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import FastAPI
 
 import pagedgen
+from pagedgen.server.auto_tools import AutoToolSettings, tokenized_messages
 from pagedgen.server.guard import ApiError
 from pagedgen.server.prompting import chat_prompt_ids
 from pagedgen.server.protocol import DetokenizeRequest, TokenizeRequest
@@ -35,6 +36,7 @@ class MiscContext:
     tokenizer: Any
     parse_special: bool
     prepare_pool: ThreadPoolExecutor
+    auto_tools: AutoToolSettings = AutoToolSettings()  # the chat route's, for a chat sent with tools
 
 
 def model_card(name: str, context: int) -> dict[str, Any]:
@@ -92,6 +94,7 @@ def _tokenize(ctx: MiscContext, body: TokenizeRequest) -> list[int]:
         raise ApiError(400, f"model {ctx.model_name!r} has no chat template: send a prompt", param="messages")
     messages = [message.as_template_message() for message in body.messages]
     tools = None if body.tools is None else [tool.model_dump(exclude_none=True) for tool in body.tools]
+    messages = tokenized_messages(messages, tools, ctx.tokenizer, ctx.auto_tools)
     return chat_prompt_ids(ctx.tokenizer, messages, tools, ctx.parse_special, **body.template_options())
 
 

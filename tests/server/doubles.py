@@ -115,3 +115,90 @@ def serve_counting_submits(model, tokenizer) -> LiveServer:
     live.submitted = submitted
     live.tokenizer = tokenizer
     return live
+
+
+class LineTokenizer:
+    """Printable ASCII plus newline, one token per character (ids 0-94: ``chr(32 + id)``, 95: ``"\\n"``),
+    and EOS (96); a chat template of ``role: content`` lines without a ``tools`` variable."""
+
+    NEWLINE = 95
+    EOS = 96
+    VOCAB = 97
+    max_token_chars = 1
+
+    def __init__(self) -> None:
+        self.vocab_size = self.VOCAB
+        self.eos_token_ids = (self.EOS,)
+        self.seen_tools: list[object] = []
+        self.seen_messages: list[list[dict]] = []
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [self.NEWLINE if ch == "\n" else (ord(ch) - 32) % 95 for ch in text]
+
+    def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
+        chars = []
+        for t in token_ids:
+            if t == self.EOS:
+                chars.append("" if skip_special_tokens else "<eos>")
+            else:
+                chars.append("\n" if t == self.NEWLINE else chr(32 + t))
+        return "".join(chars)
+
+    def decode_raw(self, token_ids, skip_special_tokens: bool = True) -> str:
+        return self.decode(token_ids, skip_special_tokens)
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tools=None, **_variables) -> str:
+        self.seen_tools.append(tools)
+        self.seen_messages.append(list(messages))
+        lines = [f"{m['role']}: {m['content']}" for m in messages]
+        return "\n".join(lines) + ("\nassistant: " if add_generation_prompt else "")
+
+
+class ScriptedModel(SyntheticModel):
+    """A model that writes a fixed reply for each last user message (``scripts``), character by character,
+    and keeps to it whatever was actually emitted: once a constraint forces another character, it goes on
+    with the script's next one (a model that "tries" the script). Its logits prefer the script's character,
+    then ``"``, ``}`` and EOS, so a constrained reply that left the script still ends.
+
+    Each row's whole sequence is read back from the KV cache through the block table (the synthetic model
+    stores token ids there), decoded, and split at the last ``"\\nassistant: "``: before it the prompt (whose
+    last ``user: `` line picks the script), after it the reply so far.
+    """
+
+    def __init__(self, scripts: dict[str, str]):
+        super().__init__(vocab_size=LineTokenizer.VOCAB, eos_token_id=LineTokenizer.EOS)
+        self.scripts = scripts
+        self.codec = LineTokenizer()
+
+    @property
+    def tokenizer(self) -> LineTokenizer:
+        return self.codec
+
+    def forward(self, inputs, kv_cache):
+        import torch
+
+        bs = inputs.block_size
+        cache = kv_cache.keys[0].view(-1)
+        cache[inputs.slot_mapping] = inputs.input_ids.to(cache.dtype)
+        starts = inputs.cu_seqlens.tolist()
+        positions = inputs.positions.tolist()
+        tables = inputs.block_tables.long().tolist()
+        rows = inputs.logits_rows.tolist()
+        logits = torch.zeros(len(rows), self.vocab_size, dtype=torch.float32)
+        for out, token_index in enumerate(rows):
+            row = max(r for r in range(len(starts) - 1) if starts[r] <= token_index)
+            position = positions[token_index]
+            slots = [tables[row][q // bs] * bs + q % bs for q in range(position + 1)]
+            text = self.codec.decode([int(t) for t in cache[slots].tolist()])
+            for token, value in self._preferences(text).items():
+                logits[out, token] = value
+        return logits
+
+    def _preferences(self, text: str) -> dict[int, float]:
+        prompt, _, reply = text.rpartition("\nassistant: ")
+        key = prompt.rpartition("user: ")[2]
+        script = self.scripts.get(key, "")
+        wanted = self.codec.encode(script[len(reply)]) if len(reply) < len(script) else [self.codec.EOS]
+        preferences = {self.codec.encode('"')[0]: 3.0, self.codec.encode("}")[0]: 2.0, self.codec.EOS: 1.0}
+        preferences[wanted[0]] = 8.0
+        return preferences

@@ -105,10 +105,6 @@ def serve_options(*flags: str) -> ServerOptions:
 # ---------------------------------------------------------------- row 1: automatic tool calls
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="automatic tool calls (--tool-call-parser, tool_choice 'auto') are being built on another branch",
-)
 def test_row_1_tools_without_tool_choice_or_auto_answer_tool_calls():
     live, model, template = scripted_server(serve_options("--tool-call-parser", "hermes"))
     try:

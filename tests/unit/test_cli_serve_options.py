@@ -197,3 +197,26 @@ def test_a_zero_response_age_is_a_usage_error(capsys):
         cli.main(["serve", "--responses-max-age", "0"])
     assert info.value.code == 2
     assert "positive number of seconds" in capsys.readouterr().err
+
+
+def test_tool_call_flags_default_to_auto_on_and_a_detected_format():
+    from pagedgen.server.tool_parsers import TOOL_CALL_PARSERS
+
+    options = cli.server_options(cli.build_parser().parse_args(["serve"]))
+    assert (options.enable_auto_tool_choice, options.tool_call_parser) == (True, None)
+    assert (ServerOptions().enable_auto_tool_choice, ServerOptions().tool_call_parser) == (True, None)
+    flags = ["serve", "--no-enable-auto-tool-choice", "--tool-call-parser", "mistral"]
+    options = cli.server_options(cli.build_parser().parse_args(flags))
+    assert (options.enable_auto_tool_choice, options.tool_call_parser) == (False, "mistral")
+    assert cli.build_parser().parse_args(["serve", "--enable-auto-tool-choice"]).enable_auto_tool_choice
+    serve = cli.build_parser().subcommands["serve"]
+    (choices,) = [a.choices for a in serve._actions if a.dest == "tool_call_parser"]
+    assert tuple(choices) == TOOL_CALL_PARSERS  # the flag lists every parser there is
+
+
+def test_an_unknown_tool_call_parser_is_a_usage_error_and_refused_by_the_options(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["serve", "--tool-call-parser", "qwen"])
+    assert info.value.code == 2 and "qwen" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        ServerOptions(tool_call_parser="qwen")

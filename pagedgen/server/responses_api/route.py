@@ -67,6 +67,8 @@ async def _create(server: Any, store: ResponseStore, body: ResponsesRequest, req
     chat_body = _chat_request(turn.body)
     messages = [m.as_template_message() for m in chat_body.messages]
     chat._check_text(server, prompt_chars(messages), chat_body.requested_max_tokens, "input")
+    auto = chat.plan_auto_tools(server, chat_body)  # "auto" tools, as the chat route serves them
+    messages = messages if auto is None else auto.prompt_messages(messages)
     response_id = new_id("resp", "_")
     keep = Keep(
         keep_as=response_id if body.store else None,
@@ -78,9 +80,8 @@ async def _create(server: Any, store: ResponseStore, body: ResponsesRequest, req
             record = StoredResponse(response_id, response, [*turn.conversation, message], kept=True)
             store.put(record)
 
-    builder = ResponseBuilder(
-        chat.chat_builder(server, chat_body), _header(body, response_id, server.options.model_name), done
-    )
+    header = _header(body, response_id, server.options.model_name)
+    builder = ResponseBuilder(chat.chat_builder(server, chat_body, auto), header, done)
     parse = server.options.parse_special_in_content
     template = functools.partial(
         chat._chat_ids,

@@ -1,0 +1,68 @@
+"""The constraint of an automatic tool call: free text, until the model opens a call; then a valid call.
+
+The grammar is llguidance's Lark dialect. Its text is free (any characters) up to the format's trigger: the
+trigger is a *lazy* lexeme (``head[lazy]: TEXT "<tool_call>"``), which ends the text at the trigger's first
+occurrence, or a special token (``<[id]>``) where the tokenizer has one for it, which no text can contain.
+From there on every character is the format's: each call is
+``{"name": "<a tool's name>", "<arguments key>": <JSON valid for that tool's parameters schema>}`` with the
+format's words around it, and after the last call only the end of the reply (EOS) or, when parallel calls
+are allowed, the next call. So an automatic call always parses and validates, while a reply without one is
+not constrained at all (a Llama 3 reply is the one exception: it may not start with ``{``, which would be a
+call).
+
+The arguments follow each schema as :mod:`pagedgen.guidance.spec` writes JSON (``json.dumps``'s
+separators, no free whitespace) unless the schema carries its own ``x-guidance`` options.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pagedgen.guidance.spec import JSON_DEFAULTS
+from pagedgen.server.tool_parsers.base import ToolCallFormat
+
+FREE_TEXT = r"/(.|\n)*/"
+# A Llama 3 reply that is text: empty, whitespace, or text whose first visible character is not "{".
+NOT_A_CALL = r"/(\s*[^\s{](.|\n)*)?\s*/"
+
+
+def tool_call_grammar(
+    fmt: ToolCallFormat,
+    tools: Sequence[tuple[str, Mapping[str, Any]]],
+    parallel: bool,
+    trigger_token: int | None,
+) -> str:
+    """The Lark grammar over ``(name, parameters schema)`` pairs; ``trigger_token`` is the id of the special
+    token the trigger is in this tokenizer (None: the trigger is text)."""
+    calls = " | ".join(f"call_{index}" for index in range(len(tools)))
+    repeat = f" ({_literal(fmt.grammar_next)} one)*" if parallel else ""
+    body = f"{_literal(fmt.grammar_open)} one{repeat} {_literal(fmt.grammar_end)}".strip()
+    lines = ["%llguidance {}", "start: TEXT | calls"]
+    if fmt.at_start:
+        head = f"<[{trigger_token}]>? " if trigger_token is not None else ""
+        lines += [f"TEXT: {NOT_A_CALL}", f"calls: {head}{body}"]
+    elif trigger_token is not None:
+        lines += [f"TEXT: {FREE_TEXT}", f"calls: TEXT <[{trigger_token}]> {body}"]
+    else:
+        lines += [f"TEXT: {FREE_TEXT}", f"head[lazy]: TEXT {_literal(fmt.trigger)}", f"calls: head {body}"]
+    lines.append(f"one: {calls}")
+    for index, (name, schema) in enumerate(tools):
+        opening = f'{{"name": "{name}", "{fmt.arguments_key}": '
+        lines.append(
+            f'call_{index}: {_literal(opening)} args_{index} "}}" {_literal(fmt.grammar_close)}'.rstrip()
+        )
+        lines.append(f"args_{index}: %json {json.dumps(_with_json_options(schema))}")
+    return "\n".join(lines) + "\n"
+
+
+def _literal(text: str) -> str:
+    """A Lark string literal (JSON's escapes are Lark's), or nothing for empty text."""
+    return json.dumps(text) if text else ""
+
+
+def _with_json_options(schema: Mapping[str, Any]) -> dict[str, Any]:
+    if "x-guidance" in schema:
+        return dict(schema)
+    return {**schema, "x-guidance": JSON_DEFAULTS}
