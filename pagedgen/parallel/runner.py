@@ -14,8 +14,8 @@ later ``execute`` raises the same at once. A worker's death is seen before the n
 exited) or inside it (the collective fails at once when its sockets close); a hung rank fails the
 collective after the group's timeout. Nothing waits forever.
 
-On the CPU each rank gets ``cpus // T`` threads, rank 0 included (a process-wide setting): more threads
-than cores across the ranks makes their spinning pools fight.
+On the CPU each rank gets ``cpus // T`` threads, rank 0 included (a process-wide setting, restored by
+``release``): more threads than cores across the ranks makes their spinning pools fight.
 """
 
 from __future__ import annotations
@@ -33,7 +33,13 @@ import torch
 
 from pagedgen.errors import PagedGenError
 from pagedgen.executor.runner import ModelRunner
-from pagedgen.ops.gemm_threads import configure_cpu_threads, usable_cpus
+from pagedgen.ops.gemm_threads import (
+    configure_cpu_threads,
+    current_thread_settings,
+    set_blas_num_threads,
+    torch_pool,
+    usable_cpus,
+)
 from pagedgen.parallel.comm import DEFAULT_TIMEOUT_S, join_group, serve_store
 from pagedgen.parallel.messages import AdaptGemm, Done, Failed, Ready, StepMessage, Stop
 from pagedgen.parallel.plan import TensorParallelError
@@ -121,6 +127,7 @@ class TensorParallelRunner:
         self.world = world
         self.device = torch.device(model.device)
         threads = max(1, usable_cpus() // world) if self.device.type == "cpu" else None
+        self._threads_before = current_thread_settings()
         if threads is not None:
             configure_cpu_threads(threads)
         store, address = serve_store(world, timeout_s)
@@ -135,6 +142,7 @@ class TensorParallelRunner:
             ready = [self._await_ready(w) for w in self._workers]
         except BaseException:
             self._finalizer()
+            self._restore_threads()
             raise
         self.rank_weight_bytes = (weight_bytes(runtime), *(r.weight_bytes for r in ready))
         self.dequantized_slices = (report.dequantized, *(r.dequantized_slices for r in ready))
@@ -245,6 +253,14 @@ class TensorParallelRunner:
         """Stop every worker and drop the KV storage (engine teardown). Idempotent."""
         self._finalizer()
         self._inner.release()
+        self._restore_threads()
+
+    def _restore_threads(self) -> None:
+        """The process's thread pools as they were before this runner."""
+        before = self._threads_before
+        torch_pool.set_full(before.torch_threads)
+        if before.blas_threads is not None:
+            set_blas_num_threads(before.blas_threads)
 
     @property
     def worker_pids(self) -> tuple[int, ...]:
