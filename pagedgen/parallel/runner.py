@@ -121,7 +121,8 @@ class TensorParallelRunner:
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ):
         config = getattr(model, "config", None)
-        check_family(getattr(model, "runtime", None), getattr(config, "architecture", "unknown"), world)
+        family = getattr(config, "architecture", type(model).__name__)  # a model without a config: its type
+        check_family(getattr(model, "runtime", None), family, world)
         source = _model_source(model)
         shards = plan_for(model.runtime, world)  # refuses sizes that do not split, before any process starts
         self.world = world
