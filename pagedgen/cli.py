@@ -313,6 +313,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(default: 512 on the CPU, --max-scheduled-tokens on a GPU)",
     )
     group.add_argument("--static-batching", action="store_true", help="use the static batching path")
+    group.add_argument(
+        "--tensor-parallel-size",
+        type=positive_int,
+        default=1,
+        help="split the model over this many ranks (local processes; gloo on the CPU, NCCL on CUDA; "
+        "Llama family only; default 1)",
+    )
 
 
 def _add_content_args(parser: argparse.ArgumentParser) -> None:
@@ -367,6 +374,7 @@ def engine_config(args: argparse.Namespace) -> Any:
         chunk_size=args.chunk_size,
         max_mixed_step_tokens=args.max_mixed_step_tokens,
         dynamic_batching=not args.static_batching,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

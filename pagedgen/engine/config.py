@@ -62,7 +62,9 @@ class EngineConfig:
     docs/cache.md). It applies to the dynamic path of a purely paged model only: with sliding-window rings or
     fixed conv / recurrent state the engine turns it off (``engine.stats().prefix_caching`` says which);
     ``cuda_graphs`` replays captured CUDA graphs for pure decode steps on a CUDA device (ignored on the CPU,
-    and for models with sliding-window or fixed state; :mod:`pagedgen.executor.cuda_graphs`).
+    and for models with sliding-window or fixed state; :mod:`pagedgen.executor.cuda_graphs`);
+    ``tensor_parallel_size`` splits the model over that many ranks (local processes over torch.distributed,
+    Llama family only; docs/tensor-parallel.md).
     """
 
     max_batch_size: int = 16
@@ -78,6 +80,7 @@ class EngineConfig:
     max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS
     prefix_caching: bool = True
     cuda_graphs: bool = True
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _positive_int("max_batch_size", self.max_batch_size)
@@ -88,6 +91,7 @@ class EngineConfig:
         _positive_int("chunk_size", self.chunk_size, optional=True)
         _positive_int("max_mixed_step_tokens", self.max_mixed_step_tokens, optional=True)
         _positive_int("max_step_retries", self.max_step_retries)
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         if (
             isinstance(self.max_draft_tokens, bool)
             or not isinstance(self.max_draft_tokens, int)

@@ -131,14 +131,21 @@ class Engine:
             layout.window_bytes + layout.fixed_bytes,
         )
         window_blocks = None if layout.window is None else layout.window.num_blocks
-        self._runner = ModelRunner(
-            model,
-            self.num_blocks,
-            config.block_size,
-            window_blocks,
-            cuda_graphs=config.cuda_graphs,
-            max_batch_size=config.max_batch_size,
-        )
+        if config.tensor_parallel_size > 1:
+            from pagedgen.parallel.runner import TensorParallelRunner
+
+            self._runner: Any = TensorParallelRunner(
+                model, config.tensor_parallel_size, self.num_blocks, config.block_size, window_blocks
+            )
+        else:
+            self._runner = ModelRunner(
+                model,
+                self.num_blocks,
+                config.block_size,
+                window_blocks,
+                cuda_graphs=config.cuda_graphs,
+                max_batch_size=config.max_batch_size,
+            )
         self._runner.adapt_gemm(config.max_batch_size, config.max_scheduled_tokens, layout.chunk_size)
         isolator = FailureIsolator(config.max_step_retries)
         if config.dynamic_batching:

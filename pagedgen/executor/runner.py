@@ -98,7 +98,7 @@ class ModelRunner:
         cache, ``ExecutionCapacityError`` when the run exhausts device or host memory, a ``RuntimeError``
         when the model returns logits of the wrong shape; other model errors propagate unchanged.
         """
-        self._check_slots(inputs)
+        self.check_slots(inputs)
         try:
             logits = None if self.graphs is None else self.graphs.run(inputs)
             if logits is None:
@@ -110,7 +110,7 @@ class ModelRunner:
             raise RuntimeError(f"model returned logits of shape {tuple(logits.shape)}, expected {expected}")
         return logits
 
-    def _check_slots(self, inputs: StepInputs) -> None:
+    def check_slots(self, inputs: StepInputs) -> None:
         """Refuse a step that would write outside the cache, from its host copies (IndexError, nothing
         written): ``write_kv`` reads no device slot back, so on a device this is the only check."""
         cache = self.kv_cache
