@@ -32,6 +32,7 @@ from pagedgen import cli
 from pagedgen.models.synthetic import SyntheticModel, SyntheticTokenizer, synthetic_greedy
 from pagedgen.server.app import ServerOptions, build_app
 from tests.server.doubles import VOCAB, client_of, serve
+from tests.server.doubles import ScriptedModel as ToolScriptedModel
 from tests.server.live import LiveServer
 from tests.server.reasoning_doubles import EOS, ScriptedModel, script_reply
 
@@ -106,16 +107,18 @@ def serve_options(*flags: str) -> ServerOptions:
 
 
 def test_row_1_tools_without_tool_choice_or_auto_answer_tool_calls():
-    live, model, template = scripted_server(serve_options("--tool-call-parser", "hermes"))
+    call = '<tool_call>\n{"name": "pick", "arguments": {"answer": "yes"}}\n</tool_call>'
+    model = ToolScriptedModel({"Hi": call, "Say it": "Just text."})  # a codec with newlines, as hermes writes
+    config = pg.EngineConfig(max_batch_size=4, num_blocks=64, debug_invariants=True)
+    options = serve_options("--tool-call-parser", "hermes")
+    live = LiveServer(build_app(model, config, options, tokenizer=model.codec)).start()
     try:
         api = client_of(live)
-        call = '<tool_call>{"name": "pick", "arguments": {"answer": "yes"}}</tool_call>'
         for choice in ({}, {"tool_choice": "auto"}):
-            script_reply(model, template, CHAT, call, tools=TOOLS)
             response = api.chat.completions.create(
                 model="synthetic", messages=CHAT, tools=TOOLS, temperature=0, max_tokens=80, **choice
             )
-            assert template.seen[-1]["tools"] is not None  # rendered through the template's tools variable
+            assert model.codec.seen_tools[-1] == TOOLS  # the tools reached the chat template
             (made,) = response.choices[0].message.tool_calls
             assert (made.function.name, json.loads(made.function.arguments)) == ("pick", {"answer": "yes"})
             assert not response.choices[0].message.content
@@ -140,9 +143,9 @@ def test_row_1_tools_without_tool_choice_or_auto_answer_tool_calls():
                 {"answer": "yes"},
                 "tool_calls",
             )
-        script_reply(model, template, CHAT, "Just text.", tools=TOOLS)  # the model may answer in text
+        text = [{"role": "user", "content": "Say it"}]  # the model may answer in text
         response = api.chat.completions.create(
-            model="synthetic", messages=CHAT, tools=TOOLS, temperature=0, max_tokens=40
+            model="synthetic", messages=text, tools=TOOLS, temperature=0, max_tokens=40
         )
         assert response.choices[0].message.content == "Just text."
         assert not response.choices[0].message.tool_calls
