@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import pagedgen as pg
-from pagedgen.core.manifest import StateKind
+from pagedgen.core.state_manifest import StateKind
 from pagedgen.errors import ModelLoadError, StateManifestError
 from pagedgen.models.bamba import BambaForCausalLM
 from pagedgen.models.config import config_from_hf

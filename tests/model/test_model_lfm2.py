@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import pagedgen as pg
-from pagedgen.core.manifest import StateKind
+from pagedgen.core.state_manifest import StateKind
 from tests.helpers import RECOVERABLE, RECOVERABLE_IDS
 from tests.model.hf_cases import (
     check_chunked_equals_unchunked,

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedgen.core.window import ring_blocks, ring_slot
+from pagedgen.core.window_geometry import ring_blocks, ring_slot
 from pagedgen.executor.inputs import SequenceChunk, pack_step
 from pagedgen.ops import native
 from pagedgen.ops.attention import paged_attention, plan_attention, write_kv
