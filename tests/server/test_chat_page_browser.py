@@ -24,7 +24,6 @@ from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import WebDriverWait
 
 from pagedgen.models.synthetic import SyntheticModel, SyntheticTokenizer
-from tests.server.conftest import metric
 from tests.server.doubles import (
     NUM_BLOCKS,
     VOCAB,
@@ -35,6 +34,7 @@ from tests.server.doubles import (
     settled_metrics,
 )
 from tests.server.doubles import wait_until as server_wait_until
+from tests.server.live import metric
 
 WAIT_S = 120
 KEY = "page-key-42"

@@ -262,3 +262,43 @@ def test_a_cycle_is_named_as_its_path():
     ]
     assert cycles(edges) == [["a", "b", "c", "a"]]
     assert cycles(edges[:2]) == []
+
+
+TESTS = PACKAGE.parent / "tests"
+
+
+def test_the_test_import_reader_sees_package_and_lazy_imports(tmp_path):
+    (tmp_path / "tests" / "unit").mkdir(parents=True)
+    source = tmp_path / "tests" / "unit" / "test_a.py"
+    source.write_text(
+        "from tests import helpers\nfrom tests.helpers.drafts import run_with\n"
+        "def f():\n    from tests.unit.test_b import thing\n"
+    )
+    assert imports_of_test_code(source) == {"tests.helpers", "tests.helpers.drafts", "tests.unit.test_b"}
+
+
+def imports_of_test_code(path: Path) -> set[str]:
+    """The ``tests.*`` modules a file imports, function-local ones too (``from tests import x``: ``x``)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}: relative import"
+            if node.module == "tests":
+                found |= {f"tests.{alias.name}" for alias in node.names}
+            else:
+                found.add(str(node.module))
+    return {name for name in found if name.split(".")[0] == "tests"}
+
+
+def test_no_test_module_is_imported_by_another():
+    """Shared test code lives in helper modules (``tests/helpers/``, a layer's ``*_cases.py`` and the like)
+    or is a fixture of a ``conftest.py``; a ``test_*.py`` or ``conftest.py`` is never imported."""
+    imported = {
+        f"{path.relative_to(TESTS.parent)}: {name}"
+        for path in sorted(TESTS.rglob("*.py"))
+        for name in imports_of_test_code(path)
+        if name.split(".")[-1].startswith("test_") or name.split(".")[-1] == "conftest"
+    }
+    assert sorted(imported) == []
