@@ -21,6 +21,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from pagedgen.argtypes import positive_int
+
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 USAGE_ERROR = 2  # argparse's exit status for a bad command line; also every other user mistake
@@ -118,14 +120,6 @@ def _subcommand(
     )
     parser.subcommands[name] = command  # type: ignore[attr-defined]
     return command
-
-
-def positive_int(text: str) -> int:
-    """argparse type: a positive integer (also used by ``pagedgen bench``)."""
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
 
 
 def _non_negative_int(text: str) -> int:

@@ -1,9 +1,10 @@
-"""Test-session settings shared by every layer."""
+"""Test-session settings and the fixtures every layer shares."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -21,3 +22,15 @@ settings.register_profile(
     "pagedgen", deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
 )
 settings.load_profile("pagedgen")
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """The embedded default model, loaded once per session for every layer: native weights (Q4_1 layers,
+    Q8_0 embedding and head) where the kernels exist, float32 on the CPU, where the model tests compare it
+    with transformers and the server tests with the engine run directly."""
+    import torch
+
+    from pagedgen.models.model import Model
+
+    return Model("default", dtype=torch.float32, device="cpu")

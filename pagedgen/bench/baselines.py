@@ -18,25 +18,17 @@ same directory. transformers runs in this process; the others need the ``bench``
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from pagedgen.bench.checkpoints import NO_CHECKPOINT
 from pagedgen.bench.records import SystemRun, SystemSkipped
-from pagedgen.bench.workloads import BenchRequest
+from pagedgen.bench.workloads import BenchRequest, batches
 
 CB_STOP_TIMEOUT_S = 600.0
-NO_CHECKPOINT = "the model has no checkpoint directory (e.g. the synthetic model): nothing for it to load"
 BASELINE_NAMES = ("hf-static", "hf-cb", "ort-genai", "ort-genai-int4", "vllm", "vllm-eager", "llama.cpp")
-
-
-def batches(requests: Sequence[BenchRequest], size: int) -> list[Sequence[BenchRequest]]:
-    """Consecutive batches of at most ``size`` requests, in workload order."""
-    if size <= 0:
-        raise ValueError(f"batch size must be positive, got {size}")
-    return [requests[i : i + size] for i in range(0, len(requests), size)]
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -159,37 +151,6 @@ def _collect_cb(manager: Any, requests: Sequence[BenchRequest]) -> list[list[int
             outputs[index[result.request_id]] = list(result.generated_tokens)
             remaining -= 1
     return [o or [] for o in outputs]
-
-
-def hf_dir_for_loaders(checkpoint_dir: Path, staging: Path) -> Path:
-    """``checkpoint_dir`` as other loaders need it: ``architectures`` in ``config.json``, and only HF files.
-
-    ONNX Runtime GenAI's builder and vLLM pick the model class from ``architectures``, which pagedgen's GGUF
-    cache entries (written from GGUF metadata) do not carry; transformers' causal-LM table names the class
-    for the model type. They also load every ``*.safetensors`` of the folder, and a GGUF entry's
-    ``native.safetensors`` (pagedgen's raw weight blocks) is no HF weight file. So unless the folder already
-    fits, this returns a copy in ``staging`` that links every other file (no disk cost).
-    """
-    from pagedgen.models.native_weights import NATIVE_FILE
-
-    config = json.loads((checkpoint_dir / "config.json").read_text())
-    native = checkpoint_dir / NATIVE_FILE
-    if config.get("architectures") and not native.exists():
-        return checkpoint_dir
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    architecture = config.get("architectures") or [
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type", ""))
-    ]
-    if architecture == [None]:
-        kind = config.get("model_type")
-        raise RuntimeError(f"{checkpoint_dir}: no causal-LM class for model_type {kind!r}")
-    staging.mkdir(parents=True)
-    for path in checkpoint_dir.iterdir():
-        if path.is_file() and path.name not in ("config.json", NATIVE_FILE):
-            (staging / path.name).symlink_to(path.resolve())
-    (staging / "config.json").write_text(json.dumps(config | {"architectures": architecture}, indent=2))
-    return staging
 
 
 def baseline_runners(

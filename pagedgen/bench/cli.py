@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pagedgen.argtypes import positive_int
 from pagedgen.bench.extras import INSTALL_HINT, MissingBenchExtra, importable, require
-from pagedgen.cli import positive_int
 
 DEFAULT_BASELINES = ""  # pagedgen alone: a plain run stays within minutes; baselines on request
 WORKLOAD_MEANINGS = {

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from pagedgen.bench.baselines import NO_CHECKPOINT
+from pagedgen.bench.checkpoints import NO_CHECKPOINT
 from pagedgen.bench.records import SystemRun, SystemSkipped
 from pagedgen.bench.workloads import BenchRequest
 

@@ -29,10 +29,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from pagedgen.bench.baselines import NO_CHECKPOINT, batches, hf_dir_for_loaders
+from pagedgen.bench.checkpoints import NO_CHECKPOINT, hf_dir_for_loaders
 from pagedgen.bench.extras import INSTALL_HINT, importable
 from pagedgen.bench.records import SystemRun, SystemSkipped
-from pagedgen.bench.workloads import BenchRequest
+from pagedgen.bench.workloads import BenchRequest, batches
 from pagedgen.core.paths import cache_root
 
 EXPORT_FORMAT = 1  # bump when the staging of the builder's input or the builder arguments change

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from pagedgen.bench.baselines import NO_CHECKPOINT, hf_dir_for_loaders
+from pagedgen.bench.checkpoints import NO_CHECKPOINT, hf_dir_for_loaders
 from pagedgen.bench.records import SystemRun, SystemSkipped
 from pagedgen.bench.workloads import BenchRequest
 

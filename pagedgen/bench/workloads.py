@@ -213,3 +213,10 @@ def repeat_prompt(tokenizer: Any, text: str) -> list[int]:
 def workload_totals(requests: Sequence[BenchRequest]) -> tuple[int, int]:
     """``(prompt_tokens, output_tokens)`` summed over the requests."""
     return sum(len(r.prompt_ids) for r in requests), sum(r.output_len for r in requests)
+
+
+def batches(requests: Sequence[BenchRequest], size: int) -> list[Sequence[BenchRequest]]:
+    """Consecutive batches of at most ``size`` requests, in workload order."""
+    if size <= 0:
+        raise ValueError(f"batch size must be positive, got {size}")
+    return [requests[i : i + size] for i in range(0, len(requests), size)]

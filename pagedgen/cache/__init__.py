@@ -6,12 +6,12 @@ fixed-state pool (``fixed_state``) owns its conv / recurrent state banks itself.
 
 from pagedgen.cache.block_pool import BlockPool, BlockState, num_blocks_for_budget
 from pagedgen.cache.block_table import BlockTable, blocks_for_tokens, slot_of_position
-from pagedgen.cache.fixed_state import FixedStatePool, FixedStateReservation
+from pagedgen.cache.fixed_state_pool import FixedStatePool, FixedStateReservation
 from pagedgen.cache.manager import CacheStats, PagedCacheManager
 from pagedgen.cache.paged import CacheCandidate, DeferReason, PlanLimits, ResourcePlan, plan_resources
 from pagedgen.cache.prefix import BlockHashes, PrefixCache, PrefixStats, block_hash
 from pagedgen.cache.reservation import Reservation, ReservationState, ReservedRow
-from pagedgen.cache.window_ring import WindowRingSpec
+from pagedgen.cache.window_pool import WindowRingSpec
 
 __all__ = [
     "BlockHashes",

@@ -56,7 +56,7 @@ class BlockTable:
     ``blocks`` are the physical blocks in logical order; ``committed_slots`` counts the leading slots that
     hold committed K/V (it may be smaller than the table's capacity: an admitted prefill owns blocks for its
     whole prompt before all of it has run). ``window_blocks`` is the request's ring in the window pool
-    (:mod:`pagedgen.cache.window_ring`; empty without one): fixed at admission, it never grows.
+    (:mod:`pagedgen.cache.window_pool`; empty without one): fixed at admission, it never grows.
     ``generation`` advances on every change so a reservation can prove the table is exactly as it found it.
     Only the cache manager and its reservation mutate a table.
     """

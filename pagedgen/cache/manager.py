@@ -28,7 +28,7 @@ from types import MappingProxyType
 
 from pagedgen.cache.block_pool import BlockPool, BlockState
 from pagedgen.cache.block_table import BlockTable, blocks_for_tokens
-from pagedgen.cache.fixed_state import FixedStatePool, FixedStateReservation
+from pagedgen.cache.fixed_state_pool import FixedStatePool, FixedStateReservation
 from pagedgen.cache.paged import (
     CacheCandidate,
     PlanLimits,
@@ -40,7 +40,7 @@ from pagedgen.cache.paged import (
 )
 from pagedgen.cache.prefix import PrefixCache, PrefixStats
 from pagedgen.cache.reservation import Reservation, ReservedRow
-from pagedgen.cache.window_ring import WindowRingSpec
+from pagedgen.cache.window_pool import WindowRingSpec
 from pagedgen.errors import CacheError
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from pagedgen.cache.block_pool import BlockPool, BlockState
 from pagedgen.cache.block_table import BlockTable
-from pagedgen.cache.fixed_state import FixedStateReservation
+from pagedgen.cache.fixed_state_pool import FixedStateReservation
 from pagedgen.cache.prefix import BlockHashes, PrefixCache
 from pagedgen.core.step_inputs import FixedStateInputs
 from pagedgen.errors import CacheError

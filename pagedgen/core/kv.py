@@ -17,7 +17,8 @@ class KVSpec:
     """Geometry of the paged KV cache a model needs: one K and one V tensor per attention layer.
 
     ``window_layers`` attend only to the last ``window_size`` positions (sliding window); the engine may keep
-    them in a ring of blocks from a separate pool (:mod:`pagedgen.core.window`) instead of growing blocks.
+    them in a ring of blocks from a separate pool (:mod:`pagedgen.core.window_geometry`) instead of growing
+    blocks.
     """
 
     num_layers: int

@@ -14,7 +14,7 @@ import torch
 
 @dataclass(slots=True)
 class WindowInputs:
-    """How the step's sliding-window layers reach their ring of blocks (:mod:`pagedgen.core.window`).
+    """How the step's sliding-window layers reach their ring of blocks (:mod:`pagedgen.core.window_geometry`).
 
     Each row's keys are read from logical block ``first_pos[i] // block_size`` on: column ``k`` of
     ``block_tables`` holds logical block ``first_pos[i] // block_size + k`` (its ring block), so the table is

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedgen.cache import FixedStatePool, WindowRingSpec
-from pagedgen.core.fixed_state import FixedStateSpec
-from pagedgen.core.manifest import SlidingWindow, StateKind, StateManifest
+from pagedgen.core.fixed_state_spec import FixedStateSpec
+from pagedgen.core.state_manifest import SlidingWindow, StateKind, StateManifest
 from pagedgen.engine.config import EngineConfig
 from pagedgen.engine.errors import UnsupportedStateError
 

@@ -7,7 +7,7 @@ can always finish. When a plan leaves work behind for want of room, :meth:`Dynam
 residency instead (idle residents yield, the youngest running request is preempted, waiting requests age), so
 nothing waits forever. The policy, its rules and why they cannot cycle: docs/engine.md, "Scheduling: decode
 first" and "Residency"; prefix-cache hits and held-back admissions: docs/cache.md; drafts:
-:mod:`pagedgen.engine.drafts`.
+:mod:`pagedgen.engine.draft_budget`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pagedgen.cache import CacheCandidate, DeferReason, PagedCacheManager
-from pagedgen.engine.drafts import draft_width, extra_blocks, slot_capacity
+from pagedgen.engine.draft_budget import draft_width, extra_blocks, slot_capacity
 from pagedgen.engine.invariants import validate_cache, validate_prefix_content, validate_residents
 from pagedgen.engine.request import RequestState, RequestStatus
 

@@ -41,7 +41,7 @@ from pagedgen.executor.runner import ModelRunner
 from pagedgen.guidance.bitmask import TokenMasks
 from pagedgen.guidance.masks import MaskComputer, MaskRow, PendingMasks
 from pagedgen.sampling import RowSamplingError, Sampler
-from pagedgen.sampling.drafts import VerifiedRow, sample_with_drafts
+from pagedgen.sampling.draft_verification import VerifiedRow, sample_with_drafts
 
 
 @dataclass(slots=True)
@@ -241,7 +241,7 @@ class DynamicStep:
 
     def _sample(self, txn: _Transaction, plan: StepPlan, logits: torch.Tensor) -> list[VerifiedRow]:
         """The sampling seam: one batched call over every row that finished its input this step, verifying
-        the drafts of the rows that sent some (:mod:`pagedgen.sampling.drafts`)."""
+        the drafts of the rows that sent some (:mod:`pagedgen.sampling.draft_verification`)."""
         self._enter(txn, Phase.SAMPLE)
         sampling = plan.sampling_rows
         masks = self._joined_masks(txn)

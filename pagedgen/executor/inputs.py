@@ -219,8 +219,8 @@ def _pack_window(
     row_of_token: np.ndarray,
     positions: np.ndarray,
 ) -> dict[str, tuple[np.ndarray, torch.dtype]]:
-    """Ring tables and slots of the windowed layers (arithmetic of :mod:`pagedgen.core.window`), as host
-    arrays for :func:`stage_arrays` (name -> array, dtype).
+    """Ring tables and slots of the windowed layers (arithmetic of :mod:`pagedgen.core.window_geometry`),
+    as host arrays for :func:`stage_arrays` (name -> array, dtype).
 
     Row ``i`` reads from position ``first_pos = (lo // B) * B``, ``lo = max(0, past - W + 1)`` being the
     first key its earliest query sees; column ``k`` is ring block ``(first_pos // B + k) mod R``.

@@ -21,7 +21,7 @@ multipliers: the embedding is scaled by ``embedding_multiplier``, each mixer and
 whole head (``position_embedding_type: rope``) or none (``nope``, as in Granite 4.0).
 
 State: attention layers keep paged K/V (KV-spec layer ``j`` is the ``j``-th attention layer); each Mamba layer
-keeps two fixed states per request (:class:`~pagedgen.core.fixed_state.FixedStateSpec`):
+keeps two fixed states per request (:class:`~pagedgen.core.fixed_state_spec.FixedStateSpec`):
 
 - ``mamba_conv.<layer>`` (fixed_conv): the convolution's last ``L - 1`` inputs, ``[L - 1, conv_dim]``,
   oldest first, in the model's dtype (they are activations of that dtype: storing them loses nothing);
@@ -39,9 +39,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedgen.core.fixed_state import FixedStateSpec
+from pagedgen.core.fixed_state_spec import FixedStateSpec
 from pagedgen.core.kv import KVSpec, PagedKVCache
-from pagedgen.core.manifest import StateKind
+from pagedgen.core.state_manifest import StateKind
 from pagedgen.core.step_inputs import FixedStateInputs, StepInputs
 from pagedgen.models.config import ModelConfig
 from pagedgen.models.lfm2 import CausalConv1d

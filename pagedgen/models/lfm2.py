@@ -10,7 +10,8 @@ parameter names follow HF's ``Lfm2ForCausalLM``, so a state dict loads by name.
 
 State: attention layers keep paged K/V (KV-spec layer ``j`` is the ``j``-th attention layer); each conv layer
 keeps the last ``L - 1`` inputs of its convolution per request, a ``fixed_conv`` state
-(:class:`~pagedgen.core.fixed_state.FixedStateSpec` ``conv.<layer>``, row ``[L - 1, hidden]``, oldest first).
+(:class:`~pagedgen.core.fixed_state_spec.FixedStateSpec` ``conv.<layer>``, row ``[L - 1, hidden]``, oldest
+first).
 A step reads each row's committed window from ``inputs.fixed.inputs`` and writes the window after its last
 token to ``inputs.fixed.outputs``; the engine publishes it only when the step commits, so chunked prefill
 carries the state from one chunk to the next and a rolled-back step leaves it untouched.
@@ -22,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedgen.core.fixed_state import FixedStateSpec
+from pagedgen.core.fixed_state_spec import FixedStateSpec
 from pagedgen.core.kv import KVSpec, PagedKVCache
-from pagedgen.core.manifest import StateKind
+from pagedgen.core.state_manifest import StateKind
 from pagedgen.core.step_inputs import StepInputs
 from pagedgen.models.config import ModelConfig
 from pagedgen.models.llama import Embedding, Linear, RMSNorm, RotaryEmbedding, TiedHead, _param

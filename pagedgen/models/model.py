@@ -18,16 +18,16 @@ import torch
 from torch import nn
 
 from pagedgen.core.kv import KVSpec
-from pagedgen.core.manifest import StateManifest
+from pagedgen.core.state_manifest import StateManifest
 from pagedgen.errors import ModelLoadError, TokenizerError
 from pagedgen.models.bamba import BambaForCausalLM
 from pagedgen.models.checkpoint import Checkpoint, CheckpointKind, resolve_checkpoint
+from pagedgen.models.checkpoint_manifest import apply_manifest, load_manifest
 from pagedgen.models.config import ModelConfig
 from pagedgen.models.gemma import GemmaForCausalLM
 from pagedgen.models.hf_loader import read_hf_config, read_hf_weights
 from pagedgen.models.lfm2 import Lfm2ForCausalLM
 from pagedgen.models.llama import LlamaForCausalLM
-from pagedgen.models.manifest import apply_manifest, load_manifest
 from pagedgen.models.native_weights import (
     WeightFormat,
     keep_half_weights,
@@ -128,8 +128,8 @@ class Model:
     ``"float32"``, or ``activations="q8"`` (see :func:`resolve_activations`) where no weight has its kernel.
     ``weights_format`` is the format actually loaded, ``weights_reason`` why (native falls
     back to float32, logged, without the native kernels or off the CPU float32 path). ``state_manifest``
-    says which decoder state each layer owns (:mod:`pagedgen.models.manifest`); the engine picks its cache
-    paths from it.
+    says which decoder state each layer owns (:mod:`pagedgen.models.checkpoint_manifest`); the engine picks
+    its cache paths from it.
     """
 
     def __init__(

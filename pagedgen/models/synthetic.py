@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedgen.core.fixed_state import FixedStateSpec
+from pagedgen.core.fixed_state_spec import FixedStateSpec
 from pagedgen.core.kv import KVSpec, PagedKVCache
-from pagedgen.core.manifest import SlidingWindow, StateGroup, StateKind, StateManifest
+from pagedgen.core.state_manifest import SlidingWindow, StateGroup, StateKind, StateManifest
 from pagedgen.core.step_inputs import StepInputs
 
 

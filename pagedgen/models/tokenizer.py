@@ -6,9 +6,11 @@ a GGUF model's directory is its cache entry, where :mod:`pagedgen.models.gguf_to
 
 :class:`IncrementalDetokenizer` turns a growing list of generated ids into text deltas. Decoding one token
 at a time is wrong twice over: a multi-byte UTF-8 character can span tokens (its first token decodes to
-U+FFFD) and some decoders drop or add a leading space depending on what precedes. So it decodes a short
-window of recent ids in context and emits only the text past what was already emitted, holding back while
-the window's text ends with U+FFFD.
+U+FFFD) and some decoders drop or add a leading space depending on what precedes. So the text of a short
+window of recent ids is decoded in context and only what is past the text already emitted is emitted,
+holding back while the window's text ends with U+FFFD. For our :class:`Tokenizer` that is ``tokenizers``'
+own ``DecodeStream`` (one call per token into Rust: the same deltas at a third of the window's cost per
+token, docs/architecture.md); any other tokenizer with ``decode`` gets the same algorithm written out here.
 
 Content is never control: text a client wrote (a completion prompt, a chat message) is encoded with the
 special-token parsing off, so ``<|im_end|>`` in it is ten characters of text, not the end of a turn. Only the
@@ -272,7 +274,8 @@ class IncrementalDetokenizer:
     """Streams the text of generated ids as deltas whose concatenation equals the full decode.
 
     ``context_ids`` (e.g. the last few prompt ids) are decoded for context only, never emitted, so the first
-    generated token gets the spacing it has in the full text. Mutates only itself.
+    generated token gets the spacing it has in the full text. Mutates only itself. Raises
+    :class:`TokenizerError` for an id outside the vocabulary, as :meth:`Tokenizer.decode` does.
     """
 
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True, context_ids: Sequence[int] = ()):
@@ -283,15 +286,39 @@ class IncrementalDetokenizer:
         self._ids: list[int] = [int(i) for i in context_ids]
         self._prefix = 0  # start of the decode window
         self._read = len(self._ids)  # ids before this index are already emitted (or context)
+        self._stream: _Stream | None = None
+        # DecodeStream would emit a context that ends in an incomplete character: the window reads it.
+        cut_context = self._decode(self._ids, self._skip).endswith(_REPLACEMENT)
+        if isinstance(tokenizer, Tokenizer) and not cut_context:
+            self._stream = _Stream(tokenizer, skip_special_tokens, self._ids)
 
     def add(self, token_ids: int | Sequence[int]) -> str:
         """Append ids; return the new complete text (empty while a character is still incomplete)."""
-        self._ids.extend([int(token_ids)] if isinstance(token_ids, int) else [int(i) for i in token_ids])
-        return self._advance(final=False)
+        ids = [int(token_ids)] if isinstance(token_ids, int) else [int(i) for i in token_ids]
+        if self._stream is None:
+            self._ids.extend(ids)
+            return self._advance(final=False)
+        self._stream.check(ids)
+        deltas = []
+        for position, token in enumerate(ids):  # one at a time: a list streams as its ids one by one would
+            self._ids.append(token)
+            try:
+                delta = self._stream.step(token)
+            except Exception:  # a decoder whose text is not prefix-stable: the window algorithm goes on
+                self._stream = None
+                self._ids.extend(ids[position + 1 :])
+                return "".join(deltas) + self._advance(final=False)
+            if delta is not None:
+                deltas.append(delta)
+                self._prefix, self._read = self._read, len(self._ids)
+        return "".join(deltas)
 
     def flush(self) -> str:
         """Emit whatever is held back (an incomplete character decodes to U+FFFD)."""
-        return self._advance(final=True)
+        text = self._advance(final=True)
+        if text:
+            self._stream = None  # the stream still holds what was just emitted: the window reads on
+        return text
 
     def _advance(self, final: bool) -> str:
         """Emit the text of the ids up to the last complete character (all of them when ``final``).
@@ -311,6 +338,26 @@ class IncrementalDetokenizer:
             return ""  # e.g. a skipped special token: nothing visible yet
         self._prefix, self._read = self._read, end
         return text[len(emitted) :]
+
+
+class _Stream:
+    """``tokenizers``' ``DecodeStream`` over a :class:`Tokenizer`'s backend: the window algorithm in Rust."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool, context_ids: Sequence[int]):
+        from tokenizers.decoders import DecodeStream
+
+        self._backend = tokenizer._backend
+        self._vocab_size = tokenizer.vocab_size
+        self._stream = DecodeStream(ids=list(context_ids), skip_special_tokens=skip_special_tokens)
+
+    def check(self, ids: Sequence[int]) -> None:
+        """Refuse an id outside the vocabulary before any is taken (the stream would skip it silently)."""
+        bad = next((i for i in ids if not 0 <= i < self._vocab_size), None)
+        if bad is not None:
+            raise TokenizerError(f"token id {bad} is outside the vocabulary [0, {self._vocab_size})")
+
+    def step(self, token: int) -> str | None:
+        return self._stream.step(self._backend, token)
 
 
 def _tokenizer_source(model: Any) -> tuple[Path, tuple[int, ...]]:

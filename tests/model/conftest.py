@@ -23,12 +23,6 @@ def _one_torch_thread():
 
 
 @pytest.fixture(scope="session")
-def default_model() -> Model:
-    """The default load: native weights (Q4_1 layers, Q8_0 embedding/head) where the kernels exist."""
-    return Model("default", dtype=torch.float32, device="cpu")
-
-
-@pytest.fixture(scope="session")
 def default_model_float32() -> Model:
     """The same file dequantised to float32 at load (``weights="float32"``)."""
     return Model("default", dtype=torch.float32, device="cpu", weights="float32")

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import torch
 
 import pagedgen as pg
-from pagedgen.core.window import ring_blocks
+from pagedgen.core.window_geometry import ring_blocks
 from tests.helpers import (
     drain,
     engine_snapshot,

@@ -2,7 +2,8 @@
 
 It owns a :class:`PagedKVCache`, hands out physical blocks in a shuffled order (so a test that passes cannot
 be relying on blocks being contiguous or in logical order) and runs packed steps with ``pack_step``. With
-``ring_chunk`` a model's sliding-window layers keep rings (:mod:`pagedgen.core.window`) sized for steps of at
+``ring_chunk`` a model's sliding-window layers keep rings (:mod:`pagedgen.core.window_geometry`) sized for
+steps of at
 most that many tokens per sequence, from a separate, likewise shuffled pool. A model with fixed conv /
 recurrent state gets each sequence's state as its step input, and the state after the step is kept for
 the next.
@@ -18,7 +19,7 @@ import torch
 
 from pagedgen.core.kv import PagedKVCache
 from pagedgen.core.step_inputs import FixedStateInputs
-from pagedgen.core.window import ring_blocks
+from pagedgen.core.window_geometry import ring_blocks
 from pagedgen.executor.inputs import SequenceChunk, pack_step
 
 

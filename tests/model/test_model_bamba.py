@@ -4,11 +4,9 @@ A tiny random-weight ``BambaForCausalLM`` written by transformers with ``save_pr
 that safetensors directory (layers mamba, attention, mamba, mamba; 8 SSM heads in 2 B/C groups, d_state 16,
 4-tap convolutions, RoPE on half of each head): fp32 logits within 1e-4 at every position on every path
 (one prefill, chunked prefill whose chunks carry the conv window and the SSM state, one token per step, a
-prefill then decode steps, several sequences in one step, a clamped time step); through the engine, greedy
-tokens equal transformers'; a mixed batch equals each request alone; chunked prefill equals unchunked; a
-second turn continues the state; a rolled-back step at every phase leaves every fixed slot byte-identical
-and the retry's tokens exact; the slots return with the blocks. Configs the runtime does not implement are
-refused by name.
+prefill then decode steps, several sequences in one step, a clamped time step). Configs the runtime does
+not implement are refused by name. What every family runs through the engine (greedy tokens, batches,
+chunks, second turns, rollbacks, the slots returned) is in test_family_conformance.py.
 
 GraniteMoeHybrid with a dense MLP (``num_local_experts: 0``) runs on the same runtime: a tiny one (same
 layers, Granite's multipliers all different from 1, attention without RoPE as in Granite 4.0, or with it)
@@ -23,21 +21,14 @@ import pytest
 import torch
 
 import pagedgen as pg
-from pagedgen.core.manifest import StateKind
+from pagedgen.core.state_manifest import StateKind
 from pagedgen.errors import ModelLoadError, StateManifestError
 from pagedgen.models.bamba import BambaForCausalLM
 from pagedgen.models.config import config_from_hf
-from tests.helpers import RECOVERABLE, RECOVERABLE_IDS, drain, submit, tokens_of
+from tests.helpers import drain, submit, tokens_of
+from tests.model.family_cases import LOGITS_INIT, FamilyCase
 from tests.model.hf_cases import (
-    check_chunked_equals_unchunked,
-    check_fatal_step,
-    check_greedy_and_slot_returns,
-    check_mixed_batch,
-    check_rollback_at,
-    check_second_turn,
-    greedy_by_forwards,
     ids_of,
-    resident_pair,
     small_engine,
 )
 from tests.model.paged_runner import (
@@ -52,35 +43,17 @@ from tests.model.tiny_checkpoints import tiny_hf_model
 pytestmark = pytest.mark.model
 
 TOL = 1e-4
-INIT = 0.3  # engine tests: weights large enough that greedy continuations do not collapse into a repeat
-LOGITS_INIT = 0.1  # logits tests: the other tiny checkpoints' scale, where 1e-4 is fp32 noise
 MAMBA, ATTENTION = (0, 2, 3), (1,)
 
 
-class Case:
-    def __init__(self, tmp_path_factory, init, **overrides):
-        self.hf = tiny_hf_model("bamba", initializer_range=init, **overrides)
-        self.path = tmp_path_factory.mktemp("bamba")
-        self.hf.save_pretrained(self.path)
-        self.model = pg.Model(str(self.path), device="cpu")
-
-    def reference(self, ids):
-        with torch.no_grad():
-            return self.hf(torch.tensor([ids])).logits[0].float()
-
-    def greedy(self, ids, n):
-        """Greedy continuation by whole-sequence forwards (no cache: the oracle of every step)."""
-        return greedy_by_forwards(self.hf, ids, n)
+@pytest.fixture(scope="module")
+def case(tmp_path_factory) -> FamilyCase:
+    return FamilyCase("bamba", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
-def case(tmp_path_factory) -> Case:
-    return Case(tmp_path_factory, INIT)
-
-
-@pytest.fixture(scope="module")
-def logits_case(tmp_path_factory) -> Case:
-    return Case(tmp_path_factory, LOGITS_INIT)
+def logits_case(tmp_path_factory) -> FamilyCase:
+    return FamilyCase("bamba", tmp_path_factory, LOGITS_INIT)
 
 
 def test_the_manifest_puts_mamba_layers_in_a_conv_and_a_recurrent_group(case):
@@ -150,59 +123,12 @@ def test_several_sequences_in_one_step_each_match_transformers(logits_case):
 
 
 def test_a_clamped_time_step_matches_transformers(tmp_path_factory):
-    case = Case(tmp_path_factory, LOGITS_INIT, time_step_limit=(0.05, 0.5))
+    case = FamilyCase("bamba", tmp_path_factory, LOGITS_INIT, time_step_limit=(0.05, 0.5))
     assert case.model.config.time_step_limit == (0.05, 0.5)
     ids = ids_of(30, seed=9)
     ref = case.reference(ids)
     for logits in (prompt_logits(case.model, ids), chunked_logits(case.model, ids, chunk=4)):
         assert (logits - ref).abs().max().item() <= TOL
-
-
-def test_engine_greedy_equals_transformers_and_the_slot_returns_on_close(case):
-    check_greedy_and_slot_returns(case)
-
-
-PROMPTS = [(3, 30), (17, 20), (41, 10)]  # (prompt length, generated tokens)
-
-
-def test_a_mixed_batch_equals_each_request_alone(case):
-    check_mixed_batch(case, PROMPTS)
-
-
-def test_chunked_prefill_equals_unchunked(case):
-    check_chunked_equals_unchunked(case)
-
-
-def test_a_second_turn_continues_the_conv_and_ssm_state(case):
-    check_second_turn(case)
-
-
-def scenario(case: Case) -> tuple[pg.Engine, list[pg.Request]]:
-    """A decoding request and a partial prefill, both resident (their conv and SSM states mid-stream)."""
-    return resident_pair(case.model, generate=20, steps=6, past=10)
-
-
-@pytest.mark.parametrize("phase, error", RECOVERABLE, ids=RECOVERABLE_IDS)
-def test_a_rollback_at_every_phase_leaves_the_state_exact(case, phase, error):
-    def holds_both_states_mid_stream(before: dict) -> None:
-        owners = before["fixed"]["owners"]
-        assert len(owners) == 2
-        assert all(any(v != 0 for v in state["mamba_ssm.3"]) for *_, state in owners.values())  # mid-stream
-
-    check_rollback_at(lambda: scenario(case), phase, error, holds_both_states_mid_stream)
-
-
-@pytest.mark.parametrize("phase", ["execute", "prepare", "commit_cache"])
-def test_a_fatal_step_fails_every_turn_and_the_slots_return_on_close(case, phase):
-    check_fatal_step(lambda: scenario(case), phase, ("fixed_free_slots", "fixed_total_slots"))
-
-
-def test_the_static_path_refuses_a_fixed_state_model(case):
-    with pytest.raises(pg.EngineError, match="needs dynamic_batching=True"):
-        pg.Engine(case.model, pg.EngineConfig(num_blocks=16, dynamic_batching=False))
-
-
-# ---- loading: HF safetensors directories, refusals ------------------------------------------------------
 
 
 def test_a_sharded_checkpoint_loads_and_matches_transformers(logits_case, tmp_path):
@@ -213,7 +139,7 @@ def test_a_sharded_checkpoint_loads_and_matches_transformers(logits_case, tmp_pa
     assert (prompt_logits(model, ids) - logits_case.reference(ids)).abs().max().item() <= TOL
 
 
-def raw_config(case: Case) -> dict:
+def raw_config(case: FamilyCase) -> dict:
     return json.loads((case.path / "config.json").read_text())
 
 
@@ -253,17 +179,11 @@ def test_a_manifest_override_that_drops_the_recurrent_group_is_refused(case, tmp
 # ---- GraniteMoeHybrid, dense MLP: the same mixers under Granite's names and multipliers -----------------
 
 
-class GraniteCase(Case):
-    def __init__(self, tmp_path_factory, init, **overrides):
-        self.hf = tiny_hf_model("granitemoehybrid", initializer_range=init, **overrides)
-        self.path = tmp_path_factory.mktemp("granite")
-        self.hf.save_pretrained(self.path)
-        self.model = pg.Model(str(self.path), device="cpu")
-
-
 @pytest.fixture(scope="module", params=["nope", "rope"])
-def granite_logits_case(request, tmp_path_factory) -> GraniteCase:
-    return GraniteCase(tmp_path_factory, LOGITS_INIT, position_embedding_type=request.param)
+def granite_logits_case(request, tmp_path_factory) -> FamilyCase:
+    return FamilyCase(
+        "granitemoehybrid", tmp_path_factory, LOGITS_INIT, position_embedding_type=request.param
+    )
 
 
 def test_granite_hybrid_logits_match_transformers_on_every_path(granite_logits_case):
@@ -293,7 +213,7 @@ def test_granite_hybrid_logits_match_transformers_on_every_path(granite_logits_c
 
 
 def test_granite_hybrid_engine_greedy_equals_transformers(tmp_path_factory):
-    case = GraniteCase(tmp_path_factory, INIT)
+    case = FamilyCase("granitemoehybrid", tmp_path_factory)
     prompts = [ids_of(24, seed=1), ids_of(9, seed=2)]
     eng = small_engine(case.model, max_scheduled_tokens=12)
     requests = [submit(eng, p, 25, ignore_eos=True) for p in prompts]

@@ -6,8 +6,8 @@ scores at 1 and both soft-cap the logits at 5; Gemma 3 rotates its local layers 
 layers with linear scaling. Sequences of 40-120 tokens cross the window many times. fp32 logits within 1e-4
 at every position on every path (one prefill, chunked prefill through rings, one token per step, prefill
 then decode over block tables, several sequences in one step); through the engine, greedy tokens equal
-transformers' while the local layers' blocks stay flat; a mixed batch equals each request alone; chunked
-prefill equals unchunked; a rolled-back step at every phase leaves the state exact. GGUF files written the
+transformers' while the local layers' blocks stay flat (the checks every family runs through the engine
+are in test_family_conformance.py). GGUF files written the
 way llama.cpp's converter writes them load and give the same logits.
 """
 
@@ -19,16 +19,10 @@ import torch
 import pagedgen as pg
 from pagedgen.errors import ModelLoadError
 from pagedgen.models.gguf_reader import gguf_config, open_gguf
-from tests.helpers import RECOVERABLE, RECOVERABLE_IDS, drain, submit, tokens_of
+from tests.model.family_cases import LOGITS_INIT, FamilyCase
 from tests.model.hf_cases import (
-    check_chunked_equals_unchunked,
     check_greedy_with_flat_window,
-    check_mixed_batch,
-    check_rollback_at,
-    greedy_by_forwards,
     ids_of,
-    resident_pair,
-    small_engine,
 )
 from tests.model.paged_runner import (
     PagedRunner,
@@ -42,46 +36,22 @@ from tests.model.tiny_checkpoints import tiny_hf_model, write_gemma_gguf
 pytestmark = pytest.mark.model
 
 TOL = 1e-4
-# Engine tests: weights large enough, and the head untied, so greedy continuations do not collapse into a
-# repeat (with a tied head the scaled embedding of the last token dominates at this size). Logits tests: the
-# other tiny checkpoints' scale, where 1e-4 is fp32 noise, with Gemma's tied head.
-INIT = 0.3
-LOGITS_INIT = 0.1
 FAMILIES = ["gemma2", "gemma3"]
 LOCAL = (0, 2, 3)  # the sliding-window layers of the tiny configs
 WINDOW = 8
 
 
-class Case:
-    def __init__(self, kind, tmp_path_factory, init=INIT, tied=False):
-        self.kind = kind
-        self.overrides = {"initializer_range": init, "tie_word_embeddings": tied}
-        self.hf = tiny_hf_model(kind, **self.overrides)
-        path = tmp_path_factory.mktemp(kind)
-        self.hf.save_pretrained(path)
-        self.model = pg.Model(str(path), device="cpu")
-
-    def variant(self, **overrides):
-        """The same weights (same seed) under a changed config: shows what a trait changes."""
-        return tiny_hf_model(self.kind, **{**self.overrides, **overrides})
-
-    def reference(self, ids, hf=None):
-        with torch.no_grad():
-            return (hf or self.hf)(torch.tensor([ids])).logits[0].float()
-
-    def greedy(self, ids, n):
-        """Greedy continuation by whole-sequence forwards (no cache: the oracle of every step)."""
-        return greedy_by_forwards(self.hf, ids, n)
+@pytest.fixture(scope="module", params=FAMILIES)
+def case(request, tmp_path_factory) -> FamilyCase:
+    """Engine tests: the head untied, so greedy continuations do not collapse into a repeat (with a tied
+    head the scaled embedding of the last token dominates at this size)."""
+    return FamilyCase(request.param, tmp_path_factory, tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def case(request, tmp_path_factory) -> Case:
-    return Case(request.param, tmp_path_factory)
-
-
-@pytest.fixture(scope="module", params=FAMILIES)
-def logits_case(request, tmp_path_factory) -> Case:
-    return Case(request.param, tmp_path_factory, init=LOGITS_INIT, tied=True)
+def logits_case(request, tmp_path_factory) -> FamilyCase:
+    """Logits tests: the other tiny checkpoints' scale, where 1e-4 is fp32 noise, with Gemma's tied head."""
+    return FamilyCase(request.param, tmp_path_factory, LOGITS_INIT, tie_word_embeddings=True)
 
 
 def test_the_config_and_manifest_carry_gemmas_traits(case):
@@ -151,38 +121,6 @@ def test_several_sequences_in_one_step_each_match_transformers(logits_case):
 def test_engine_greedy_equals_transformers_and_window_blocks_stay_flat(case):
     tokens = check_greedy_with_flat_window(case, WINDOW)
     assert len(set(tokens)) > 10  # a real continuation, not a collapsed repeat
-
-
-PROMPTS = [(3, 40), (17, 25), (41, 12)]  # (prompt length, generated tokens)
-
-
-def test_a_mixed_batch_equals_each_request_alone(case):
-    check_mixed_batch(case, PROMPTS)
-
-
-def test_chunked_prefill_equals_unchunked(case):
-    check_chunked_equals_unchunked(case)
-
-
-def scenario(case: Case) -> tuple[pg.Engine, list[pg.Request]]:
-    """A decoding request well past its window and a partial prefill, both resident."""
-    return resident_pair(case.model, generate=30, steps=12, past=2 * WINDOW)
-
-
-@pytest.mark.parametrize("phase, error", RECOVERABLE, ids=RECOVERABLE_IDS)
-def test_a_rollback_at_every_phase_leaves_the_state_exact(case, phase, error):
-    def holds_rings_and_tables(before: dict) -> None:
-        assert before["free_window_blocks"] and all(len(t[2]) for t in before["tables"].values())
-
-    check_rollback_at(lambda: scenario(case), phase, error, holds_rings_and_tables)
-
-
-def test_the_static_path_keeps_local_layers_in_its_one_pool_and_masks_them(case):
-    prompt = ids_of(30, seed=6)
-    eng = small_engine(case.model, dynamic_batching=False, num_blocks=64)
-    request = submit(eng, prompt, 40, ignore_eos=True)
-    assert tokens_of(drain(eng))[request] == case.greedy(prompt, 40)
-    assert eng.stats().window_total_blocks == 0
 
 
 # ---- GGUF: files written the way llama.cpp's converter writes Gemma 2 / Gemma 3 ---------------------------

@@ -3,29 +3,20 @@
 A tiny random-weight ``Lfm2ForCausalLM`` written by transformers (layers conv, attention, conv, conv;
 3-tap convolutions): fp32 logits within 1e-4 at every position on every path (one prefill, chunked prefill
 whose chunks carry the conv state, one token per step, a prefill then decode steps, several sequences in one
-step); through the engine, greedy tokens equal transformers'; a mixed batch equals each request alone; chunked
-prefill equals unchunked; a rolled-back step at every phase leaves every fixed slot byte-identical and the
-retry's tokens exact; the conv slots return with the blocks.
+step); a GGUF file written as llama.cpp writes LFM2 loads and gives the same logits. What every family
+runs through the engine (greedy tokens, batches, chunks, rollbacks, the slots returned) is in
+test_family_conformance.py.
 """
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 import pagedgen as pg
-from pagedgen.core.manifest import StateKind
-from tests.helpers import RECOVERABLE, RECOVERABLE_IDS
+from pagedgen.core.state_manifest import StateKind
+from tests.model.family_cases import LOGITS_INIT, FamilyCase
 from tests.model.hf_cases import (
-    check_chunked_equals_unchunked,
-    check_fatal_step,
-    check_greedy_and_slot_returns,
-    check_mixed_batch,
-    check_rollback_at,
-    check_second_turn,
-    greedy_by_forwards,
     ids_of,
-    resident_pair,
 )
 from tests.model.paged_runner import (
     PagedRunner,
@@ -34,39 +25,20 @@ from tests.model.paged_runner import (
     prompt_logits,
     stepwise_logits,
 )
-from tests.model.tiny_checkpoints import tiny_hf_model
 
 pytestmark = pytest.mark.model
 
 TOL = 1e-4
-INIT = 0.3  # engine tests: weights large enough that greedy continuations do not collapse into a repeat
-LOGITS_INIT = 0.1  # logits tests: the other tiny checkpoints' scale, where 1e-4 is fp32 noise
-
-
-class Case:
-    def __init__(self, tmp_path_factory, init):
-        self.hf = tiny_hf_model("lfm2", initializer_range=init)
-        path = tmp_path_factory.mktemp("lfm2")
-        self.hf.save_pretrained(path)
-        self.model = pg.Model(str(path), device="cpu")
-
-    def reference(self, ids):
-        with torch.no_grad():
-            return self.hf(torch.tensor([ids])).logits[0].float()
-
-    def greedy(self, ids, n):
-        """Greedy continuation by whole-sequence forwards (no cache: the oracle of every step)."""
-        return greedy_by_forwards(self.hf, ids, n)
 
 
 @pytest.fixture(scope="module")
-def case(tmp_path_factory) -> Case:
-    return Case(tmp_path_factory, INIT)
+def case(tmp_path_factory) -> FamilyCase:
+    return FamilyCase("lfm2", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
-def logits_case(tmp_path_factory) -> Case:
-    return Case(tmp_path_factory, LOGITS_INIT)
+def logits_case(tmp_path_factory) -> FamilyCase:
+    return FamilyCase("lfm2", tmp_path_factory, LOGITS_INIT)
 
 
 def test_the_manifest_puts_attention_in_the_paged_group_and_convolutions_in_fixed_conv(case):
@@ -108,48 +80,6 @@ def test_several_sequences_in_one_step_each_match_transformers(logits_case):
     assert (first[0] - case.reference(prompts[0])[-1]).abs().max().item() <= TOL
     assert (second[0] - case.reference(prompts[1])[-1]).abs().max().item() <= TOL
     assert (second[1] - case.reference(prompts[2])[-1]).abs().max().item() <= TOL
-
-
-def test_engine_greedy_equals_transformers_and_the_slot_returns_on_close(case):
-    check_greedy_and_slot_returns(case)
-
-
-PROMPTS = [(3, 30), (17, 20), (41, 10)]  # (prompt length, generated tokens)
-
-
-def test_a_mixed_batch_equals_each_request_alone(case):
-    check_mixed_batch(case, PROMPTS)
-
-
-def test_chunked_prefill_equals_unchunked(case):
-    check_chunked_equals_unchunked(case)
-
-
-def test_a_second_turn_continues_the_conv_state(case):
-    check_second_turn(case)
-
-
-def scenario(case: Case) -> tuple[pg.Engine, list[pg.Request]]:
-    """A decoding request and a partial prefill, both resident (their conv state mid-stream)."""
-    return resident_pair(case.model, generate=20, steps=6, past=10)
-
-
-@pytest.mark.parametrize("phase, error", RECOVERABLE, ids=RECOVERABLE_IDS)
-def test_a_rollback_at_every_phase_leaves_the_state_exact(case, phase, error):
-    def holds_both_states(before: dict) -> None:
-        assert len(before["fixed"]["owners"]) == 2
-
-    check_rollback_at(lambda: scenario(case), phase, error, holds_both_states)
-
-
-@pytest.mark.parametrize("phase", ["execute", "prepare", "commit_cache"])
-def test_a_fatal_step_fails_every_turn_and_the_slots_return_on_close(case, phase):
-    check_fatal_step(lambda: scenario(case), phase, ("fixed_free_slots", "fixed_total_slots"))
-
-
-def test_the_static_path_refuses_a_fixed_state_model(case):
-    with pytest.raises(pg.EngineError, match="needs dynamic_batching=True"):
-        pg.Engine(case.model, pg.EngineConfig(num_blocks=16, dynamic_batching=False))
 
 
 # ---- GGUF: a file written the way llama.cpp's converter writes LFM2 ------------------------------------

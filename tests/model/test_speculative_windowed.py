@@ -11,7 +11,7 @@ import pytest
 import pagedgen as pg
 from tests.helpers import submit
 from tests.model.hf_cases import ids_of, small_engine
-from tests.model.test_model_windowed import CASES, Case
+from tests.model.windowed_cases import CASES, Case
 
 pytestmark = pytest.mark.model
 

@@ -1,4 +1,4 @@
-"""Shared fixtures of the server tests: one default-model load and one live server per session.
+"""Shared fixtures of the server tests: one live server per session, on the default model (tests/conftest.py).
 
 The server runs in this process (uvicorn on a background thread, 127.0.0.1, a free port) so the tests can
 compare its output with the engine's own greedy output on the same loaded model, through ``pg.LLM``.
@@ -6,23 +6,12 @@ compare its output with the engine's own greedy output on the same loaded model,
 
 from __future__ import annotations
 
-import re
-
 import openai
 import pytest
 
 import pagedgen as pg
 from pagedgen.server.app import ServerOptions, build_app
-from tests.server.live import LiveServer
-
-API_KEY = "test-key-123"
-MAX_BODY_BYTES = 256 * 1024
-MODEL_NAME = "default"
-
-
-@pytest.fixture(scope="session")
-def default_model():
-    return pg.Model("default")
+from tests.server.live import API_KEY, MAX_BODY_BYTES, MODEL_NAME, LiveServer
 
 
 @pytest.fixture(scope="session")
@@ -43,17 +32,3 @@ def live_server(default_model):
 @pytest.fixture(scope="session")
 def client(live_server):
     return openai.OpenAI(base_url=live_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=900)
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """The value of one sample of a Prometheus text exposition (labels must match exactly)."""
-    for line in text.splitlines():
-        if line.startswith("#"):
-            continue
-        match = re.fullmatch(r"([^{\s]+)(?:\{(.*)\})?\s+(\S+)", line)
-        if match is None or match.group(1) != name:
-            continue
-        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
-        if all(found.get(k) == v for k, v in labels.items()):
-            return float(match.group(3))
-    raise KeyError(f"no sample {name}{labels} in the metrics")

@@ -1,11 +1,17 @@
-"""A uvicorn server running an app on a background thread, bound to 127.0.0.1 on a free port."""
+"""A uvicorn server running an app on a background thread, bound to 127.0.0.1 on a free port; the settings
+the shared live server runs with, and reading one sample of its ``/metrics``."""
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 
 import uvicorn
+
+API_KEY = "test-key-123"
+MAX_BODY_BYTES = 256 * 1024
+MODEL_NAME = "default"
 
 
 class LiveServer:
@@ -49,3 +55,17 @@ class LiveServer:
         self.server.should_exit = True
         self._thread.join()
         self._sock.close()
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of one sample of a Prometheus text exposition (labels must match exactly)."""
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        match = re.fullmatch(r"([^{\s]+)(?:\{(.*)\})?\s+(\S+)", line)
+        if match is None or match.group(1) != name:
+            continue
+        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
+        if all(found.get(k) == v for k, v in labels.items()):
+            return float(match.group(3))
+    raise KeyError(f"no sample {name}{labels} in the metrics")

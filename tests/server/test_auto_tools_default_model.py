@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
-from tests.server.conftest import MODEL_NAME
+from tests.server.live import MODEL_NAME
 
 pytestmark = pytest.mark.model
 

@@ -6,8 +6,8 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import API_KEY, MAX_BODY_BYTES, MODEL_NAME, metric
 from tests.server.doubles import settled_metrics
+from tests.server.live import API_KEY, MAX_BODY_BYTES, MODEL_NAME, metric
 
 pytestmark = pytest.mark.model
 

@@ -26,7 +26,6 @@ from selenium.webdriver.support.ui import WebDriverWait
 import pagedgen as pg
 from pagedgen.models.synthetic import SyntheticModel, SyntheticTokenizer
 from pagedgen.server.app import ServerOptions, build_app
-from tests.server.conftest import metric
 from tests.server.doubles import (
     NUM_BLOCKS,
     VOCAB,
@@ -37,7 +36,7 @@ from tests.server.doubles import (
     settled_metrics,
 )
 from tests.server.doubles import wait_until as server_wait_until
-from tests.server.live import LiveServer
+from tests.server.live import LiveServer, metric
 
 WAIT_S = 120
 KEY = "page-key-42"

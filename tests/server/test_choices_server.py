@@ -16,7 +16,6 @@ import openai
 import pytest
 
 from pagedgen.models.synthetic import SyntheticModel, SyntheticTokenizer
-from tests.server.conftest import metric
 from tests.server.doubles import (
     NUM_BLOCKS,
     POISON,
@@ -30,6 +29,7 @@ from tests.server.doubles import (
     settled_metrics,
     wait_until,
 )
+from tests.server.live import metric
 
 BLOCK = 16  # EngineConfig's default block_size
 PROMPT = [(7 * j + 3) % VOCAB for j in range(40)]  # two full blocks and an 8-token tail

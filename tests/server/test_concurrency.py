@@ -13,8 +13,8 @@ import openai
 import pytest
 
 import pagedgen as pg
-from tests.server.conftest import API_KEY, MODEL_NAME, metric
 from tests.server.doubles import settled_metrics, wait_until
+from tests.server.live import API_KEY, MODEL_NAME, metric
 
 pytestmark = pytest.mark.model
 

@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from pagedgen.models.synthetic import SyntheticModel
-from tests.server.conftest import metric
 from tests.server.doubles import NUM_BLOCKS, VOCAB, expected_text
+from tests.server.live import metric
 from tests.server.serving import serve_synthetic
 
 HEADER_TIMEOUT = 1.0

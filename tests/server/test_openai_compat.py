@@ -25,8 +25,8 @@ from pagedgen.models.synthetic import SyntheticModel, SyntheticTokenizer, synthe
 from pagedgen.server.app import ServerOptions
 from pagedgen.server.cors import parse_allowed_origins
 from pagedgen.server.protocol import IGNORED_FIELDS, ChatCompletionRequest, CompletionRequest, IgnoredFields
-from tests.server.conftest import API_KEY
 from tests.server.doubles import VOCAB, app_state, client_of, serve
+from tests.server.live import API_KEY
 
 CHAT = [{"role": "user", "content": "Hi"}]
 ORIGIN = "http://app.example:3000"

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 import pagedgen as pg
-from tests.server.conftest import API_KEY, MODEL_NAME, metric
+from tests.server.live import API_KEY, MODEL_NAME, metric
 
 pytestmark = pytest.mark.model
 

@@ -19,7 +19,6 @@ import pytest
 from pagedgen.engine.engine import Engine
 from pagedgen.engine.errors import InvalidArgumentError
 from pagedgen.models.synthetic import SyntheticModel
-from tests.server.conftest import metric
 from tests.server.doubles import (
     NUM_BLOCKS,
     VOCAB,
@@ -31,6 +30,7 @@ from tests.server.doubles import (
     settled_metrics,
     wait_until,
 )
+from tests.server.live import metric
 
 KEY = "overload-key"
 LIMIT = 4096

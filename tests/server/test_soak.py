@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from pagedgen.models.synthetic import SyntheticModel
-from tests.server.conftest import metric
 from tests.server.doubles import VOCAB, expected_text, serve, settled_metrics, wait_until
+from tests.server.live import metric
 
 KEY = "soak-key"
 LIMIT = 8192

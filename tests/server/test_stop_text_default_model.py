@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 import pagedgen as pg
-from tests.server.conftest import MODEL_NAME
+from tests.server.live import MODEL_NAME
 
 pytestmark = pytest.mark.model
 

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jsonschema
 import pytest
 
-from tests.server.conftest import MODEL_NAME
+from tests.server.live import MODEL_NAME
 
 pytestmark = pytest.mark.model
 

@@ -15,7 +15,6 @@ import openai
 import pytest
 
 from pagedgen.models.synthetic import SyntheticModel, SyntheticTokenizer, synthetic_greedy
-from tests.server.conftest import metric
 from tests.server.doubles import (
     NUM_BLOCKS,
     POISON,
@@ -28,6 +27,7 @@ from tests.server.doubles import (
     settled_metrics,
     wait_until,
 )
+from tests.server.live import metric
 
 
 @pytest.fixture

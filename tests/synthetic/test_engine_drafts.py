@@ -12,8 +12,6 @@ tests/unit/test_sampling_drafts.py.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -25,6 +23,7 @@ from pagedgen.models.synthetic import synthetic_greedy
 from tests import helpers
 from tests.helpers import (
     VOCAB,
+    SyntheticFamily,
     drain,
     engine_snapshot,
     event_key,
@@ -35,52 +34,11 @@ from tests.helpers import (
     synthetic_model,
     tokens_of,
 )
+from tests.helpers.drafts import Policy, correct, partly, run_with, truth, wrong
 
 F = pg.EngineEventFlags
 E = pg.EngineErrorCode
 R = pg.FinishReason
-
-Policy = Callable[[pg.Request], list[int]]
-
-
-def truth(request: pg.Request, k: int) -> list[int]:
-    """The next ``k`` greedy tokens of the request's committed sequence (EOS included, as a token)."""
-    return synthetic_greedy(list(request.tokens), k, request._engine.model.vocab_size)
-
-
-def correct(k: int) -> Policy:
-    return lambda r: truth(r, k)
-
-
-def wrong(k: int) -> Policy:
-    return lambda r: [(t + 1) % r._engine.model.vocab_size for t in truth(r, k)]
-
-
-def partly(j: int, k: int) -> Policy:
-    """The first ``j`` of ``k`` drafts are right, the rest wrong."""
-    return lambda r: truth(r, j) + wrong(k - j)(r)[j:]
-
-
-def run_with(
-    engine: pg.Engine, policies: dict[pg.Request, Policy], capacity: int = 64, close_finished: bool = False
-) -> list[pg.EngineEvent]:
-    """The public engine loop, proposing each policy's drafts whenever its request is ready for them
-    (``close_finished``: close each request at its terminal event, freeing its blocks for the others)."""
-    buffer = engine.create_event_buffer(capacity)
-    events: list[pg.EngineEvent] = []
-    for _ in range(10_000):
-        if not engine.has_pending_requests():
-            return events
-        for request, policy in policies.items():
-            if request.status is not pg.RequestStatus.CLOSED and request.ready_for_drafts:
-                request.set_draft_tokens(policy(request)[: engine.max_draft_tokens_per_proposal()])
-        batch = list(engine.run(buffer))
-        events += batch
-        for event in batch:
-            if close_finished and event.flags & F.TURN_FINISHED:
-                event.request.close()
-        assert engine.check_invariants() == []
-    raise AssertionError("no progress")
 
 
 def keys(events: list[pg.EngineEvent]) -> list[tuple]:
@@ -457,15 +415,15 @@ def test_max_draft_tokens_is_validated():
 
 
 @pytest.fixture(params=[None, 3], ids=["dense", "window3"])
-def window(request, monkeypatch):
-    monkeypatch.setattr(helpers, "SYNTHETIC_WINDOW", request.param)
-    return request.param
+def family(request) -> SyntheticFamily:
+    """The fault tests run on the dense synthetic model and on the windowed one."""
+    return SyntheticFamily(request.param)
 
 
-def scenario() -> tuple[pg.Engine, dict[str, pg.Request], dict[pg.Request, Policy]]:
+def scenario(family: SyntheticFamily) -> tuple[pg.Engine, dict[str, pg.Request], dict[pg.Request, Policy]]:
     """A greedy decode with correct drafts, one with partly correct drafts, a sampled decode with drafts and
     stop strings, a partial prefill, a waiting request and an idle resident; every proposal is pending."""
-    engine = make_engine(block_size=4, num_blocks=64, max_scheduled_tokens=16, chunk_size=4)
+    engine = family.engine(block_size=4, num_blocks=64, max_scheduled_tokens=16, chunk_size=4)
     requests = {
         "done": submit(engine, [1, 2], 1),
         "correct": submit(engine, [3, 4, 5], 12),
@@ -517,15 +475,15 @@ RECOVERABLE = [
 @pytest.mark.parametrize(
     "phase, error, flag", RECOVERABLE, ids=[f"{p}-{type(e).__name__}" for p, e, _ in RECOVERABLE]
 )
-def test_rollback_at_any_phase_restores_the_drafts_and_the_retry_is_exact(window, phase, error, flag):
-    engine, requests, policies = scenario()
+def test_rollback_at_any_phase_restores_the_drafts_and_the_retry_is_exact(family, phase, error, flag):
+    engine, requests, policies = scenario(family)
     before = engine_snapshot(engine)
     engine._faults.arm(phase, error)
     events = list(engine.run(max_events=64))
     assert [(e.request, e.flags) for e in events] == [(None, flag)]
     assert engine_snapshot(engine) == before  # drafts and draft counters included
     retried = keys(run_with(engine, policies))
-    clean, _, clean_policies = scenario()
+    clean, _, clean_policies = scenario(family)
     assert retried == keys(run_with(clean, clean_policies))
     assert engine.stats().drafts_accepted == clean.stats().drafts_accepted > 0
 
@@ -542,8 +500,8 @@ FATAL = [
 
 
 @pytest.mark.parametrize("phase, code", FATAL, ids=[p for p, _ in FATAL])
-def test_fatal_failure_with_drafts_fails_every_affected_turn(window, phase, code):
-    engine, requests, _ = scenario()
+def test_fatal_failure_with_drafts_fails_every_affected_turn(family, phase, code):
+    engine, requests, _ = scenario(family)
     engine._faults.arm(phase)
     events = drain(engine, 3)
     finished = {e.request.id for e in events if e.flags & F.TURN_FINISHED}
@@ -568,8 +526,8 @@ def _prompt_reaching(condition, eos_free: bool, eos: int) -> list[int]:
     raise AssertionError("no prompt found")
 
 
-def test_failed_rollback_with_drafts_is_fatal(window):
-    engine, requests, _ = scenario()
+def test_failed_rollback_with_drafts_is_fatal(family):
+    engine, requests, _ = scenario(family)
     engine._faults.arm("execute", RetryableExecutionError("transient"))
     engine._faults.arm("rollback")
     events = drain(engine, 3)
@@ -577,17 +535,17 @@ def test_failed_rollback_with_drafts_is_fatal(window):
     assert not engine.stats().healthy
 
 
-def test_a_failure_attributed_to_a_drafting_request_fails_it_alone(window):
+def test_a_failure_attributed_to_a_drafting_request_fails_it_alone(family):
     """The sampler names the verification rows' request: only its turn fails; the others keep their
     proposals and commit in the next step exactly as they would have."""
-    engine, requests, policies = scenario()
+    engine, requests, policies = scenario(family)
     culprit = requests["correct"]
     engine._faults.arm("sample", request_id=culprit.id, attributed=True)
     events = list(engine.run(max_events=64))
     assert [(e.request, e.error_code) for e in events] == [(culprit, E.REQUEST_FAILED)]
     assert culprit.draft_tokens == () and requests["sampled"].draft_tokens
     rest = keys(run_with(engine, policies))
-    clean, clean_requests, clean_policies = scenario()
+    clean, clean_requests, clean_policies = scenario(family)
     clean_requests["correct"].cancel_turn(clean_requests["correct"].turn_id)
     expected = [k for k in keys(run_with(clean, clean_policies)) if k[0] != clean_requests["correct"].id]
     assert rest == expected

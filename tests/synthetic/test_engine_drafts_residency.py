@@ -21,6 +21,7 @@ import pagedgen as pg
 from pagedgen.models.synthetic import synthetic_greedy
 from tests import helpers
 from tests.helpers import (
+    SyntheticFamily,
     drain,
     expected_greedy,
     finishes_of,
@@ -29,7 +30,7 @@ from tests.helpers import (
     tokens_of,
     turn_options,
 )
-from tests.synthetic.test_engine_drafts import Policy, correct, partly, run_with, wrong
+from tests.helpers.drafts import Policy, correct, partly, run_with, wrong
 
 F = pg.EngineEventFlags
 
@@ -95,16 +96,17 @@ def test_blocks_published_at_narrowed_commits_serve_later_requests_exactly(kind,
 
 
 @pytest.fixture(params=[(None, True), (None, False), (3, False)], ids=["cached", "uncached", "window3"])
-def variant(request, monkeypatch) -> bool:
+def variant(request) -> tuple[SyntheticFamily, bool]:
+    """The synthetic model the test runs on, and whether prefix caching is on."""
     window, caching = request.param
-    monkeypatch.setattr(helpers, "SYNTHETIC_WINDOW", window)
-    return caching
+    return SyntheticFamily(window), caching
 
 
 def test_a_preempted_request_drops_its_drafts_and_stays_exact(variant):
     """Six blocks of 4 slots, four rows, every decode proposing drafts: preemption hits requests with
     drafts pending; they come back with none, refuse new ones while waiting, and emit exactly their tokens."""
-    engine = make_engine(max_batch_size=4, block_size=4, num_blocks=6, prefix_caching=variant)
+    family, caching = variant
+    engine = family.engine(max_batch_size=4, block_size=4, num_blocks=6, prefix_caching=caching)
     prompts = [prompt(i, 4 + i % 5) for i in range(8)]
     requests = [submit(engine, p, 8) for p in prompts]
     policies = [correct(3), wrong(3), partly(1, 3)]
@@ -132,7 +134,7 @@ def test_a_preempted_request_drops_its_drafts_and_stays_exact(variant):
     assert dropped > 0 and engine.stats().preemptions > 0
     got = tokens_of(events)
     for request, p in zip(requests, prompts, strict=True):
-        assert got[request] == expected_greedy(p, 8)
+        assert got[request] == family.greedy(p, 8)
         assert len(finishes_of(events)[request]) == 1
     stats = engine.stats()
     assert stats.drafts_proposed == sum(r.drafts_proposed for r in requests) > 0

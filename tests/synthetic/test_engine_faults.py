@@ -20,28 +20,25 @@ import pagedgen as pg
 from pagedgen.engine.faults import InjectedFault
 from pagedgen.engine.outcomes import Phase
 from pagedgen.executor.runner import ExecutionCapacityError, RetryableExecutionError
-from tests import helpers
-from tests.helpers import drain, engine_snapshot, event_key, make_engine, submit
+from tests.helpers import SyntheticFamily, drain, engine_snapshot, event_key, submit
 
 F = pg.EngineEventFlags
 E = pg.EngineErrorCode
 
 
 @pytest.fixture(
-    autouse=True,
     params=[(None, False), (3, False), (None, True), (3, True)],
     ids=["dense", "window3", "hybrid", "hybrid-window3"],
 )
-def _synthetic_variant(request, monkeypatch):
-    window, hybrid = request.param
-    monkeypatch.setattr(helpers, "SYNTHETIC_WINDOW", window)
-    monkeypatch.setattr(helpers, "SYNTHETIC_HYBRID", hybrid)
+def family(request) -> SyntheticFamily:
+    """Every test here runs on each synthetic model: dense, windowed, hybrid, both."""
+    return SyntheticFamily(*request.param)
 
 
-def scenario() -> tuple[pg.Engine, dict[str, pg.Request]]:
+def scenario(family: SyntheticFamily) -> tuple[pg.Engine, dict[str, pg.Request]]:
     """A decode, a sampled decode with stop strings and logprobs, a partial prefill, a waiting request and an
     idle turn-complete resident: every kind of state a step touches."""
-    engine = make_engine(block_size=4, num_blocks=64, max_scheduled_tokens=10)
+    engine = family.engine(block_size=4, num_blocks=64, max_scheduled_tokens=10)
     requests = {
         "done": submit(engine, [1, 2], 1),
         "decode": submit(engine, [3, 4, 5], 8),
@@ -68,8 +65,8 @@ def drain_steps(engine: pg.Engine, steps: int) -> None:
             engine.run(max_events=64)
 
 
-def reference_events(capacity: int = 64) -> list[tuple]:
-    engine, _ = scenario()
+def reference_events(family: SyntheticFamily, capacity: int = 64) -> list[tuple]:
+    engine, _ = scenario(family)
     return [event_key(e) for e in drain(engine, capacity)]
 
 
@@ -87,8 +84,8 @@ RECOVERABLE = [
 @pytest.mark.parametrize(
     "phase, error, flag, code", RECOVERABLE, ids=[f"{p}-{type(e).__name__}" for p, e, *_ in RECOVERABLE]
 )
-def test_recoverable_failure_rolls_back_to_identical_state(phase, error, flag, code):
-    engine, requests = scenario()
+def test_recoverable_failure_rolls_back_to_identical_state(family, phase, error, flag, code):
+    engine, requests = scenario(family)
     before = engine_snapshot(engine)
     engine._faults.arm(phase, error)
     events = list(engine.run(max_events=64))
@@ -98,20 +95,20 @@ def test_recoverable_failure_rolls_back_to_identical_state(phase, error, flag, c
     assert stats.healthy and stats.rollbacks == 1 and engine.check_invariants() == []
     # The retry sees the same turn boundaries and produces exactly the fault-free output.
     events = drain(engine)
-    expected = reference_events()
+    expected = reference_events(family)
     assert [event_key(e) for e in events] == expected[len(expected) - len(events) :]
-    assert_all_blocks_return(engine, requests)
+    assert_all_blocks_return(family, engine, requests)
 
 
-def test_retried_rollbacks_keep_sampled_streams_exact():
-    engine, requests = scenario()
+def test_retried_rollbacks_keep_sampled_streams_exact(family):
+    engine, requests = scenario(family)
     for phase in ("stage", "validate", "stage"):
         engine._faults.arm(phase)
         (event,) = engine.run(max_events=64)
         assert event.flags == F.RETRYABLE
         engine.run(max_events=64)  # a successful step in between
     events = drain(engine)
-    reference, _ = scenario()
+    reference, _ = scenario(family)
     drain_steps(reference, 3)
     assert [event_key(e) for e in events] == [event_key(e) for e in drain(reference)]
     assert engine.stats().rollbacks == 3
@@ -130,8 +127,8 @@ FATAL = [
 
 
 @pytest.mark.parametrize("phase, error, code", FATAL, ids=[f"{p}-{type(e).__name__}" for p, e, _ in FATAL])
-def test_fatal_failure_fails_every_affected_turn_then_run_raises(phase, error, code):
-    engine, requests = scenario()
+def test_fatal_failure_fails_every_affected_turn_then_run_raises(family, phase, error, code):
+    engine, requests = scenario(family)
     affected = {name for name, r in requests.items() if r.status.executable}
     assert affected == {"decode", "sampled", "prefill", "waiting"}
     engine._faults.arm(phase, error)
@@ -146,22 +143,22 @@ def test_fatal_failure_fails_every_affected_turn_then_run_raises(phase, error, c
     with pytest.raises(pg.EngineError, match="unhealthy"):
         requests["done"].begin_turn([1])
     assert requests["decode"].cancel_turn(1) is False
-    assert_all_blocks_return(engine, requests)
+    assert_all_blocks_return(family, engine, requests)
 
 
-def test_failed_rollback_is_fatal():
-    engine, requests = scenario()
+def test_failed_rollback_is_fatal(family):
+    engine, requests = scenario(family)
     engine._faults.arm("execute", RetryableExecutionError("transient"))
     engine._faults.arm("rollback")
     events = drain_fatal(engine)
     assert_failed_turns(
         events, requests, {"decode", "sampled", "prefill", "waiting"}, E.ENGINE_EXECUTION_FAILURE
     )
-    assert_all_blocks_return(engine, requests)
+    assert_all_blocks_return(family, engine, requests)
 
 
-def test_fatal_failure_with_no_affected_turn_emits_one_engine_event():
-    engine = make_engine()
+def test_fatal_failure_with_no_affected_turn_emits_one_engine_event(family):
+    engine = family.engine()
     request = submit(engine, [1, 2], 1)
     drain(engine)
     engine._faults.arm("plan")
@@ -175,8 +172,8 @@ def test_fatal_failure_with_no_affected_turn_emits_one_engine_event():
     assert engine.stats().free_blocks == engine.stats().total_blocks
 
 
-def test_capacity_one_drains_failure_events_before_raising():
-    engine, requests = scenario()
+def test_capacity_one_drains_failure_events_before_raising(family):
+    engine, requests = scenario(family)
     engine._faults.arm("execute")
     events = []
     while True:
@@ -191,19 +188,19 @@ def test_capacity_one_drains_failure_events_before_raising():
     )
 
 
-def test_planning_memory_error_propagates_and_leaves_the_engine_healthy():
-    engine, _ = scenario()
+def test_planning_memory_error_propagates_and_leaves_the_engine_healthy(family):
+    engine, _ = scenario(family)
     before = engine_snapshot(engine)
     engine._faults.arm("plan", MemoryError("planning scratch"))
     with pytest.raises(MemoryError):
         engine.run(max_events=4)
     assert engine_snapshot(engine) == before and engine.stats().healthy
-    expected = reference_events()
+    expected = reference_events(family)
     assert [event_key(e) for e in drain(engine)] == expected
 
 
-def test_interrupt_rolls_back_and_propagates():
-    engine, _ = scenario()
+def test_interrupt_rolls_back_and_propagates(family):
+    engine, _ = scenario(family)
     before = engine_snapshot(engine)
     engine._faults.arm("sample", KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
@@ -211,8 +208,8 @@ def test_interrupt_rolls_back_and_propagates():
     assert engine_snapshot(engine) == before and engine.stats().healthy
 
 
-def test_unknown_fault_phase_is_refused():
-    engine = make_engine()
+def test_unknown_fault_phase_is_refused(family):
+    engine = family.engine()
     with pytest.raises(pg.EngineError, match="unknown fault phase"):
         engine._faults.arm("explode")
     assert set(Phase) >= {Phase.PLAN, Phase.PUBLISH}
@@ -238,13 +235,15 @@ def assert_failed_turns(events, requests, affected: set[str], code) -> None:
         assert requests[name].status is pg.RequestStatus.TURN_COMPLETE
 
 
-def assert_all_blocks_return(engine: pg.Engine, requests: dict[str, pg.Request]) -> None:
+def assert_all_blocks_return(
+    family: SyntheticFamily, engine: pg.Engine, requests: dict[str, pg.Request]
+) -> None:
     for request in requests.values():
         request.close()
     stats = engine.stats()
     assert stats.free_blocks == stats.total_blocks and stats.resident_requests == 0
     assert stats.window_free_blocks == stats.window_total_blocks
-    assert (stats.window_total_blocks > 0) == (helpers.SYNTHETIC_WINDOW is not None)
+    assert (stats.window_total_blocks > 0) == (family.window is not None)
     assert stats.fixed_free_slots == stats.fixed_total_slots
-    assert (stats.fixed_total_slots > 0) == helpers.SYNTHETIC_HYBRID
+    assert (stats.fixed_total_slots > 0) == family.hybrid
     assert engine.check_invariants() == []

@@ -13,9 +13,8 @@ import pytest
 import pagedgen as pg
 from tests import helpers
 from tests.helpers import (
-    expected_greedy,
+    SyntheticFamily,
     finishes_of,
-    make_engine,
     record_steps,
     submit,
     tokens_of,
@@ -29,11 +28,10 @@ F = pg.EngineEventFlags
     params=[(None, False, True), (None, False, False), (3, False, False), (None, True, False)],
     ids=["cached", "uncached", "window3", "hybrid"],
 )
-def variant(request, monkeypatch) -> bool:
+def variant(request) -> tuple[SyntheticFamily, bool]:
+    """The synthetic model the test runs on, and whether prefix caching is on."""
     window, hybrid, caching = request.param
-    monkeypatch.setattr(helpers, "SYNTHETIC_WINDOW", window)
-    monkeypatch.setattr(helpers, "SYNTHETIC_HYBRID", hybrid)
-    return caching
+    return SyntheticFamily(window, hybrid), caching
 
 
 def prompt(i: int, n: int) -> list[int]:
@@ -54,8 +52,9 @@ def run_to_idle(engine: pg.Engine, max_calls: int) -> list[pg.EngineEvent]:
 
 def test_64_requests_on_32_slots_all_finish_and_evicted_ones_continue_exactly(variant):
     """The issue's scenario: the first 32 finish their turns and stay open; the rest used to wait forever."""
-    engine = make_engine(max_batch_size=32, block_size=4, num_blocks=512, prefix_caching=variant)
-    reference = make_engine(max_batch_size=64, block_size=4, num_blocks=512, prefix_caching=variant)
+    family, caching = variant
+    engine = family.engine(max_batch_size=32, block_size=4, num_blocks=512, prefix_caching=caching)
+    reference = family.engine(max_batch_size=64, block_size=4, num_blocks=512, prefix_caching=caching)
     turns = {}
     for eng in (engine, reference):
         requests = [submit(eng, prompt(i, 6 + i % 5), 4) for i in range(64)]
@@ -66,7 +65,7 @@ def test_64_requests_on_32_slots_all_finish_and_evicted_ones_continue_exactly(va
         assert all(r.status is pg.RequestStatus.TURN_COMPLETE for r in requests)
         first = tokens_of(events)
         for i, r in enumerate(requests):
-            assert first[r] == expected_greedy(prompt(i, 6 + i % 5), 4)
+            assert first[r] == family.greedy(prompt(i, 6 + i % 5), 4)
         turns[eng] = requests
     stats = engine.stats()
     assert stats.idle_evictions >= 32 and stats.resident_requests == 32
@@ -83,25 +82,26 @@ def test_64_requests_on_32_slots_all_finish_and_evicted_ones_continue_exactly(va
         for r in requests:
             (finish,) = finishes_of(events)[r]
             assert finish.usage.prompt_tokens == 2 and finish.turn_id == 2
-        if eng is engine and variant:  # re-admissions start from the cache: only what it lost is recomputed
+        if eng is engine and caching:  # re-admissions start from the cache: only what it lost is recomputed
             assert engine.stats().prefix_hit_tokens > 0 and any(max(past) > 0 for _, past in steps)
     assert outputs[engine] == outputs[reference]
     for i in range(64):
-        history = prompt(i, 6 + i % 5) + expected_greedy(prompt(i, 6 + i % 5), 4) + [i % 7 + 1, 2]
-        assert outputs[engine][i] == expected_greedy(history, 5)
+        history = prompt(i, 6 + i % 5) + family.greedy(prompt(i, 6 + i % 5), 4) + [i % 7 + 1, 2]
+        assert outputs[engine][i] == family.greedy(history, 5)
     assert engine.check_invariants() == []
 
 
 def test_a_tiny_pool_serves_many_requests_to_completion_by_preemption(variant):
     """Six blocks of 4 slots, four rows: each request fits alone (at most 5 blocks), not four at a time."""
-    engine = make_engine(max_batch_size=4, block_size=4, num_blocks=6, prefix_caching=variant)
+    family, caching = variant
+    engine = family.engine(max_batch_size=4, block_size=4, num_blocks=6, prefix_caching=caching)
     prompts = [prompt(i, 4 + i % 7) for i in range(16)]
     requests = [submit(engine, p, 8) for p in prompts]
     events = run_to_idle(engine, max_calls=2000)
     got = tokens_of(events)
     finished = finishes_of(events)
     for request, p in zip(requests, prompts, strict=True):
-        assert got[request] == expected_greedy(p, 8)  # nothing lost, nothing repeated
+        assert got[request] == family.greedy(p, 8)  # nothing lost, nothing repeated
         assert len(finished[request]) == 1 and finished[request][0].usage.generated_tokens == 8
     stats = engine.stats()
     assert stats.preemptions > 0 and stats.healthy
@@ -115,9 +115,10 @@ def test_a_tiny_pool_serves_many_requests_to_completion_by_preemption(variant):
 def test_preemption_keeps_sampled_streams_stop_strings_and_events_exact(variant, capacity):
     """A sampled request with stop strings and logprobs, preempted and re-prefilled, emits exactly the events
     of an undisturbed run with the same seed."""
+    family, caching = variant
 
     def workload(num_blocks: int):
-        engine = make_engine(max_batch_size=3, block_size=4, num_blocks=num_blocks, prefix_caching=variant)
+        engine = family.engine(max_batch_size=3, block_size=4, num_blocks=num_blocks, prefix_caching=caching)
         sampled = submit(
             engine, [6, 7, 8], 14, do_sample=True, temperature=1.3, seed=5, stop_strings=["@@"], logprobs=2
         )
@@ -140,7 +141,8 @@ def test_preemption_keeps_sampled_streams_stop_strings_and_events_exact(variant,
 
 
 def test_aging_admits_a_large_request_despite_a_stream_of_small_ones(variant):
-    engine = make_engine(max_batch_size=4, block_size=4, num_blocks=8, prefix_caching=variant)
+    family, caching = variant
+    engine = family.engine(max_batch_size=4, block_size=4, num_blocks=8, prefix_caching=caching)
     engine._scheduler.age_limit = 4
     small = {submit(engine, prompt(i, 3), 6): prompt(i, 3) for i in range(3)}
     big_prompt = prompt(99, 25)
@@ -155,16 +157,17 @@ def test_aging_admits_a_large_request_despite_a_stream_of_small_ones(variant):
             break
     else:
         raise AssertionError("the large request starved")
-    assert tokens_of(events)[big] == expected_greedy(big_prompt, 4)
+    assert tokens_of(events)[big] == family.greedy(big_prompt, 4)
     events += run_to_idle(engine, max_calls=2000)
     got = tokens_of(events)
     for request, p in small.items():
-        assert got[request] == expected_greedy(p, 6) and len(finishes_of(events)[request]) == 1
+        assert got[request] == family.greedy(p, 6) and len(finishes_of(events)[request]) == 1
     assert engine.check_invariants() == []
 
 
 def test_cancel_and_close_of_a_preempted_request(variant):
-    engine = make_engine(max_batch_size=4, block_size=4, num_blocks=6, prefix_caching=variant)
+    family, caching = variant
+    engine = family.engine(max_batch_size=4, block_size=4, num_blocks=6, prefix_caching=caching)
     requests = [submit(engine, prompt(i, 6), 12) for i in range(4)]
     buffer = engine.create_event_buffer(64)
     while engine.stats().preemptions == 0:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pagedgen.bench import llama_cpp
-from pagedgen.bench.baselines import NO_CHECKPOINT
+from pagedgen.bench.checkpoints import NO_CHECKPOINT
 from pagedgen.bench.cli import main
 from pagedgen.bench.llama_cpp import (
     BenchFigure,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import pagedgen.bench.ort_genai as ort_genai
-from pagedgen.bench.baselines import hf_dir_for_loaders
+from pagedgen.bench.checkpoints import hf_dir_for_loaders
 from pagedgen.bench.cli import main
 from pagedgen.bench.cpu import relevant_flags
 from pagedgen.bench.extras import MissingBenchExtra, require

@@ -8,7 +8,8 @@ import json
 import pytest
 
 import pagedgen.bench.ort_genai as ort_genai
-from pagedgen.bench.baselines import BASELINE_NAMES, NO_CHECKPOINT, baseline_runners, batches, left_pad
+from pagedgen.bench.baselines import BASELINE_NAMES, baseline_runners, left_pad
+from pagedgen.bench.checkpoints import NO_CHECKPOINT
 from pagedgen.bench.cli import main
 from pagedgen.bench.cpu import cpu_flags
 from pagedgen.bench.extras import INSTALL_HINT
@@ -16,7 +17,7 @@ from pagedgen.bench.profile import PHASE_GROUPS, PhaseClock, StepProfiler, phase
 from pagedgen.bench.records import RunStatus, SystemRun, SystemSkipped
 from pagedgen.bench.report import REQUIRED_KEYS
 from pagedgen.bench.throughput import PagedgenOptions, ThroughputResult, bench_workload, run_pagedgen
-from pagedgen.bench.workloads import LengthRange, WorkloadSpec, build_workload
+from pagedgen.bench.workloads import LengthRange, WorkloadSpec, batches, build_workload
 from pagedgen.engine.outcomes import Phase
 from pagedgen.models.synthetic import SyntheticModel, synthetic_greedy
 

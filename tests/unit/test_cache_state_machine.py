@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from pagedgen.cache import CacheCandidate, DeferReason, PagedCacheManager, WindowRingSpec, blocks_for_tokens
-from pagedgen.core.window import ring_blocks
+from pagedgen.core.window_geometry import ring_blocks
 from pagedgen.engine.invariants import validate_cache
 from pagedgen.errors import CacheError
 

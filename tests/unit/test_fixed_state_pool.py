@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from pagedgen.cache import CacheCandidate, FixedStatePool, PagedCacheManager, PlanLimits, plan_resources
-from pagedgen.cache.fixed_state import FixedReservationState
-from pagedgen.core.fixed_state import FixedStateSpec
-from pagedgen.core.manifest import StateKind
+from pagedgen.cache.fixed_state_pool import FixedReservationState
+from pagedgen.core.fixed_state_spec import FixedStateSpec
+from pagedgen.core.state_manifest import StateKind
 from pagedgen.errors import CacheError
 from tests.helpers import fixed_snapshot
 

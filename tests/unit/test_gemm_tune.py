@@ -14,9 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
-from pagedgen.models.llama import Linear, _fuse_linears, _set_weight
+from pagedgen.models.llama import Linear, _set_weight
 from pagedgen.models.synthetic import SyntheticModel
 from pagedgen.ops import cpu_info, gemm, gemm_calibrate, gemm_tune
 from pagedgen.ops.gemm import (
@@ -55,7 +54,7 @@ from pagedgen.ops.quant_table import (
     use_quant_table,
 )
 from pagedgen.ops.qweight import QType, QuantizedWeight
-from tests.unit.test_quant_calibrate import QuantRuntime
+from tests.helpers.linear import QuantRuntime, TinyRuntime
 
 pytestmark = pytest.mark.cpu  # the GEMM table is measured for CPU backends and thread pools
 
@@ -110,34 +109,6 @@ def _fresh(monkeypatch, tmp_path):
         set_gemm_table(UNTUNED, pinned=False)
         set_quant_table(UNCALIBRATED, pinned=False)
         yield
-
-
-def _linear(in_f: int, out_f: int, seed: int) -> Linear:
-    layer = Linear(in_f, out_f, False, torch.float32)
-    layer.weight = nn.Parameter(
-        torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(seed)), False
-    )
-    return layer
-
-
-class TinyRuntime(nn.Module):
-    """Layers of q/k/v (16 -> 8 + 4 + 4, fused or not) and an output projection (8 -> 16); a tied head."""
-
-    def __init__(self, layers: int = 2, fuse: bool = True):
-        super().__init__()
-        self.embed = nn.Parameter(torch.randn(40, 16), requires_grad=False)  # [vocab, hidden]
-        self.blocks = nn.ModuleList()
-        for i in range(layers):
-            block = nn.Module()
-            block.q, block.k, block.v = _linear(16, 8, i), _linear(16, 4, i + 10), _linear(16, 4, i + 20)
-            block.o = _linear(8, 16, i + 30)
-            if fuse:
-                block.qkv = _fuse_linears([block.q, block.k, block.v])
-            self.blocks.append(block)
-
-    @property
-    def head_weight(self) -> torch.Tensor:
-        return self.embed
 
 
 def _weights() -> list[LinearWeight]:
@@ -384,7 +355,7 @@ def test_an_engine_without_a_compiler_measures_torch_and_openblas(tmp_path):
 import json, sys, torch
 import pagedgen as pg
 from pagedgen.ops import gemm, gemm_tune
-from tests.unit.test_gemm_tune import TinyRuntime
+from tests.helpers.linear import TinyRuntime
 
 class Model(pg.models.synthetic.SyntheticModel):
     runtime = TinyRuntime()

@@ -16,21 +16,17 @@ import torch
 from safetensors.torch import save_file
 
 import pagedgen.ops.quant_gemm as quant_gemm
-from pagedgen.core.kv import PagedKVCache
 from pagedgen.errors import ModelLoadError
-from pagedgen.executor.inputs import SequenceChunk, pack_step
 from pagedgen.models.llama import Linear, _fuse_linears, _set_weight
 from pagedgen.models.model import Model
 from pagedgen.models.native_weights import WeightFormat
 from pagedgen.ops import gemm, native
 from pagedgen.ops.quant_gemm import dequantize
 from pagedgen.ops.qweight import QType, QuantizedWeight
+from tests.helpers.linear import PROMPT_IDS, all_logits, random_weight
 from tests.model.tiny_checkpoints import TINY_RAW, random_state, write_gguf
-from tests.unit.test_quant_gemm import random_weight
 
 pytestmark = pytest.mark.cpu  # weights kept as stored run in the native CPU kernels
-
-IDS = list(range(0, 260, 7))
 
 
 @pytest.fixture(autouse=True)
@@ -44,12 +40,6 @@ def cache_dir(tmp_path, monkeypatch):
 def need_kernels():
     if quant_gemm.quant_kernels() is None:
         pytest.skip(native.native_status().detail)
-
-
-def _logits(model: Model, ids: list[int]) -> torch.Tensor:
-    cache = PagedKVCache(model.kv_spec, num_blocks=8, block_size=16)
-    inputs = pack_step([SequenceChunk(ids, 0, [5, 2, 7], all_logits=True)], block_size=16)
-    return model.runtime.forward(inputs, cache)
 
 
 def _gguf(tmp_path, qtype: gguf.GGMLQuantizationType):
@@ -74,7 +64,7 @@ def test_a_gguf_file_runs_on_its_stored_blocks(tmp_path, need_kernels, qtype):
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
         got = dequantize(getattr(layer.self_attn, name).weight)
         assert torch.equal(got, getattr(plain_layer.self_attn, name).weight), name
-    got, expected = _logits(ours, IDS), _logits(plain, IDS)
+    got, expected = all_logits(ours, PROMPT_IDS), all_logits(plain, PROMPT_IDS)
     assert (got - expected).abs().max().item() <= 1e-4
 
 
@@ -90,7 +80,7 @@ def test_half_safetensors_stay_16_bit(tmp_path, need_kernels, dtype):
     weight = ours.runtime.model.layers[1].mlp.down_proj.weight
     assert isinstance(weight, QuantizedWeight) and weight.nbytes == 2 * weight.shape[0] * weight.shape[1]
     assert torch.equal(dequantize(weight), plain.runtime.model.layers[1].mlp.down_proj.weight)
-    got, expected = _logits(ours, IDS), _logits(plain, IDS)
+    got, expected = all_logits(ours, PROMPT_IDS), all_logits(plain, PROMPT_IDS)
     assert (got - expected).abs().max().item() <= 1e-4
 
 
@@ -99,7 +89,7 @@ def test_without_the_native_kernels_native_falls_back_to_float32_and_says_why(
     tmp_path, monkeypatch, caplog, off
 ):
     path = _gguf(tmp_path, gguf.GGMLQuantizationType.Q4_1)
-    expected = _logits(Model(str(path), device="cpu", weights="float32"), IDS)
+    expected = all_logits(Model(str(path), device="cpu", weights="float32"), PROMPT_IDS)
     if off == "disabled":
         monkeypatch.setenv(native.DISABLE_ENV, "0")
     else:
@@ -115,7 +105,9 @@ def test_without_the_native_kernels_native_falls_back_to_float32_and_says_why(
     )
     assert reason in model.weights_reason and "pagedgen loads float32 weights" in caplog.text
     assert isinstance(model.runtime.model.layers[0].self_attn.qkv.weight, torch.nn.Parameter)
-    assert (_logits(model, IDS) - expected).abs().max().item() <= 1e-4  # pure-torch ops: another sum order
+    assert (
+        all_logits(model, PROMPT_IDS) - expected
+    ).abs().max().item() <= 1e-4  # pure-torch ops: another sum order
 
 
 def test_native_needs_cpu_float32_activations(tmp_path, need_kernels):
@@ -219,5 +211,5 @@ def test_a_mixed_file_keeps_every_quantized_tensor_as_its_bytes_and_no_float32_c
         for i in (0, 1):
             got = dequantize(getattr(layers[i].self_attn, name).weight)
             assert torch.equal(got, getattr(plain.runtime.model.layers[i].self_attn, name).weight), (i, name)
-    got, expected = _logits(model, IDS), _logits(plain, IDS)
+    got, expected = all_logits(model, PROMPT_IDS), all_logits(plain, PROMPT_IDS)
     assert (got - expected).abs().max().item() <= 1e-4

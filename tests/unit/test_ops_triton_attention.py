@@ -186,7 +186,7 @@ def test_sliding_windows_match_the_torch_path(window, block_size):
 @pytest.mark.parametrize("ring", [True, False])
 def test_window_rings_match_dense_window_attention(ring):
     """Rings filled as the engine fills them (oldest positions overwritten), the windowed suite's builder."""
-    from tests.unit.test_ops_window_attention import run_case
+    from tests.helpers.window_attention import run_case
 
     seqs = [(0, 1), (9, 1), (22, 1), (33, 1), (5, 7), (40, 9)]
     plan = run_case(seqs, 7, 4, 2, 2, 64, seed=5, ring=ring, use_native=True)

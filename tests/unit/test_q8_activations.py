@@ -25,8 +25,8 @@ from pagedgen.ops import native
 from pagedgen.ops.cpu_info import cpu_features
 from pagedgen.ops.quant_gemm import QuantKernels, quant_kernels
 from pagedgen.ops.qweight import Q8_ACTIVATION_TYPES, QType, QuantizedWeight
+from tests.helpers.linear import PROMPT_IDS, all_logits, random_weight
 from tests.model.tiny_checkpoints import TINY_RAW, random_state, write_gguf
-from tests.unit.test_quant_gemm import random_weight
 
 pytestmark = pytest.mark.cpu  # native CPU kernels
 
@@ -195,14 +195,13 @@ def _weights(model: Model) -> list[QuantizedWeight]:
 
 def test_q8_activations_flag_the_quantised_weights_and_change_the_logits_a_little(tmp_path):
     _need_kernels()
-    from tests.unit.test_native_weights import IDS, _logits
 
     path = str(_gguf(tmp_path, gguf.GGMLQuantizationType.Q8_0))
     exact, fast = Model(path, device="cpu"), Model(path, device="cpu", activations="q8")
     assert exact.activations == "fp32" and fast.activations == "q8"
     assert _weights(fast) and all(w.q8_activations for w in _weights(fast))
     assert not any(w.q8_activations for w in _weights(exact))
-    a, b = _logits(exact, IDS), _logits(fast, IDS)
+    a, b = all_logits(exact, PROMPT_IDS), all_logits(fast, PROMPT_IDS)
     assert not torch.equal(a, b)  # the 8-bit path ran
     assert float((a - b).abs().max()) <= 0.05 * float(a.abs().max())
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from pagedgen.models.llama import Linear, _fuse_linears, _set_weight
+from pagedgen.models.llama import Linear
 from pagedgen.models.synthetic import SyntheticModel
 from pagedgen.ops import quant_calibrate
 from pagedgen.ops.gemm_calibrate import RowCounts, pass_members
@@ -28,7 +28,7 @@ from pagedgen.ops.quant_calibrate import (
 from pagedgen.ops.quant_gemm import quant_kernels
 from pagedgen.ops.quant_table import QuantBucket, QuantOverride, QuantPath, QuantTable
 from pagedgen.ops.qweight import QType
-from tests.unit.test_quant_gemm import random_weight
+from tests.helpers.linear import QuantRuntime
 
 pytestmark = pytest.mark.cpu  # the quantized CPU paths are measured
 
@@ -36,33 +36,6 @@ KERNEL, DEQUANT = QuantPath.KERNEL, QuantPath.DEQUANT
 LINEAR = (Linear,)
 Q4, Q8 = QType.Q4_1, QType.Q8_0
 QKV, OUT_PROJ, HEAD = (64, 32), (32, 32), (40, 32)  # (out, in)
-
-
-def _quant_linear(qtype: QType, out_f: int, in_f: int, seed: int) -> Linear:
-    layer = Linear(in_f, out_f, False, torch.float32)
-    _set_weight(layer, random_weight(qtype, out_f, in_f, seed=seed))
-    return layer
-
-
-class QuantRuntime(nn.Module):
-    """Layers of a fused q/k/v (Q4_1, 32 -> 32 + 16 + 16) and an output projection (Q4_1, 32 -> 32); a tied
-    Q8_0 embedding as the head."""
-
-    def __init__(self, layers: int = 2, fuse: bool = True):
-        super().__init__()
-        self.embed = random_weight(Q8, *HEAD, seed=99)  # [vocab, hidden]
-        self.blocks = nn.ModuleList()
-        for i in range(layers):
-            block = nn.Module()
-            block.q, block.k, block.v = (_quant_linear(Q4, n, 32, 10 * i + n) for n in (32, 16, 16))
-            block.o = _quant_linear(Q4, 32, 32, 10 * i + 5)
-            if fuse:
-                block.qkv = _fuse_linears([block.q, block.k, block.v])
-            self.blocks.append(block)
-
-    @property
-    def head_weight(self):
-        return self.embed
 
 
 def _timing(rows: int, qtype: QType, shape, kernel: float, dequant: float) -> QuantPassTiming:

@@ -34,6 +34,7 @@ from pagedgen.ops.quant_table import (
     use_quant_table,
 )
 from pagedgen.ops.qweight import QType, QuantizedWeight, concat_rows
+from tests.helpers.linear import random_weight
 
 pytestmark = pytest.mark.cpu  # the quantized GEMM kernels are native CPU code
 
@@ -41,35 +42,11 @@ ROWS = [1, 2, 3, 5, 16, 33, 64, 65, 200]
 # in sizes of several blocks (K-quants: super-blocks of 256) and out sizes off every tile multiple
 IN_FEATURES = {QType.Q4_K: 512, QType.Q6_K: 768, QType.F16: 160, QType.BF16: 72}  # BF16: AVX-512 tail
 IN_FEATURES |= {QType.Q2_K: 256, QType.Q3_K: 768, QType.Q5_K: 512, QType.Q5_0: 160, QType.Q5_1: 64}
-# Byte offsets of each K-quant super-block's f16 scales (d, and dmin where there is one).
-K_SCALE_OFFSETS = {QType.Q2_K: (80, 82), QType.Q3_K: (108,), QType.Q4_K: (0, 2), QType.Q5_K: (0, 2)}
-K_SCALE_OFFSETS[QType.Q6_K] = (208,)
 DEFAULT_IN = 96
 
 
 def _in(qtype: QType) -> int:
     return IN_FEATURES.get(qtype, DEFAULT_IN)
-
-
-def random_weight(qtype: QType, out: int, k: int, seed: int = 0) -> QuantizedWeight:
-    """Blocks as gguf writes them (its own quantiser where it has one; random blocks with finite f16 scales
-    for the K-quants, which gguf-py cannot quantise)."""
-    rng = np.random.default_rng(seed)
-    values = (rng.standard_normal((out, k)) * 0.5).astype(np.float32)
-    values[0, :4] = [1e-6, -3e-7, 0.0, -0.0]  # f16 subnormals and zeros
-    if qtype in (QType.F16, QType.BF16):
-        half = torch.from_numpy(values).to(torch.float16 if qtype is QType.F16 else torch.bfloat16)
-        return QuantizedWeight.from_half(half)
-    if qtype in K_SCALE_OFFSETS:
-        blocks = rng.integers(0, 256, (out, k // 256, qtype.block_bytes), dtype=np.uint8)
-        scales = (rng.standard_normal((out, k // 256, 2)) * 0.01).astype(np.float16).view(np.uint8)
-        scales[0, 0, :2] = np.array([3e-7], dtype=np.float16).view(np.uint8)  # an f16 subnormal scale
-        for i, offset in enumerate(K_SCALE_OFFSETS[qtype]):
-            blocks[..., offset : offset + 2] = scales[..., 2 * i : 2 * i + 2]
-        data = blocks.reshape(out, -1)
-    else:
-        data = gguf.quants.quantize(values, gguf.GGMLQuantizationType[qtype.name])
-    return QuantizedWeight(qtype, (out, k), torch.from_numpy(np.ascontiguousarray(data)))
 
 
 def reference(weight: QuantizedWeight) -> np.ndarray:

@@ -25,7 +25,7 @@ from pagedgen.ops.quant_table import (
     use_quant_table,
 )
 from pagedgen.ops.qweight import QType
-from tests.unit.test_quant_gemm import random_weight
+from tests.helpers.linear import random_weight
 
 pytestmark = pytest.mark.cpu  # the quantized CPU path choice
 

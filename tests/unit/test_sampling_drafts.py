@@ -1,4 +1,5 @@
-"""Draft verification in the sampler (pagedgen.sampling.drafts): acceptance, exact distribution, streams."""
+"""Draft verification in the sampler (pagedgen.sampling.draft_verification): acceptance, exact
+distribution, streams."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from pagedgen.sampling import RequestSampler, RowSamplingError, Sampler, SampleRow, SamplingOptions
-from pagedgen.sampling.drafts import sample_with_drafts
+from pagedgen.sampling.draft_verification import sample_with_drafts
 
 VOCAB = 6
 

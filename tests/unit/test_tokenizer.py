@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
 from pagedgen.errors import TokenizerError
+from pagedgen.models import tokenizer as tokenizer_module
 from pagedgen.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEMPLATE = (
@@ -177,6 +179,62 @@ def test_detokenizer_accepts_any_tokenizer_with_decode():
     detok = IncrementalDetokenizer(synthetic)
     assert [detok.add(t) for t in synthetic.encode("Hi!")] == ["H", "i", "!"]
     assert detok.add(96) == "" and detok.flush() == ""
+
+
+class _DecodeOnly:
+    """Our tokenizer seen through ``decode_raw`` alone: the detokenizer then runs its own window."""
+
+    def __init__(self, tokenizer):
+        self.decode_raw = tokenizer.decode_raw
+        self.decode = tokenizer.decode
+
+
+def _deltas(tokenizer, ids, skip=True, context=(), cut=None):
+    detok = IncrementalDetokenizer(tokenizer, skip, context)
+    parts = [detok.add(ids[:cut])] if cut else []
+    return parts + [detok.add(i) for i in ids[cut or 0 :]] + [detok.flush()]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_stream_and_the_window_give_the_same_deltas(byte_tok, seed):
+    """``DecodeStream`` (our Tokenizer) and the window (any tokenizer) on random byte runs and specials:
+    every delta the same, context and lists of ids included."""
+    rng = random.Random(seed)
+    for _ in range(60):
+        ids = [
+            rng.choice((rng.randrange(byte_tok.vocab_size), 256, 257)) for _ in range(rng.randrange(1, 24))
+        ]
+        ids = [i if rng.random() < 0.8 else rng.randrange(0xC0, 0x100) for i in ids]  # many lead bytes
+        context, cut, skip = ids[: rng.randrange(3)], rng.randrange(4), rng.random() < 0.5
+        ids = ids[len(context) :] or [65]
+        window = _deltas(_DecodeOnly(byte_tok), ids, skip, context, cut)
+        assert _deltas(byte_tok, ids, skip, context, cut) == window
+        before = byte_tok.decode_raw(context, skip)
+        if not before.endswith("\ufffd"):
+            assert "".join(window) == byte_tok.decode_raw(context + ids, skip)[len(before) :]
+
+
+def test_the_detokenizer_refuses_an_id_outside_the_vocabulary_and_keeps_its_text(byte_tok):
+    detok = IncrementalDetokenizer(byte_tok)
+    assert detok.add(byte_tok.encode("ab")) == "ab"
+    with pytest.raises(TokenizerError, match="token id 258 is outside the vocabulary"):
+        detok.add([99, 258])
+    assert detok.add(byte_tok.encode("c")) == "c"
+
+
+def test_the_detokenizer_reads_on_with_its_window_when_the_stream_fails(byte_tok, monkeypatch):
+    ids = byte_tok.encode("ab😀cd")
+    expected = _deltas(byte_tok, ids)
+    calls = []
+
+    def failing(self, token):
+        calls.append(token)
+        if len(calls) == 3:
+            raise Exception("InvalidPrefix")  # what tokenizers raises when a decode is not prefix-stable
+        return self._stream.step(self._backend, token)
+
+    monkeypatch.setattr(tokenizer_module._Stream, "step", failing)
+    assert _deltas(byte_tok, ids) == expected and len(calls) == 3
 
 
 # ------------------------------------------------------------------ content is never control

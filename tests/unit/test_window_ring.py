@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from pagedgen.cache import CacheCandidate, DeferReason, PagedCacheManager, WindowRingSpec
-from pagedgen.core.window import ring_blocks, ring_columns, ring_slot, window_start
+from pagedgen.core.window_geometry import ring_blocks, ring_columns, ring_slot, window_start
 from pagedgen.engine.invariants import validate_cache
 from pagedgen.errors import CacheError
 from pagedgen.executor.inputs import SequenceChunk, pack_step

@@ -4,7 +4,7 @@ A ``fixed_conv`` or ``fixed_recurrent`` layer keeps one value per
 request (a short convolution's last inputs, a recurrent state) that every step *replaces* rather than
 appends to. The model declares each such tensor's per-request row geometry and dtype
 (``model.fixed_state_specs``); the engine checks them against the manifest's fixed groups and keeps them in a
-:class:`pagedgen.cache.fixed_state.FixedStatePool`. A step hands the model its rows through
+:class:`pagedgen.cache.fixed_state_pool.FixedStatePool`. A step hands the model its rows through
 :class:`pagedgen.core.step_inputs.FixedStateInputs` (docs/cache.md, "Fixed state").
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedgen.core.manifest import StateKind
+from pagedgen.core.state_manifest import StateKind
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pagedgen as pg
@@ -40,21 +41,14 @@ RECURSIVE = {
 VOCAB = 257
 
 
-SYNTHETIC_WINDOW: int | None = None  # tests that run on the windowed synthetic model set this (monkeypatch)
-SYNTHETIC_HYBRID = False  # tests that run on the hybrid (fixed conv state) synthetic model set this
-
-
 def synthetic_model(
     vocab_size: int = VOCAB,
     eos_token_id: int | None = None,
     max_context: int = 4096,
     window: int | None = None,
-    hybrid: bool | None = None,
+    hybrid: bool = False,
 ):
-    """The synthetic model; with ``window`` (or :data:`SYNTHETIC_WINDOW`) a sliding-window layer too, with
-    ``hybrid`` (or :data:`SYNTHETIC_HYBRID`) a fixed conv state."""
-    window = SYNTHETIC_WINDOW if window is None else window
-    hybrid = SYNTHETIC_HYBRID if hybrid is None else hybrid
+    """The synthetic model; with ``window`` a sliding-window layer too, with ``hybrid`` a fixed conv state."""
     return SyntheticModel(
         vocab_size=vocab_size,
         eos_token_id=eos_token_id,
@@ -62,6 +56,24 @@ def synthetic_model(
         window=window,
         hybrid=hybrid,
     )
+
+
+@dataclass(frozen=True)
+class SyntheticFamily:
+    """Which synthetic model a test runs on (a test's fixture hands it in): dense, with a sliding-window
+    layer, with fixed conv state, or both; its engines and its greedy oracle agree on that choice."""
+
+    window: int | None = None
+    hybrid: bool = False
+
+    def model(self, vocab_size: int = VOCAB, eos_token_id: int | None = None) -> SyntheticModel:
+        return synthetic_model(vocab_size, eos_token_id, window=self.window, hybrid=self.hybrid)
+
+    def engine(self, **config: Any) -> pg.Engine:
+        return make_engine(self.model(), **config)
+
+    def greedy(self, prompt: Sequence[int], n: int, vocab_size: int = VOCAB) -> list[int]:
+        return expected_greedy(prompt, n, vocab_size, hybrid=self.hybrid)
 
 
 def make_engine(model: Any = None, **config: Any) -> pg.Engine:
@@ -149,9 +161,9 @@ def event_key(event: pg.EngineEvent) -> tuple:
 
 
 def expected_greedy(
-    prompt: Sequence[int], n: int, vocab_size: int = VOCAB, eos: int | None = None
+    prompt: Sequence[int], n: int, vocab_size: int = VOCAB, eos: int | None = None, hybrid: bool = False
 ) -> list[int]:
-    return synthetic_greedy(list(prompt), n, vocab_size, eos, hybrid=SYNTHETIC_HYBRID)
+    return synthetic_greedy(list(prompt), n, vocab_size, eos, hybrid=hybrid)
 
 
 def engine_snapshot(engine: pg.Engine) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 Sliding-window layers keep their K/V in a second block pool,
 separate from the full-context pool: every resident request owns exactly ``ring_blocks`` of its blocks
-(``R = ceil((C + W - 1) / B)``, :func:`pagedgen.core.window.ring_blocks`), taken at admission in the same
+(``R = ceil((C + W - 1) / B)``, :func:`pagedgen.core.window_geometry.ring_blocks`), taken at admission in
+the same
 reservation as its first full-context blocks and returned with them on removal. The ring never grows, so
 its cost per request is fixed whatever the sequence length; a step may write at most ``chunk_size`` (``C``)
 positions per request, which the scheduler enforces.
@@ -13,7 +14,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 
-from pagedgen.core.window import ring_blocks
+from pagedgen.core.window_geometry import ring_blocks
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedgen.core.fixed_state import FixedStateSpec
+from pagedgen.core.fixed_state_spec import FixedStateSpec
 from pagedgen.core.kv import zeroed_tensor
 from pagedgen.core.step_inputs import FixedStateInputs
 from pagedgen.core.transfer import upload_values

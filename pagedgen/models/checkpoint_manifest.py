@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from pagedgen.core.manifest import SlidingWindow, StateGroup, StateKind, StateManifest
+from pagedgen.core.state_manifest import SlidingWindow, StateGroup, StateKind, StateManifest
 from pagedgen.errors import ModelLoadError, StateManifestError
 from pagedgen.models.config import ModelConfig
 from pagedgen.models.hf_loader import read_json

@@ -8,7 +8,8 @@ transition*:
   window, a recurrent state), published at commit.
 
 ``sliding_window`` names the window size and the layers that attend only within it; those layers must belong
-to the paged group, where they keep a ring of blocks instead of growing ones (:mod:`pagedgen.core.window`).
+to the paged group, where they keep a ring of blocks instead of growing ones
+(:mod:`pagedgen.core.window_geometry`).
 
 When no group is given the manifest is the *legacy* one: a single dense paged-KV group over every layer. It is
 implied, never written into ``groups`` as a group of its own; :attr:`paged_layers` just answers for it
