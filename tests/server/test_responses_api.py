@@ -21,8 +21,8 @@ import pytest
 import pagedgen.server.worker as worker_module
 from pagedgen.models.synthetic import SyntheticModel, SyntheticTokenizer, synthetic_greedy
 from pagedgen.server.responses_api.store import StoreLimits
-from tests.server.live import metric
 from tests.server.doubles import VOCAB, ChatTokenizer, app_state, client_of, serve, settled_metrics
+from tests.server.live import metric
 
 WEATHER = {
     "type": "function",

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 import pagedgen as pg
-from tests.server.live import MODEL_NAME, metric
 from tests.server.doubles import settled_metrics
+from tests.server.live import MODEL_NAME, metric
 
 pytestmark = pytest.mark.model
 

@@ -10,8 +10,7 @@ import pytest
 import pagedgen as pg
 from pagedgen import cli
 from pagedgen.server.app import ServerOptions, build_app
-from tests.server.live import API_KEY, MODEL_NAME
-from tests.server.live import LiveServer
+from tests.server.live import API_KEY, MODEL_NAME, LiveServer
 
 pytestmark = [pytest.mark.model, pytest.mark.cpu]
 

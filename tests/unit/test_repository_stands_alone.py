@@ -106,7 +106,7 @@ def test_legitimate_uses_of_the_same_words_pass(line):
 def test_readme_lists_the_documentation_pages_that_exist():
     readme = (ROOT / "README.md").read_text()
     listed = set(
-        re.findall(r"`(docs/[a-z_]+\.md)`", readme.split("## Documentation", 1)[1].split("\n## ", 1)[0])
+        re.findall(r"`(docs/[a-z_-]+\.md)`", readme.split("## Documentation", 1)[1].split("\n## ", 1)[0])
     )
     pages = {f"docs/{p.name}" for p in DOCUMENTATION.glob("*.md")}
     assert "docs/architecture.md" in listed
