@@ -397,3 +397,22 @@ def test_row_5_reasoning_on_the_responses_api_is_a_reasoning_item():
         assert response.output_text == "Hello!"
     finally:
         live.stop()
+
+
+def test_rows_1_and_5_an_automatic_tool_call_after_the_reasoning():
+    call = '<tool_call>\n{"name": "pick", "arguments": {"answer": "no"}}\n</tool_call>'
+    model = ToolScriptedModel({"Hi": f"<think>Pick one.</think>\n{call}"})
+    config = pg.EngineConfig(max_batch_size=4, num_blocks=64, debug_invariants=True)
+    options = serve_options("--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
+    live = LiveServer(build_app(model, config, options, tokenizer=model.codec)).start()
+    try:
+        response = client_of(live).chat.completions.create(
+            model="synthetic", messages=CHAT, tools=TOOLS, temperature=0, max_tokens=120
+        )
+        message = response.choices[0].message
+        assert message.model_extra["reasoning_content"] == "Pick one."
+        (made,) = message.tool_calls
+        assert (made.function.name, json.loads(made.function.arguments)) == ("pick", {"answer": "no"})
+        assert response.choices[0].finish_reason == "tool_calls"
+    finally:
+        live.stop()
