@@ -378,14 +378,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pagedgen.server.app import build_app
     from pagedgen.server.lifecycle import build_server
 
+    if args.replicas is None and (args.ray_address is not None or args.autoscaling_config is not None):
+        raise UsageError("--ray-address and --autoscaling-config need --replicas N")
     # Before the model loads: a busy port fails in a second, not after minutes of loading.
     check_port_free(args.host, args.port)
     _log_to_stderr(args.log_level)
     options = server_options(args)
     if args.replicas is not None:
         return _serve_replicas(args, options)
-    if args.ray_address is not None or args.autoscaling_config is not None:
-        raise UsageError("--ray-address and --autoscaling-config need --replicas N")
     model = _load_model(args.model, args.weights)
     config = engine_config(args)
     app = build_app(model, config, options)

@@ -20,6 +20,7 @@ import itertools
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import fields
 from typing import Any
@@ -37,6 +38,19 @@ POLL_S = 1.0
 CALL_TIMEOUT_S = 10.0  # a stats call to a replica that died meanwhile
 
 Sink = Callable[[JobUpdate], None]
+
+
+def _own_call_id() -> None:
+    """Give this task's handle calls their own Serve request id.
+
+    A call made while serving an HTTP request inherits that request's internal id, and Serve's router
+    matches a routed replica to its waiting call by that id: the several jobs of one request (``n`` choices,
+    a batch of prompts) would share one and all but one would wait forever. Each job runs in its own task
+    (its own context copy), so setting a fresh id here affects only its call. ``_set_request_context`` is
+    Serve's internal setter (Ray 2.60; the extra pins the minor release)."""
+    from ray.serve import context
+
+    context._set_request_context(_internal_request_id=uuid.uuid4().hex)
 
 
 def total_snapshot(snapshots: Sequence[EngineSnapshot]) -> EngineSnapshot:
@@ -135,6 +149,7 @@ class ReplicaSetWorker:
     async def _relay(self, job_id: int, job: ReplicaJob, sink: Sink) -> None:
         """Pass the replica's updates to ``sink``; a lost replica ends the job with ``unhealthy``."""
         final = False
+        _own_call_id()
         stream = self._handle.options(stream=True).generate.remote(job)
         try:
             async for update in stream:
