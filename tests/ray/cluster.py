@@ -19,6 +19,7 @@ import pagedgen as pg
 from pagedgen.server.app import ServerOptions
 from pagedgen.server.replicas.application import APP_NAME, build_application
 from pagedgen.server.replicas.client import POLL_S
+from pagedgen.server.replicas.launch import start_local_ray
 from pagedgen.server.replicas.setup import SYNTHETIC, ModelSource, ReplicaSetup
 
 VOCAB = 95
@@ -29,19 +30,6 @@ POLLS = 240  # bounded waits for the ingress's next stats poll (each POLL_S / 2 
 
 def engine_config() -> pg.EngineConfig:
     return pg.EngineConfig(max_batch_size=MAX_BATCH, num_blocks=NUM_BLOCKS, debug_invariants=True)
-
-
-def _start_ray(attempts: int = 3) -> None:
-    """``ray.init`` on a local 2-CPU cluster. Ray gives its raylet a fixed 30 s to register; on a shared
-    2-core machine at load 15+ that can pass, so a failed start is retried (bounded), a clean one not."""
-    for attempt in range(attempts):
-        try:
-            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-            return
-        except Exception as exc:
-            if "timed out during startup" not in str(exc) or attempt == attempts - 1:
-                raise
-            ray.shutdown()
 
 
 def free_port() -> int:
@@ -56,7 +44,7 @@ class Cluster:
     def __init__(self, routing: str = "affinity") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        _start_ray()
+        start_local_ray(num_cpus=2, log_to_driver=False, configure_logging=False)
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
         setup = ReplicaSetup(
             source=ModelSource(SYNTHETIC, vocab_size=VOCAB),

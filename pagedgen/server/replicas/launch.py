@@ -11,11 +11,31 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from typing import Any
 
 from pagedgen.server.replicas.application import APP_NAME, build_application
 from pagedgen.server.replicas.setup import ReplicaSetup
 
 log = logging.getLogger("pagedgen.server")
+
+
+START_ATTEMPTS = 3
+
+
+def start_local_ray(**options: Any) -> None:
+    """``ray.init`` of a new local cluster, retried (bounded) when its node times out starting: Ray gives
+    its raylet a fixed 30 s to register, which a loaded machine can exceed; any other error is raised."""
+    import ray
+
+    for attempt in range(START_ATTEMPTS):
+        try:
+            ray.init(include_dashboard=False, **options)
+            return
+        except Exception as exc:
+            if "timed out during startup" not in str(exc) or attempt == START_ATTEMPTS - 1:
+                raise
+            log.warning("the local Ray cluster timed out starting (attempt %d); retrying", attempt + 1)
+            ray.shutdown()
 
 
 def serve_replicas(setup: ReplicaSetup, *, host: str, port: int, ray_address: str | None) -> int:
@@ -24,14 +44,14 @@ def serve_replicas(setup: ReplicaSetup, *, host: str, port: int, ray_address: st
     from ray import serve
 
     stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
     if ray_address is None:
-        ray.init(include_dashboard=False)  # a cluster of this machine, for this process
+        start_local_ray()  # a cluster of this machine, for this process
     else:
         ray.init(address=ray_address)
     try:
         serve.start(http_options={"host": host, "port": port})
+        for signum in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs its own (abort)
+            signal.signal(signum, lambda *_: stop.set())
         serve.run(build_application(setup), name=APP_NAME, route_prefix="/", blocking=False)
         count = setup.num_replicas if setup.autoscaling_config is None else "autoscaled"
         log.info("serving %s replicas of %r at http://%s:%d", count, setup.source.name, host, port)
