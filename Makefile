@@ -26,9 +26,10 @@ $(SERVE_STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e .
 	touch $(SERVE_STAMP)
 
-# pytest, ruff, hypothesis, the OpenAI client, selenium, matplotlib, accelerate and Triton (~1 GB): tests only.
+# pytest, ruff, hypothesis, the OpenAI client, selenium, matplotlib, accelerate and Triton (~1 GB), and Ray
+# Serve for the replicated server's tests (the ray extra, ~250 MB): tests only, `make serve` needs neither.
 $(TEST_STAMP): $(SERVE_STAMP)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,ray]'
 	touch $(TEST_STAMP)
 
 install: $(SERVE_STAMP)

@@ -84,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_content_args(serve)
     _add_reasoning_args(serve)
     _add_tool_args(serve)
+    _add_replica_args(serve)
 
     generate = _subcommand(parser, sub, "generate", help="complete prompts offline and print the completions")
     generate.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text (one completion each)")
@@ -179,6 +180,26 @@ def _non_negative_seconds(text: str) -> float:
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a non-negative number of seconds, got {text}")
     return value
+
+
+def _add_replica_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("replicas (Ray Serve; needs the ray extra, docs/replicas.md)")
+    group.add_argument(
+        "--replicas",
+        type=positive_int,
+        help="serve N engine replicas behind Ray Serve with cache-affinity routing (default: one engine, "
+        "no Ray)",
+    )
+    group.add_argument("--ray-address", help="join this Ray cluster (auto, or HOST:PORT); default: start one")
+    group.add_argument(
+        "--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves for each replica (default 1)"
+    )
+    group.add_argument(
+        "--autoscaling-config",
+        metavar="JSON",
+        help="Serve's autoscaling fields as a JSON object (min_replicas, max_replicas, ...); replaces the "
+        "fixed --replicas count",
+    )
 
 
 def _add_connection_args(parser: argparse.ArgumentParser) -> None:
@@ -434,10 +455,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pagedgen.server.app import build_app
     from pagedgen.server.lifecycle import build_server
 
+    if args.replicas is None and (args.ray_address is not None or args.autoscaling_config is not None):
+        raise UsageError("--ray-address and --autoscaling-config need --replicas N")
     # Before the model loads: a bad option or a busy port fails in a second, not after minutes of loading.
     options = server_options(args)
     check_port_free(args.host, args.port)
     _log_to_stderr(args.log_level)
+    if args.replicas is not None:
+        return _serve_replicas(args, options)
     model = _load_model(args.model, args.weights)
     config = engine_config(args)
     app = build_app(model, config, options)
@@ -445,6 +470,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server = build_server(app, host=args.host, port=args.port, log_level=args.log_level)
     server.run()
     return 0 if server.started else 3  # 3: uvicorn's startup failure (it logged why)
+
+
+def _serve_replicas(args: argparse.Namespace, options: Any) -> int:
+    """``--replicas N``: the same options and engine configuration, served by Ray Serve."""
+    try:
+        from pagedgen.server.replicas.launch import serve_replicas
+        from pagedgen.server.replicas.setup import ModelSource, ReplicaSetup, parse_autoscaling
+    except ImportError as exc:
+        raise UsageError(f"--replicas needs Ray Serve: pip install 'pagedgen[ray]' ({exc})") from exc
+    try:
+        autoscaling = parse_autoscaling(args.autoscaling_config)
+        setup = ReplicaSetup(
+            source=ModelSource(args.model, args.weights),
+            engine=engine_config(args),
+            options=options,
+            num_replicas=args.replicas,
+            replica_cpus=args.replica_cpus,
+            autoscaling_config=autoscaling,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    return serve_replicas(setup, host=args.host, port=args.port, ray_address=args.ray_address)
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -1,0 +1,65 @@
+"""``pagedgen serve --replicas N``: start or join a Ray cluster, deploy the application, serve until a signal.
+
+Without ``--ray-address`` Ray starts a cluster of this machine; with one (``auto``, or ``HOST:6379`` of a
+running head) the replicas are placed across that cluster's nodes. Serve's proxy listens on
+``host:port``. SIGTERM or SIGINT deletes the application, which Serve shuts down gracefully: each replica
+and the ingress get the ``--shutdown-timeout`` to finish their requests in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from typing import Any
+
+from pagedgen.server.replicas.application import APP_NAME, build_application
+from pagedgen.server.replicas.setup import ReplicaSetup
+
+log = logging.getLogger("pagedgen.server")
+
+
+START_ATTEMPTS = 3
+
+
+def start_local_ray(**options: Any) -> None:
+    """``ray.init`` of a new local cluster, retried (bounded) when its node times out starting: Ray gives
+    its raylet a fixed 30 s to register, which a loaded machine can exceed; any other error is raised."""
+    import ray
+
+    for attempt in range(START_ATTEMPTS):
+        try:
+            ray.init(include_dashboard=False, **options)
+            return
+        except Exception as exc:
+            if "timed out during startup" not in str(exc) or attempt == START_ATTEMPTS - 1:
+                raise
+            log.warning("the local Ray cluster timed out starting (attempt %d); retrying", attempt + 1)
+            ray.shutdown()
+
+
+def serve_replicas(setup: ReplicaSetup, *, host: str, port: int, ray_address: str | None) -> int:
+    """Deploy ``setup`` behind Serve's proxy on ``host:port`` and block until SIGTERM or SIGINT."""
+    import ray
+    from ray import serve
+
+    stop = threading.Event()
+    if ray_address is None:
+        start_local_ray()  # a cluster of this machine, for this process
+    else:
+        ray.init(address=ray_address)
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        for signum in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs its own (abort)
+            signal.signal(signum, lambda *_: stop.set())
+        serve.run(build_application(setup), name=APP_NAME, route_prefix="/", blocking=False)
+        count = setup.num_replicas if setup.autoscaling_config is None else "autoscaled"
+        log.info("serving %s replicas of %r at http://%s:%d", count, setup.source.name, host, port)
+        stop.wait()
+        log.info("shutting down: the application drains (up to %.0f s)", setup.options.shutdown_timeout)
+        serve.delete(APP_NAME)
+        if ray_address is None:
+            serve.shutdown()
+    finally:
+        ray.shutdown()
+    return 0

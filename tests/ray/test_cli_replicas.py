@@ -1,0 +1,103 @@
+"""``pagedgen serve --replicas 2`` as a subprocess (its own local Ray cluster), answering the ``openai``
+client streaming and not, with the affinity visible in usage and metrics, then ending on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from pagedgen.models.synthetic import SyntheticTokenizer, synthetic_greedy
+from tests.ray.cluster import free_port, per_replica
+
+ROOT = Path(__file__).resolve().parents[2]  # this checkout: the subprocess serves its code
+WAIT_S = 600  # the bound of every wait: a Ray cluster and three replicas starting on a loaded 2-core machine
+VOCAB = 257  # ModelSource("synthetic")'s default
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    port = free_port()
+    stderr_path = tmp_path_factory.mktemp("serve") / "serve.stderr"
+    command = [sys.executable, "-m", "pagedgen.cli", "serve", "--model", "synthetic", "--port", str(port)]
+    command += ["--replicas", "2", "--max-batch-size", "8", "--num-blocks", "256", "--shutdown-timeout", "5"]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    env.pop("PAGEDGEN_API_KEY", None)
+    with stderr_path.open("wb") as stderr:
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, env=env, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(proc, url, stderr_path)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(WAIT_S)
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, stderr_path: Path) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, stderr_path.read_text(errors="replace")[-3000:]
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError("the replicated server never became healthy")
+
+
+def _expected(prompt: str, n: int) -> str:
+    codec = SyntheticTokenizer(VOCAB)
+    return codec.decode(synthetic_greedy(codec.encode(prompt), n, VOCAB))
+
+
+def test_the_openai_client_through_two_replicas(served):
+    proc, url = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=WAIT_S)
+    prompt = "a shared system prompt for every turn of this chat, long enough for blocks. "
+    first = client.completions.create(model="synthetic", prompt=prompt, max_tokens=12, temperature=0)
+    assert first.choices[0].text == _expected(prompt, 12)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second = client.completions.create(
+        model="synthetic", prompt=prompt + "turn two", max_tokens=12, temperature=0
+    )
+    assert second.choices[0].text == _expected(prompt + "turn two", 12)
+    assert second.usage.prompt_tokens_details.cached_tokens == len(prompt) // 16 * 16  # found on its replica
+    chunks = list(
+        client.completions.create(
+            model="synthetic",
+            prompt=prompt + "streamed",
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == _expected(prompt + "streamed", 20)
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= len(prompt) // 16 * 16
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model="synthetic", prompt="x", temperature=9)
+    text = ""
+    for _ in range(240):  # the ingress refreshes the replicas' counters about every second
+        text = httpx.get(url + "/metrics", timeout=60).text
+        hits = per_replica(text, "pagedgen:prefix_cache_hits_total")
+        if len(hits) == 2 and sum(hits.values()) >= 2 * (len(prompt) // 16 * 16):
+            break
+        time.sleep(0.5)
+    hits = per_replica(text, "pagedgen:prefix_cache_hits_total")
+    assert sorted(hits.values())[0] == 0 and len(hits) == 2, hits  # every turn's cache hits on one replica
+
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(WAIT_S) == 0
