@@ -36,7 +36,7 @@ ALLOWED: dict[str, frozenset[str]] = {
         "parallel": ("core", "ops", "models", "executor", "errors"),
         "engine": ("core", "cache", "executor", "parallel", "sampling", "guidance", "errors"),
         "llm": ("engine", "models", "sampling", "guidance", "spec", "errors"),
-        "server": ("pagedgen", "engine", "llm", "models", "sampling", "guidance", "spec", "errors"),
+        "server": ("pagedgen", "engine", "llm", "models", "cache", "sampling", "guidance", "spec", "errors"),
         "cli": ("pagedgen", "argtypes", "engine", "llm", "models", "server", "errors", "bench"),
         "bench": ("argtypes", "core", "ops", "models", "executor", "engine", "spec", "errors"),
     }.items()
