@@ -104,6 +104,8 @@ REQUESTS = [
     ("/v1/completions", {"model": "synthetic", "prompt": [999], "max_tokens": 2}),  # outside the vocabulary
     ("/v1/completions", {"model": "synthetic", "prompt": "x" * 5000}),  # longer than the context
     ("/v1/chat/completions", {"model": "synthetic", "messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/responses", {"model": "synthetic", "input": "hi"}),  # the same route, the same 400 (no template)
+    ("/v1/responses", {"model": "synthetic", "input": "hi", "previous_response_id": "resp_none"}),  # 404
 ]
 
 

@@ -28,7 +28,7 @@ from typing import Any
 from pagedgen.llm import SamplingParams
 from pagedgen.server.replicas.messages import ReplicaJob, ReplicaStats, ReplicaTarget
 from pagedgen.server.replicas.registry import live_replicas
-from pagedgen.server.worker import SHUTDOWN_MESSAGE, EngineSnapshot, JobError, JobUpdate
+from pagedgen.server.worker import SHUTDOWN_MESSAGE, EngineSnapshot, JobError, JobUpdate, Keep
 
 log = logging.getLogger("pagedgen.server")
 
@@ -128,16 +128,38 @@ class ReplicaSetWorker:
         reply(self.snapshot)
 
     def submit(
-        self, prompt_ids: Sequence[int], params: SamplingParams, sink: Sink, arrived_at: float, tag: str = ""
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        sink: Sink,
+        arrived_at: float,
+        tag: str = "",
+        keep: Keep | None = None,
     ) -> int:
         job_id = next(self._ids)
         if self._aborted:
             sink(JobUpdate(error=JobError.SHUTDOWN, message=SHUTDOWN_MESSAGE))
             return job_id
-        job = ReplicaJob(tuple(prompt_ids), params, time.monotonic() - arrived_at, tag)
+        job = ReplicaJob(tuple(prompt_ids), params, time.monotonic() - arrived_at, tag, keep)
         task = asyncio.get_running_loop().create_task(self._relay(job_id, job, sink))
         self._tasks[job_id] = task
         return job_id
+
+    def release(self, key: str) -> None:
+        """Close the Request kept under ``key`` (a stored response's). Which replica holds it is not known
+        here, so every live replica is told, from a thread of its own so the caller never waits; the
+        others hold nothing under the key, and a follow-up that lands elsewhere starts a fresh Request."""
+        threading.Thread(
+            target=self._release_everywhere, args=(key,), name="replica-release", daemon=True
+        ).start()
+
+    def _release_everywhere(self, key: str) -> None:
+        _own_call_id()
+        for name in live_replicas(self._app_name, self._deployment):
+            try:
+                self._handle.release.remote(ReplicaTarget(name), key).result(timeout_s=CALL_TIMEOUT_S)
+            except Exception as exc:  # a replica that died meanwhile holds nothing any more
+                log.info("replica %s did not answer its release call: %r", name, exc)
 
     def cancel(self, job_id: int) -> None:
         task = self._tasks.pop(job_id, None)

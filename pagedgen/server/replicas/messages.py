@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedgen.llm import SamplingParams
-from pagedgen.server.worker import EngineSnapshot
+from pagedgen.server.worker import EngineSnapshot, Keep
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,6 +17,7 @@ class ReplicaJob:
     params: SamplingParams
     waited_s: float
     tag: str  # the HTTP request id, for log lines
+    keep: Keep | None = None  # keep the Request open for a follow-up, or continue a kept one
 
 
 @dataclass(frozen=True, slots=True)

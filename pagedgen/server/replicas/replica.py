@@ -54,6 +54,7 @@ class EngineReplica:
             lambda u: loop.call_soon_threadsafe(updates.put_nowait, u),
             arrived,
             job.tag,
+            job.keep,
         )
         final = False
         try:
@@ -64,6 +65,10 @@ class EngineReplica:
         finally:
             if not final:
                 self._worker.cancel(job_id)
+
+    def release(self, _target: ReplicaTarget, key: str) -> None:
+        """Close the Request this replica keeps under ``key``, if it keeps one."""
+        self._worker.release(key)
 
     def stats(self, _target: ReplicaTarget) -> ReplicaStats:
         return ReplicaStats(self._name, self._worker.snapshot, self._metrics.render(), self._worker.healthy)
