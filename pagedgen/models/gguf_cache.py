@@ -8,8 +8,13 @@ every later load reads that directory like any HF checkpoint. ``native.safetenso
 2-D weights whose format has a native kernel as their raw blocks (llama.cpp's Q/K permutation undone, each
 layer's fused projections back to back), for ``weights="native"``, which maps it instead of reading it
 (:mod:`pagedgen.models.native_weights`). Building an entry keeps one tensor (or 8 MB of float32 rows) in
-memory at a time and gives the freed heap back afterwards, so a first load does not stay several times the
-file larger than a later one.
+memory at a time and gives the freed heap back afterwards; a file of :data:`CHILD_BUILD_MIN_BYTES` or more
+is built in a child process (:func:`build_entry_in_child`), so the loading process never holds the parsed
+vocabulary and a first load adds what a later one does.
+
+``model.safetensors`` (every tensor as float32, f16/bf16 kept) is what ``weights="float32"`` loads (also
+the fallback without the native kernels), where a native load reads its norms and biases, and what the
+bench's baselines read as an HF checkpoint; so it is part of every entry.
 
 The key is the sha256 of the whole file, streamed (about 0.2 s for the 98 MB default model): a file edited in
 place gets a new entry, and a renamed or copied file reuses the old one. An entry is built in a temporary
