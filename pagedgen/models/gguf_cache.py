@@ -8,8 +8,13 @@ every later load reads that directory like any HF checkpoint. ``native.safetenso
 2-D weights whose format has a native kernel as their raw blocks (llama.cpp's Q/K permutation undone, each
 layer's fused projections back to back), for ``weights="native"``, which maps it instead of reading it
 (:mod:`pagedgen.models.native_weights`). Building an entry keeps one tensor (or 8 MB of float32 rows) in
-memory at a time and gives the freed heap back afterwards, so a first load does not stay several times the
-file larger than a later one.
+memory at a time and gives the freed heap back afterwards; a file of :data:`CHILD_BUILD_MIN_BYTES` or more
+is built in a child process (:func:`build_entry_in_child`), so the loading process never holds the parsed
+vocabulary and a first load adds what a later one does.
+
+``model.safetensors`` (every tensor as float32, f16/bf16 kept) is what ``weights="float32"`` loads (also
+the fallback without the native kernels), where a native load reads its norms and biases, and what the
+bench's baselines read as an HF checkpoint; so it is part of every entry.
 
 The key is the sha256 of the whole file, streamed (about 0.2 s for the 98 MB default model): a file edited in
 place gets a new entry, and a renamed or copied file reuses the old one. An entry is built in a temporary
@@ -22,8 +27,11 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
+import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pagedgen import errors
 from pagedgen.core.paths import CACHE_DIR_ENV, cache_root
 from pagedgen.errors import ModelLoadError
 from pagedgen.models.config import ModelConfig
@@ -48,10 +57,16 @@ from pagedgen.models.safetensors_stream import TensorSpec, write_safetensors
 from pagedgen.ops.quant_gemm import dequantize
 from pagedgen.ops.qweight import NATIVE_GGUF_TYPES, QuantizedWeight
 
+log = logging.getLogger(__name__)
+
 CACHE_FORMAT = 3  # bump when the entry layout or the dequantisation changes (2: native.safetensors; 3: its
 # fused projections back to back, Q2_K/Q3_K/Q5_x kept as blocks)
 _HASH_CHUNK = 1 << 22
 CHUNK_BYTES = 8 << 20  # float32 bytes of one chunk of rows written to model.safetensors
+# Files this large are built in a child process (:func:`build_entry_in_child`); smaller ones (test files,
+# which have tiny vocabularies) are built in this process, where starting an interpreter would cost more
+# than the memory it saves.
+CHILD_BUILD_MIN_BYTES = 16 << 20
 _KEPT_TYPES = {"F16": "F16", "BF16": "BF16"}  # stored as-is (lossless); every quantised type becomes F32
 
 
@@ -93,6 +108,68 @@ def gguf_cache_entry(path: Path, root: Path | None = None, rebuild: bool = False
 
 
 def _build_entry(path: Path, entry: Path) -> None:
+    """Build ``entry`` from ``path``: in a child process for a file of :data:`CHILD_BUILD_MIN_BYTES` or
+    more, else here (:func:`build_entry_here`)."""
+    if path.stat().st_size >= CHILD_BUILD_MIN_BYTES:
+        build_entry_in_child(path, entry)
+    else:
+        build_entry_here(path, entry)
+
+
+def build_entry_in_child(path: Path, entry: Path) -> None:
+    """Run :func:`build_entry_here` in a fresh interpreter and wait for it; its error is raised here.
+
+    Why: parsing a GGUF file's vocabulary (the ``gguf`` reader's per-token fields, transformers' tokenizer
+    converter and its imports) leaves hundreds of MB of Python objects in fragmented arenas that no
+    ``malloc_trim`` returns (about 215 MB for a 262k-token vocabulary), so a process that built an entry
+    stayed about 1.9x the file larger than one that read it. The child ends, and with it all of that; this
+    process then loads the entry as any later load would. The child imports from this process's
+    ``sys.path`` and uses its torch thread count. Its error (a :class:`pagedgen.errors.PagedGenError`) comes
+    back as the same class and message; a child that dies otherwise is a :class:`ModelLoadError` with the
+    end of its output.
+    """
+    request = json.dumps(
+        {"path": str(path), "entry": str(entry), "sys_path": sys.path, "threads": torch.get_num_threads()}
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _CHILD_CODE, request], capture_output=True, text=True, check=False
+        )
+    except OSError as exc:
+        raise ModelLoadError(f"{path}: cannot start a process to build the weight cache ({exc})") from exc
+    if done.returncode == 0:
+        if done.stderr.strip():
+            log.debug("the weight cache build for %s said: %s", path, done.stderr.strip())
+        return
+    lines = done.stdout.strip().splitlines()
+    reply = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None
+    error = getattr(errors, reply["error"], None) if reply else None
+    if isinstance(error, type) and issubclass(error, errors.PagedGenError):
+        raise error(reply["message"])
+    tail = (done.stderr or done.stdout).strip()[-2000:]
+    raise ModelLoadError(f"{path}: building the weight cache failed (exit {done.returncode}): {tail}")
+
+
+# The child's whole program: the parent's import path, then build_entry_here; a PagedGenError is printed as
+# one JSON line on stdout (the parent raises it again), anything else is a traceback and a non-zero exit.
+_CHILD_CODE = """
+import json, sys
+request = json.loads(sys.argv[1])
+sys.path[:] = request["sys_path"]
+import torch
+torch.set_num_threads(request["threads"])
+from pathlib import Path
+from pagedgen.errors import PagedGenError
+from pagedgen.models.gguf_cache import build_entry_here
+try:
+    build_entry_here(Path(request["path"]), Path(request["entry"]))
+except PagedGenError as exc:
+    print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
+    sys.exit(3)
+"""
+
+
+def build_entry_here(path: Path, entry: Path) -> None:
     """Dequantise ``path`` into a temporary directory, then rename it to ``entry`` (atomic publish)."""
     file = open_gguf(path)
     config = gguf_config(file)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -20,6 +22,7 @@ from pagedgen.executor.inputs import SequenceChunk, pack_step
 from pagedgen.models.gguf_cache import gguf_cache_entry
 from pagedgen.models.model import Model
 from pagedgen.models.safetensors_stream import TensorSpec, write_safetensors
+from pagedgen.ops.native import native_status
 from tests.model.tiny_checkpoints import TINY_RAW, random_state, write_gguf, write_hf_dir
 
 
@@ -180,3 +183,64 @@ def test_losing_the_publish_race_keeps_the_winners_entry(tmp_path):
     (tmp / "config.json").write_text("loser")
     gguf_cache._publish(tmp, entry)  # another process renamed its copy first: no error, theirs stays
     assert (entry / "config.json").read_text() == "winner"
+
+
+@pytest.fixture
+def in_child(cache_dir, monkeypatch):
+    """Every file is built in a child process, and this process cannot parse a GGUF file or build a
+    tokenizer: a cold load that works proves the parse happened elsewhere. The kernels this process
+    loaded are put in the fresh cache, so the child does not compile them again."""
+    status = native_status()
+    if status.available:
+        library = Path(status.detail)
+        kept = cache_dir / "kernels" / library.name
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        if library != kept:
+            shutil.copy(library, kept)
+    monkeypatch.setattr(gguf_cache, "CHILD_BUILD_MIN_BYTES", 0)
+
+    def refused(*args):
+        raise AssertionError(f"the parent process parsed {args[0]}")
+
+    for name in ("open_gguf", "gguf_tokenizer_files", "build_entry_here"):
+        monkeypatch.setattr(gguf_cache, name, refused)
+
+
+def test_a_child_builds_the_same_entry_and_this_process_never_parses_the_file(
+    cache_dir, tmp_path, in_child, monkeypatch
+):
+    path = tmp_path / "vocab.gguf"
+    write_gguf(path, "llama", random_state(TINY_RAW, seed=6), TINY_RAW, qtype=gguf.GGMLQuantizationType.Q8_0)
+    model = Model(str(path), device="cpu")
+    assert model.checkpoint.built
+    child_entry = model.checkpoint_dir
+    monkeypatch.undo()  # this process may parse again: the same entry built here, under another root
+    here_entry = gguf_cache.gguf_cache_dir(path, tmp_path / "here")
+    gguf_cache.build_entry_here(path, here_entry)
+    names = sorted(p.name for p in child_entry.iterdir())
+    assert names == sorted(p.name for p in here_entry.iterdir())
+    assert "tokenizer.json" in names and "native.safetensors" in names
+    for name in names:
+        assert (child_entry / name).read_bytes() == (here_entry / name).read_bytes(), name
+    monkeypatch.setenv("PAGEDGEN_CACHE_DIR", str(tmp_path / "here"))
+    here = Model(str(path), device="cpu")  # a warm load of the entry built here
+    assert here.checkpoint_dir == here_entry and not here.checkpoint.built
+    ids = list(range(3, 200, 9))
+    assert torch.equal(_logits(model, ids), _logits(here, ids))
+    assert model.tokenizer.encode("hello world") == here.tokenizer.encode("hello world")
+
+
+def test_a_refusal_in_the_child_is_raised_here_as_the_same_error(cache_dir, tmp_path, in_child):
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(b"GGUF" + b"\x00" * 20)
+    with pytest.raises(ModelLoadError, match="bad.gguf: truncated or corrupt GGUF file"):
+        gguf_cache_entry(path)
+    assert not (cache_dir / f"gguf-v{gguf_cache.CACHE_FORMAT}").exists() or not any(
+        (cache_dir / f"gguf-v{gguf_cache.CACHE_FORMAT}").rglob("*")
+    )
+
+
+def test_a_child_that_dies_is_a_load_error_with_its_output(cache_dir, tiny_gguf, in_child, monkeypatch):
+    monkeypatch.setattr(gguf_cache, "_CHILD_CODE", "import sys; sys.exit('killed before building')")
+    with pytest.raises(ModelLoadError, match=r"building the weight cache failed \(exit 1\): killed before"):
+        gguf_cache_entry(tiny_gguf)

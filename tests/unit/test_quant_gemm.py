@@ -138,14 +138,18 @@ def test_many_rows_go_tile_by_tile_over_a_large_weight(monkeypatch):
     assert_matches_float64(tiled_dequant_gemm(x, weight, bias), x, weight, bias)
 
 
-@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q8_0, QType.Q4_K, QType.BF16], ids=lambda q: q.name)
-def test_a_rows_output_bits_do_not_depend_on_the_batch_or_the_thread_count(kernels, qtype):
+@pytest.mark.parametrize("batch_rows", [16, 32])  # 32: a 32-stream decode step (ten full 3-row tiles and a 2)
+@pytest.mark.parametrize(
+    "qtype", [QType.Q4_1, QType.Q5_0, QType.Q8_0, QType.Q4_K, QType.Q6_K, QType.BF16], ids=lambda q: q.name
+)
+def test_a_rows_output_bits_do_not_depend_on_the_batch_or_the_thread_count(kernels, qtype, batch_rows):
     k = _in(qtype)
     weight = random_weight(qtype, 75, k, seed=5)
-    x, bias = torch.randn(16, k, generator=torch.Generator().manual_seed(5)), torch.randn(75)
+    x, bias = torch.randn(batch_rows, k, generator=torch.Generator().manual_seed(5)), torch.randn(75)
     batch = kernels.gemm(x, weight, bias)
-    alone = torch.cat([kernels.gemm(x[i : i + 1], weight, bias) for i in range(16)])
-    pairs = torch.cat([kernels.gemm(x[i : i + 2], weight, bias) for i in range(0, 16, 2)])
+    assert_matches_float64(batch, x, weight, bias)
+    alone = torch.cat([kernels.gemm(x[i : i + 1], weight, bias) for i in range(batch_rows)])
+    pairs = torch.cat([kernels.gemm(x[i : i + 2], weight, bias) for i in range(0, batch_rows, 2)])
     threads = torch.get_num_threads()
     torch.set_num_threads(1 if threads > 1 else 2)
     try:
