@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _kernels_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="'default', a checkpoint dir or a .gguf")
     p.add_argument("--weights", choices=("native", "float32"), default="native")
+    _activations_argument(p)
     p.add_argument("--context", type=positive_int, default=100, help="tokens in the cache before the step")
     p.add_argument("--repeats", type=positive_int, default=20, help="forwards per measurement")
     m = p.add_argument_group("machine")
@@ -105,7 +106,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     _print_machine(machine)
     if args.model == "synthetic":
         raise ValueError("the kernel profile needs a decoder with weights; the synthetic model has none")
-    model = Model(args.model, weights=args.weights)
+    model = Model(args.model, weights=args.weights, activations=args.activations)
     Engine(model, EngineConfig(max_batch_size=1)).close()  # the engine's start: the measured GEMM table
     bandwidth = None if args.no_bandwidth else measure_stream_bandwidth()
     tokens = text_tokens(bench_tokenizer(model, model.checkpoint_dir))
@@ -289,6 +290,16 @@ def _add_workload_args(p: argparse.ArgumentParser, default: str) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of the custom workload")
 
 
+def _activations_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--activations",
+        choices=("fp32", "q8"),
+        default="fp32",
+        help="pagedgen's activations (pg.Model's activations=): fp32, exact (default), or q8, llama.cpp's "
+        "8-bit activations with integer dot products (approximate, opt-in)",
+    )
+
+
 def _throughput_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="'default', a checkpoint dir, a .gguf, or 'synthetic'")
     p.add_argument(
@@ -297,6 +308,7 @@ def _throughput_parser(p: argparse.ArgumentParser) -> None:
         default="native",
         help="pagedgen's weight format (default: native)",
     )
+    _activations_argument(p)
     p.add_argument(
         "--reference",
         action="store_true",
@@ -513,12 +525,13 @@ def _load_model(
     weights_seed: int = 0,
     scratch: Path | None = None,
     reference: bool = False,
+    activations: str = "fp32",
 ) -> tuple[Any, Any, Path | None, Any]:
     """(model, tokenizer, checkpoint dir for the baselines, float32-weights reference model or None).
 
     ``synthetic`` is the weightless test model. With ``reference`` and the model running its weights as
     stored (native), the same checkpoint is also loaded on float32 weights: that run is the fp32 reference of
-    every match rate.
+    every match rate (exact activations: the fp32 model whatever ``activations`` pagedgen runs with).
     ``random_weights`` (a config dir) replaces ``name``: its checkpoint is written under ``scratch``
     (:mod:`pagedgen.bench.random_weights`).
     """
@@ -535,7 +548,7 @@ def _load_model(
         if scratch is None:
             raise ValueError("--random-weights needs a scratch directory for its checkpoint")
         source = random_checkpoint(random_weights, scratch / "random-checkpoint", seed=weights_seed)
-    model = Model(source, dtype=dtype, device=device, weights=weights)
+    model = Model(source, dtype=dtype, device=device, weights=weights, activations=activations)
     native = getattr(model.weights_format, "value", "float32") != "float32"
     f32 = Model(source, dtype=dtype, device=device, weights="float32") if native and reference else None
     return model, bench_tokenizer(model, model.checkpoint_dir), model.checkpoint_dir, f32
@@ -559,7 +572,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     _print_machine(result.machine)
     with tempfile.TemporaryDirectory(prefix="pagedgen-bench-") as scratch:  # a random checkpoint lives here
         reference = " and its float32-weights reference" if args.reference else ""
-        _say(f"loading {args.random_weights or args.model!s} ({args.weights} weights){reference} ...")
+        q8 = ", q8 activations" if args.activations == "q8" else ""
+        _say(f"loading {args.random_weights or args.model!s} ({args.weights} weights{q8}){reference} ...")
         loaded = _load_model(
             args.model,
             args.weights,
@@ -569,6 +583,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
             weights_seed=args.weights_seed,
             scratch=Path(scratch),
             reference=args.reference,
+            activations=args.activations,
         )
         result.machine.update(device_info(loaded[0]))
         return _throughput_runs(args, specs, names, plot, peak, result, loaded)
@@ -588,6 +603,7 @@ def device_info(model: Any) -> dict[str, Any]:
     info: dict[str, Any] = {
         "device": str(device),
         "dtype": str(getattr(model, "dtype", "")).removeprefix("torch."),
+        "activations": getattr(model, "activations", "fp32"),
     }
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)

@@ -2,8 +2,10 @@
 
 Why: at batch 1 a decoder layer is ten microsecond-sized kernels; calling them one by one from Python, with
 the tensor bookkeeping between them, cost about a quarter of a forward (docs/performance.md, "The fused
-decode path"). :class:`FusedDecoder` runs the same kernels, in the same order, on the same kinds of
-buffers, from one C loop over the layers, so its output is bit-identical to the per-layer path.
+decode path"). :class:`FusedDecoder` runs the same kernels' arithmetic on the same kinds of buffers, from
+one C loop over the layers, so its output is bit-identical to the per-layer path. Its threads share one
+OpenMP region for the whole step (each owns a slice of every GEMM's columns and a run of kv heads) and meet
+at five barriers per layer instead of forking and joining for every kernel.
 
 The loop covers the Llama family (Llama, Mistral, Qwen2, Qwen3 with its q/k norms, sliding-window layers)
 and Gemma 3 (sandwich norms, GELU-tanh MLP, query scale, local layers with their own RoPE table). A fused

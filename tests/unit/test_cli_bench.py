@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import gguf
 import pytest
 
 from pagedgen.bench import cli as bench_cli
@@ -45,6 +46,21 @@ def test_the_float32_reference_loads_only_on_request(tmp_path, monkeypatch):
     assert model.weights_format.value == "native" and reference is None
     _, _, _, reference = bench_cli._load_model(str(path), "native", reference=True)
     assert reference is not None and reference.weights_format.value == "float32"
+
+
+def test_q8_activations_are_asked_for_and_the_reference_stays_exact(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDGEN_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny-q8_0.gguf"
+    write_gguf(path, "llama", random_state(TINY_RAW), TINY_RAW, qtype=gguf.GGMLQuantizationType.Q8_0)
+    model, _, _, reference = bench_cli._load_model(str(path), "native", activations="q8", reference=True)
+    assert model.activations == "q8" and reference.activations == "fp32"
+    assert bench_cli.device_info(model)["activations"] == "q8"
+    parser = bench_cli.build_parser()
+    assert parser.parse_args(["throughput"]).activations == "fp32"
+    assert parser.parse_args(["throughput", "--activations", "q8"]).activations == "q8"
+    assert parser.parse_args(["kernels", "--activations", "q8"]).activations == "q8"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["throughput", "--activations", "int4"])
 
 
 def test_the_defaults_ask_for_no_baseline_and_no_reference():

@@ -69,16 +69,20 @@ def _biased_bf16_model(tmp_path) -> Model:
     return Model(str(directory), device="cpu")
 
 
-def _run(model: Model, fused: bool, prompts: list[list[int]], steps: int = 5):
-    """Prefill ``prompts`` together, then ``steps`` greedy decode steps; ``(logits per step, cache)``."""
+def _run(
+    model: Model, fused: bool, prompts: list[list[int]], steps: int = 5, decode_threads: int | None = None
+):
+    """Prefill ``prompts`` together, then ``steps`` greedy decode steps (on ``decode_threads`` threads when
+    given; the prefill on the default count); ``(logits per step, cache)``."""
     runtime = model.runtime
-    kept = runtime.fused_decoder
+    kept, threads = runtime.fused_decoder, torch.get_num_threads()
     runtime.fused_decoder = kept if fused else None
     try:
         cache = PagedKVCache(model.kv_spec, num_blocks=64, block_size=BLOCK)
         tables = [list(range(12 * i, 12 * i + 12)) for i in range(len(prompts))]
         chunks = [SequenceChunk(p, 0, t) for p, t in zip(prompts, tables, strict=True)]
         outputs = [runtime.forward(pack_step(chunks, block_size=BLOCK), cache)]
+        torch.set_num_threads(decode_threads or threads)
         for step in range(steps):
             ids = outputs[-1].argmax(-1).tolist()
             chunks = [SequenceChunk([ids[i]], len(p) + step, tables[i]) for i, p in enumerate(prompts)]
@@ -86,6 +90,7 @@ def _run(model: Model, fused: bool, prompts: list[list[int]], steps: int = 5):
         return outputs, cache
     finally:
         runtime.fused_decoder = kept
+        torch.set_num_threads(threads)
 
 
 def _assert_same(model: Model, prompts: list[list[int]]) -> None:
@@ -108,6 +113,22 @@ def test_fused_decode_equals_the_per_layer_loop(tmp_path, need_kernels, qtype, b
     model = _gguf_model(tmp_path, qtype)
     assert model.runtime.fused_decoder is not None
     _assert_same(model, PROMPTS[:batch])
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_the_fused_step_has_the_per_layer_bits_at_any_thread_count(tmp_path, need_kernels, threads, batch):
+    """The fused step splits every GEMM's columns and the kv heads over its threads (3 threads: uneven column
+    slices and a thread without a kv head; 2 kv heads here): every split gives the per-layer loop's bits."""
+    model = _gguf_model(tmp_path, "Q4_1")
+    fused_logits, fused_cache = _run(model, True, PROMPTS[:batch], decode_threads=threads)
+    plain_logits, plain_cache = _run(model, False, PROMPTS[:batch])
+    for got, expected in zip(fused_logits, plain_logits, strict=True):
+        assert torch.equal(got, expected)
+    for got, expected in zip(
+        fused_cache.keys + fused_cache.values, plain_cache.keys + plain_cache.values, strict=True
+    ):
+        assert torch.equal(got, expected)
 
 
 def test_biases_are_added_as_the_per_layer_loop_adds_them(tmp_path, need_kernels):

@@ -28,10 +28,19 @@
  * same x rows), so the bits are the same. Segments are never merged, even when two are adjacent and alike,
  * so the result does not depend on how the kernel splits a matrix's rows.
  *
+ * Threads: one OpenMP region for the whole step, not one per kernel. Each thread owns a fixed slice of
+ * every GEMM's output columns and a fixed run of kv heads, keeps its own copy of the residual stream and of
+ * each norm's output, and the threads meet at five barriers per layer, where a product feeds the next
+ * (decoder_layers_f32, at the end). At batch 1 that also puts both threads on attention, and on norms and
+ * activations no thread waits for. Every value is still computed by the per-layer path's code, so the
+ * bits do not depend on the split or the thread count.
+ *
  * Layouts: all row-major and contiguous; weights are packed rows as in quant_gemm.c (the qtype is a ggml
  * type id). The step is decode only: row r of the step is token r (token_rows = 0 .. tokens - 1).
  */
+#include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* The kernels of the sibling sources (one shared library). */
@@ -61,7 +70,16 @@ int paged_decode_window_attention_f32(const float *q, const float *k_cache, cons
 int write_kv_f32(const float *key, int64_t key_stride, const float *value, int64_t value_stride, int64_t rows,
                  int64_t row_len, const int64_t *slots, int64_t num_slots, float *k_cache, float *v_cache);
 
+int quant_gemm_rows_f32(const float *x, int64_t m_rows, const uint8_t *w, int64_t row_bytes, int qtype, int64_t k,
+                        int64_t n_begin, int64_t n_end, const float *bias, float *y, int64_t y_stride, float *buf);
+int64_t quant_gemm_buffer_floats(int64_t m_rows, int64_t k);
+void paged_decode_heads_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
+                            int64_t start, int64_t len, int64_t num_q_heads, int64_t num_kv_heads,
+                            int64_t kv_begin, int64_t kv_end, int64_t head_dim, int64_t block_size, float scale,
+                            float *scores, float *out);
+
 enum { MAX_SEGMENTS = 3 };
+#define QT_Q8_ACTIVATIONS 0x100 /* quant_gemm.c: the opt-in 8-bit-activation kernels */
 
 /* Output rows of a packed weight stored in one format: [rows, k] as rows of row_bytes. */
 typedef struct {
@@ -159,18 +177,14 @@ static int packed_gemm(const float *x, int64_t t, const packed_weight *w, int64_
     return 0;
 }
 
-/* Returns 0; -1 for an unknown qtype or activation, -2 if a kernel could not allocate, -3 for a slot outside
- * its cache (checked for both views before anything is written to any cache). The buffers are then
- * incomplete. */
-int decoder_layers_f32(const decoder_layer *layers, int64_t num_layers, const decoder_dims *dims,
-                       const decoder_step *step, int num_threads) {
+/* The opt-in 8-bit-activation GEMMs (quant_q8.c) have no column-slice entry: a model with them runs the
+ * layers kernel by kernel, each kernel over all threads. */
+static int layers_kernel_by_kernel(const decoder_layer *layers, int64_t num_layers, const decoder_dims *dims,
+                                   const decoder_step *step, int num_threads) {
     const int64_t t = step->tokens, hidden = dims->hidden, d = dims->head_dim, inner = dims->inner;
     const int64_t q_width = dims->q_heads * d, kv_width = dims->kv_heads * d;
     const int64_t qkv_width = q_width + 2 * kv_width;
     const float eps = dims->eps;
-    if (dims->activation != 0 && dims->activation != 1) return -1;
-    for (int64_t l = 0; l < num_layers; ++l)
-        if (!slots_inside(layers[l].windowed ? &step->window : &step->full, t)) return -3;
     for (int64_t l = 0; l < num_layers; ++l) {
         const decoder_layer *layer = &layers[l];
         const kv_view *view = layer->windowed ? &step->window : &step->full;
@@ -228,4 +242,199 @@ int decoder_layers_f32(const decoder_layer *layers, int64_t num_layers, const de
             rms_norm_f32(step->o, t, hidden, layer->mlp_out_norm, eps, step->delta, num_threads);
     }
     return 0;
+}
+
+
+/* [begin, end) of n items for thread tid of nth, cut at multiples of align. */
+static void share(int64_t n, int64_t align, int tid, int nth, int64_t *begin, int64_t *end) {
+    const int64_t units = (n + align - 1) / align;
+    const int64_t b = units * tid / nth * align, e = units * (tid + 1) / nth * align;
+    *begin = b < n ? b : n;
+    *end = e < n ? e : n;
+}
+
+/* Output columns c0 .. c1 - 1 of y [t, y_stride] = x [t, k] @ W^T + b on the calling thread: each segment's
+ * part of that range is the segment's quant_gemm_f32 restricted to those rows of W (same bits). */
+static void packed_columns(const float *x, int64_t t, const packed_weight *w, int64_t k, int64_t c0, int64_t c1,
+                           float *y, int64_t y_stride, float *buf) {
+    int64_t column = 0;
+    for (int64_t s = 0; s < w->num_segments; ++s) {
+        const weight_segment *seg = &w->segments[s];
+        const int64_t lo = c0 > column ? c0 : column, hi = c1 < column + seg->rows ? c1 : column + seg->rows;
+        if (lo < hi)
+            quant_gemm_rows_f32(x, t, seg->data, seg->row_bytes, (int)seg->qtype, k, lo - column, hi - column,
+                                w->bias ? w->bias + column : NULL, y + column, y_stride, buf);
+        column += seg->rows;
+    }
+}
+
+/* What one thread needs of its own: a private copy of the residual stream x and of each norm's output (every
+ * thread computes them alike, so no thread waits for another's), the GEMM buffer and attention scores. */
+typedef struct {
+    float *x, *h, *tmp, *delta; /* [T, hidden] each */
+    float *gemm;                /* quant_gemm_buffer_floats(T, widest k) */
+    float *scores;              /* [Hq, longest attended length] */
+} thread_buffers;
+
+/* The attention part of a layer for kv heads g0 .. g1 - 1 of every row: q/k norms, rotary,
+ * the K/V write and attention of those heads. One thread owns a kv head for all rows, so the keys a row
+ * attends (its own, and those of earlier rows of its sequence in this step: draft verification) were
+ * written by that thread before it reads them. */
+static void attention_heads(const decoder_layer *layer, const decoder_dims *dims, const decoder_step *step,
+                            const kv_view *view, const float *cos, const float *sin, int64_t g0, int64_t g1,
+                            float *scores) {
+    const int64_t t = step->tokens, d = dims->head_dim, groups = dims->q_heads / dims->kv_heads;
+    const int64_t q_width = dims->q_heads * d, kv_width = dims->kv_heads * d, qkv_width = q_width + 2 * kv_width;
+    if (g0 >= g1) return;
+    for (int64_t r = 0; r < t; ++r) {
+        float *row = step->qkv + r * qkv_width, *q = row + g0 * groups * d, *k = row + q_width + g0 * d;
+        const int64_t heads = (g1 - g0) * groups, kv = g1 - g0;
+        if (layer->q_norm != NULL) {
+            head_rms_norm_f32(q, 1, heads, d, qkv_width, layer->q_norm, dims->eps, 1);
+            head_rms_norm_f32(k, 1, kv, d, qkv_width, layer->k_norm, dims->eps, 1);
+        }
+        rotary_f32(q, 1, heads, d, qkv_width, cos + r * d, sin + r * d, 1);
+        rotary_f32(k, 1, kv, d, qkv_width, cos + r * d, sin + r * d, 1);
+        const int64_t slot = view->slots[r];
+        memcpy(layer->k_cache + slot * kv_width + g0 * d, k, sizeof(float) * (size_t)(kv * d));
+        memcpy(layer->v_cache + slot * kv_width + g0 * d, k + kv_width, sizeof(float) * (size_t)(kv * d));
+    }
+    for (int64_t r = 0; r < t; ++r)
+        paged_decode_heads_f32(step->qkv + step->token_rows[r] * qkv_width, layer->k_cache, layer->v_cache,
+                               view->tables + r * view->table_stride, view->kv_starts ? view->kv_starts[r] : 0,
+                               view->kv_lens[r], dims->q_heads, dims->kv_heads, g0, g1, d, step->block_size,
+                               dims->scale, scores, step->attn + step->token_rows[r] * q_width);
+}
+
+/* One thread's part of every layer; the threads meet only where a product feeds the next (five barriers
+ * per layer: after q/k/v, attention, o, gate/up with the activation, down). */
+static void layers_on_thread(const decoder_layer *layers, int64_t num_layers, const decoder_dims *dims,
+                             const decoder_step *step, const thread_buffers *own, int tid, int nth) {
+    const int64_t t = step->tokens, hidden = dims->hidden, d = dims->head_dim, inner = dims->inner;
+    const int64_t q_width = dims->q_heads * d, kv_width = dims->kv_heads * d, qkv_width = q_width + 2 * kv_width;
+    const float eps = dims->eps;
+    int64_t c0, c1, g0, g1, o0, o1, i0, i1;
+    share(qkv_width, 8, tid, nth, &c0, &c1);
+    share(dims->kv_heads, 1, tid, nth, &g0, &g1);
+    share(hidden, 8, tid, nth, &o0, &o1);
+    share(inner, 16, tid, nth, &i0, &i1);
+    const float *delta = NULL; /* the previous layer's output (shared, or this thread's normed copy) */
+    memcpy(own->x, step->x, sizeof(float) * (size_t)(t * hidden));
+    for (int64_t l = 0; l < num_layers; ++l) {
+        const decoder_layer *layer = &layers[l];
+        const kv_view *view = layer->windowed ? &step->window : &step->full;
+        const int local = layer->local_rope && step->local_cos != NULL;
+        const float *cos = local ? step->local_cos : step->cos, *sin = local ? step->local_sin : step->sin;
+        if (delta == NULL)
+            rms_norm_f32(own->x, t, hidden, layer->input_norm, eps, own->h, 1);
+        else
+            add_rms_norm_f32(own->x, delta, t, hidden, layer->input_norm, eps, own->h, 1);
+        packed_columns(own->h, t, &layer->qkv, hidden, c0, c1, step->qkv, qkv_width, own->gemm);
+#pragma omp barrier
+        attention_heads(layer, dims, step, view, cos, sin, g0, g1, own->scores);
+#pragma omp barrier
+        packed_columns(step->attn, t, &layer->o, q_width, o0, o1, step->o, hidden, own->gemm);
+#pragma omp barrier
+        const float *attn_out = step->o;
+        if (layer->attn_out_norm != NULL) {
+            rms_norm_f32(step->o, t, hidden, layer->attn_out_norm, eps, own->tmp, 1);
+            attn_out = own->tmp;
+        }
+        add_rms_norm_f32(own->x, attn_out, t, hidden, layer->post_norm, eps, own->h, 1);
+        packed_columns(own->h, t, &layer->gate_up, hidden, i0, i1, step->gate_up, 2 * inner, own->gemm);
+        packed_columns(own->h, t, &layer->gate_up, hidden, inner + i0, inner + i1, step->gate_up, 2 * inner,
+                       own->gemm);
+        if (i0 < i1)
+            for (int64_t r = 0; r < t; ++r)
+                gated_act_f32(step->gate_up + r * 2 * inner + i0, step->gate_up + r * 2 * inner + inner + i0, 1,
+                              i1 - i0, 2 * inner, (int)dims->activation, step->act + r * inner + i0, 1);
+#pragma omp barrier
+        float *mlp_out = layer->mlp_out_norm != NULL ? step->o : step->delta;
+        packed_columns(step->act, t, &layer->down, inner, o0, o1, mlp_out, hidden, own->gemm);
+#pragma omp barrier
+        delta = step->delta;
+        if (layer->mlp_out_norm != NULL) {
+            rms_norm_f32(step->o, t, hidden, layer->mlp_out_norm, eps, own->delta, 1);
+            delta = own->delta;
+        }
+    }
+    if (tid == 0) {
+        memcpy(step->x, own->x, sizeof(float) * (size_t)(t * hidden));
+        if (delta != step->delta) memcpy(step->delta, delta, sizeof(float) * (size_t)(t * hidden));
+    }
+}
+
+static int64_t longest_attended(const kv_view *view, int64_t tokens) {
+    int64_t longest = 1;
+    for (int64_t r = 0; r < tokens; ++r) longest = view->kv_lens[r] > longest ? view->kv_lens[r] : longest;
+    return longest;
+}
+
+/* Whether every GEMM of every layer is an exact quant kernel with a known qtype (the column-slice path). */
+static int column_slices_apply(const decoder_layer *layers, int64_t num_layers, int *unknown) {
+    for (int64_t l = 0; l < num_layers; ++l) {
+        const packed_weight *ws[4] = {&layers[l].qkv, &layers[l].o, &layers[l].gate_up, &layers[l].down};
+        for (int i = 0; i < 4; ++i)
+            for (int64_t s = 0; s < ws[i]->num_segments; ++s) {
+                const weight_segment *seg = &ws[i]->segments[s];
+                if (seg->qtype & QT_Q8_ACTIVATIONS) return 0;
+                if (quant_gemm_rows_f32(NULL, 1, seg->data, seg->row_bytes, (int)seg->qtype, 0, 0, 0, NULL, NULL,
+                                        0, NULL)) {
+                    *unknown = 1;
+                    return 0;
+                }
+            }
+    }
+    return 1;
+}
+
+/* Returns 0; -1 for an unknown qtype or activation, -2 if a kernel could not allocate, -3 for a slot outside
+ * its cache (checked for both views before anything is written to any cache). The buffers are then
+ * incomplete.
+ *
+ * Threads: one parallel region for the whole step. Each thread owns a fixed slice of every GEMM's output
+ * columns (gate and up: the same inner columns of both, so it applies the activation to its own slice) and a
+ * fixed run of kv heads for attention (rows < threads still use every thread), and keeps its own copy of
+ * the residual stream and norm outputs; the threads meet at five barriers per layer instead of the
+ * fork and join of every kernel. Every value is computed by the same code as the kernel-by-kernel loop
+ * (the GEMM slices by quant_gemm_rows_f32, a head's attention by decode_row), so the output is the same bit
+ * for bit, whatever the thread count. */
+int decoder_layers_f32(const decoder_layer *layers, int64_t num_layers, const decoder_dims *dims,
+                       const decoder_step *step, int num_threads) {
+    const int64_t t = step->tokens, hidden = dims->hidden;
+    if (dims->activation != 0 && dims->activation != 1) return -1;
+    for (int64_t l = 0; l < num_layers; ++l)
+        if (!slots_inside(layers[l].windowed ? &step->window : &step->full, t)) return -3;
+    int unknown = 0;
+    if (!column_slices_apply(layers, num_layers, &unknown))
+        return unknown ? -1 : layers_kernel_by_kernel(layers, num_layers, dims, step, num_threads);
+    int64_t longest = longest_attended(&step->full, t);
+    if (step->window.kv_lens != NULL) {
+        const int64_t window = longest_attended(&step->window, t);
+        longest = window > longest ? window : longest;
+    }
+    const int64_t widest_k = dims->inner > hidden ? dims->inner : hidden;
+    const int64_t k_max = dims->q_heads * dims->head_dim > widest_k ? dims->q_heads * dims->head_dim : widest_k;
+    const size_t state = (size_t)(4 * t * hidden), gemm = (size_t)quant_gemm_buffer_floats(t, k_max);
+    const size_t floats = state + gemm + (size_t)(dims->q_heads * longest);
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *mine = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+        if (mine == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            memset(mine + state, 0, gemm * sizeof(float)); /* rows past a short group are read, never stored */
+        }
+#pragma omp barrier
+        if (!failed) {
+            const size_t n = (size_t)(t * hidden);
+            const thread_buffers own = {mine, mine + n, mine + 2 * n, mine + 3 * n, mine + state,
+                                        mine + state + gemm};
+            layers_on_thread(layers, num_layers, dims, step, &own, omp_get_thread_num(), omp_get_num_threads());
+        }
+        free(mine);
+    }
+    return failed ? -2 : 0;
 }

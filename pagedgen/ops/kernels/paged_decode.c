@@ -24,10 +24,11 @@
 
 static inline __attribute__((always_inline)) void decode_row(
     const float *q, const float *k_cache, const float *v_cache, const int32_t *table, int64_t start,
-    int64_t len, int64_t q_heads, int64_t kv_heads, const int64_t head_dim, int64_t block_size, float scale,
-    float *scores, int64_t score_stride, float *acc) {
+    int64_t len, int64_t q_heads, int64_t kv_heads, const int64_t head_dim, int64_t pos_stride, int64_t block_size,
+    float scale, float *scores, int64_t score_stride, float *acc) {
+    /* q_heads / kv_heads of the cache's kv heads (all of them, or a run of them: heads_f32 below); a
+     * position's keys of every kv head are contiguous, pos_stride floats apart */
     const int64_t groups = q_heads / kv_heads;
-    const int64_t pos_stride = kv_heads * head_dim; /* a position's keys of every kv head are contiguous */
     const int64_t block_stride = block_size * pos_stride;
     const int64_t count = len - start; /* attended keys; scores[h, p - start] */
     /* Pass 1: scores[h, p] = scale * q[h] . k[p, h / groups], block by block (no division per position).
@@ -110,13 +111,13 @@ static int paged_decode(const float *q, const float *k_cache, const float *v_cac
             /* Constant head sizes let the compiler unroll the inner loops completely. */
             if (head_dim == 64)
                 decode_row(q + offset, k_cache, v_cache, table, start, kv_lens[r], num_q_heads, num_kv_heads,
-                           64, block_size, scale, scores, max_len, acc);
+                           64, num_kv_heads * head_dim, block_size, scale, scores, max_len, acc);
             else if (head_dim == 128)
                 decode_row(q + offset, k_cache, v_cache, table, start, kv_lens[r], num_q_heads, num_kv_heads,
-                           128, block_size, scale, scores, max_len, acc);
+                           128, num_kv_heads * head_dim, block_size, scale, scores, max_len, acc);
             else
                 decode_row(q + offset, k_cache, v_cache, table, start, kv_lens[r], num_q_heads, num_kv_heads,
-                           head_dim, block_size, scale, scores, max_len, acc);
+                           head_dim, num_kv_heads * head_dim, block_size, scale, scores, max_len, acc);
             memcpy(out + offset, acc, sizeof(float) * (size_t)(num_q_heads * head_dim));
         }
         free(scores);
@@ -141,6 +142,29 @@ int paged_decode_window_attention_f32(const float *q, const float *k_cache, cons
                                       int64_t block_size, float scale, float *out, int num_threads) {
     return paged_decode(q, k_cache, v_cache, tables, table_stride, kv_lens, kv_starts, token_rows, num_rows,
                         num_q_heads, num_kv_heads, head_dim, block_size, scale, out, num_threads);
+}
+
+/* One row's attention for kv heads kv_begin .. kv_end - 1 (and their query heads) on the calling thread,
+ * so that a caller can split a row's heads over its own threads (decoder_layers.c). A head's scores,
+ * softmax and weighted sum do not involve the other heads, and this runs decode_row's code for them, so
+ * the bits are paged_decode's. q and out point at the row's first query head (the row's [Hq, D]); table is
+ * the row's block table; keys start .. len - 1 are attended; scores holds Hq * len floats. */
+void paged_decode_heads_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
+                            int64_t start, int64_t len, int64_t num_q_heads, int64_t num_kv_heads,
+                            int64_t kv_begin, int64_t kv_end, int64_t head_dim, int64_t block_size, float scale,
+                            float *scores, float *out) {
+    const int64_t groups = num_q_heads / num_kv_heads, heads = (kv_end - kv_begin) * groups;
+    const int64_t first = kv_begin * groups * head_dim, kv_offset = kv_begin * head_dim;
+    const int64_t pos_stride = num_kv_heads * head_dim, kv = kv_end - kv_begin;
+    if (head_dim == 64)
+        decode_row(q + first, k_cache + kv_offset, v_cache + kv_offset, table, start, len, heads, kv, 64,
+                   pos_stride, block_size, scale, scores, len, out + first);
+    else if (head_dim == 128)
+        decode_row(q + first, k_cache + kv_offset, v_cache + kv_offset, table, start, len, heads, kv, 128,
+                   pos_stride, block_size, scale, scores, len, out + first);
+    else
+        decode_row(q + first, k_cache + kv_offset, v_cache + kv_offset, table, start, len, heads, kv, head_dim,
+                   pos_stride, block_size, scale, scores, len, out + first);
 }
 
 /* k_cache/v_cache slot s (a [row_len] run, row_len = Hkv * D) = key/value row t for every t with s =

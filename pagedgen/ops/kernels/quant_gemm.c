@@ -630,9 +630,10 @@ static inline __attribute__((always_inline)) void chunk_3x4(const float *x, int6
  * arithmetic, so the same weight values) and fed to the same chains as chunk_1x8, in the same order.
  * Saves the expander's stores and the reloads. Rows past nr point at row n (read, never stored).
  * Measured (AVX2, 1 thread, a 49152 x 576 matrix streamed from DRAM): Q4_0 4.19 ms direct against 4.69
- * through the chunk buffer; Q4_1 written this way (two scales per block) was 3-6% slower than the chunk
- * buffer, and Q8_0 (twice the bytes per weight) slower still (7.5 ms against 5.0 on the whole-row path,
- * which quant_gemm_f32 therefore keeps for Q8_0). */
+ * through the chunk buffer. Q4_1 has its own direct path below (1.7x the chunk buffer's speed once its two
+ * scales are converted together); Q8_0 (twice the bytes per weight) is slower this way (AVX2 EPYC, 1
+ * thread, from DRAM: 20.5 ms against 14.3 on the whole-row path at load 14; 7.5 against 5.0 earlier),
+ * so quant_gemm_f32 keeps the whole-row path for Q8_0. */
 #if VW == 16
 static inline vec q4_0_lanes(const uint8_t *block, int h, int j) {
     __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + 2 + j)));
@@ -674,14 +675,82 @@ static void direct_q4_0_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int 
     acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3, acc[4] = a4, acc[5] = a5, acc[6] = a6, acc[7] = a7;
 }
 
+/* A Q4_1 block's d and m (f16) as two broadcast vectors: one 4-byte load, one conversion, two in-lane
+ * shuffles (the scales are half of the work per block when each is converted and broadcast alone). */
+#if VW == 16
+static inline void q4_1_scales(const uint8_t *block, vec *d, vec *m) {
+    uint32_t dm;
+    memcpy(&dm, block, 4);
+    const __m512 both = _mm512_cvtph_ps(_mm256_set1_epi32((int)dm)); /* d, m, d, m, ... */
+    *d = _mm512_permute_ps(both, 0x00), *m = _mm512_permute_ps(both, 0x55);
+}
+#else
+static inline void q4_1_scales(const uint8_t *block, vec *d, vec *m) {
+    float dm; /* the two f16 as one 4-byte lane, broadcast by a load */
+    memcpy(&dm, block, 4);
+    const __m256 both = _mm256_cvtph_ps(_mm_castps_si128(_mm_set1_ps(dm))); /* d, m, d, m, ... */
+    *d = _mm256_permute_ps(both, 0x00), *m = _mm256_permute_ps(both, 0x55);
+}
+#endif
+
+/* One x row against eight weight rows of Q4_1, widened straight into registers: each weight is
+ * fma(d, q, m) as expand_q4_1 computes it, fed to the chains of chunk_1x8 in the same order (weights 0, VW,
+ * 2 VW, ... of the row), so the bits are the chunked path's. Per block and row: one broadcast load of the
+ * scales, two byte-to-int32 widenings straight from memory (each int32 lane then holds a whole byte: its low
+ * nibble is weight j, its high nibble weight j + 16), and/shift, convert, two FMAs per VW weights; no
+ * stores. Rows past nr point at row n (read, never stored). */
+static void direct_q4_1_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int nr, const float *x, int64_t k,
+                            vec acc[8]) {
+    const uint8_t *rows[8];
+    for (int r = 0; r < 8; ++r) rows[r] = w + (n + (r < nr ? r : 0)) * row_bytes;
+    vec a[8];
+    for (int r = 0; r < 8; ++r) a[r] = vzero();
+    for (int64_t b = 0; b < k / 32; ++b) {
+        const int64_t off = b * 20;
+        const float *xb = x + 32 * b;
+#if VW == 16
+        const vec x0 = vload(xb), x1 = vload(xb + 16);
+        const __m512i low = _mm512_set1_epi32(15);
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; ++r) {
+            const uint8_t *block = rows[r] + off;
+            vec d, m;
+            q4_1_scales(block, &d, &m);
+            const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + 4)));
+            a[r] = vfma(x0, vfma(d, _mm512_cvtepi32_ps(_mm512_and_si512(q, low)), m), a[r]);
+            a[r] = vfma(x1, vfma(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), m), a[r]);
+        }
+#else
+        const vec x0 = vload(xb), x1 = vload(xb + 8), x2 = vload(xb + 16), x3 = vload(xb + 24);
+        const __m256i low = _mm256_set1_epi32(15);
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; ++r) {
+            const uint8_t *block = rows[r] + off;
+            vec d, m;
+            q4_1_scales(block, &d, &m);
+            const __m256i q0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block + 4)));
+            const __m256i q1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block + 12)));
+            a[r] = vfma(x0, vfma(d, _mm256_cvtepi32_ps(_mm256_and_si256(q0, low)), m), a[r]);
+            a[r] = vfma(x1, vfma(d, _mm256_cvtepi32_ps(_mm256_and_si256(q1, low)), m), a[r]);
+            a[r] = vfma(x2, vfma(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(q0, 4)), m), a[r]);
+            a[r] = vfma(x3, vfma(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(q1, 4)), m), a[r]);
+        }
+#endif
+    }
+    for (int r = 0; r < 8; ++r) acc[r] = a[r];
+}
+
 /* Output rows n .. n + nr - 1 (nr <= group) of every x row (m_rows <= 3; group 8 for one row, else 4). */
 static void group_by_chunks(int qtype, const uint8_t *w, int64_t row_bytes, int64_t elems, int64_t bytes,
                             const float *x, int64_t m_rows, int64_t k, int64_t n, int nr, const float *bias,
                             float *y, int64_t n_out, float *buf) {
     vec acc[12];
     for (int i = 0; i < 12; ++i) acc[i] = vzero();
-    if (m_rows == 1 && qtype == QT_Q4_0) {
-        direct_q4_0_1x8(w, row_bytes, n, nr, x, k, acc);
+    if (m_rows == 1 && (qtype == QT_Q4_0 || qtype == QT_Q4_1)) {
+        if (qtype == QT_Q4_0)
+            direct_q4_0_1x8(w, row_bytes, n, nr, x, k, acc);
+        else
+            direct_q4_1_1x8(w, row_bytes, n, nr, x, k, acc);
         for (int c = 0; c < nr; ++c) y[n + c] = add_bias(vsum(acc[c]), bias, n + c);
         return;
     }
@@ -742,6 +811,42 @@ int quant_gemm_f32(const float *x, int64_t m_rows, const uint8_t *w, int64_t row
         free(buf);
     }
     return failed ? -2 : 0;
+}
+
+/* The floats of the buffer one thread of quant_gemm_rows_f32 needs for m_rows rows of in size k. */
+int64_t quant_gemm_buffer_floats(int64_t m_rows, int64_t k) {
+    return m_rows <= 3 ? (4 * k > GROUP_MAX * CHUNK ? 4 * k : GROUP_MAX * CHUNK) : 4 * k;
+}
+
+/* Outputs n_begin .. n_end - 1 of quant_gemm_f32 on the calling thread alone, written at y[r * y_stride + n]
+ * (bias indexed by n too): a slice of the columns for a caller that splits one GEMM over its own threads
+ * (decoder_layers.c). Each output is computed exactly as quant_gemm_f32 computes it (its chain depends on k
+ * only, not on where a group starts), so any split gives quant_gemm_f32's bits. buf holds
+ * quant_gemm_buffer_floats(m_rows, k) floats, zeroed once (rows past a short group are read, never stored).
+ * Returns 0, -1 for an unknown qtype. */
+int quant_gemm_rows_f32(const float *x, int64_t m_rows, const uint8_t *w, int64_t row_bytes, int qtype, int64_t k,
+                        int64_t n_begin, int64_t n_end, const float *bias, float *y, int64_t y_stride, float *buf) {
+    int64_t bytes;
+    const int64_t elems = block_elems(qtype, &bytes);
+    if (elems == 0 || expand_row(qtype, w, 0, NULL) != 0) return -1;
+    int by_chunks = 0;
+#ifdef VW
+    by_chunks = m_rows <= 3 && k % VW == 0 && CHUNK % elems == 0 && qtype != QT_Q8_0;
+#endif
+    const int group = by_chunks && m_rows == 1 ? 8 : 4;
+    for (int64_t n = n_begin; n < n_end; n += group) {
+        const int nr = n_end - n >= group ? group : (int)(n_end - n);
+        prefetch_ahead(w, row_bytes, n, n_end, group);
+#ifdef VW
+        if (by_chunks) {
+            group_by_chunks(qtype, w, row_bytes, elems, bytes, x, m_rows, k, n, nr, bias, y, y_stride, buf);
+            continue;
+        }
+#endif
+        for (int r = 0; r < nr; ++r) expand_row(qtype, w + (n + r) * row_bytes, k, buf + r * k);
+        rows_times_x(x, m_rows, buf, nr, k, bias, y, y_stride, n);
+    }
+    return 0;
 }
 
 /* out[i, :] = dequant(w[rows[i], :]) for i < n_rows (rows NULL: rows 0 .. n_rows - 1). Returns 0, -1 for an
