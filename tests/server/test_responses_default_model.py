@@ -24,7 +24,9 @@ def test_a_follow_up_answers_as_the_engines_chat_session_and_computes_only_its_n
     resumed = metric(settled_metrics(live_server), "pagedgen:num_turns_resumed_total", model_name=MODEL_NAME)
 
     first = client.responses.create(model=MODEL_NAME, input="Hi", max_output_tokens=12, temperature=0)
-    assert first.output_text == expected[0] and first.usage.input_tokens_details.cached_tokens == 0
+    assert first.output_text == expected[0]
+    # the server is the session's: earlier tests' chats may have left the system prompt's block cached
+    assert first.usage.input_tokens_details.cached_tokens < first.usage.input_tokens
     second = client.responses.create(
         model=MODEL_NAME,
         input="What is 2+2?",

@@ -16,7 +16,7 @@ import torch
 
 from pagedgen.ops import native
 from pagedgen.ops.qweight import QType, QuantizedWeight
-from tests.unit.test_quant_gemm import random_weight
+from tests.helpers.linear import random_weight
 
 pytestmark = pytest.mark.cpu
 
