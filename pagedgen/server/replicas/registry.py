@@ -7,13 +7,14 @@ Serve creates a deployment handle's router in the handle's process, from a copy 
 from __future__ import annotations
 
 import threading
-from typing import Any
 
-_ROUTERS: dict[tuple[str, str], Any] = {}
+from ray.serve.request_router import RequestRouter
+
+_ROUTERS: dict[tuple[str, str], RequestRouter] = {}
 _LOCK = threading.Lock()
 
 
-def register(app_name: str, deployment: str, router: Any) -> None:
+def register(app_name: str, deployment: str, router: RequestRouter) -> None:
     with _LOCK:
         _ROUTERS[(app_name, deployment)] = router
 

@@ -16,7 +16,6 @@ replicas; Serve creates one per handle, in the handle's process.
 from __future__ import annotations
 
 import random
-from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
@@ -84,7 +83,9 @@ class CacheAffinityRouter(RequestRouter):
         self._in_flight.pop(replica_id.unique_id, None)
 
 
-def _message_of(pending_request: PendingRequest | None) -> Any:
+def _message_of(pending_request: PendingRequest | None) -> ReplicaJob | ReplicaTarget | None:
+    """The call's record (its first argument), or None for a call that carries neither."""
     if pending_request is None or not pending_request.args:
         return None
-    return pending_request.args[0]
+    message = pending_request.args[0]
+    return message if isinstance(message, (ReplicaJob, ReplicaTarget)) else None
