@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from pagedgen.models.synthetic import SyntheticTokenizer, synthetic_greedy
-from tests.ray.cluster import free_port, per_replica
+from tests.ray.cluster import free_port, per_replica, routed
 
 ROOT = Path(__file__).resolve().parents[2]  # this checkout: the subprocess serves its code
 WAIT_S = 600  # the bound of every wait: a Ray cluster and three replicas starting on a loaded 2-core machine
@@ -105,6 +105,8 @@ def test_the_openai_client_through_two_replicas(served):
         time.sleep(0.5)
     hits = per_replica(text, "pagedgen:prefix_cache_hits_total")
     assert sorted(hits.values())[0] == 0 and len(hits) == 2, hits  # every turn's cache hits on one replica
+    # and the router says why: the first prompt was new, the two after it went to its prefix's holder
+    assert routed(text) == {"prefix": 2, "balanced": 0, "new": 1, "random": 0}
 
     # graceful shutdown of the whole application: a stream in flight at SIGTERM runs to its end
     body = {"model": "synthetic", "prompt": prompt + "drained", "max_tokens": DRAINED_TOKENS}

@@ -24,6 +24,7 @@ from tests.ray.cluster import (
     engine_config,
     metrics,
     per_replica,
+    routed,
     settled_metrics,
     wait_for_metrics,
 )
@@ -132,7 +133,8 @@ def test_two_replicas_answer_as_the_single_server(cluster, single):
 
 
 def test_a_conversation_stays_on_one_replica_and_reports_cached_tokens(cluster):
-    before = per_replica(settled_metrics(cluster.url), "pagedgen:prompt_tokens_total")
+    settled = settled_metrics(cluster.url)
+    before, routes_before = per_replica(settled, "pagedgen:prompt_tokens_total"), routed(settled)
     prompt, cached, sizes = "system: you answer in one line. " * 4, [], []
     for turn in range(4):
         prompt += f"user: question number {turn}? assistant:"
@@ -152,8 +154,16 @@ def test_a_conversation_stays_on_one_replica_and_reports_cached_tokens(cluster):
     after = per_replica(wait_for_metrics(cluster.url, counted), "pagedgen:prompt_tokens_total")
     grown = {name: after[name] - before.get(name, 0) for name in after if after[name] != before.get(name, 0)}
     assert list(grown.values()) == [sent], grown  # every turn's prompt went to one replica
-    hits = per_replica(metrics(cluster.url), "pagedgen:prefix_cache_hits_total")
+    text = metrics(cluster.url)
+    hits = per_replica(text, "pagedgen:prefix_cache_hits_total")
     assert hits[next(iter(grown))] >= sum(cached)
+    # the router's own account: the first turn had no routed prefix, the three after went to its holder
+    assert {route: routed(text)[route] - routes_before[route] for route in routes_before} == {
+        "prefix": 3,
+        "balanced": 0,
+        "new": 1,
+        "random": 0,
+    }
 
 
 async def _mixed_request(client: httpx.AsyncClient, index: int, rng: random.Random) -> int:

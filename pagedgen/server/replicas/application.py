@@ -21,6 +21,7 @@ from pagedgen.llm import context_length
 from pagedgen.server.app import ServerOptions, create_app
 from pagedgen.server.replicas.client import ReplicaSetWorker
 from pagedgen.server.replicas.metrics import ReplicatedMetrics
+from pagedgen.server.replicas.registry import route_counts
 from pagedgen.server.replicas.replica import EngineReplica
 from pagedgen.server.replicas.router import CacheAffinityRouter
 from pagedgen.server.replicas.setup import ModelSource, ReplicaSetup
@@ -42,7 +43,11 @@ class PagedgenIngress:
         model, tokenizer = setup.source.load()
         capacity = setup.engine.max_batch_size * setup.max_replicas
         self.worker = ReplicaSetWorker(replicas, model, app_name, REPLICA_DEPLOYMENT, capacity)
-        metrics = ReplicatedMetrics(setup.options.model_name, lambda: self.worker.replica_stats)
+        metrics = ReplicatedMetrics(
+            setup.options.model_name,
+            lambda: self.worker.replica_stats,
+            lambda: route_counts(app_name, REPLICA_DEPLOYMENT),
+        )
         self._app = create_app(
             self.worker,
             tokenizer,

@@ -1,8 +1,9 @@
 """The ingress's engine: the single server's worker interface, served by the replica deployment.
 
-:func:`pagedgen.server.app.create_app` drives an :class:`~pagedgen.server.worker.EngineWorker` through
-``submit`` / ``cancel`` / ``snapshot`` / ``healthy`` / ``start`` / ``shutdown`` / ``abort``.
-:class:`ReplicaSetWorker` offers exactly those over a Serve handle, so the routes, parameters, errors,
+:func:`pagedgen.server.app.create_app` drives a :class:`~pagedgen.server.worker_protocol.ServingWorker`
+(``submit`` / ``cancel`` / ``release`` / ``snapshot`` / ``healthy`` / ``start`` / ``shutdown`` / ``abort``);
+the single server's is the :class:`~pagedgen.server.worker.EngineWorker`. :class:`ReplicaSetWorker` fills
+the same role over a Serve handle, so the routes, parameters, errors,
 streaming and admission are the single server's own code. A job is one streaming ``generate`` call, routed
 by :class:`~pagedgen.server.replicas.router.CacheAffinityRouter`; its updates go to the job's sink as they
 arrive. A replica that dies mid-job ends the job with ``unhealthy`` (a 503, or an error event in a stream)
