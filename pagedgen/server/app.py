@@ -88,6 +88,7 @@ from pagedgen.server.worker import (
     JobUpdate,
     Keep,
 )
+from pagedgen.server.worker_protocol import ServingWorker
 
 log = logging.getLogger("pagedgen.server")
 
@@ -209,7 +210,7 @@ def build_app(model: Any, engine_config: Any, options: ServerOptions, *, tokeniz
 
 
 def create_app(
-    worker: EngineWorker,
+    worker: ServingWorker,
     tokenizer: Any,
     metrics: ServerMetrics,
     options: ServerOptions,

@@ -38,7 +38,8 @@ from pagedgen.server.guard import ApiError, request_id_of
 from pagedgen.server.metrics import ServerMetrics
 from pagedgen.server.responses import usage_dict
 from pagedgen.server.sse import DONE, EventStreamResponse, sse_event
-from pagedgen.server.worker import EngineWorker, Finish, JobUpdate
+from pagedgen.server.worker import Finish, JobUpdate
+from pagedgen.server.worker_protocol import ServingWorker
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
@@ -57,7 +58,7 @@ class JobGroup:
     """The asyncio end of a request's ``n`` jobs: ``next()`` yields ``(index, update)`` as the worker sends
     them (each job's updates in order); ``cancel()`` cancels every unfinished job and is idempotent."""
 
-    def __init__(self, worker: EngineWorker, n: int):
+    def __init__(self, worker: ServingWorker, n: int):
         self._worker = worker
         self._updates: asyncio.Queue[tuple[int, JobUpdate]] = asyncio.Queue()
         self._backlog: deque[tuple[int, JobUpdate]] = deque()
@@ -67,7 +68,7 @@ class JobGroup:
     @classmethod
     def submit(
         cls,
-        worker: EngineWorker,
+        worker: ServingWorker,
         prompt_ids: Sequence[int],
         params: Sequence[SamplingParams],
         arrived_at: float,

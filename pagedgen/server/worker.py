@@ -22,12 +22,15 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedgen.engine.errors import EngineClosedError, EngineUnhealthyError
 from pagedgen.engine.events import EngineErrorCode, EngineEventFlags, FinishReason
 from pagedgen.errors import PagedGenError
 from pagedgen.llm import SamplingParams, TokenLogprob, copy_logprobs, is_engine_failure
+
+if TYPE_CHECKING:  # the Protocol names this module's records, so it imports this module
+    from pagedgen.server.worker_protocol import ServingWorker
 
 log = logging.getLogger("pagedgen.server")
 
@@ -669,7 +672,7 @@ def _deliver(sink: Sink, update: JobUpdate) -> None:
 class JobHandle:
     """The asyncio end of one job: ``await next()`` yields updates in order; ``cancel()`` is idempotent."""
 
-    def __init__(self, worker: EngineWorker, updates: asyncio.Queue[JobUpdate]):
+    def __init__(self, worker: ServingWorker, updates: asyncio.Queue[JobUpdate]):
         self._worker = worker
         self._updates = updates
         self.job_id = 0
@@ -690,7 +693,7 @@ class JobHandle:
 class AsyncEngineClient:
     """Bridges asyncio handlers to the worker; must be used from the event loop that serves requests."""
 
-    def __init__(self, worker: EngineWorker):
+    def __init__(self, worker: ServingWorker):
         self.worker = worker
 
     def submit(
