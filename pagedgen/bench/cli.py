@@ -479,9 +479,9 @@ def machine_info(peak_flops: float | None) -> dict[str, Any]:
     import torch
 
     from pagedgen.bench.cpu import cpu_flags
-    from pagedgen.ops.cpu_info import cpu_model
-    from pagedgen.ops.gemm import active_table
-    from pagedgen.ops.gemm_threads import current_thread_settings
+    from pagedgen.ops.kernels.cpu_info import cpu_model
+    from pagedgen.ops.matmul.gemm import active_table
+    from pagedgen.ops.matmul.gemm_threads import current_thread_settings
 
     threads = current_thread_settings()
     return {
@@ -502,9 +502,9 @@ def machine_info(peak_flops: float | None) -> dict[str, Any]:
 
 
 def _setup_machine(threads: int | None, gemm: str) -> None:
-    from pagedgen.ops import gemm as gemm_mod
-    from pagedgen.ops import gemm_tune, quant_table
-    from pagedgen.ops.gemm_threads import configure_cpu_threads
+    from pagedgen.ops.matmul import gemm as gemm_mod
+    from pagedgen.ops.matmul import gemm_tune, quant_table
+    from pagedgen.ops.matmul.gemm_threads import configure_cpu_threads
 
     configure_cpu_threads(threads)
     if gemm == "auto":  # measured (or read from the cache) when the engine starts
@@ -840,14 +840,14 @@ def cmd_gemm(args: argparse.Namespace) -> int:
     from pagedgen.bench.report import write_json
     from pagedgen.models.llama import Linear
     from pagedgen.models.model import Model
-    from pagedgen.ops.cpu_info import cpu_features, cpu_model
-    from pagedgen.ops.cpu_memory import retain_freed_cpu_memory
-    from pagedgen.ops.gemm_calibrate import engine_row_counts, model_linear_weights
-    from pagedgen.ops.gemm_threads import configure_cpu_threads
-    from pagedgen.ops.gemm_tune import cache_dir, calibrate, key_digest
-    from pagedgen.ops.native import gemm_kernel, native_status
-    from pagedgen.ops.quant_calibrate import model_quant_weights
-    from pagedgen.ops.quant_gemm import quant_kernels
+    from pagedgen.ops.kernels.cpu_info import cpu_features, cpu_model
+    from pagedgen.ops.kernels.cpu_memory import retain_freed_cpu_memory
+    from pagedgen.ops.kernels.native import gemm_kernel, native_status
+    from pagedgen.ops.matmul.gemm_calibrate import engine_row_counts, model_linear_weights
+    from pagedgen.ops.matmul.gemm_threads import configure_cpu_threads
+    from pagedgen.ops.matmul.gemm_tune import cache_dir, calibrate, key_digest
+    from pagedgen.ops.matmul.quant_calibrate import model_quant_weights
+    from pagedgen.ops.matmul.quant_gemm import quant_kernels
 
     settings = configure_cpu_threads(args.threads)
     # As the engine's runner does before it calibrates: the dequantise path's fp32 temporaries are reused,
@@ -887,14 +887,14 @@ def cmd_gemm(args: argparse.Namespace) -> int:
 
 def _gemm_shapes(args: argparse.Namespace, config: Any) -> dict[str, Any]:
     """Each linear shape alone, DRAM-resident random weights, at ``--rows`` (the per-shape study)."""
-    from pagedgen.ops.gemm_calibrate import (
+    from pagedgen.ops.matmul.gemm_calibrate import (
         available_backends,
         check_equivalence,
         derive_table,
         model_linear_shapes,
         time_shape,
     )
-    from pagedgen.ops.gemm_threads import torch_pool
+    from pagedgen.ops.matmul.gemm_threads import torch_pool
 
     rows = [int(r) for r in args.rows.split(",") if r.strip()]
     backends = list(available_backends())

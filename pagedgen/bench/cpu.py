@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from functools import cache
 
-from pagedgen.ops import cpu_info
+from pagedgen.ops.kernels import cpu_info
 
 RELEVANT = (
     "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",

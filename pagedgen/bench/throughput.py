@@ -24,7 +24,7 @@ from pagedgen.bench.records import BenchRecord, RunStatus, SystemRun, SystemSkip
 from pagedgen.bench.roofline import flop_model_of
 from pagedgen.bench.workloads import BenchRequest, WorkloadSpec, build_workload
 from pagedgen.errors import EngineError
-from pagedgen.ops.gemm_threads import torch_pool
+from pagedgen.ops.matmul.gemm_threads import torch_pool
 
 WARMUP_REQUESTS = 2
 WARMUP_TOKENS = 4

@@ -26,10 +26,10 @@ from pagedgen.executor.cuda_graphs import (
     StaticDecodeBuffers,
 )
 from pagedgen.models.llama import Linear
-from pagedgen.ops.attention import check_step_slots
-from pagedgen.ops.cpu_memory import retain_freed_cpu_memory
-from pagedgen.ops.gemm import gemm_step
-from pagedgen.ops.gemm_tune import adapt_to_model
+from pagedgen.ops.kernels.cpu_memory import retain_freed_cpu_memory
+from pagedgen.ops.matmul.gemm import gemm_step
+from pagedgen.ops.matmul.gemm_tune import adapt_to_model
+from pagedgen.ops.mixers.attention import check_step_slots
 
 
 class RetryableExecutionError(PagedGenError, RuntimeError):

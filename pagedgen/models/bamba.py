@@ -46,10 +46,10 @@ from pagedgen.core.step_inputs import FixedStateInputs, StepInputs
 from pagedgen.models.config import ModelConfig
 from pagedgen.models.lfm2 import CausalConv1d
 from pagedgen.models.llama import MLP, Embedding, Linear, RMSNorm, RotaryEmbedding, TiedHead, _param
-from pagedgen.ops.attention import AttentionPlan, paged_attention, plan_attention, write_kv
-from pagedgen.ops.conv import packed_causal_conv
-from pagedgen.ops.layer_ops import apply_rotary_, silu_and_mul
-from pagedgen.ops.ssm import packed_selective_scan
+from pagedgen.ops.layers.layer_ops import apply_rotary_, silu_and_mul
+from pagedgen.ops.mixers.attention import AttentionPlan, paged_attention, plan_attention, write_kv
+from pagedgen.ops.mixers.conv import packed_causal_conv
+from pagedgen.ops.mixers.ssm import packed_selective_scan
 
 
 def conv_state_name(layer: int) -> str:

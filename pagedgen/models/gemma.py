@@ -38,9 +38,9 @@ from pagedgen.models.llama import (
     decoder_dims,
     fused_layer_parts,
 )
-from pagedgen.ops.attention import AttentionPlan, plan_attention
-from pagedgen.ops.decoder_layers import FusedDecoder, LayerWeights
-from pagedgen.ops.layer_ops import Activation, add_rms_norm, gated_activation, rms_norm
+from pagedgen.ops.layers.decoder_layers import FusedDecoder, LayerWeights
+from pagedgen.ops.layers.layer_ops import Activation, add_rms_norm, gated_activation, rms_norm
+from pagedgen.ops.mixers.attention import AttentionPlan, plan_attention
 
 
 def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:

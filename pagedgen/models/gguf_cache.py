@@ -54,8 +54,8 @@ from pagedgen.models.gguf_reader import (
 from pagedgen.models.gguf_tokenizer import gguf_tokenizer_files
 from pagedgen.models.native_weights import native_blocks, write_native_file
 from pagedgen.models.safetensors_stream import TensorSpec, write_safetensors
-from pagedgen.ops.quant_gemm import dequantize
-from pagedgen.ops.qweight import NATIVE_GGUF_TYPES, QuantizedWeight
+from pagedgen.ops.matmul.quant_gemm import dequantize
+from pagedgen.ops.matmul.qweight import NATIVE_GGUF_TYPES, QuantizedWeight
 
 log = logging.getLogger(__name__)
 

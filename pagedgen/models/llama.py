@@ -22,9 +22,8 @@ from torch import nn
 from pagedgen.core.kv import KVSpec, PagedKVCache
 from pagedgen.core.step_inputs import StepInputs
 from pagedgen.models.config import ModelConfig, RopeConfig
-from pagedgen.ops.attention import AttentionPlan, paged_attention, plan_attention, write_kv
-from pagedgen.ops.decoder_layers import DecoderDims, FusedDecoder, LayerWeights
-from pagedgen.ops.layer_ops import (
+from pagedgen.ops.layers.decoder_layers import DecoderDims, FusedDecoder, LayerWeights
+from pagedgen.ops.layers.layer_ops import (
     Activation,
     add_rms_norm,
     apply_rotary_,
@@ -33,9 +32,10 @@ from pagedgen.ops.layer_ops import (
     rms_norm_heads_,
     silu_and_mul,
 )
-from pagedgen.ops.linear import linear
-from pagedgen.ops.quant_gemm import embedding
-from pagedgen.ops.qweight import QuantizedWeight, concat_rows
+from pagedgen.ops.matmul.linear import linear
+from pagedgen.ops.matmul.quant_gemm import embedding
+from pagedgen.ops.matmul.qweight import QuantizedWeight, concat_rows
+from pagedgen.ops.mixers.attention import AttentionPlan, paged_attention, plan_attention, write_kv
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:

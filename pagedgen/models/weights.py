@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from pagedgen.errors import ModelLoadError
-from pagedgen.ops.qweight import QuantizedWeight
+from pagedgen.ops.matmul.qweight import QuantizedWeight
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _EMBEDDING = "model.embed_tokens.weight"

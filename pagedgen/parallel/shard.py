@@ -27,9 +27,9 @@ import torch
 from torch import nn
 
 from pagedgen.models.llama import DecoderLayer, Linear, LlamaForCausalLM, _set_weight
-from pagedgen.ops.linear import linear
-from pagedgen.ops.quant_gemm import dequantize
-from pagedgen.ops.qweight import QuantizedWeight
+from pagedgen.ops.matmul.linear import linear
+from pagedgen.ops.matmul.quant_gemm import dequantize
+from pagedgen.ops.matmul.qweight import QuantizedWeight
 from pagedgen.parallel.plan import RankShard, TensorParallelError, plan_shards
 
 Weight = torch.Tensor | QuantizedWeight

@@ -15,13 +15,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import pagedgen.ops.decoder_layers as decoder_layers
-import pagedgen.ops.quant_gemm as quant_gemm
+import pagedgen.ops.layers.decoder_layers as decoder_layers
+import pagedgen.ops.matmul.quant_gemm as quant_gemm
 from pagedgen.core.kv import PagedKVCache
 from pagedgen.executor.inputs import SequenceChunk, pack_step
 from pagedgen.models.model import Model
-from pagedgen.ops import native
-from pagedgen.ops.attention import plan_attention
+from pagedgen.ops.kernels import native
+from pagedgen.ops.mixers.attention import plan_attention
 from tests.model.paged_runner import PagedRunner, PagedSequence
 from tests.model.tiny_checkpoints import TINY_RAW, formats_by_suffix, random_state, write_gguf
 

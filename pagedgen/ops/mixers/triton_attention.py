@@ -48,7 +48,7 @@ MAX_SPLITS = 16
 SPLIT_MIN_KEYS = 256  # a split reads at least this many keys: fewer would cost more to combine than to read
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-_KERNELS = "pagedgen.ops.triton_kernels"
+_KERNELS = "pagedgen.ops.kernels.triton_kernels"
 _lock = threading.Lock()
 _importable: bool | None = None
 

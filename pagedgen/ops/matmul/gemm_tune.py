@@ -43,8 +43,9 @@ import numpy as np
 import torch
 
 from pagedgen.core.paths import cache_root
-from pagedgen.ops.cpu_info import cpu_flags, cpu_model
-from pagedgen.ops.gemm import (
+from pagedgen.ops.kernels.cpu_info import cpu_flags, cpu_model
+from pagedgen.ops.kernels.native import native_status
+from pagedgen.ops.matmul.gemm import (
     NATIVE_ONLY,
     OPENBLAS_ONLY,
     TORCH_ONLY,
@@ -53,7 +54,7 @@ from pagedgen.ops.gemm import (
     adopt_table,
     table_pinned,
 )
-from pagedgen.ops.gemm_calibrate import (
+from pagedgen.ops.matmul.gemm_calibrate import (
     LinearWeight,
     PassTiming,
     RowCounts,
@@ -63,9 +64,8 @@ from pagedgen.ops.gemm_calibrate import (
     model_linear_weights,
     time_passes,
 )
-from pagedgen.ops.gemm_threads import current_thread_settings, torch_pool
-from pagedgen.ops.native import native_status
-from pagedgen.ops.quant_calibrate import (
+from pagedgen.ops.matmul.gemm_threads import current_thread_settings, torch_pool
+from pagedgen.ops.matmul.quant_calibrate import (
     QuantLinearWeight,
     QuantPassTiming,
     derive_quant_table,
@@ -73,8 +73,8 @@ from pagedgen.ops.quant_calibrate import (
     model_quant_weights,
     time_quant_passes,
 )
-from pagedgen.ops.quant_gemm import quant_kernels
-from pagedgen.ops.quant_table import (
+from pagedgen.ops.matmul.quant_gemm import quant_kernels
+from pagedgen.ops.matmul.quant_table import (
     DEQUANT_ONLY,
     KERNEL_ONLY,
     QuantPath,
@@ -82,7 +82,7 @@ from pagedgen.ops.quant_table import (
     adopt_quant_table,
     quant_table_pinned,
 )
-from pagedgen.ops.qweight import QType
+from pagedgen.ops.matmul.qweight import QType
 
 log = logging.getLogger(__name__)
 

@@ -28,11 +28,11 @@ import threading
 import numpy as np
 import torch
 
-from pagedgen.ops.gemm import torch_gemm
-from pagedgen.ops.gemm_threads import torch_pool
-from pagedgen.ops.native import native_library
-from pagedgen.ops.quant_table import QuantPath, quant_path
-from pagedgen.ops.qweight import QType, QuantizedWeight
+from pagedgen.ops.kernels.native import native_library
+from pagedgen.ops.matmul.gemm import torch_gemm
+from pagedgen.ops.matmul.gemm_threads import torch_pool
+from pagedgen.ops.matmul.quant_table import QuantPath, quant_path
+from pagedgen.ops.matmul.qweight import QType, QuantizedWeight
 
 TILE_BYTES = 8 << 20  # fp32 bytes of one dequantised weight tile on the many-row path
 

@@ -29,12 +29,12 @@ from dataclasses import dataclass
 import torch
 
 from pagedgen.core.step_inputs import StepInputs
-from pagedgen.ops.attention import AttentionPlan
-from pagedgen.ops.gemm_threads import torch_pool
-from pagedgen.ops.layer_ops import Activation
-from pagedgen.ops.native import native_library
-from pagedgen.ops.quant_gemm import use_quant_kernel
-from pagedgen.ops.qweight import QuantizedWeight
+from pagedgen.ops.kernels.native import native_library
+from pagedgen.ops.layers.layer_ops import Activation
+from pagedgen.ops.matmul.gemm_threads import torch_pool
+from pagedgen.ops.matmul.quant_gemm import use_quant_kernel
+from pagedgen.ops.matmul.qweight import QuantizedWeight
+from pagedgen.ops.mixers.attention import AttentionPlan
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64

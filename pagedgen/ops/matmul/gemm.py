@@ -26,8 +26,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedgen.ops.gemm_threads import torch_pool
-from pagedgen.ops.native import gemm_kernel
+from pagedgen.ops.kernels.native import gemm_kernel
+from pagedgen.ops.matmul.gemm_threads import torch_pool
 
 
 class GemmBackend(enum.Enum):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedgen.ops.gemm import (
+from pagedgen.ops.matmul.gemm import (
     GemmBackend,
     choose_backend,
     native_gemm,
@@ -19,8 +19,8 @@ from pagedgen.ops.gemm import (
     openblas_gemm,
     torch_gemm,
 )
-from pagedgen.ops.quant_gemm import quantized_linear
-from pagedgen.ops.qweight import QuantizedWeight
+from pagedgen.ops.matmul.quant_gemm import quantized_linear
+from pagedgen.ops.matmul.qweight import QuantizedWeight
 
 
 def linear(

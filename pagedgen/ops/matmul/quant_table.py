@@ -25,7 +25,7 @@ import enum
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from pagedgen.ops.qweight import QType
+from pagedgen.ops.matmul.qweight import QType
 
 # The uncalibrated fallback, measured once on a 2-core AVX-512 Xeon, one thread, the default model's Q4_1
 # shapes with hot caches: the kernel won up to 96 rows, tied at 128, lost at 256 (docs/performance.md).

@@ -42,10 +42,10 @@ from typing import Any
 
 import torch
 
-from pagedgen.ops.gemm_calibrate import BUDGET_S, SETTLE_S, RowCounts, pass_members
-from pagedgen.ops.quant_gemm import quant_gemm, quant_kernels, tiled_dequant_gemm
-from pagedgen.ops.quant_table import QuantBucket, QuantOverride, QuantPath, QuantTable, kind_name
-from pagedgen.ops.qweight import QType, QuantizedWeight
+from pagedgen.ops.matmul.gemm_calibrate import BUDGET_S, SETTLE_S, RowCounts, pass_members
+from pagedgen.ops.matmul.quant_gemm import quant_gemm, quant_kernels, tiled_dequant_gemm
+from pagedgen.ops.matmul.quant_table import QuantBucket, QuantOverride, QuantPath, QuantTable, kind_name
+from pagedgen.ops.matmul.qweight import QType, QuantizedWeight
 
 QuantGemm = Callable[[torch.Tensor, QuantizedWeight, torch.Tensor | None], torch.Tensor]
 Kind = tuple[QType, tuple[int, int]]  # (format, (out, in))

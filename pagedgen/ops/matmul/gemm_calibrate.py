@@ -35,8 +35,8 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 import torch
 
-from pagedgen.ops.gemm import GemmBackend, GemmTable, RowBucket, native_gemm, openblas_gemm, torch_gemm
-from pagedgen.ops.native import gemm_kernel
+from pagedgen.ops.kernels.native import gemm_kernel
+from pagedgen.ops.matmul.gemm import GemmBackend, GemmTable, RowBucket, native_gemm, openblas_gemm, torch_gemm
 
 DRAM_BYTES = 192 << 20  # enough distinct weights per shape to stream from memory, not cache
 SHARED_DECODE_ROWS = 32  # decode widths every engine measures (see engine_row_counts)

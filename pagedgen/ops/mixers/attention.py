@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedgen.core.step_inputs import StepInputs
-from pagedgen.ops.native import DecodeKernel, decode_kernel
-from pagedgen.ops.triton_attention import (
+from pagedgen.ops.kernels.native import DecodeKernel, decode_kernel
+from pagedgen.ops.mixers.triton_attention import (
     TritonPlan,
     decode_splits,
     prefill_work,

@@ -48,7 +48,7 @@ from pagedgen.core.paths import cache_root
 log = logging.getLogger(__name__)
 
 DISABLE_ENV = "PAGEDGEN_NATIVE_KERNELS"
-KERNELS = Path(__file__).with_name("kernels")
+KERNELS = Path(__file__).parent
 SOURCES = tuple(
     KERNELS / name
     for name in (
