@@ -208,8 +208,8 @@ def _float32_rows(file: GGUFFile, plan: WeightPlan, config: ModelConfig) -> Iter
 
     Why chunks: the 262k-row embedding of a Gemma 3 file is 671 MB as float32, and gguf-py's dequantiser
     holds several arrays of that size at once. A native-type 2-D tensor is expanded from its (already
-    unpermuted) blocks by :func:`pagedgen.ops.quant_gemm.dequantize`, bit-identical to gguf-py; any other
-    tensor (norms, biases) is small and goes whole through :func:`dequantize_weight`.
+    unpermuted) blocks by :func:`pagedgen.ops.matmul.quant_gemm.dequantize`, bit-identical to gguf-py; any
+    other tensor (norms, biases) is small and goes whole through :func:`dequantize_weight`.
     """
     blocks = native_blocks(file, plan, config)
     if blocks is None:

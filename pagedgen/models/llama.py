@@ -54,8 +54,8 @@ def _set_weight(module: nn.Module, weight: torch.Tensor | QuantizedWeight) -> No
 
 
 class Linear(nn.Module):
-    """``y = x W^T + b`` through :func:`pagedgen.ops.linear.linear`; ``weight`` is ``[out, in]`` (a tensor,
-    or a :class:`QuantizedWeight` when the checkpoint's format is kept)."""
+    """``y = x W^T + b`` through :func:`pagedgen.ops.matmul.linear.linear`; ``weight`` is ``[out, in]`` (a
+    tensor, or a :class:`QuantizedWeight` when the checkpoint's format is kept)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()
@@ -422,7 +422,7 @@ class LlamaForCausalLM(TiedHead, nn.Module):
 
     def fuse_projections(self) -> None:
         """Fuse each layer's q/k/v and gate/up weights (after loading; the state-dict names stay valid), and
-        build the one-call decode path (:mod:`pagedgen.ops.decoder_layers`) when the weights allow it."""
+        build the one-call decode path (:mod:`pagedgen.ops.layers.decoder_layers`) when the weights allow."""
         for layer in self.model.layers:
             layer.self_attn.fuse_qkv()
             layer.mlp.fuse_gate_up()

@@ -2,7 +2,7 @@
 
 ``"native"`` keeps every 2-D weight whose format has a kernel (every GGUF type the reader accepts but F32:
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K, F16, BF16; f16/bf16 safetensors) as a
-:class:`~pagedgen.ops.qweight.QuantizedWeight`; other tensors (norms, biases) become float32 as before.
+:class:`~pagedgen.ops.matmul.qweight.QuantizedWeight`; other tensors (norms, biases) become float32 as before.
 ``"float32"`` dequantises everything at load (the behaviour before native weights, and the only one without
 the native kernels).
 

@@ -1,4 +1,4 @@
-"""The one-call decode path (pagedgen/ops/decoder_layers.py) is the per-layer path with the Python removed.
+"""The one-call decode path (ops/layers/decoder_layers.py) is the per-layer path with the Python removed.
 
 Every test compares bits: the fused path runs the same kernels in the same order, so its logits and the K/V
 it writes must equal the per-layer loop's exactly, for any batch, format and bias; steps it cannot run fall

@@ -1,4 +1,4 @@
-"""ops.gemm_tune / gemm_calibrate: what is measured, how the table and its reasons follow, and the cache.
+"""matmul.gemm_tune / gemm_calibrate: what is measured, how the table and its reasons follow, and the cache.
 
 No test here runs a real multi-second calibration: the measurement is a fake that returns fixed timings
 and counts its calls, or a real one on weights of a few KB.

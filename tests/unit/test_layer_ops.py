@@ -1,4 +1,4 @@
-"""ops.layer_ops: the native elementwise kernels equal the torch reference formulas, and fall back to them."""
+"""ops.layers.layer_ops: the native elementwise kernels equal the torch formulas, or fall back to them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""ops.linear / ops.gemm: every backend computes F.linear's product; the table picks backends as stated.
+"""ops.matmul.linear / gemm: every backend computes F.linear's product; the table picks backends as stated.
 
 Numerical contract: fp32, relative difference <= 1e-5 of the output scale vs ``F.linear`` (the backends only
 differ in summation order). Selection is pure table arithmetic, checked at every bucket boundary.

@@ -1,4 +1,4 @@
-"""ops.quant_calibrate: which quantized weights are measured, how the crossover per kind follows from
+"""ops.matmul.quant_calibrate: which quantized weights are measured, how the crossover per kind follows from
 timings, and the reasons printed for it.
 
 The timings are synthetic; the one real measurement runs on weights of a few KB and asserts only what was

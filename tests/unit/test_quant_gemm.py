@@ -1,5 +1,5 @@
-"""ops.quant_gemm: weights kept as stored expand to exactly gguf-py's dequantised values, and every GEMM path
-over them equals a float64 product of those values up to fp32 summation order.
+"""ops.matmul.quant_gemm: weights kept as stored expand to exactly gguf-py's dequantised values, and every
+GEMM path over them equals a float64 product of those values up to fp32 summation order.
 
 Each kernel variant is built from the same source: the host's (-march=native: AVX-512 here), an AVX2 + FMA
 build (the EPYC hosts) and a portable build without vector extensions (scalar f16 conversion included).

@@ -1,5 +1,5 @@
-"""ops.quant_table and quant_gemm.use_quant_kernel: which path a quantized linear call takes, before and after
-a table is installed, under pins, and that quantized_linear follows it."""
+"""ops.matmul.quant_table and quant_gemm.use_quant_kernel: which path a quantized linear call takes, before
+and after a table is installed, under pins, and that quantized_linear follows it."""
 
 from __future__ import annotations
 

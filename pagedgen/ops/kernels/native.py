@@ -7,12 +7,13 @@ Why C (docs/performance.md has the measurements):
   the same arithmetic 2-3x faster. The KV write lives there too.
 * ``kernels/small_gemm.c``: at decode sizes a linear layer streams its weights; libraries do not always
   thread that well, and OpenBLAS threads it in a second pool. An AVX-512 and an AVX2 register tile, picked
-  by the host's instruction set; whether it beats the libraries is measured per machine (ops/gemm_tune.py).
+  by the host's instruction set; whether it beats the libraries is measured per machine
+  (ops/matmul/gemm_tune.py).
 * ``kernels/layer_ops.c``: RMSNorm, rotary, SwiGLU; as torch ops they are 5-10 dispatches each.
 * ``kernels/quant_gemm.c``: linear layers over GGUF-quantised or 16-bit weights kept as stored
-  (:mod:`pagedgen.ops.quant_gemm`), so a decode step streams 85 MB instead of 538 MB.
+  (:mod:`pagedgen.ops.matmul.quant_gemm`), so a decode step streams 85 MB instead of 538 MB.
 * ``kernels/decoder_layers.c``: the per-layer loop of a pure-decode step over the kernels above, in one call
-  (:mod:`pagedgen.ops.decoder_layers`), so no Python runs between a step's layers.
+  (:mod:`pagedgen.ops.layers.decoder_layers`), so no Python runs between a step's layers.
 
 No library of the field ships these for Python on CPU (vLLM's kernels are built into vLLM), so they are
 ours: built with the system C compiler (``$CC``, else ``cc``) into one library in the pagedgen cache
@@ -207,7 +208,8 @@ class GemmKernel:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``[rows, out]`` for fp32 CPU ``x [rows, in]``, contiguous ``weight [out, in]`` and ``bias [out]``.
 
-        The caller (:func:`pagedgen.ops.linear.linear`) has checked dtypes, devices and the weight layout.
+        The caller (:func:`pagedgen.ops.matmul.linear.linear`) has checked dtypes, devices and the weight
+        layout.
         """
         x = x.contiguous()
         rows, k = x.shape
@@ -228,8 +230,8 @@ class GemmKernel:
 
 
 class LayerOpsKernels:
-    """The per-layer elementwise kernels of ``layer_ops.c``; callers (:mod:`pagedgen.ops.layer_ops`) check
-    that tensors are fp32, on the CPU and laid out as each function's docstring says."""
+    """The per-layer elementwise kernels of ``layer_ops.c``; callers (:mod:`pagedgen.ops.layers.layer_ops`)
+    check that tensors are fp32, on the CPU and laid out as each function's docstring says."""
 
     def __init__(self, library: ctypes.CDLL):
         f32 = ctypes.c_float
@@ -329,7 +331,7 @@ class _Library:
     gemm: GemmKernel | None
     layer_ops: LayerOpsKernels | None
     status: NativeStatus
-    library: ctypes.CDLL | None = None  # for kernels wrapped in their own modules (ops/quant_gemm.py)
+    library: ctypes.CDLL | None = None  # for kernels wrapped in their own modules (ops/matmul/quant_gemm.py)
 
 
 _lock = threading.Lock()

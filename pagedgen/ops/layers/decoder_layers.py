@@ -13,8 +13,8 @@ matrix (q/k/v, gate/up) may be made of up to three segments stored in different 
 llama.cpp Q4_K_M file are: each segment is one GEMM into its columns.
 
 It applies only where that per-layer path would itself run those native kernels: float32 CPU activations,
-every linear weight kept in its stored format (:class:`~pagedgen.ops.qweight.QuantizedWeight`) and run by
-the native quant kernel at the step's row count, steps whose rows are all single-token decodes read by the
+every linear weight kept in its stored format (:class:`~pagedgen.ops.matmul.qweight.QuantizedWeight`) and run
+by the native quant kernel at the step's row count, steps whose rows are all single-token decodes read by the
 native paged decode kernel. Anything else (prefill and mixed steps, float32 weights, other devices,
 soft-capped attention scores) takes the per-layer path. :meth:`FusedDecoder.build` returns ``None`` for a
 model it cannot run. :data:`FUSED_STEPS` counts the steps it ran (benchmarks and tests read which path ran).

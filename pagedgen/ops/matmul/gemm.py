@@ -4,7 +4,7 @@ Why several backends: which library is fastest at decode-sized batches (1-64 row
 2-core AMD EPYC (AVX2) numpy's OpenBLAS beat torch's MKL up to 1.9x and pagedgen's own kernel beat both; on
 an AVX-512 Xeon the order was different again (docs/performance.md). So no threshold is fixed here: at engine
 start the candidates are timed on the model's own linear layers and the fastest per row count becomes the
-active table (:mod:`pagedgen.ops.gemm_tune`, cached per machine). numpy's matmul on zero-copy views
+active table (:mod:`pagedgen.ops.matmul.gemm_tune`, cached per machine). numpy's matmul on zero-copy views
 (``Tensor.numpy()`` / ``torch.from_numpy``) reaches OpenBLAS without copying weights or activations, so the
 choice costs one Python branch per call.
 
@@ -33,7 +33,7 @@ from pagedgen.ops.matmul.gemm_threads import torch_pool
 class GemmBackend(enum.Enum):
     TORCH = "torch"  # F.linear: MKL sgemm / oneDNN, torch's OpenMP pool
     OPENBLAS = "openblas"  # numpy.matmul on zero-copy views: numpy's bundled OpenBLAS, its own thread pool
-    NATIVE = "native"  # pagedgen's small-batch C kernel (ops/native.py) on torch's OpenMP pool
+    NATIVE = "native"  # pagedgen's small-batch C kernel (ops/kernels/native.py) on torch's OpenMP pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,7 +218,8 @@ def torch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 
 
 def native_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The native small-batch kernel on torch's pool at its full thread count (:mod:`pagedgen.ops.native`)."""
+    """The native small-batch kernel on torch's pool at its full thread count
+    (:mod:`pagedgen.ops.kernels.native`)."""
     torch_pool.restore()
     kernel = gemm_kernel()
     if kernel is None:

@@ -6,12 +6,14 @@ start :func:`adapt_to_model` measures, at the row counts the engine's steps prod
 weights:
 
 * for fp32 linear weights: torch, OpenBLAS and (when it can be built) the native kernel
-  (:mod:`pagedgen.ops.gemm_calibrate`); the fastest per row count becomes the
-  :class:`~pagedgen.ops.gemm.GemmTable`, unless one was pinned (:func:`pagedgen.ops.gemm.set_gemm_table`);
-* for weights kept in their stored format (:class:`~pagedgen.ops.qweight.QuantizedWeight`): the native
-  quant kernel against dequantise + torch GEMM, per format and shape (:mod:`pagedgen.ops.quant_calibrate`);
-  the faster per row count becomes the :class:`~pagedgen.ops.quant_table.QuantTable`, unless one was pinned
-  (:func:`pagedgen.ops.quant_table.set_quant_table`).
+  (:mod:`pagedgen.ops.matmul.gemm_calibrate`); the fastest per row count becomes the
+  :class:`~pagedgen.ops.matmul.gemm.GemmTable`, unless one was pinned
+  (:func:`pagedgen.ops.matmul.gemm.set_gemm_table`);
+* for weights kept in their stored format (:class:`~pagedgen.ops.matmul.qweight.QuantizedWeight`): the native
+  quant kernel against dequantise + torch GEMM, per format and shape
+  (:mod:`pagedgen.ops.matmul.quant_calibrate`); the faster per row count becomes the
+  :class:`~pagedgen.ops.matmul.quant_table.QuantTable`, unless one was pinned
+  (:func:`pagedgen.ops.matmul.quant_table.set_quant_table`).
 
 Both measurements are cached in one JSON entry in ``<cache root>/gemm/``, keyed by everything they depend on
 (:func:`calibration_key`): CPU model and flags, thread counts, torch and numpy versions, numpy's BLAS

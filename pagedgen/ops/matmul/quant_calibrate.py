@@ -1,15 +1,15 @@
 """Time the two paths of a linear layer over a weight kept in its stored format; derive a :class:`QuantTable`.
 
-The paths (:mod:`pagedgen.ops.quant_gemm`): the native kernel over the packed blocks, and dequantise +
-torch's GEMM. :func:`time_quant_passes` measures them as :func:`pagedgen.ops.gemm_calibrate.time_passes`
-measures the fp32 backends, at the same engine row counts: per row count one pass over the model's own
-quantized weights in model order (every weight at a decode width, so the pass streams the packed model like
-a decode step; at prefill sizes the per-token weights up to the widest decode pass's FLOPs, at least one of
-each kind), rounds repeated within a budget, the best kept; the two paths alternate per row count (see
-:func:`time_quant_passes`). Each call is timed on its own, so one model-order pass gives a time per *kind*
-(format and shape): the kind's median call times its number of calls. The median, not the sum: on a shared
-machine a 2-thread call whose second thread is descheduled waits a whole time slice (kernel calls of 40 us
-measured at 10 ms), and a whole pass at 1 row lasts ~20 ms.
+The paths (:mod:`pagedgen.ops.matmul.quant_gemm`): the native kernel over the packed blocks, and dequantise +
+torch's GEMM. :func:`time_quant_passes` measures them as
+:func:`pagedgen.ops.matmul.gemm_calibrate.time_passes` measures the fp32 backends, at the same engine row
+counts: per row count one pass over the model's own quantized weights in model order (every weight at a decode
+width, so the pass streams the packed model like a decode step; at prefill sizes the per-token weights up to
+the widest decode pass's FLOPs, at least one of each kind), rounds repeated within a budget, the best kept;
+the two paths alternate per row count (see :func:`time_quant_passes`). Each call is timed on its own, so one
+model-order pass gives a time per *kind* (format and shape): the kind's median call times its number of calls.
+The median, not the sum: on a shared machine a 2-thread call whose second thread is descheduled waits a whole
+time slice (kernel calls of 40 us measured at 10 ms), and a whole pass at 1 row lasts ~20 ms.
 
 :func:`derive_quant_table` then chooses **per kind** (and, for kinds the table does not name, another
 model's weights in the same process, on the times summed over all kinds) one crossover: the kernel up to
@@ -77,7 +77,7 @@ class QuantLinearWeight:
 
     @property
     def name(self) -> str:
-        """e.g. ``Q4_1 576->960`` (:func:`~pagedgen.ops.quant_table.kind_name`), `` head`` appended."""
+        """e.g. ``Q4_1 576->960`` (:func:`~pagedgen.ops.matmul.quant_table.kind_name`), `` head`` appended."""
         return kind_name(*self.kind) + ("" if self.every_token else " head")
 
 
@@ -141,8 +141,8 @@ def time_quant_passes(
     max_rounds: int = 3,
     paths: dict[QuantPath, QuantGemm] | None = None,
 ) -> list[QuantPassTiming]:
-    """Best seconds per path and kind of a :func:`~pagedgen.ops.gemm_calibrate.pass_members` pass at every
-    row count; rounds and budget as in :func:`~pagedgen.ops.gemm_calibrate.time_passes`.
+    """Best seconds per path and kind of a :func:`~pagedgen.ops.matmul.gemm_calibrate.pass_members` pass at
+    every row count; rounds and budget as in :func:`~pagedgen.ops.matmul.gemm_calibrate.time_passes`.
 
     Unlike there, the paths alternate per row count within a round (kernel pass, dequantise pass, next row
     count), so the two passes compared at a count run back to back: on a shared machine, load comes in

@@ -1,4 +1,4 @@
-"""Linear layers and embedding lookups over a :class:`~pagedgen.ops.qweight.QuantizedWeight`.
+"""Linear layers and embedding lookups over a :class:`~pagedgen.ops.matmul.qweight.QuantizedWeight`.
 
 Two paths (docs/performance.md, "Native weights"):
 
@@ -10,11 +10,12 @@ Two paths (docs/performance.md, "Native weights"):
   tile by tile, so no call allocates and page-faults a whole fp32 copy.
 
 Which one a call takes is :func:`use_quant_kernel`: the installed
-:class:`~pagedgen.ops.quant_table.QuantTable` for the weight's format, shape and the call's row count. The
-engine measures that table at start with the GEMM calibration (:mod:`pagedgen.ops.quant_calibrate`, cached
-per machine and model by :mod:`pagedgen.ops.gemm_tune`); without one (a bare ``Model``, tests) the kernel
-runs up to :data:`~pagedgen.ops.quant_table.UNCALIBRATED_KERNEL_MAX_ROWS` rows. ``PAGEDGEN_GEMM_TABLE=native``
-means the kernel for every call, ``torch`` or ``openblas`` the dequantise path for every call.
+:class:`~pagedgen.ops.matmul.quant_table.QuantTable` for the weight's format, shape and the call's row count.
+The engine measures that table at start with the GEMM calibration (:mod:`pagedgen.ops.matmul.quant_calibrate`,
+cached per machine and model by :mod:`pagedgen.ops.matmul.gemm_tune`); without one (a bare ``Model``, tests)
+the kernel runs up to :data:`~pagedgen.ops.matmul.quant_table.UNCALIBRATED_KERNEL_MAX_ROWS` rows.
+``PAGEDGEN_GEMM_TABLE=native`` means the kernel for every call, ``torch`` or ``openblas`` the dequantise path
+for every call.
 
 Both use the same fp32 weight values (bit-identical to ``gguf.quants.dequantize``), so they differ from
 each other and from the dequantised fp32 model only in summation order.
@@ -150,7 +151,9 @@ def quant_gemm(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | No
     """
     kernels = quant_kernels()
     if kernels is None:
-        raise RuntimeError("quant_gemm needs the native kernels (pagedgen.ops.native.native_status())")
+        raise RuntimeError(
+            "quant_gemm needs the native kernels (pagedgen.ops.kernels.native.native_status())"
+        )
     if x.dtype is not torch.float32 or x.device.type != "cpu" or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"quant_gemm needs fp32 CPU x [rows, {weight.shape[1]}], got {x.dtype} {x.shape}")
     torch_pool.restore()

@@ -9,14 +9,15 @@ head ``h // (Hq // Hkv)``.
 
 :func:`paged_attention_reference` is the obviously-correct oracle (one request, one query token at a time in
 float32); :func:`paged_attention` is what models call, with the step's :class:`AttentionPlan` built once by
-:func:`plan_attention`. Single-token (decode) rows go to the native kernel (:mod:`pagedgen.ops.native`),
-which reads the blocks in place, or, without it, to one masked SDPA per bucket over gathered blocks; the
-tokens of a draft-verification row are planned as decodes too, each over the keys through its position.
-Multi-token prefill rows get one causal SDPA each, so the Python loop is over requests, never over tokens.
-Soft-capped scores (Gemma 2) take the torch path with explicit attention instead of SDPA.
+:func:`plan_attention`. Single-token (decode) rows go to the native kernel
+(:mod:`pagedgen.ops.kernels.native`), which reads the blocks in place, or, without it, to one masked SDPA per
+bucket over gathered blocks; the tokens of a draft-verification row are planned as decodes too, each over the
+keys through its position. Multi-token prefill rows get one causal SDPA each, so the Python loop is over
+requests, never over tokens. Soft-capped scores (Gemma 2) take the torch path with explicit attention instead
+of SDPA.
 
 On CUDA (or on the CPU under Triton's interpreter when ``PAGEDGEN_TRITON_ATTENTION=1``) the plan selects the
-Triton kernels instead (:mod:`pagedgen.ops.triton_attention`): one decode kernel for every single-token
+Triton kernels instead (:mod:`pagedgen.ops.mixers.triton_attention`): one decode kernel for every single-token
 entry (decode rows and draft tokens alike) and one varlen prefill kernel that reads cached prefixes through
 the block tables, both with sliding windows and soft-capping.
 """
@@ -295,8 +296,9 @@ def plan_attention(
     ``use_native=False`` forces the pure-torch decode path on the CPU (tests and benchmarks compare the two).
     ``window`` plans for sliding-window layers: a query at ``p`` sees keys ``p - window + 1 .. p``, read
     from the step's rings (``inputs.window``) when it has them, else from the block tables.
-    When :func:`~pagedgen.ops.triton_attention.triton_selected` picks the Triton kernels for this cache's
-    device, the plan carries their work lists (``triton``) and neither torch buckets nor prefill masks.
+    When :func:`~pagedgen.ops.mixers.triton_attention.triton_selected` picks the Triton kernels for this
+    cache's device, the plan carries their work lists (``triton``) and neither torch buckets nor prefill
+    masks.
 
     Host traffic: the step's lengths are read once (:func:`_host_lengths`) and the plan's index tensors
     written once (:func:`_upload`); every other list is host arithmetic. A pure decode step without host

@@ -14,7 +14,7 @@ accepted only when that mode is the interpreter (``TRITON_INTERPRET=1`` set befo
 
 Host metadata: :func:`triton_paged_attention` reads no device value on the host (no ``.item()``,
 ``.tolist()`` or ``.cpu()``). Everything it needs was derived once per step by
-:func:`pagedgen.ops.attention.plan_attention` from host lists (query and past lengths, each row's first
+:func:`pagedgen.ops.mixers.attention.plan_attention` from host lists (query and past lengths, each row's first
 readable position) and handed over in :class:`TritonPlan` and the plan's decode tensors. The grids are
 host sizes: decode ``(entries, Hkv, splits)``, ``entries`` being the single-token entries (one per decode
 row, one per token of a draft-verification row); prefill ``(query blocks, Hkv, BLOCK_Q / SUB_Q)``,
@@ -108,8 +108,8 @@ def triton_interpreting() -> bool:
 
 
 def _kernels() -> ModuleType:
-    """:mod:`pagedgen.ops.triton_kernels`, imported on first use and decorated in the mode of this process's
-    Triton (:func:`triton_interpreting`), whatever ``TRITON_INTERPRET`` says by now."""
+    """:mod:`pagedgen.ops.kernels.triton_kernels`, imported on first use and decorated in the mode of this
+    process's Triton (:func:`triton_interpreting`), whatever ``TRITON_INTERPRET`` says by now."""
     with _lock:
         module = sys.modules.get(_KERNELS)
         if module is not None:
