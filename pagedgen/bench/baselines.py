@@ -21,11 +21,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pagedgen.bench.checkpoints import NO_CHECKPOINT
 from pagedgen.bench.records import SystemRun, SystemSkipped
 from pagedgen.bench.workloads import BenchRequest, batches
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
+    from transformers.generation.continuous_batching import ContinuousBatchingManager
 
 CB_STOP_TIMEOUT_S = 600.0
 BASELINE_NAMES = ("hf-static", "hf-cb", "ort-genai", "ort-genai-int4", "vllm", "vllm-eager", "llama.cpp")
@@ -45,13 +50,18 @@ class TransformersBaselines:
     ``device`` / ``dtype`` (default: the CPU, float32) are pagedgen's, so a GPU run compares like with like.
     """
 
-    def __init__(self, checkpoint_dir: Path | None, device: Any = None, dtype: Any = None):
+    def __init__(
+        self,
+        checkpoint_dir: Path | None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         self.checkpoint_dir = checkpoint_dir
         self.device = "cpu" if device is None else device
         self.dtype = dtype
-        self._model: Any = None
+        self._model: PreTrainedModel | None = None
 
-    def model(self) -> Any:
+    def model(self) -> PreTrainedModel:
         if self._model is None:
             import torch
             from transformers import AutoModelForCausalLM
@@ -129,7 +139,7 @@ class TransformersBaselines:
         return SystemRun(outputs, wall, kv_blocks_total=num_blocks)
 
 
-def _collect_cb(manager: Any, requests: Sequence[BenchRequest]) -> list[list[int]]:
+def _collect_cb(manager: ContinuousBatchingManager, requests: Sequence[BenchRequest]) -> list[list[int]]:
     ids = [
         manager.add_request(
             list(r.prompt_ids), request_id=f"r{i}", max_new_tokens=r.output_len, eos_token_id=-1
@@ -160,8 +170,8 @@ def baseline_runners(
     vllm_venv: Path | None = None,
     llama_cpp_dir: Path | None = None,
     threads: int = 1,
-    device: Any = None,
-    dtype: Any = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
 ) -> dict[str, Callable[[Sequence[BenchRequest], int], SystemRun]]:
     """Runners for ``names`` (in order); raises ValueError naming an unknown baseline.
 

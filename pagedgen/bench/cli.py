@@ -15,10 +15,16 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedgen.argtypes import positive_int
 from pagedgen.bench.extras import INSTALL_HINT, MissingBenchExtra, importable, require
+from pagedgen.bench.loaded import BenchModel, BenchTokenizer, LoadedModel
+
+if TYPE_CHECKING:
+    from pagedgen.bench.throughput import ThroughputResult
+    from pagedgen.bench.workloads import WorkloadSpec
+    from pagedgen.models.config import ModelConfig
 
 DEFAULT_BASELINES = ""  # pagedgen alone: a plain run stays within minutes; baselines on request
 WORKLOAD_MEANINGS = {
@@ -205,7 +211,7 @@ def cmd_guidance(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_one_model(name: str, weights: str) -> tuple[Any, Any]:
+def _load_one_model(name: str, weights: str) -> tuple[BenchModel, BenchTokenizer]:
     """(model, tokenizer) without the float32 reference copy :func:`_load_model` adds."""
     if name == "synthetic":
         from pagedgen.models.synthetic import SyntheticModel
@@ -453,7 +459,7 @@ def _gemm_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path)
 
 
-def workloads_from_args(args: argparse.Namespace, default: str) -> list[Any]:
+def workloads_from_args(args: argparse.Namespace, default: str) -> list[WorkloadSpec]:
     """Named workloads plus, if any length flag is given, a ``custom`` one. Raises ValueError on bad input."""
     from pagedgen.bench.workloads import LengthRange, WorkloadSpec, workload_by_name
 
@@ -526,7 +532,7 @@ def _load_model(
     scratch: Path | None = None,
     reference: bool = False,
     activations: str = "fp32",
-) -> tuple[Any, Any, Path | None, Any]:
+) -> LoadedModel:
     """(model, tokenizer, checkpoint dir for the baselines, float32-weights reference model or None).
 
     ``synthetic`` is the weightless test model. With ``reference`` and the model running its weights as
@@ -538,8 +544,8 @@ def _load_model(
     if random_weights is None and name == "synthetic":
         from pagedgen.models.synthetic import SyntheticModel
 
-        model = SyntheticModel()
-        return model, model.tokenizer, None, None
+        synthetic = SyntheticModel()
+        return LoadedModel(synthetic, synthetic.tokenizer, None, None)
     from pagedgen.bench.random_weights import bench_tokenizer, random_checkpoint
     from pagedgen.models.model import Model
 
@@ -551,7 +557,7 @@ def _load_model(
     model = Model(source, dtype=dtype, device=device, weights=weights, activations=activations)
     native = getattr(model.weights_format, "value", "float32") != "float32"
     f32 = Model(source, dtype=dtype, device=device, weights="float32") if native and reference else None
-    return model, bench_tokenizer(model, model.checkpoint_dir), model.checkpoint_dir, f32
+    return LoadedModel(model, bench_tokenizer(model, model.checkpoint_dir), model.checkpoint_dir, f32)
 
 
 def cmd_throughput(args: argparse.Namespace) -> int:
@@ -595,7 +601,7 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def device_info(model: Any) -> dict[str, Any]:
+def device_info(model: BenchModel) -> dict[str, Any]:
     """The device, dtype and weights the systems ran with (the GPU's name on CUDA)."""
     import torch
 
@@ -613,12 +619,12 @@ def device_info(model: Any) -> dict[str, Any]:
 
 def _throughput_runs(
     args: argparse.Namespace,
-    specs: list[Any],
+    specs: list[WorkloadSpec],
     names: list[str],
     plot: Path | None,
     peak: float | None,
-    result: Any,
-    loaded: tuple[Any, Any, Path | None, Any],
+    result: ThroughputResult,
+    loaded: LoadedModel,
 ) -> int:
     """Every workload on pagedgen and the baselines, then the report (``loaded``: :func:`_load_model`'s)."""
     from pagedgen.bench.baselines import baseline_runners
@@ -885,7 +891,7 @@ def cmd_gemm(args: argparse.Namespace) -> int:
     return 0
 
 
-def _gemm_shapes(args: argparse.Namespace, config: Any) -> dict[str, Any]:
+def _gemm_shapes(args: argparse.Namespace, config: ModelConfig) -> dict[str, Any]:
     """Each linear shape alone, DRAM-resident random weights, at ``--rows`` (the per-shape study)."""
     from pagedgen.ops.matmul.gemm_calibrate import (
         available_backends,

@@ -31,10 +31,16 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from pagedgen.core.kv import PagedKVCache
+    from pagedgen.core.step_inputs import StepInputs
+    from pagedgen.models.model import Model
+    from pagedgen.ops.matmul.qweight import QuantizedWeight
 
 LINEAR_ROLES = {
     "qkv": "qkv",
@@ -132,7 +138,7 @@ def measure_stream_bandwidth(nbytes: int = STREAM_BYTES, repeats: int = 10) -> f
     return buffer.numel() * 4 / best
 
 
-def weight_format(weight: Any) -> str:
+def weight_format(weight: torch.Tensor | QuantizedWeight) -> str:
     """``Q4_K`` for a weight kept as stored, else the tensor's dtype (``f32``, ``bf16``)."""
     qtype = getattr(weight, "qtype", None)
     if qtype is not None:
@@ -140,7 +146,7 @@ def weight_format(weight: Any) -> str:
     return {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}.get(weight.dtype, "?")
 
 
-def weight_bytes(weight: Any) -> int:
+def weight_bytes(weight: torch.Tensor | QuantizedWeight) -> int:
     nbytes = getattr(weight, "nbytes", None)
     return int(nbytes) if nbytes is not None else int(weight.numel() * weight.element_size())
 
@@ -199,10 +205,10 @@ class ModuleClock:
         self.exclusive: dict[nn.Module, float] = {}
         self.calls: dict[nn.Module, int] = {}
 
-    def _pre(self, module: nn.Module, args: Any) -> None:
+    def _pre(self, module: nn.Module, args: tuple[object, ...]) -> None:
         self._stack.append([self.clock(), 0.0])
 
-    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _post(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:
         start, children = self._stack.pop()
         elapsed = self.clock() - start
         if self._stack:
@@ -251,14 +257,14 @@ class DecodeStep:
     """A prefilled request and its next 1-row decode step, re-runnable (it rewrites the same slot)."""
 
     runtime: nn.Module
-    cache: Any
-    inputs: Any
+    cache: PagedKVCache
+    inputs: StepInputs
 
     def forward(self) -> torch.Tensor:
         return self.runtime.forward(self.inputs, self.cache)
 
 
-def decode_step(model: Any, context: int, token_ids: list[int]) -> DecodeStep:
+def decode_step(model: Model, context: int, token_ids: list[int]) -> DecodeStep:
     """Prefill ``context`` tokens (``token_ids`` repeated) and pack the decode step that follows them."""
     from pagedgen.core.kv import PagedKVCache
     from pagedgen.executor.inputs import SequenceChunk, pack_step
@@ -304,7 +310,7 @@ def time_forwards(step: DecodeStep, repeats: int) -> dict[str, dict[str, float]]
     return {p: {"best": min(t), "median": statistics.median(t)} for p, t in paths.items()}
 
 
-def _timed(fn: Callable[[], Any]) -> float:
+def _timed(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
@@ -358,7 +364,7 @@ def _head_bytes(runtime: nn.Module) -> int:
 
 
 def run_kernel_profile(
-    model: Any, name: str, token_ids: list[int], *, context: int, repeats: int, bandwidth: float | None
+    model: Model, name: str, token_ids: list[int], *, context: int, repeats: int, bandwidth: float | None
 ) -> tuple[KernelProfile, float]:
     """Profile ``model`` (a loaded ``pg.Model``); returns the profile and the hooked forward's median."""
     if repeats <= 0:

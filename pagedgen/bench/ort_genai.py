@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from types import ModuleType
 
 from pagedgen.bench.checkpoints import NO_CHECKPOINT, hf_dir_for_loaders
 from pagedgen.bench.extras import INSTALL_HINT, importable
@@ -108,7 +108,7 @@ class OrtGenai:
     def __init__(self, checkpoint_dir: Path | None, precision: str):
         self.checkpoint_dir = checkpoint_dir
         self.precision = precision
-        self._model: Any = None
+        self._model: object | None = None  # og.Model: onnxruntime_genai ships no type information
         self._pad_id = 0
         self._export: Path | None = None
 
@@ -127,7 +127,7 @@ class OrtGenai:
         details = {"export": str(self._export), "batch_size": size, "og_version": og_version()}
         return SystemRun(outputs, wall, details=details)
 
-    def _load(self) -> Any:
+    def _load(self) -> ModuleType:
         import onnxruntime_genai as og  # type: ignore[import-not-found]
 
         if self._model is None:
@@ -138,7 +138,7 @@ class OrtGenai:
             self._model = og.Model(str(self._export))
         return og
 
-    def _generate(self, og: Any, batch: Sequence[BenchRequest]) -> list[list[int]]:
+    def _generate(self, og: ModuleType, batch: Sequence[BenchRequest]) -> list[list[int]]:
         import numpy as np
 
         ids = right_pad([r.prompt_ids for r in batch], self._pad_id)

@@ -20,10 +20,16 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedgen.bench.workloads import text_tokens
 from pagedgen.errors import EngineError
+
+if TYPE_CHECKING:
+    from pagedgen.bench.loaded import BenchModel, BenchTokenizer
+    from pagedgen.engine.config import EngineConfig
+    from pagedgen.engine.engine import Engine
+    from pagedgen.engine.request import Request
 
 SHARED_PROMPT = "shared-prompt"
 MULTI_TURN = "multi-turn"
@@ -55,7 +61,7 @@ class PrefixWorkload:
 
 def build_prefix_workload(
     name: str,
-    tokenizer: Any,
+    tokenizer: BenchTokenizer,
     *,
     concurrency: int = 4,
     system_len: int = 1024,
@@ -128,13 +134,13 @@ class _Client:
     turns: tuple[tuple[tuple[int, ...], int], ...]
     history: list[int]
     next_turn: int = 0
-    request: Any = None
+    request: Request | None = None
     submitted: float = 0.0
     first_token: bool = False
     slots: list[int] = field(default_factory=list)  # result index of each of its turns
 
 
-def run_prefix_workload(model: Any, workload: PrefixWorkload, config: Any) -> PrefixRun:
+def run_prefix_workload(model: BenchModel, workload: PrefixWorkload, config: EngineConfig) -> PrefixRun:
     """Run every client's turns to completion on a fresh Engine (closed loop); raises EngineError on a
     failure or a turn that ends before its output length."""
     from pagedgen.engine.engine import Engine
@@ -146,7 +152,7 @@ def run_prefix_workload(model: Any, workload: PrefixWorkload, config: Any) -> Pr
         engine.close()
 
 
-def _drive(engine: Any, model: Any, workload: PrefixWorkload, caching: bool) -> PrefixRun:
+def _drive(engine: Engine, model: BenchModel, workload: PrefixWorkload, caching: bool) -> PrefixRun:
     from pagedgen.engine.events import EngineEventFlags, FinishReason
     from pagedgen.engine.request import GeneratorParams, RequestOptions, TurnOptions
 
@@ -234,7 +240,7 @@ class PrefixComparison:
 
 
 def compare_caching(
-    model: Any, workload: PrefixWorkload, config: Any, log: Callable[[str], None] = print
+    model: BenchModel, workload: PrefixWorkload, config: EngineConfig, log: Callable[[str], None] = print
 ) -> PrefixComparison:
     """Run ``workload`` with prefix caching off, then on (``config`` otherwise unchanged)."""
     import dataclasses

@@ -16,11 +16,23 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import torch
 
 from pagedgen.bench.workloads import BenchRequest
+
+
+class DecoderShape(Protocol):
+    """The config fields the FLOP count reads (:class:`pagedgen.models.config.ModelConfig` has them)."""
+
+    hidden_size: int
+    head_dim: int
+    num_heads: int
+    num_kv_heads: int
+    num_layers: int
+    intermediate_size: int
+    vocab_size: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +44,7 @@ class FlopModel:
     head_flops: int  # 2 * hidden * vocab per logits row
 
     @classmethod
-    def from_config(cls, config: Any) -> FlopModel:
+    def from_config(cls, config: DecoderShape) -> FlopModel:
         """From a :class:`pagedgen.models.config.ModelConfig` (or any object with the same fields)."""
         hidden, d = config.hidden_size, config.head_dim
         q, kv = config.num_heads * d, config.num_kv_heads * d
@@ -56,7 +68,7 @@ class FlopModel:
         return sum(self.request_flops(len(r.prompt_ids), r.output_len) for r in requests)
 
 
-def flop_model_of(model: Any) -> FlopModel | None:
+def flop_model_of(model: object) -> FlopModel | None:
     """The FLOP model of a loaded ``pg.Model``; None for models without a Llama config (the synthetic one)."""
     config = getattr(model, "config", None)
     needed = ("hidden_size", "head_dim", "num_heads", "num_kv_heads", "num_layers", "intermediate_size")

@@ -21,10 +21,13 @@ import os
 import sys
 import time
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import vllm
 
 
-def start(message: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+def start(message: dict[str, Any]) -> tuple[vllm.LLM, dict[str, Any]]:
     import vllm
 
     args = {
@@ -52,7 +55,7 @@ def start(message: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     return llm, info
 
 
-def generate(llm: Any, requests: list[list[Any]]) -> dict[str, Any]:
+def generate(llm: vllm.LLM, requests: list[list[Any]]) -> dict[str, Any]:
     from vllm import SamplingParams
 
     prompts = [{"prompt_token_ids": [int(t) for t in ids]} for ids, _ in requests]
