@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -191,7 +191,7 @@ class LinearWeight:
         return self.weight.numel()
 
 
-def model_linear_weights(runtime: Any, linear_types: tuple[type, ...]) -> list[LinearWeight]:
+def model_linear_weights(runtime: object, linear_types: tuple[type, ...]) -> list[LinearWeight]:
     """The fp32 CPU weights of ``runtime``'s linear layers (modules of ``linear_types``, e.g. the model
     family's ``Linear``: ops cannot import the models), each once, in module order.
 

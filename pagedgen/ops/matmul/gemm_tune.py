@@ -311,7 +311,7 @@ def env_calibration() -> Calibration | None:
 
 
 def adapt_to_model(
-    runtime: Any,
+    runtime: object,
     linear_types: tuple[type, ...],
     max_batch_size: int,
     max_scheduled_tokens: int,

@@ -38,7 +38,6 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -81,7 +80,7 @@ class QuantLinearWeight:
         return kind_name(*self.kind) + ("" if self.every_token else " head")
 
 
-def model_quant_weights(runtime: Any, linear_types: tuple[type, ...]) -> list[QuantLinearWeight]:
+def model_quant_weights(runtime: object, linear_types: tuple[type, ...]) -> list[QuantLinearWeight]:
     """The :class:`QuantizedWeight` of ``runtime``'s linear layers (modules of ``linear_types``), each once,
     in module order, and the LM head (``runtime.head_weight``, perhaps the tied embedding) marked
     ``every_token=False``.
