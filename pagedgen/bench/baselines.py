@@ -1,19 +1,9 @@
 """The systems pagedgen is measured against, on the same weights, dtype, threads and batch size.
 
-* ``hf-static``: transformers ``generate`` over left-padded static batches of ``max_batch_size``; a batch
-  runs to its longest request and each request keeps its own length (the rest is static batching's waste).
-* ``hf-cb``: transformers' own continuous batching (``ContinuousBatchingManager``, the engine behind
-  ``generate_batch``) with each request's own ``max_new_tokens``.
-* ``ort-genai`` / ``ort-genai-int4``: ONNX Runtime GenAI's ``og.Generator`` in batches of up to 32 over an
-  fp32 / int4 CPU export of the same weights, made once with its model builder (``ort_genai.py``).
-* ``vllm`` / ``vllm-eager``: vLLM's CPU build (fp32, compiled / eager) in its own venv (``vllm_runner.py``).
-* ``llama.cpp``: ``llama-server`` of a llama.cpp build on the model's own GGUF file (``llama_cpp.py``).
-
-Every runner takes ``(requests, max_batch_size)`` and returns a :class:`SystemRun`, or raises
-:class:`SystemSkipped` naming why it cannot run here. All are greedy with EOS ignored. The transformers model
-is loaded once from pagedgen's checkpoint directory (for a GGUF file: its dequantised fp32 cache entry, i.e.
-bit-identical weights) and shared by both transformers systems; the ONNX Runtime and vLLM peers read the
-same directory. transformers runs in this process; the others need the ``bench`` extra or their own venv.
+Why these: each is how its project serves the same job (static and continuous batching in transformers, ONNX
+Runtime GenAI, vLLM's CPU build, llama.cpp's server), all greedy with EOS ignored on the same weights, dtype,
+threads and batch size, so a ratio compares the systems and nothing else. docs/performance.md, "Module notes:
+ops and bench", has the rest.
 """
 
 from __future__ import annotations

@@ -4,13 +4,8 @@ A batch of ``batch`` chat requests (the same prompts in both modes) is prefilled
 step while all of them are still decoding is timed, for ``output_len`` tokens. Guided runs constrain every
 request with one JSON schema whose shortest valid output is longer than ``output_len`` tokens, so no guided
 request finishes early and both modes time full batches; unguided runs ignore EOS for the same reason. Modes
-alternate (unguided, guided, unguided, ...) so slow drift of a shared machine hits both.
-
-Reported per mode: the median decode-step time over all timed steps of all repeats; for guided runs also the
-llguidance mask time per step (on the mask worker, overlapped with the forward) and the time sampling waited
-for masks after the forward (``engine.stats()``). The overhead is ``guided / unguided - 1`` of the medians:
-everything guidance adds to a step (waiting for masks, applying them, advancing the matchers), since the
-tokens differ but the batch shape and lengths do not.
+alternate (unguided, guided, unguided, ...) so slow drift of a shared machine hits both. docs/performance.md,
+"Module notes: ops and bench", has the rest.
 """
 
 from __future__ import annotations

@@ -2,26 +2,9 @@
 
 Why: at batch 1 every weight is read once per token, so a decode step is bounded by memory traffic, not by
 FLOPs. For each kernel this reports the bytes it moves per forward (its weight blocks as stored, the K/V it
-reads, its activations), the time it takes, the GB/s that makes, and the time the machine's measured
-streaming read bandwidth would need for those bytes (the roofline): what is left on the table, per kernel.
-
-How it is timed. A request of ``context`` tokens is prefilled into a fresh paged cache, then the same
-1-row decode step (the next token, same slot) is run again and again:
-
-* **Whole forwards**, interleaved, best and median of ``repeats``: the per-layer path (one Python call per
-  kernel) and, when the model has it and the step qualifies, the fused C path (every layer in one call).
-* **Per kernel** on the per-layer path: forward hooks on every module record its inclusive time; a module's
-  own (exclusive) time is that minus its children's. Linear modules are the GEMMs (``qkv``, ``o``,
-  ``gate_up``, ``down``; the unfused parts when a file stores them in different formats), grouped by role
-  and storage format; the norms' own calls are ``norms``; what the attention module does besides its
-  projections and norms (rotary, the K/V write, paged attention) is ``attention``; the MLP's own time is
-  the ``activation``; a layer's own time is its fused residual-add + norm calls; the head is timed by
-  wrapping the model's ``_head``; ``other`` is the rest of the forward (attention planning, row selection).
-  Each kernel's figure is the median over the repeats of its time summed over the forward. The hooks cost
-  about a microsecond per module call: the hooked forward's total is printed beside the unhooked one.
-
-The fused C path runs the same kernels in the same order (bit-identical output), so its per-kernel times
-are the per-layer path's minus the Python between calls; the difference of the two totals is that cost.
+reads, its activations), the time it takes, the GB/s that makes, and the time the machine's measured streaming
+read bandwidth would need for those bytes (the roofline): what is left on the table, per kernel.
+docs/performance.md, "Module notes: ops and bench", has the rest.
 """
 
 from __future__ import annotations

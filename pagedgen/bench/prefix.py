@@ -1,17 +1,8 @@
 """``pagedgen bench prefix``: what automatic prefix caching saves, with caching on and off in one run.
 
-Two workloads, each run twice on fresh engines over the same loaded model (caching off, then on), with the
-same requests in the same closed-loop arrival pattern, so the only difference is the cache:
-
-- ``shared-prompt``: a long system prompt shared by every request, each followed by its own short question
-  (what a chat service with one system prompt sends). ``concurrency`` clients each send their next request
-  when their previous one finished.
-- ``multi-turn``: ``concurrency`` conversations of several turns; every turn is a *new* request that re-sends
-  the whole conversation so far (what an OpenAI-style client does), so the history is a shared prefix.
-
-Per run: TTFT (submission to first token) of every request, p50 and p90; the prefill tokens the engine
-computed (prompt tokens minus the ones the prefix cache served, from each turn's usage); wall time. Greedy
-with EOS ignored and a fixed output length, so the two runs must generate identical tokens (checked).
+Why both runs on fresh engines over the same loaded model, with the same requests in the same closed-loop
+arrival pattern: then the only difference between them is the cache, and the two runs must generate identical
+tokens (checked). docs/performance.md, "Module notes: ops and bench", has the rest.
 """
 
 from __future__ import annotations

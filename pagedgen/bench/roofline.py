@@ -1,14 +1,9 @@
 """The physical limit a throughput is judged against: this machine's fp32 GEMM rate and the workload's FLOPs.
 
-``% of roofline`` = the workload's model FLOPs / wall time / the GEMM rate torch reaches on a large square
-fp32 matmul with the same thread count. The FLOPs are the *useful* work of a decoder that computes logits
-only for sampled rows, identical for every system, so the fraction compares systems on one scale:
-
-* every forwarded token (prompt, and each generated token but the last) pays ``2 * linear_params``;
-* its attention pays ``4 * layers * q_heads * head_dim * kv_len`` (QK^T and PV over its causal context);
-* each generated token's logits row pays ``2 * hidden * vocab`` (the LM head).
-
-Decode-heavy workloads are memory-bound, so their fraction is naturally far below 1.
+Why FLOPs of useful work: a decoder that computes logits only for sampled rows does the same arithmetic
+whatever system runs it, so the fraction of the machine's fp32 GEMM rate compares the systems on one scale.
+Decode-heavy workloads are memory-bound, so their fraction is naturally far below 1. docs/performance.md,
+"Module notes: ops and bench", has the rest.
 """
 
 from __future__ import annotations

@@ -1,31 +1,10 @@
 """Adapt the GEMM tables to the machine: measure once per machine and model, cache the result, install it.
 
-Why: the fastest backend per row count depends on the CPU, the libraries and the thread count (an AVX2
-EPYC and an AVX-512 Xeon disagree, docs/performance.md), so nothing about it is fixed in code. At engine
-start :func:`adapt_to_model` measures, at the row counts the engine's steps produce, on the model's own
-weights:
-
-* for fp32 linear weights: torch, OpenBLAS and (when it can be built) the native kernel
-  (:mod:`pagedgen.ops.matmul.gemm_calibrate`); the fastest per row count becomes the
-  :class:`~pagedgen.ops.matmul.gemm.GemmTable`, unless one was pinned
-  (:func:`pagedgen.ops.matmul.gemm.set_gemm_table`);
-* for weights kept in their stored format (:class:`~pagedgen.ops.matmul.qweight.QuantizedWeight`): the native
-  quant kernel against dequantise + torch GEMM, per format and shape
-  (:mod:`pagedgen.ops.matmul.quant_calibrate`); the faster per row count becomes the
-  :class:`~pagedgen.ops.matmul.quant_table.QuantTable`, unless one was pinned
-  (:func:`pagedgen.ops.matmul.quant_table.set_quant_table`).
-
-Both measurements are cached in one JSON entry in ``<cache root>/gemm/``, keyed by everything they depend on
-(:func:`calibration_key`): CPU model and flags, thread counts, torch and numpy versions, numpy's BLAS
-library and kernel family, the native library (its file name hashes sources, flags, compiler and CPU) or
-why it is off, the fp32 weight shapes, the quantized weight formats and shapes, and the row counts. Any
-change gives a new entry; an entry that does not parse or whose stored key differs is measured again and
-overwritten. Within a process, a key is measured or read once.
-
-``PAGEDGEN_GEMM_TABLE`` overrides the measurement for reproducibility: ``torch``, ``openblas`` or
-``native`` (one backend for every fp32 call; for quantized weights ``native`` means the quant kernel for
-every call, ``torch`` and ``openblas`` dequantise + torch GEMM for every call: there is no OpenBLAS path over
-stored blocks), or the path of a cache entry (its timings decide, whatever machine they came from).
+Why: the fastest backend per row count depends on the CPU, the libraries and the thread count (an AVX2 EPYC
+and an AVX-512 Xeon disagree, docs/performance.md), so nothing about it is fixed in code. At engine start
+:func:`adapt_to_model` times the fp32 backends and the quantized paths on the model's own weights at the row
+counts the engine's steps produce, and caches the result per machine and model. docs/performance.md, "Module
+notes: ops and bench", has the rest.
 """
 
 from __future__ import annotations
