@@ -4,7 +4,8 @@ Every import is read from the source with ``ast``: module-level and function-loc
 import would otherwise hide an upward one), plus ``importlib.import_module("pagedgen....")`` with a literal
 name (how the command dispatches to the bench). Imports under ``if TYPE_CHECKING:`` never run and are left
 out. A part is a sub-package of ``pagedgen/`` or one of its top-level modules; ``pagedgen`` itself is the
-lazy facade (``pagedgen/__init__.py``). docs/architecture.md, "Who imports whom", has the table and why.
+lazy facade (``pagedgen/__init__.py``). A part split into sub-packages by job (``ops``) has a table of its
+own for them. docs/architecture.md, "Who imports whom" and "Inside ops", has the tables and why.
 """
 
 from __future__ import annotations
