@@ -18,7 +18,7 @@ import os
 import time
 
 import pagedgen as pg
-from pagedgen.ops.gemm_threads import configure_cpu_threads, usable_cpus
+from pagedgen.ops.matmul.gemm_threads import configure_cpu_threads, usable_cpus
 from pagedgen.parallel.shard import weight_bytes
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."

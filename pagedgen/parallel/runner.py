@@ -33,7 +33,7 @@ import torch
 
 from pagedgen.errors import PagedGenError
 from pagedgen.executor.runner import ModelRunner
-from pagedgen.ops.gemm_threads import (
+from pagedgen.ops.matmul.gemm_threads import (
     configure_cpu_threads,
     current_thread_settings,
     set_blas_num_threads,

@@ -73,7 +73,7 @@ def _load_shard(spec: WorkerSpec):
     """This rank's group, runner and shard report (the full checkpoint is loaded, cut, then freed)."""
     from pagedgen.executor.runner import ModelRunner
     from pagedgen.models.model import Model
-    from pagedgen.ops.gemm_threads import configure_cpu_threads
+    from pagedgen.ops.matmul.gemm_threads import configure_cpu_threads
 
     device = torch.device(spec.device)
     if spec.threads is not None:
