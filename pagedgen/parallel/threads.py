@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pagedgen.ops.gemm_threads import (
+from pagedgen.ops.matmul.gemm_threads import (
     ThreadSettings,
     configure_cpu_threads,
     current_thread_settings,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedgen.ops.gemm_threads import ThreadSettings, current_thread_settings, torch_pool
+from pagedgen.ops.matmul.gemm_threads import ThreadSettings, current_thread_settings, torch_pool
 from pagedgen.parallel.threads import ThreadGuard
 
 
