@@ -346,8 +346,22 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--tensor-parallel-size",
         type=positive_int,
         default=1,
-        help="split the model over this many ranks (local processes; gloo on the CPU, NCCL on CUDA; "
-        "Llama family only; default 1)",
+        help="split the model over this many ranks (gloo on the CPU, NCCL on CUDA; Llama family only; "
+        "default 1)",
+    )
+    group.add_argument(
+        "--tensor-parallel-launcher",
+        choices=("local", "ray"),  # EngineConfig checks them too
+        default="local",
+        help="start ranks 1..T-1 as local processes (default) or as Ray actors in a placement group "
+        "(RAY_ADDRESS joins an existing cluster; docs/tensor-parallel.md)",
+    )
+    group.add_argument(
+        "--tensor-parallel-placement",
+        choices=("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"),
+        default="STRICT_PACK",
+        help="the Ray placement group's strategy: STRICT_PACK keeps every rank on this node (default), "
+        "SPREAD lets them use other machines",
     )
 
 
@@ -404,6 +418,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_mixed_step_tokens=args.max_mixed_step_tokens,
         dynamic_batching=not args.static_batching,
         tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_launcher=args.tensor_parallel_launcher,
+        tensor_parallel_placement=args.tensor_parallel_placement,
     )
 
 

@@ -9,6 +9,9 @@ interleaved, best of the repeats. Prints one JSON object; ``uptime``'s load aver
 measurement. Loopback only; every loop is bounded.
 
     PYTHONPATH=. python scripts/bench_replicas.py --model default --conversations 8 --turns 4
+
+``--model synthetic`` serves the weightless synthetic model with a plain chat template: a smoke run of the
+script itself in about a minute per deployment (its figures say nothing about a real model).
 """
 
 from __future__ import annotations
@@ -27,12 +30,23 @@ from ray import serve
 import pagedgen as pg
 from pagedgen.server.app import ServerOptions
 from pagedgen.server.replicas.application import APP_NAME, build_application
-from pagedgen.server.replicas.setup import ModelSource, ReplicaSetup
+from pagedgen.server.replicas.launch import start_local_ray
+from pagedgen.server.replicas.setup import SYNTHETIC, ModelSource, ReplicaSetup
 
 SYSTEM = (
     "You are a careful assistant for a hardware store. Answer in one short sentence, name the aisle, and "
     "never invent a product. The store sells tools, paint, garden supplies, plumbing and electrical parts. "
 ) * 4  # about 300 tokens, shared by every conversation
+
+
+SYNTHETIC_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: "
+
+
+def _source(model: str) -> ModelSource:
+    """The model every replica loads (the synthetic one with a chat template, so the chats run)."""
+    return (
+        ModelSource(SYNTHETIC, chat_template=SYNTHETIC_TEMPLATE) if model == SYNTHETIC else ModelSource(model)
+    )
 
 
 def _free_port() -> int:
@@ -43,7 +57,7 @@ def _free_port() -> int:
 
 def _deploy(args: argparse.Namespace, replicas: int, cpus: float, routing: str) -> None:
     setup = ReplicaSetup(
-        source=ModelSource(args.model),
+        source=_source(args.model),
         engine=pg.EngineConfig(max_batch_size=16, num_blocks=args.num_blocks),
         options=ServerOptions(model_name="m"),
         num_replicas=replicas,
@@ -64,7 +78,9 @@ async def _conversation(client: httpx.AsyncClient, index: int, turns: int) -> tu
             {"role": "user", "content": f"Customer {index}, question {turn}: where is item {turn}?"}
         )
         body = {"model": "m", "messages": messages, "max_tokens": 16, "temperature": 0}
-        answer = (await client.post("/v1/chat/completions", json=body)).json()
+        response = await client.post("/v1/chat/completions", json=body)
+        response.raise_for_status()
+        answer = response.json()
         prompt += answer["usage"]["prompt_tokens"]
         cached += answer["usage"]["prompt_tokens_details"]["cached_tokens"]
         messages.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
@@ -94,6 +110,8 @@ async def _throughput_run(url: str, requests: int, max_tokens: int) -> float:
         ]
         answers = await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
         elapsed = time.perf_counter() - start
+    for answer in answers:
+        answer.raise_for_status()
     return sum(a.json()["usage"]["completion_tokens"] for a in answers) / elapsed
 
 
@@ -110,7 +128,7 @@ def main() -> None:
     args = parser.parse_args()
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=os.cpu_count(), log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     out: dict[str, object] = {"cpus": os.cpu_count(), "model": args.model}
     try:

@@ -1,12 +1,15 @@
 """Tensor-parallel figures for docs/performance.md: decode speed of T=2 against T=1 on this machine, the
 per-layer path's cost (what T > 1 runs instead of the fused decode path), and each rank's weight bytes.
 
-    PYTHONPATH=. python scripts/bench_tensor_parallel.py [--rounds 3] [--tokens 32] [--batch 1 4]
+    PYTHONPATH=. python scripts/bench_tensor_parallel.py [--rounds 3] [--tokens 32] [--batch 1 4] \
+        [--launcher ray]
 
 Every variant runs in this one process, interleaved round by round, best of the rounds: ``T=1 fused`` (the
 default engine, all CPUs), ``T=1 per-layer`` (the same with the fused decode path off), ``T=2`` (two ranks
-over gloo, ``cpus // 2`` threads each). Decode tokens per second over ``--tokens`` greedy steps after the
-prefill, at each ``--batch`` size; the one-rank variants also at ``cpus // 2`` threads, one rank's share.
+over gloo, ``cpus // 2`` threads each; rank 1 a local process, or with ``--launcher ray`` a Ray actor on a
+local cluster or the one ``RAY_ADDRESS`` names). Decode tokens per second over ``--tokens`` greedy steps
+after the prefill, at each ``--batch`` size; the one-rank variants also at ``cpus // 2`` threads, one rank's
+share.
 Prints one JSON object (with the load average before and after).
 """
 
@@ -18,7 +21,7 @@ import os
 import time
 
 import pagedgen as pg
-from pagedgen.ops.gemm_threads import configure_cpu_threads, usable_cpus
+from pagedgen.ops.matmul.gemm_threads import configure_cpu_threads, usable_cpus
 from pagedgen.parallel.shard import weight_bytes
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -54,6 +57,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--launcher", choices=["local", "ray"], default="local", help="how rank 1 starts")
     args = parser.parse_args()
     load_before = os.getloadavg()
     model = pg.Model("default")
@@ -61,7 +65,9 @@ def main() -> None:
     config = dict(max_batch_size=max(args.batch), num_blocks=256, prefix_caching=False)
     cpus = usable_cpus()
     one = pg.Engine(model, pg.EngineConfig(**config))
-    two = pg.Engine(model, pg.EngineConfig(**config, tensor_parallel_size=2))
+    two = pg.Engine(
+        model, pg.EngineConfig(**config, tensor_parallel_size=2, tensor_parallel_launcher=args.launcher)
+    )
     fused = model.runtime.fused_decoder
     share = max(1, cpus // 2)
     variants = {
@@ -85,6 +91,7 @@ def main() -> None:
         "rounds": args.rounds,
         "tokens": args.tokens,
         "cpus": cpus,
+        "launcher": args.launcher,
         "weight_bytes": {"T=1": weight_bytes(model.runtime), "T=2 per rank": two._runner.rank_weight_bytes},
         "kv_heads_rank0": two._runner.kv_cache.keys[0].shape[2],
         "load_average_before": load_before,

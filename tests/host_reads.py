@@ -41,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 from pagedgen.core import transfer
 from pagedgen.executor import inputs as packing
 from pagedgen.guidance import bitmask
-from pagedgen.ops import gemm, linear
+from pagedgen.ops.matmul import gemm, linear
 
 _READS = {
     "tolist",
@@ -78,7 +78,7 @@ _FACTORIES = {
 }
 # CPU-only kernels that hand a tensor's memory to numpy / BLAS: that is the CPU path's execution, never a
 # transfer (they are selected for CPU tensors only), so their numpy views are not reads.
-_CPU_KERNELS = {"pagedgen.ops.gemm:openblas_gemm"}
+_CPU_KERNELS = {"pagedgen.ops.matmul.gemm:openblas_gemm"}
 _MUTATING = {"__setitem__", "copy_", "index_put_", "index_copy_", "index_add_", "scatter_", "masked_fill_"}
 
 

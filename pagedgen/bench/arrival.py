@@ -14,13 +14,16 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedgen.bench.extras import require
 from pagedgen.bench.serve import LatencyStats, chunk_has_text, parse_sse_line, record_dict, send_request
 from pagedgen.bench.workloads import BenchRequest
+
+if TYPE_CHECKING:
+    import httpx
 
 POLL_S = 0.01  # how often the scenario looks at the streams' progress
 
@@ -94,7 +97,12 @@ def summarize_arrival(
 
 
 async def _watch_stream(
-    client: Any, url: str, model: str, request: BenchRequest, headers: dict[str, str], watch: StreamWatch
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    request: BenchRequest,
+    headers: dict[str, str],
+    watch: StreamWatch,
 ) -> None:
     body = {
         "model": model,
@@ -120,7 +128,7 @@ async def _watch_stream(
         watch.ended = True
 
 
-async def _until(condition: Any, timeout_s: float) -> bool:
+async def _until(condition: Callable[[], bool], timeout_s: float) -> bool:
     """Poll ``condition()`` until it holds (True) or ``timeout_s`` passes (False)."""
     deadline = time.perf_counter() + timeout_s
     while not condition():

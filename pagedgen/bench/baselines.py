@@ -1,19 +1,9 @@
 """The systems pagedgen is measured against, on the same weights, dtype, threads and batch size.
 
-* ``hf-static``: transformers ``generate`` over left-padded static batches of ``max_batch_size``; a batch
-  runs to its longest request and each request keeps its own length (the rest is static batching's waste).
-* ``hf-cb``: transformers' own continuous batching (``ContinuousBatchingManager``, the engine behind
-  ``generate_batch``) with each request's own ``max_new_tokens``.
-* ``ort-genai`` / ``ort-genai-int4``: ONNX Runtime GenAI's ``og.Generator`` in batches of up to 32 over an
-  fp32 / int4 CPU export of the same weights, made once with its model builder (``ort_genai.py``).
-* ``vllm`` / ``vllm-eager``: vLLM's CPU build (fp32, compiled / eager) in its own venv (``vllm_runner.py``).
-* ``llama.cpp``: ``llama-server`` of a llama.cpp build on the model's own GGUF file (``llama_cpp.py``).
-
-Every runner takes ``(requests, max_batch_size)`` and returns a :class:`SystemRun`, or raises
-:class:`SystemSkipped` naming why it cannot run here. All are greedy with EOS ignored. The transformers model
-is loaded once from pagedgen's checkpoint directory (for a GGUF file: its dequantised fp32 cache entry, i.e.
-bit-identical weights) and shared by both transformers systems; the ONNX Runtime and vLLM peers read the
-same directory. transformers runs in this process; the others need the ``bench`` extra or their own venv.
+Why these: each is how its project serves the same job (static and continuous batching in transformers, ONNX
+Runtime GenAI, vLLM's CPU build, llama.cpp's server), all greedy with EOS ignored on the same weights, dtype,
+threads and batch size, so a ratio compares the systems and nothing else. docs/performance.md, "Module notes:
+ops and bench", has the rest.
 """
 
 from __future__ import annotations
@@ -21,11 +11,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pagedgen.bench.checkpoints import NO_CHECKPOINT
 from pagedgen.bench.records import SystemRun, SystemSkipped
 from pagedgen.bench.workloads import BenchRequest, batches
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
+    from transformers.generation.continuous_batching import ContinuousBatchingManager
 
 CB_STOP_TIMEOUT_S = 600.0
 BASELINE_NAMES = ("hf-static", "hf-cb", "ort-genai", "ort-genai-int4", "vllm", "vllm-eager", "llama.cpp")
@@ -45,13 +40,18 @@ class TransformersBaselines:
     ``device`` / ``dtype`` (default: the CPU, float32) are pagedgen's, so a GPU run compares like with like.
     """
 
-    def __init__(self, checkpoint_dir: Path | None, device: Any = None, dtype: Any = None):
+    def __init__(
+        self,
+        checkpoint_dir: Path | None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         self.checkpoint_dir = checkpoint_dir
         self.device = "cpu" if device is None else device
         self.dtype = dtype
-        self._model: Any = None
+        self._model: PreTrainedModel | None = None
 
-    def model(self) -> Any:
+    def model(self) -> PreTrainedModel:
         if self._model is None:
             import torch
             from transformers import AutoModelForCausalLM
@@ -129,7 +129,7 @@ class TransformersBaselines:
         return SystemRun(outputs, wall, kv_blocks_total=num_blocks)
 
 
-def _collect_cb(manager: Any, requests: Sequence[BenchRequest]) -> list[list[int]]:
+def _collect_cb(manager: ContinuousBatchingManager, requests: Sequence[BenchRequest]) -> list[list[int]]:
     ids = [
         manager.add_request(
             list(r.prompt_ids), request_id=f"r{i}", max_new_tokens=r.output_len, eos_token_id=-1
@@ -160,8 +160,8 @@ def baseline_runners(
     vllm_venv: Path | None = None,
     llama_cpp_dir: Path | None = None,
     threads: int = 1,
-    device: Any = None,
-    dtype: Any = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
 ) -> dict[str, Callable[[Sequence[BenchRequest], int], SystemRun]]:
     """Runners for ``names`` (in order); raises ValueError naming an unknown baseline.
 

@@ -15,10 +15,16 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedgen.argtypes import positive_int
 from pagedgen.bench.extras import INSTALL_HINT, MissingBenchExtra, importable, require
+from pagedgen.bench.loaded import BenchModel, BenchTokenizer, LoadedModel
+
+if TYPE_CHECKING:
+    from pagedgen.bench.throughput import ThroughputResult
+    from pagedgen.bench.workloads import WorkloadSpec
+    from pagedgen.models.config import ModelConfig
 
 DEFAULT_BASELINES = ""  # pagedgen alone: a plain run stays within minutes; baselines on request
 WORKLOAD_MEANINGS = {
@@ -205,7 +211,7 @@ def cmd_guidance(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_one_model(name: str, weights: str) -> tuple[Any, Any]:
+def _load_one_model(name: str, weights: str) -> tuple[BenchModel, BenchTokenizer]:
     """(model, tokenizer) without the float32 reference copy :func:`_load_model` adds."""
     if name == "synthetic":
         from pagedgen.models.synthetic import SyntheticModel
@@ -453,7 +459,7 @@ def _gemm_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path)
 
 
-def workloads_from_args(args: argparse.Namespace, default: str) -> list[Any]:
+def workloads_from_args(args: argparse.Namespace, default: str) -> list[WorkloadSpec]:
     """Named workloads plus, if any length flag is given, a ``custom`` one. Raises ValueError on bad input."""
     from pagedgen.bench.workloads import LengthRange, WorkloadSpec, workload_by_name
 
@@ -479,9 +485,9 @@ def machine_info(peak_flops: float | None) -> dict[str, Any]:
     import torch
 
     from pagedgen.bench.cpu import cpu_flags
-    from pagedgen.ops.cpu_info import cpu_model
-    from pagedgen.ops.gemm import active_table
-    from pagedgen.ops.gemm_threads import current_thread_settings
+    from pagedgen.ops.kernels.cpu_info import cpu_model
+    from pagedgen.ops.matmul.gemm import active_table
+    from pagedgen.ops.matmul.gemm_threads import current_thread_settings
 
     threads = current_thread_settings()
     return {
@@ -502,9 +508,9 @@ def machine_info(peak_flops: float | None) -> dict[str, Any]:
 
 
 def _setup_machine(threads: int | None, gemm: str) -> None:
-    from pagedgen.ops import gemm as gemm_mod
-    from pagedgen.ops import gemm_tune, quant_table
-    from pagedgen.ops.gemm_threads import configure_cpu_threads
+    from pagedgen.ops.matmul import gemm as gemm_mod
+    from pagedgen.ops.matmul import gemm_tune, quant_table
+    from pagedgen.ops.matmul.gemm_threads import configure_cpu_threads
 
     configure_cpu_threads(threads)
     if gemm == "auto":  # measured (or read from the cache) when the engine starts
@@ -526,7 +532,7 @@ def _load_model(
     scratch: Path | None = None,
     reference: bool = False,
     activations: str = "fp32",
-) -> tuple[Any, Any, Path | None, Any]:
+) -> LoadedModel:
     """(model, tokenizer, checkpoint dir for the baselines, float32-weights reference model or None).
 
     ``synthetic`` is the weightless test model. With ``reference`` and the model running its weights as
@@ -538,8 +544,8 @@ def _load_model(
     if random_weights is None and name == "synthetic":
         from pagedgen.models.synthetic import SyntheticModel
 
-        model = SyntheticModel()
-        return model, model.tokenizer, None, None
+        synthetic = SyntheticModel()
+        return LoadedModel(synthetic, synthetic.tokenizer, None, None)
     from pagedgen.bench.random_weights import bench_tokenizer, random_checkpoint
     from pagedgen.models.model import Model
 
@@ -551,7 +557,7 @@ def _load_model(
     model = Model(source, dtype=dtype, device=device, weights=weights, activations=activations)
     native = getattr(model.weights_format, "value", "float32") != "float32"
     f32 = Model(source, dtype=dtype, device=device, weights="float32") if native and reference else None
-    return model, bench_tokenizer(model, model.checkpoint_dir), model.checkpoint_dir, f32
+    return LoadedModel(model, bench_tokenizer(model, model.checkpoint_dir), model.checkpoint_dir, f32)
 
 
 def cmd_throughput(args: argparse.Namespace) -> int:
@@ -595,7 +601,7 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def device_info(model: Any) -> dict[str, Any]:
+def device_info(model: BenchModel) -> dict[str, Any]:
     """The device, dtype and weights the systems ran with (the GPU's name on CUDA)."""
     import torch
 
@@ -613,12 +619,12 @@ def device_info(model: Any) -> dict[str, Any]:
 
 def _throughput_runs(
     args: argparse.Namespace,
-    specs: list[Any],
+    specs: list[WorkloadSpec],
     names: list[str],
     plot: Path | None,
     peak: float | None,
-    result: Any,
-    loaded: tuple[Any, Any, Path | None, Any],
+    result: ThroughputResult,
+    loaded: LoadedModel,
 ) -> int:
     """Every workload on pagedgen and the baselines, then the report (``loaded``: :func:`_load_model`'s)."""
     from pagedgen.bench.baselines import baseline_runners
@@ -840,14 +846,14 @@ def cmd_gemm(args: argparse.Namespace) -> int:
     from pagedgen.bench.report import write_json
     from pagedgen.models.llama import Linear
     from pagedgen.models.model import Model
-    from pagedgen.ops.cpu_info import cpu_features, cpu_model
-    from pagedgen.ops.cpu_memory import retain_freed_cpu_memory
-    from pagedgen.ops.gemm_calibrate import engine_row_counts, model_linear_weights
-    from pagedgen.ops.gemm_threads import configure_cpu_threads
-    from pagedgen.ops.gemm_tune import cache_dir, calibrate, key_digest
-    from pagedgen.ops.native import gemm_kernel, native_status
-    from pagedgen.ops.quant_calibrate import model_quant_weights
-    from pagedgen.ops.quant_gemm import quant_kernels
+    from pagedgen.ops.kernels.cpu_info import cpu_features, cpu_model
+    from pagedgen.ops.kernels.cpu_memory import retain_freed_cpu_memory
+    from pagedgen.ops.kernels.native import gemm_kernel, native_status
+    from pagedgen.ops.matmul.gemm_calibrate import engine_row_counts, model_linear_weights
+    from pagedgen.ops.matmul.gemm_threads import configure_cpu_threads
+    from pagedgen.ops.matmul.gemm_tune import cache_dir, calibrate, key_digest
+    from pagedgen.ops.matmul.quant_calibrate import model_quant_weights
+    from pagedgen.ops.matmul.quant_gemm import quant_kernels
 
     settings = configure_cpu_threads(args.threads)
     # As the engine's runner does before it calibrates: the dequantise path's fp32 temporaries are reused,
@@ -885,16 +891,16 @@ def cmd_gemm(args: argparse.Namespace) -> int:
     return 0
 
 
-def _gemm_shapes(args: argparse.Namespace, config: Any) -> dict[str, Any]:
+def _gemm_shapes(args: argparse.Namespace, config: ModelConfig) -> dict[str, Any]:
     """Each linear shape alone, DRAM-resident random weights, at ``--rows`` (the per-shape study)."""
-    from pagedgen.ops.gemm_calibrate import (
+    from pagedgen.ops.matmul.gemm_calibrate import (
         available_backends,
         check_equivalence,
         derive_table,
         model_linear_shapes,
         time_shape,
     )
-    from pagedgen.ops.gemm_threads import torch_pool
+    from pagedgen.ops.matmul.gemm_threads import torch_pool
 
     rows = [int(r) for r in args.rows.split(",") if r.strip()]
     backends = list(available_backends())

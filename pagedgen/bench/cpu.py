@@ -1,7 +1,7 @@
 """The CPU's feature flags that decide which kernels a system can use (AVX2/FMA, AVX-512, VNNI, AMX).
 
 A throughput ratio between two systems means little without them: one peer may have int8 or bf16 kernels
-for instructions this CPU lacks. The flags are :func:`pagedgen.ops.cpu_info.cpu_flags` (one reader of
+for instructions this CPU lacks. The flags are :func:`pagedgen.ops.kernels.cpu_info.cpu_flags` (one reader of
 ``/proc/cpuinfo`` for the whole package); empty where it does not exist.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from functools import cache
 
-from pagedgen.ops import cpu_info
+from pagedgen.ops.kernels import cpu_info
 
 RELEVANT = (
     "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",

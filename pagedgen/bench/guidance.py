@@ -4,13 +4,8 @@ A batch of ``batch`` chat requests (the same prompts in both modes) is prefilled
 step while all of them are still decoding is timed, for ``output_len`` tokens. Guided runs constrain every
 request with one JSON schema whose shortest valid output is longer than ``output_len`` tokens, so no guided
 request finishes early and both modes time full batches; unguided runs ignore EOS for the same reason. Modes
-alternate (unguided, guided, unguided, ...) so slow drift of a shared machine hits both.
-
-Reported per mode: the median decode-step time over all timed steps of all repeats; for guided runs also the
-llguidance mask time per step (on the mask worker, overlapped with the forward) and the time sampling waited
-for masks after the forward (``engine.stats()``). The overhead is ``guided / unguided - 1`` of the medians:
-everything guidance adds to a step (waiting for masks, applying them, advancing the matchers), since the
-tokens differ but the batch shape and lengths do not.
+alternate (unguided, guided, unguided, ...) so slow drift of a shared machine hits both. docs/performance.md,
+"Module notes: ops and bench", has the rest.
 """
 
 from __future__ import annotations
@@ -19,9 +14,14 @@ import json
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedgen.errors import EngineError
+
+if TYPE_CHECKING:
+    from pagedgen.bench.loaded import BenchModel, BenchTokenizer
+    from pagedgen.engine.config import EngineConfig
+    from pagedgen.engine.engine import Engine
 
 # Six to eight small records: at least ~90 tokens, so a 64-token run never completes the grammar.
 DEFAULT_SCHEMA: dict[str, Any] = {
@@ -93,7 +93,7 @@ class GuidanceComparison:
         }
 
 
-def guidance_prompts(tokenizer: Any, batch: int) -> list[list[int]]:
+def guidance_prompts(tokenizer: BenchTokenizer, batch: int) -> list[list[int]]:
     """``batch`` chat prompts asking for the schema's JSON (different topics, so outputs differ); plain
     text for a tokenizer without a chat template (the synthetic model's)."""
     prompts = []
@@ -108,7 +108,11 @@ def guidance_prompts(tokenizer: Any, batch: int) -> list[list[int]]:
 
 
 def run_guidance_batch(
-    model: Any, prompts: list[list[int]], config: Any, schema: dict[str, Any] | None, output_len: int
+    model: BenchModel,
+    prompts: list[list[int]],
+    config: EngineConfig,
+    schema: dict[str, Any] | None,
+    output_len: int,
 ) -> GuidanceRun:
     """Prefill every prompt (untimed), then time each step while the whole batch decodes; ``schema=None``
     runs unguided. Raises EngineError if a request fails or finishes before ``output_len`` tokens."""
@@ -133,7 +137,7 @@ def run_guidance_batch(
         engine.close()
 
 
-def _drive(engine: Any, run: GuidanceRun, index: dict[int, int], output_len: int) -> None:
+def _drive(engine: Engine, run: GuidanceRun, index: dict[int, int], output_len: int) -> None:
     """Run the batch to the end, timing the steps that ran while every request was decoding."""
     from pagedgen.engine.events import EngineEventFlags, FinishReason
 
@@ -171,9 +175,9 @@ def _drive(engine: Any, run: GuidanceRun, index: dict[int, int], output_len: int
 
 
 def compare_guidance(
-    model: Any,
-    tokenizer: Any,
-    config: Any,
+    model: BenchModel,
+    tokenizer: BenchTokenizer,
+    config: EngineConfig,
     *,
     batch: int = 16,
     output_len: int = 64,

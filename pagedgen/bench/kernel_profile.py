@@ -2,26 +2,9 @@
 
 Why: at batch 1 every weight is read once per token, so a decode step is bounded by memory traffic, not by
 FLOPs. For each kernel this reports the bytes it moves per forward (its weight blocks as stored, the K/V it
-reads, its activations), the time it takes, the GB/s that makes, and the time the machine's measured
-streaming read bandwidth would need for those bytes (the roofline): what is left on the table, per kernel.
-
-How it is timed. A request of ``context`` tokens is prefilled into a fresh paged cache, then the same
-1-row decode step (the next token, same slot) is run again and again:
-
-* **Whole forwards**, interleaved, best and median of ``repeats``: the per-layer path (one Python call per
-  kernel) and, when the model has it and the step qualifies, the fused C path (every layer in one call).
-* **Per kernel** on the per-layer path: forward hooks on every module record its inclusive time; a module's
-  own (exclusive) time is that minus its children's. Linear modules are the GEMMs (``qkv``, ``o``,
-  ``gate_up``, ``down``; the unfused parts when a file stores them in different formats), grouped by role
-  and storage format; the norms' own calls are ``norms``; what the attention module does besides its
-  projections and norms (rotary, the K/V write, paged attention) is ``attention``; the MLP's own time is
-  the ``activation``; a layer's own time is its fused residual-add + norm calls; the head is timed by
-  wrapping the model's ``_head``; ``other`` is the rest of the forward (attention planning, row selection).
-  Each kernel's figure is the median over the repeats of its time summed over the forward. The hooks cost
-  about a microsecond per module call: the hooked forward's total is printed beside the unhooked one.
-
-The fused C path runs the same kernels in the same order (bit-identical output), so its per-kernel times
-are the per-layer path's minus the Python between calls; the difference of the two totals is that cost.
+reads, its activations), the time it takes, the GB/s that makes, and the time the machine's measured streaming
+read bandwidth would need for those bytes (the roofline): what is left on the table, per kernel.
+docs/performance.md, "Module notes: ops and bench", has the rest.
 """
 
 from __future__ import annotations
@@ -31,10 +14,16 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from pagedgen.core.kv import PagedKVCache
+    from pagedgen.core.step_inputs import StepInputs
+    from pagedgen.models.model import Model
+    from pagedgen.ops.matmul.qweight import QuantizedWeight
 
 LINEAR_ROLES = {
     "qkv": "qkv",
@@ -132,7 +121,7 @@ def measure_stream_bandwidth(nbytes: int = STREAM_BYTES, repeats: int = 10) -> f
     return buffer.numel() * 4 / best
 
 
-def weight_format(weight: Any) -> str:
+def weight_format(weight: torch.Tensor | QuantizedWeight) -> str:
     """``Q4_K`` for a weight kept as stored, else the tensor's dtype (``f32``, ``bf16``)."""
     qtype = getattr(weight, "qtype", None)
     if qtype is not None:
@@ -140,7 +129,7 @@ def weight_format(weight: Any) -> str:
     return {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}.get(weight.dtype, "?")
 
 
-def weight_bytes(weight: Any) -> int:
+def weight_bytes(weight: torch.Tensor | QuantizedWeight) -> int:
     nbytes = getattr(weight, "nbytes", None)
     return int(nbytes) if nbytes is not None else int(weight.numel() * weight.element_size())
 
@@ -199,10 +188,10 @@ class ModuleClock:
         self.exclusive: dict[nn.Module, float] = {}
         self.calls: dict[nn.Module, int] = {}
 
-    def _pre(self, module: nn.Module, args: Any) -> None:
+    def _pre(self, module: nn.Module, args: tuple[object, ...]) -> None:
         self._stack.append([self.clock(), 0.0])
 
-    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _post(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:
         start, children = self._stack.pop()
         elapsed = self.clock() - start
         if self._stack:
@@ -251,14 +240,14 @@ class DecodeStep:
     """A prefilled request and its next 1-row decode step, re-runnable (it rewrites the same slot)."""
 
     runtime: nn.Module
-    cache: Any
-    inputs: Any
+    cache: PagedKVCache
+    inputs: StepInputs
 
     def forward(self) -> torch.Tensor:
         return self.runtime.forward(self.inputs, self.cache)
 
 
-def decode_step(model: Any, context: int, token_ids: list[int]) -> DecodeStep:
+def decode_step(model: Model, context: int, token_ids: list[int]) -> DecodeStep:
     """Prefill ``context`` tokens (``token_ids`` repeated) and pack the decode step that follows them."""
     from pagedgen.core.kv import PagedKVCache
     from pagedgen.executor.inputs import SequenceChunk, pack_step
@@ -304,7 +293,7 @@ def time_forwards(step: DecodeStep, repeats: int) -> dict[str, dict[str, float]]
     return {p: {"best": min(t), "median": statistics.median(t)} for p, t in paths.items()}
 
 
-def _timed(fn: Callable[[], Any]) -> float:
+def _timed(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
@@ -358,7 +347,7 @@ def _head_bytes(runtime: nn.Module) -> int:
 
 
 def run_kernel_profile(
-    model: Any, name: str, token_ids: list[int], *, context: int, repeats: int, bandwidth: float | None
+    model: Model, name: str, token_ids: list[int], *, context: int, repeats: int, bandwidth: float | None
 ) -> tuple[KernelProfile, float]:
     """Profile ``model`` (a loaded ``pg.Model``); returns the profile and the hooked forward's median."""
     if repeats <= 0:

@@ -1,27 +1,9 @@
 """The ``llama.cpp`` baseline: llama.cpp's own binaries on the very GGUF file pagedgen loaded.
 
-``--llama-cpp-dir DIR`` names a folder holding ``llama-server`` and ``llama-bench`` (a CMake build's
-``bin/``; ``scripts/build_llama_cpp.sh`` builds them from the source vendored in ``llama-cpp-python``'s
-sdist). Two measurements, both with ``-t`` set to the bench's thread count:
-
-* **Workloads** (W1, B1, PP512, TG128, ...) through ``llama-server``, bound to 127.0.0.1 on a free port, with
-  ``-np`` equal to the workload's batch size (its continuous batching over that many slots, each slot's
-  context the longest request rounded up to 256 tokens). Every request is posted at once, as pagedgen gets
-  them, as token ids (no BOS added: the prompt is exactly pagedgen's) to ``/completion`` with greedy
-  sampling (``temperature 0``, ``top_k 1``), ``n_predict`` its output length, ``ignore_eos`` and
-  ``cache_prompt`` off, and ``return_tokens``; the tokens are the record's outputs, so the match against
-  the fp32 reference is computed like every other system's. Wall time runs from the first post to the last
-  reply. ``ignore_eos`` masks EOS, so where the reference picks EOS llama.cpp picks the runner-up (the
-  match shows it). The server is the one measurement that runs pagedgen's workload itself (same prompts,
-  each request's own length, a batch cap, token ids back); ``llama-batched-bench`` runs equal-length
-  synthetic prompts in lock step and returns no tokens.
-* **pp512 / tg128**: ``llama-bench -p 512 -n 128 -o json`` once per run (:func:`llama_bench`), the figures
-  llama.cpp itself quotes, kept in the JSON's ``peers`` section beside the PP512 / TG128 workload records;
-  with ``llama-batched-bench`` in the folder, also its lock-step 100 + 128 tokens at 1 and 32 sequences
-  (B1's and W1's shapes), as a cross-check of the server's figures.
-
-The file is the model's GGUF source as pagedgen's cache entry records it (``pagedgen_source`` in its
-``config.json``); a model loaded from anything else is skipped with that reason.
+Why llama.cpp's own binaries on the very file pagedgen loaded: it is the reference CPU engine for GGUF files,
+and its server is the one peer measurement that runs pagedgen's workload itself (the same prompts as token
+ids, each request's own length, a batch cap, tokens back for the match rate). docs/performance.md, "Module
+notes: ops and bench", has the rest.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """ONNX Runtime GenAI baselines: ``og.Generator`` on an fp32 (``ort-genai``) and an int4 (``-int4``) export.
 
-Both exports are made from pagedgen's checkpoint directory (for a GGUF file: its dequantised fp32 cache entry,
-so the fp32 export holds bit-identical weights) with og's own model builder, once, into
-``<cache root>/ort-genai-v<N>/<precision>-cpu-<key>/``. The key hashes the source files' contents, the
-onnxruntime-genai version and the builder arguments, so an export is rebuilt only when one of them changes.
-Like the GGUF cache, an export is built in a temporary sibling directory and renamed into place.
-
-The run: batches of up to 32 requests in workload order, prompts right-padded with the export's pad token
-(og derives the attention mask and positions from it: each row then generates exactly what it generates
-alone, checked on the default model), every row decoded to the batch's longest output and cut to its own
-length (static batching's waste, like ``hf-static``). og has no ignore-EOS switch: ``min_length`` equal to
-``max_length`` keeps EOS from ending a row, by masking its logit, so where the reference picks EOS og picks
-the runner-up; the match rate shows any such divergence.
+Why two exports made by og's own model builder: the fp32 one compares the engines on bit-identical weights,
+the int4 one is og's own quantised path; each is built once, keyed by what it is made from.
+docs/performance.md, "Module notes: ops and bench", has the rest.
 """
 
 from __future__ import annotations
@@ -27,7 +18,7 @@ import time
 from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from types import ModuleType
 
 from pagedgen.bench.checkpoints import NO_CHECKPOINT, hf_dir_for_loaders
 from pagedgen.bench.extras import INSTALL_HINT, importable
@@ -108,7 +99,7 @@ class OrtGenai:
     def __init__(self, checkpoint_dir: Path | None, precision: str):
         self.checkpoint_dir = checkpoint_dir
         self.precision = precision
-        self._model: Any = None
+        self._model: object | None = None  # og.Model: onnxruntime_genai ships no type information
         self._pad_id = 0
         self._export: Path | None = None
 
@@ -127,7 +118,7 @@ class OrtGenai:
         details = {"export": str(self._export), "batch_size": size, "og_version": og_version()}
         return SystemRun(outputs, wall, details=details)
 
-    def _load(self) -> Any:
+    def _load(self) -> ModuleType:
         import onnxruntime_genai as og  # type: ignore[import-not-found]
 
         if self._model is None:
@@ -138,7 +129,7 @@ class OrtGenai:
             self._model = og.Model(str(self._export))
         return og
 
-    def _generate(self, og: Any, batch: Sequence[BenchRequest]) -> list[list[int]]:
+    def _generate(self, og: ModuleType, batch: Sequence[BenchRequest]) -> list[list[int]]:
         import numpy as np
 
         ids = right_pad([r.prompt_ids for r in batch], self._pad_id)

@@ -1,17 +1,8 @@
 """``pagedgen bench prefix``: what automatic prefix caching saves, with caching on and off in one run.
 
-Two workloads, each run twice on fresh engines over the same loaded model (caching off, then on), with the
-same requests in the same closed-loop arrival pattern, so the only difference is the cache:
-
-- ``shared-prompt``: a long system prompt shared by every request, each followed by its own short question
-  (what a chat service with one system prompt sends). ``concurrency`` clients each send their next request
-  when their previous one finished.
-- ``multi-turn``: ``concurrency`` conversations of several turns; every turn is a *new* request that re-sends
-  the whole conversation so far (what an OpenAI-style client does), so the history is a shared prefix.
-
-Per run: TTFT (submission to first token) of every request, p50 and p90; the prefill tokens the engine
-computed (prompt tokens minus the ones the prefix cache served, from each turn's usage); wall time. Greedy
-with EOS ignored and a fixed output length, so the two runs must generate identical tokens (checked).
+Why both runs on fresh engines over the same loaded model, with the same requests in the same closed-loop
+arrival pattern: then the only difference between them is the cache, and the two runs must generate identical
+tokens (checked). docs/performance.md, "Module notes: ops and bench", has the rest.
 """
 
 from __future__ import annotations
@@ -20,10 +11,16 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedgen.bench.workloads import text_tokens
 from pagedgen.errors import EngineError
+
+if TYPE_CHECKING:
+    from pagedgen.bench.loaded import BenchModel, BenchTokenizer
+    from pagedgen.engine.config import EngineConfig
+    from pagedgen.engine.engine import Engine
+    from pagedgen.engine.request import Request
 
 SHARED_PROMPT = "shared-prompt"
 MULTI_TURN = "multi-turn"
@@ -55,7 +52,7 @@ class PrefixWorkload:
 
 def build_prefix_workload(
     name: str,
-    tokenizer: Any,
+    tokenizer: BenchTokenizer,
     *,
     concurrency: int = 4,
     system_len: int = 1024,
@@ -128,13 +125,13 @@ class _Client:
     turns: tuple[tuple[tuple[int, ...], int], ...]
     history: list[int]
     next_turn: int = 0
-    request: Any = None
+    request: Request | None = None
     submitted: float = 0.0
     first_token: bool = False
     slots: list[int] = field(default_factory=list)  # result index of each of its turns
 
 
-def run_prefix_workload(model: Any, workload: PrefixWorkload, config: Any) -> PrefixRun:
+def run_prefix_workload(model: BenchModel, workload: PrefixWorkload, config: EngineConfig) -> PrefixRun:
     """Run every client's turns to completion on a fresh Engine (closed loop); raises EngineError on a
     failure or a turn that ends before its output length."""
     from pagedgen.engine.engine import Engine
@@ -146,7 +143,7 @@ def run_prefix_workload(model: Any, workload: PrefixWorkload, config: Any) -> Pr
         engine.close()
 
 
-def _drive(engine: Any, model: Any, workload: PrefixWorkload, caching: bool) -> PrefixRun:
+def _drive(engine: Engine, model: BenchModel, workload: PrefixWorkload, caching: bool) -> PrefixRun:
     from pagedgen.engine.events import EngineEventFlags, FinishReason
     from pagedgen.engine.request import GeneratorParams, RequestOptions, TurnOptions
 
@@ -234,7 +231,7 @@ class PrefixComparison:
 
 
 def compare_caching(
-    model: Any, workload: PrefixWorkload, config: Any, log: Callable[[str], None] = print
+    model: BenchModel, workload: PrefixWorkload, config: EngineConfig, log: Callable[[str], None] = print
 ) -> PrefixComparison:
     """Run ``workload`` with prefix caching off, then on (``config`` otherwise unchanged)."""
     import dataclasses

@@ -12,9 +12,14 @@ from __future__ import annotations
 import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedgen.engine.outcomes import Phase
+
+if TYPE_CHECKING:
+    from pagedgen.engine.engine import Engine
+    from pagedgen.engine.events import EngineEventBuffer
+    from pagedgen.engine.faults import FaultInjector
 
 PHASE_GROUPS: dict[str, tuple[Phase, ...]] = {
     "planning": (Phase.PLAN, Phase.RESERVE, Phase.CHECKPOINT),
@@ -33,7 +38,7 @@ class ProfileUnavailable(RuntimeError):
 class PhaseClock:
     """Timestamps phase entries and forwards them to the wrapped fault injector."""
 
-    def __init__(self, inner: Any):
+    def __init__(self, inner: FaultInjector):
         self.inner = inner
         self.marks: list[tuple[Phase, float]] = []
 
@@ -73,7 +78,7 @@ class StepProfiler:
     samples: list[StepSample] = field(default_factory=list)
     _clock: PhaseClock | None = None
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: Engine) -> None:
         """Put a :class:`PhaseClock` in the engine step's phase seam. Raises :class:`ProfileUnavailable`."""
         step = getattr(engine, "_step", None)
         if step is None or not hasattr(step, "faults"):
@@ -82,7 +87,7 @@ class StepProfiler:
             step.faults = PhaseClock(step.faults)
         self._clock = step.faults
 
-    def run(self, engine: Any, buffer: Any) -> Any:
+    def run(self, engine: Engine, buffer: EngineEventBuffer) -> EngineEventBuffer:
         """``engine.run(buffer)``, timed; records a sample when the call executed the model."""
         if self._clock is None:
             raise ProfileUnavailable("StepProfiler.run before attach(engine)")

@@ -16,7 +16,11 @@ import json
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedgen.models.model import Model
+    from pagedgen.models.tokenizer import Tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 BYTE_OFFSET = 3  # keep ids clear of the usual specials 0..2 (bos / eos / pad in most configs)
@@ -75,7 +79,7 @@ class ByteTokenizer:
         return data.decode("utf-8", errors="replace")
 
 
-def bench_tokenizer(model: Any, checkpoint_dir: Path) -> Any:
+def bench_tokenizer(model: Model, checkpoint_dir: Path) -> Tokenizer | ByteTokenizer:
     """The model's tokenizer when the checkpoint has one, else a :class:`ByteTokenizer`."""
     if has_tokenizer(checkpoint_dir):
         from pagedgen.models.tokenizer import Tokenizer

@@ -1,14 +1,9 @@
 """The physical limit a throughput is judged against: this machine's fp32 GEMM rate and the workload's FLOPs.
 
-``% of roofline`` = the workload's model FLOPs / wall time / the GEMM rate torch reaches on a large square
-fp32 matmul with the same thread count. The FLOPs are the *useful* work of a decoder that computes logits
-only for sampled rows, identical for every system, so the fraction compares systems on one scale:
-
-* every forwarded token (prompt, and each generated token but the last) pays ``2 * linear_params``;
-* its attention pays ``4 * layers * q_heads * head_dim * kv_len`` (QK^T and PV over its causal context);
-* each generated token's logits row pays ``2 * hidden * vocab`` (the LM head).
-
-Decode-heavy workloads are memory-bound, so their fraction is naturally far below 1.
+Why FLOPs of useful work: a decoder that computes logits only for sampled rows does the same arithmetic
+whatever system runs it, so the fraction of the machine's fp32 GEMM rate compares the systems on one scale.
+Decode-heavy workloads are memory-bound, so their fraction is naturally far below 1. docs/performance.md,
+"Module notes: ops and bench", has the rest.
 """
 
 from __future__ import annotations
@@ -16,11 +11,23 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import torch
 
 from pagedgen.bench.workloads import BenchRequest
+
+
+class DecoderShape(Protocol):
+    """The config fields the FLOP count reads (:class:`pagedgen.models.config.ModelConfig` has them)."""
+
+    hidden_size: int
+    head_dim: int
+    num_heads: int
+    num_kv_heads: int
+    num_layers: int
+    intermediate_size: int
+    vocab_size: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +39,7 @@ class FlopModel:
     head_flops: int  # 2 * hidden * vocab per logits row
 
     @classmethod
-    def from_config(cls, config: Any) -> FlopModel:
+    def from_config(cls, config: DecoderShape) -> FlopModel:
         """From a :class:`pagedgen.models.config.ModelConfig` (or any object with the same fields)."""
         hidden, d = config.hidden_size, config.head_dim
         q, kv = config.num_heads * d, config.num_kv_heads * d
@@ -56,7 +63,7 @@ class FlopModel:
         return sum(self.request_flops(len(r.prompt_ids), r.output_len) for r in requests)
 
 
-def flop_model_of(model: Any) -> FlopModel | None:
+def flop_model_of(model: object) -> FlopModel | None:
     """The FLOP model of a loaded ``pg.Model``; None for models without a Llama config (the synthetic one)."""
     config = getattr(model, "config", None)
     needed = ("hidden_size", "head_dim", "num_heads", "num_kv_heads", "num_layers", "intermediate_size")

@@ -18,12 +18,16 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pagedgen.bench.extras import require
 from pagedgen.bench.workloads import BenchRequest
+
+if TYPE_CHECKING:
+    import httpx
 
 PERCENTILES = (50, 90, 99)
 
@@ -175,7 +179,7 @@ def chunk_has_text(payload: dict[str, Any]) -> bool:
 
 
 async def send_request(
-    client: Any, url: str, model: str, request: BenchRequest, headers: dict[str, str]
+    client: httpx.AsyncClient, url: str, model: str, request: BenchRequest, headers: dict[str, str]
 ) -> RequestResult:
     """One streaming completion; never raises (a failure is recorded in the result)."""
     result = RequestResult(request.index, len(request.prompt_ids))
@@ -279,7 +283,7 @@ def format_summary(summary: ServeSummary) -> str:
     return "\n".join(lines)
 
 
-def plot_latency_vs_rate(summaries: Sequence[ServeSummary], path: Any) -> bool:
+def plot_latency_vs_rate(summaries: Sequence[ServeSummary], path: Path) -> bool:
     """TTFT / TPOT / E2E (p50 and p99) against request rate; False with fewer than two finite rates."""
     points = [s for s in summaries if not math.isinf(s.request_rate) and s.completed]
     if len(points) < 2:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,7 +24,15 @@ from pagedgen.bench.records import BenchRecord, RunStatus, SystemRun, SystemSkip
 from pagedgen.bench.roofline import flop_model_of
 from pagedgen.bench.workloads import BenchRequest, WorkloadSpec, build_workload
 from pagedgen.errors import EngineError
-from pagedgen.ops.gemm_threads import torch_pool
+from pagedgen.ops.matmul.gemm_threads import torch_pool
+
+if TYPE_CHECKING:
+    from pagedgen.bench.loaded import BenchModel, BenchTokenizer
+    from pagedgen.engine.config import EngineConfig
+    from pagedgen.engine.engine import Engine
+    from pagedgen.engine.events import EngineEventBuffer
+    from pagedgen.models.model import Model
+    from pagedgen.spec.driver import DraftDriver
 
 WARMUP_REQUESTS = 2
 WARMUP_TOKENS = 4
@@ -47,7 +55,7 @@ class PagedgenOptions:
     num_speculative_tokens: int = 4
     cuda_graphs: bool = True
 
-    def engine_config(self, max_batch_size: int | None = None) -> Any:
+    def engine_config(self, max_batch_size: int | None = None) -> EngineConfig:
         from pagedgen.engine.config import EngineConfig
 
         return EngineConfig(
@@ -69,9 +77,9 @@ class PagedgenRun:
 
 
 def run_pagedgen(
-    model: Any,
+    model: BenchModel,
     requests: Sequence[BenchRequest],
-    config: Any,
+    config: EngineConfig,
     *,
     profile: bool = False,
     speculative: str | None = None,
@@ -115,12 +123,12 @@ def run_pagedgen(
 
 
 def _drive(
-    engine: Any,
-    buffer: Any,
-    model: Any,
+    engine: Engine,
+    buffer: EngineEventBuffer,
+    model: BenchModel,
     requests: Sequence[BenchRequest],
     profiler: StepProfiler | None,
-    drafter: Any = None,
+    drafter: DraftDriver | None = None,
     progress: ProgressLine | None = None,
 ) -> tuple[list[list[int]], int]:
     """Submit all requests, run the engine loop to completion (``drafter`` proposing before each step);
@@ -179,7 +187,7 @@ class Reference:
     name: str
 
 
-def reference_name(model: Any) -> str:
+def reference_name(model: BenchModel) -> str:
     """``"pagedgen fp32"`` for a float32 model (the bench's case), else the dtype it ran in; a model that
     records its weight format (``weights_format``: native blocks or float32) says which."""
     dtype = getattr(model, "dtype", torch.float32)
@@ -205,8 +213,8 @@ def warmup_requests(requests: Sequence[BenchRequest]) -> list[BenchRequest]:
 
 def bench_workload(
     spec: WorkloadSpec,
-    model: Any,
-    tokenizer: Any,
+    model: BenchModel,
+    tokenizer: BenchTokenizer,
     options: PagedgenOptions,
     baselines: dict[str, SystemRunner],
     *,
@@ -214,7 +222,7 @@ def bench_workload(
     profile: bool = False,
     result: ThroughputResult,
     log: Callable[[str], None] = print,
-    reference_model: Any = None,
+    reference_model: Model | None = None,
 ) -> None:
     """Run ``spec`` on pagedgen then on every baseline (in the given order); appends records to ``result``.
 
@@ -296,9 +304,9 @@ def _record_pagedgen(
 
 def _bench_speculative(
     spec: WorkloadSpec,
-    model: Any,
+    model: BenchModel,
     requests: list[BenchRequest],
-    config: Any,
+    config: EngineConfig,
     options: PagedgenOptions,
     costs: tuple[float | None, float | None, int | None],
     batch: int,

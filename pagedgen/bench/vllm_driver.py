@@ -1,17 +1,9 @@
 """Runs vLLM's offline engine for ``pagedgen bench`` inside vLLM's own virtual environment.
 
-vLLM's CPU build pins its own torch, so it lives in a separate venv and this file runs there as a plain
-script (``<venv>/bin/python vllm_driver.py``): it imports only the standard library and vLLM, never pagedgen.
-Protocol, one JSON object per line each way (stdin in, stdout out); anything vLLM prints goes to stderr:
-
-* ``{"model": DIR, "max_num_seqs": N, "enforce_eager": BOOL}`` starts the engine, answered by
-  ``{"ready": {versions, engine arguments, VLLM_CPU_OMP_THREADS_BIND}}``, ``{"skipped": REASON}`` when vLLM
-  cannot be imported, or ``{"error": REASON}``;
-* then each ``{"requests": [[PROMPT_IDS, OUTPUT_LEN], ...]}`` is answered by
-  ``{"outputs": [[TOKEN_IDS], ...], "wall_s": SECONDS}`` (greedy, EOS ignored; only ``generate`` is timed)
-  or ``{"error": REASON}``.
-
-The driver exits when its stdin closes.
+Why a driver: vLLM's CPU build pins its own torch, so it lives in a separate venv and this file runs there as
+a plain script (``<venv>/bin/python vllm_driver.py``) that imports only the standard library and vLLM, never
+pagedgen, and speaks one JSON object per line each way. docs/performance.md, "Module notes: ops and bench",
+has the rest.
 """
 
 from __future__ import annotations
@@ -21,10 +13,13 @@ import os
 import sys
 import time
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import vllm
 
 
-def start(message: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+def start(message: dict[str, Any]) -> tuple[vllm.LLM, dict[str, Any]]:
     import vllm
 
     args = {
@@ -52,7 +47,7 @@ def start(message: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     return llm, info
 
 
-def generate(llm: Any, requests: list[list[Any]]) -> dict[str, Any]:
+def generate(llm: vllm.LLM, requests: list[list[Any]]) -> dict[str, Any]:
     from vllm import SamplingParams
 
     prompts = [{"prompt_token_ids": [int(t) for t in ids]} for ids, _ in requests]

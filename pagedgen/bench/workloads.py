@@ -14,9 +14,12 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from pagedgen.bench.loaded import BenchTokenizer
 
 BENCH_TEXT = """\
 The harbour town woke slowly in the winter months. Before the sun had cleared the eastern hills, the baker
@@ -153,7 +156,7 @@ class BenchRequest:
     output_len: int
 
 
-def text_tokens(tokenizer: Any) -> list[int]:
+def text_tokens(tokenizer: BenchTokenizer) -> list[int]:
     """The token ids of :data:`BENCH_TEXT` under ``tokenizer``; raises ValueError if there are none."""
     tokens = [int(t) for t in tokenizer.encode(BENCH_TEXT)]
     if not tokens:
@@ -161,7 +164,7 @@ def text_tokens(tokenizer: Any) -> list[int]:
     return tokens
 
 
-def build_workload(spec: WorkloadSpec, tokenizer: Any) -> list[BenchRequest]:
+def build_workload(spec: WorkloadSpec, tokenizer: BenchTokenizer) -> list[BenchRequest]:
     """The requests of ``spec``: lengths, then prompt offsets, drawn in that order from one seeded stream.
 
     A prompt is ``stream[offset : offset + input_len]`` with ``offset`` in ``[0, len(text tokens))`` and the
@@ -184,7 +187,7 @@ def build_workload(spec: WorkloadSpec, tokenizer: Any) -> list[BenchRequest]:
     return requests
 
 
-def repeat_text(tokenizer: Any, offset: int, max_tokens: int) -> str:
+def repeat_text(tokenizer: BenchTokenizer, offset: int, max_tokens: int) -> str:
     """The text a repeat workload asks for: whole sentences of :data:`BENCH_TEXT` from the start of paragraph
     ``offset mod paragraphs`` on (continuing into the next paragraphs), as many as fit ``max_tokens`` tokens.
     Hard line breaks become spaces: a fixed text to copy, not a layout the model would reflow."""
@@ -200,7 +203,7 @@ def repeat_text(tokenizer: Any, offset: int, max_tokens: int) -> str:
     return text
 
 
-def repeat_prompt(tokenizer: Any, text: str) -> list[int]:
+def repeat_prompt(tokenizer: BenchTokenizer, text: str) -> list[int]:
     """Token ids of a user message asking to repeat ``text`` (chat template when the tokenizer has one, the
     bare message otherwise)."""
     message = REPEAT_INSTRUCTION + text

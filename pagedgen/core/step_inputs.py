@@ -89,7 +89,7 @@ class StepInputs:
     fixed: FixedStateInputs | None = None  # set for models with fixed conv / recurrent state
     # Rows that verify drafts: each of their tokens attends like a decode of its own (the keys through its
     # position), so attention plans them as single-token decode rows and a step of decodes and draft rows
-    # stays a pure decode step for the kernels (pagedgen.ops.attention.plan_attention).
+    # stays a pure decode step for the kernels (pagedgen.ops.mixers.attention.plan_attention).
     verify_rows: tuple[int, ...] = ()
     # The host copies the tensors above were transferred from (pagedgen.executor.inputs.pack_step sets them).
     # None for inputs built elsewhere and for a captured CUDA graph's static inputs, whose per-step lengths

@@ -29,10 +29,13 @@ import torch
 
 from pagedgen.engine.errors import InvalidArgumentError
 from pagedgen.engine.isolation import DEFAULT_MAX_STEP_RETRIES
+from pagedgen.parallel.launch import Launcher, Placement
 
 DEFAULT_MAX_SCHEDULED_TOKENS = 2048
 AUTO_KV_MEMORY_FRACTION = 0.25
 DEFAULT_MAX_DRAFT_TOKENS = 8
+TENSOR_PARALLEL_LAUNCHERS = tuple(m.value for m in Launcher)
+TENSOR_PARALLEL_PLACEMENTS = tuple(m.value for m in Placement)
 DEFAULT_CPU_MIXED_STEP_TOKENS = 512  # docs/performance.md, "Latency fairness": about 0.6 s on 2 cores
 
 
@@ -63,8 +66,11 @@ class EngineConfig:
     fixed conv / recurrent state the engine turns it off (``engine.stats().prefix_caching`` says which);
     ``cuda_graphs`` replays captured CUDA graphs for pure decode steps on a CUDA device (ignored on the CPU,
     and for models with sliding-window or fixed state; :mod:`pagedgen.executor.cuda_graphs`);
-    ``tensor_parallel_size`` splits the model over that many ranks (local processes over torch.distributed,
-    Llama family only; docs/tensor-parallel.md).
+    ``tensor_parallel_size`` splits the model over that many ranks (over torch.distributed, Llama family
+    only; docs/tensor-parallel.md); ``tensor_parallel_launcher`` starts ranks ``1..T-1`` as ``"local"``
+    processes on this machine (the default) or as ``"ray"`` actors in a placement group whose strategy is
+    ``tensor_parallel_placement`` (``"STRICT_PACK"``, the default: one node; ``"SPREAD"``, ``"PACK"`` or
+    ``"STRICT_SPREAD"`` to use other machines).
     """
 
     max_batch_size: int = 16
@@ -81,6 +87,8 @@ class EngineConfig:
     prefix_caching: bool = True
     cuda_graphs: bool = True
     tensor_parallel_size: int = 1
+    tensor_parallel_launcher: str = "local"
+    tensor_parallel_placement: str = "STRICT_PACK"
 
     def __post_init__(self) -> None:
         _positive_int("max_batch_size", self.max_batch_size)
@@ -100,6 +108,14 @@ class EngineConfig:
             raise InvalidArgumentError(
                 f"EngineConfig.max_draft_tokens must be an int >= 0, got {self.max_draft_tokens!r}"
             )
+        for name, choices in (
+            ("tensor_parallel_launcher", TENSOR_PARALLEL_LAUNCHERS),
+            ("tensor_parallel_placement", TENSOR_PARALLEL_PLACEMENTS),
+        ):
+            if getattr(self, name) not in choices:
+                raise InvalidArgumentError(
+                    f"EngineConfig.{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}"
+                )
         for name in ("dynamic_batching", "debug_invariants", "prefix_caching", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")

@@ -135,7 +135,13 @@ class Engine:
             from pagedgen.parallel.runner import TensorParallelRunner
 
             self._runner: Any = TensorParallelRunner(
-                model, config.tensor_parallel_size, self.num_blocks, config.block_size, window_blocks
+                model,
+                config.tensor_parallel_size,
+                self.num_blocks,
+                config.block_size,
+                window_blocks,
+                launcher=config.tensor_parallel_launcher,
+                placement=config.tensor_parallel_placement,
             )
         else:
             self._runner = ModelRunner(

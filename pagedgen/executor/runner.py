@@ -26,10 +26,10 @@ from pagedgen.executor.cuda_graphs import (
     StaticDecodeBuffers,
 )
 from pagedgen.models.llama import Linear
-from pagedgen.ops.attention import check_step_slots
-from pagedgen.ops.cpu_memory import retain_freed_cpu_memory
-from pagedgen.ops.gemm import gemm_step
-from pagedgen.ops.gemm_tune import adapt_to_model
+from pagedgen.ops.kernels.cpu_memory import retain_freed_cpu_memory
+from pagedgen.ops.matmul.gemm import gemm_step
+from pagedgen.ops.matmul.gemm_tune import adapt_to_model
+from pagedgen.ops.mixers.attention import check_step_slots
 
 
 class RetryableExecutionError(PagedGenError, RuntimeError):
@@ -87,8 +87,8 @@ class ModelRunner:
     def adapt_gemm(self, max_batch_size: int, max_scheduled_tokens: int, chunk_size: int | None) -> None:
         """Pick the GEMM backend per step size, and for weights kept in their stored format the quantized
         path per kind and row count, for this machine and model (measured once per machine, then read from
-        the cache; :mod:`pagedgen.ops.gemm_tune`). A no-op for models with neither CPU fp32 nor quantized
-        linear layers and for tables that were pinned."""
+        the cache; :mod:`pagedgen.ops.matmul.gemm_tune`). A no-op for models with neither CPU fp32 nor
+        quantized linear layers and for tables that were pinned."""
         adapt_to_model(self.runtime, (Linear,), max_batch_size, max_scheduled_tokens, chunk_size)
 
     def execute(self, inputs: StepInputs) -> torch.Tensor:
@@ -122,7 +122,7 @@ class ModelRunner:
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """One eager model call (also what a graph captures)."""
         # The step's token count steers every linear call: no thread-pool hand-over mid-step, e.g.
-        # between a prefill's layers and its few-row LM head (pagedgen.ops.gemm.gemm_step).
+        # between a prefill's layers and its few-row LM head (pagedgen.ops.matmul.gemm.gemm_step).
         with torch.inference_mode(), gemm_step(inputs.num_tokens):
             return self.runtime.forward(inputs, self.kv_cache)  # [R, vocab]
 

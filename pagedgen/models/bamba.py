@@ -6,7 +6,7 @@ Written like the paper: token embedding -> N x (RMSNorm, mixer, residual, RMSNor
     z, xBC, dt = in_proj(h)
     x, B, C = silu(causal_depthwise_conv(xBC))                        (L taps per channel)
     dt = clamp(softplus(dt + dt_bias), time_step_limit);  A = -exp(A_log)
-    y = selective_scan(x, dt, A, B, C) + D * x                        (pagedgen.ops.ssm)
+    y = selective_scan(x, dt, A, B, C) + D * x                        (pagedgen.ops.mixers.ssm)
     out_proj(gated_group_rmsnorm(y, silu(z)))
 
 and that of the ``attn_layer_indices`` layers is attention with RoPE on the first ``partial_rotary_factor``
@@ -26,7 +26,7 @@ keeps two fixed states per request (:class:`~pagedgen.core.fixed_state_spec.Fixe
 - ``mamba_conv.<layer>`` (fixed_conv): the convolution's last ``L - 1`` inputs, ``[L - 1, conv_dim]``,
   oldest first, in the model's dtype (they are activations of that dtype: storing them loses nothing);
 - ``mamba_ssm.<layer>`` (fixed_recurrent): the SSM state ``[heads, head_dim, d_state]``, always float32 (it
-  decays and accumulates every token; see :mod:`pagedgen.ops.ssm`).
+  decays and accumulates every token; see :mod:`pagedgen.ops.mixers.ssm`).
 
 A step reads each row's committed states from ``inputs.fixed.inputs`` and writes the states after its last
 token to ``inputs.fixed.outputs``; the engine publishes them only when the step commits, so chunked prefill
@@ -46,10 +46,10 @@ from pagedgen.core.step_inputs import FixedStateInputs, StepInputs
 from pagedgen.models.config import ModelConfig
 from pagedgen.models.lfm2 import CausalConv1d
 from pagedgen.models.llama import MLP, Embedding, Linear, RMSNorm, RotaryEmbedding, TiedHead, _param
-from pagedgen.ops.attention import AttentionPlan, paged_attention, plan_attention, write_kv
-from pagedgen.ops.conv import packed_causal_conv
-from pagedgen.ops.layer_ops import apply_rotary_, silu_and_mul
-from pagedgen.ops.ssm import packed_selective_scan
+from pagedgen.ops.layers.layer_ops import apply_rotary_, silu_and_mul
+from pagedgen.ops.mixers.attention import AttentionPlan, paged_attention, plan_attention, write_kv
+from pagedgen.ops.mixers.conv import packed_causal_conv
+from pagedgen.ops.mixers.ssm import packed_selective_scan
 
 
 def conv_state_name(layer: int) -> str:

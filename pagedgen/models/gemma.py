@@ -15,9 +15,9 @@ final soft-cap ``cap * tanh(logits / cap)``. Gemma's traits, each as transformer
 Module and parameter names follow HF's ``Gemma2ForCausalLM`` / ``Gemma3ForCausalLM``, so a state dict loads
 by name. On float32 CPU activations the norms and the activation run as the native layer ops (the norm's
 ``1 + weight`` formed once after loading), so a pure decode step can run every layer in one native call
-(:mod:`pagedgen.ops.decoder_layers`) with the same bits; soft-capped attention (Gemma 2) stays per layer.
-Every layer keeps paged K/V (KV-spec layer ``i`` is decoder layer ``i``); the local layers keep theirs in
-window rings when the engine gives the step rings, as Mistral's do.
+(:mod:`pagedgen.ops.layers.decoder_layers`) with the same bits; soft-capped attention (Gemma 2) stays per
+layer. Every layer keeps paged K/V (KV-spec layer ``i`` is decoder layer ``i``); the local layers keep theirs
+in window rings when the engine gives the step rings, as Mistral's do.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from pagedgen.models.llama import (
     decoder_dims,
     fused_layer_parts,
 )
-from pagedgen.ops.attention import AttentionPlan, plan_attention
-from pagedgen.ops.decoder_layers import FusedDecoder, LayerWeights
-from pagedgen.ops.layer_ops import Activation, add_rms_norm, gated_activation, rms_norm
+from pagedgen.ops.layers.decoder_layers import FusedDecoder, LayerWeights
+from pagedgen.ops.layers.layer_ops import Activation, add_rms_norm, gated_activation, rms_norm
+from pagedgen.ops.mixers.attention import AttentionPlan, plan_attention
 
 
 def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:

@@ -54,8 +54,8 @@ from pagedgen.models.gguf_reader import (
 from pagedgen.models.gguf_tokenizer import gguf_tokenizer_files
 from pagedgen.models.native_weights import native_blocks, write_native_file
 from pagedgen.models.safetensors_stream import TensorSpec, write_safetensors
-from pagedgen.ops.quant_gemm import dequantize
-from pagedgen.ops.qweight import NATIVE_GGUF_TYPES, QuantizedWeight
+from pagedgen.ops.matmul.quant_gemm import dequantize
+from pagedgen.ops.matmul.qweight import NATIVE_GGUF_TYPES, QuantizedWeight
 
 log = logging.getLogger(__name__)
 
@@ -208,8 +208,8 @@ def _float32_rows(file: GGUFFile, plan: WeightPlan, config: ModelConfig) -> Iter
 
     Why chunks: the 262k-row embedding of a Gemma 3 file is 671 MB as float32, and gguf-py's dequantiser
     holds several arrays of that size at once. A native-type 2-D tensor is expanded from its (already
-    unpermuted) blocks by :func:`pagedgen.ops.quant_gemm.dequantize`, bit-identical to gguf-py; any other
-    tensor (norms, biases) is small and goes whole through :func:`dequantize_weight`.
+    unpermuted) blocks by :func:`pagedgen.ops.matmul.quant_gemm.dequantize`, bit-identical to gguf-py; any
+    other tensor (norms, biases) is small and goes whole through :func:`dequantize_weight`.
     """
     blocks = native_blocks(file, plan, config)
     if blocks is None:

@@ -29,9 +29,9 @@ from pagedgen.core.state_manifest import StateKind
 from pagedgen.core.step_inputs import StepInputs
 from pagedgen.models.config import ModelConfig
 from pagedgen.models.llama import Embedding, Linear, RMSNorm, RotaryEmbedding, TiedHead, _param
-from pagedgen.ops.attention import AttentionPlan, paged_attention, plan_attention, write_kv
-from pagedgen.ops.conv import packed_causal_conv
-from pagedgen.ops.layer_ops import apply_rotary_
+from pagedgen.ops.layers.layer_ops import apply_rotary_
+from pagedgen.ops.mixers.attention import AttentionPlan, paged_attention, plan_attention, write_kv
+from pagedgen.ops.mixers.conv import packed_causal_conv
 
 
 def conv_state_name(layer: int) -> str:

@@ -22,9 +22,8 @@ from torch import nn
 from pagedgen.core.kv import KVSpec, PagedKVCache
 from pagedgen.core.step_inputs import StepInputs
 from pagedgen.models.config import ModelConfig, RopeConfig
-from pagedgen.ops.attention import AttentionPlan, paged_attention, plan_attention, write_kv
-from pagedgen.ops.decoder_layers import DecoderDims, FusedDecoder, LayerWeights
-from pagedgen.ops.layer_ops import (
+from pagedgen.ops.layers.decoder_layers import DecoderDims, FusedDecoder, LayerWeights
+from pagedgen.ops.layers.layer_ops import (
     Activation,
     add_rms_norm,
     apply_rotary_,
@@ -33,9 +32,10 @@ from pagedgen.ops.layer_ops import (
     rms_norm_heads_,
     silu_and_mul,
 )
-from pagedgen.ops.linear import linear
-from pagedgen.ops.quant_gemm import embedding
-from pagedgen.ops.qweight import QuantizedWeight, concat_rows
+from pagedgen.ops.matmul.linear import linear
+from pagedgen.ops.matmul.quant_gemm import embedding
+from pagedgen.ops.matmul.qweight import QuantizedWeight, concat_rows
+from pagedgen.ops.mixers.attention import AttentionPlan, paged_attention, plan_attention, write_kv
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -54,8 +54,8 @@ def _set_weight(module: nn.Module, weight: torch.Tensor | QuantizedWeight) -> No
 
 
 class Linear(nn.Module):
-    """``y = x W^T + b`` through :func:`pagedgen.ops.linear.linear`; ``weight`` is ``[out, in]`` (a tensor,
-    or a :class:`QuantizedWeight` when the checkpoint's format is kept)."""
+    """``y = x W^T + b`` through :func:`pagedgen.ops.matmul.linear.linear`; ``weight`` is ``[out, in]`` (a
+    tensor, or a :class:`QuantizedWeight` when the checkpoint's format is kept)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()
@@ -422,7 +422,7 @@ class LlamaForCausalLM(TiedHead, nn.Module):
 
     def fuse_projections(self) -> None:
         """Fuse each layer's q/k/v and gate/up weights (after loading; the state-dict names stay valid), and
-        build the one-call decode path (:mod:`pagedgen.ops.decoder_layers`) when the weights allow it."""
+        build the one-call decode path (:mod:`pagedgen.ops.layers.decoder_layers`) when the weights allow."""
         for layer in self.model.layers:
             layer.self_attn.fuse_qkv()
             layer.mlp.fuse_gate_up()

@@ -36,7 +36,7 @@ from pagedgen.models.native_weights import (
 )
 from pagedgen.models.tokenizer import Tokenizer
 from pagedgen.models.weights import load_weights
-from pagedgen.ops.qweight import Q8_ACTIVATION_TYPES, QuantizedWeight
+from pagedgen.ops.matmul.qweight import Q8_ACTIVATION_TYPES, QuantizedWeight
 
 # Family key (ModelConfig.architecture) -> runtime class. The Llama families share one implementation, and
 # Gemma 2 and 3 another.

@@ -2,7 +2,7 @@
 
 ``"native"`` keeps every 2-D weight whose format has a kernel (every GGUF type the reader accepts but F32:
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K, F16, BF16; f16/bf16 safetensors) as a
-:class:`~pagedgen.ops.qweight.QuantizedWeight`; other tensors (norms, biases) become float32 as before.
+:class:`~pagedgen.ops.matmul.qweight.QuantizedWeight`; other tensors (norms, biases) become float32 as before.
 ``"float32"`` dequantises everything at load (the behaviour before native weights, and the only one without
 the native kernels).
 
@@ -28,7 +28,7 @@ from pagedgen.errors import ModelLoadError
 from pagedgen.models.config import ModelConfig
 from pagedgen.models.gguf_reader import GGUFFile, WeightPlan, unpermute_qk
 from pagedgen.models.safetensors_stream import TensorSpec, write_safetensors
-from pagedgen.ops.qweight import NATIVE_GGUF_TYPES, QuantizedWeight
+from pagedgen.ops.matmul.qweight import NATIVE_GGUF_TYPES, QuantizedWeight
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +58,8 @@ def resolve_weight_format(
         return weights, "requested"
     if device.type != "cpu" or dtype is not torch.float32:
         return WeightFormat.FLOAT32, f"native weights run on CPU float32 only, not {device.type} {dtype}"
-    from pagedgen.ops.native import native_status
-    from pagedgen.ops.quant_gemm import quant_kernels
+    from pagedgen.ops.kernels.native import native_status
+    from pagedgen.ops.matmul.quant_gemm import quant_kernels
 
     if quant_kernels() is None:
         reason = f"native weights need the native kernels, which are off: {native_status().detail}"

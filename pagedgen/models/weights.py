@@ -5,8 +5,9 @@ carry a redundant ``lm_head.weight``, and old checkpoints a ``rotary_emb.inv_fre
 Every problem raises :class:`ModelLoadError` naming the checkpoint and the tensors, before the model is
 touched, so a refused load leaves nothing half-assigned.
 
-A :class:`~pagedgen.ops.qweight.QuantizedWeight` (a weight kept in its stored format) replaces its parameter
-with a plain attribute of the same name: modules pass it to :func:`pagedgen.ops.linear.linear` unchanged.
+A :class:`~pagedgen.ops.matmul.qweight.QuantizedWeight` (a weight kept in its stored format) replaces its
+parameter with a plain attribute of the same name: modules pass it to
+:func:`pagedgen.ops.matmul.linear.linear` unchanged.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from pagedgen.errors import ModelLoadError
-from pagedgen.ops.qweight import QuantizedWeight
+from pagedgen.ops.matmul.qweight import QuantizedWeight
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _EMBEDDING = "model.embed_tokens.weight"

@@ -3,8 +3,9 @@
 :class:`TensorParallelRunner` stands where :class:`pagedgen.executor.runner.ModelRunner` stands (the same
 ``device``, ``execute``, ``adapt_gemm`` and ``release``), so the engine's scheduler, sampler and step
 transaction are the single-rank ones, unchanged, in the engine's process. Each step it checks the step's
-slots, sends the packed inputs to every other rank (local processes, one pipe each) and runs its own shard's
-forward; the row-parallel layers' all-reduces keep the ranks in lockstep. Only rank 0 computes logits.
+slots, sends the packed inputs to every other rank (local processes or Ray actors, one connection each:
+:mod:`pagedgen.parallel.launch`) and runs its own shard's forward; the row-parallel layers' all-reduces
+keep the ranks in lockstep. Only rank 0 computes logits.
 
 Why the transaction needs nothing more: a step that fails before ``execute`` sends nothing, and the K/V a
 rolled-back step wrote lie in slots that the cache manager discards on every rank alike. A failure after
@@ -14,69 +15,76 @@ later ``execute`` raises the same at once. A worker's death is seen before the n
 exited) or inside it (the collective fails at once when its sockets close); a hung rank fails the
 collective after the group's timeout. Nothing waits forever.
 
-On the CPU each rank gets ``cpus // T`` threads, rank 0 included (a process-wide setting, restored by
-``release``): more threads than cores across the ranks makes their spinning pools fight.
+On the CPU each rank gets ``cpus // T`` threads, rank 0 included (a process-wide setting, held through the
+counted guard of :mod:`pagedgen.parallel.threads` and given back by ``release``): more threads than cores
+across the ranks makes their spinning pools fight.
 """
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing
-import os
-import subprocess
-import sys
 import threading
 import weakref
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 
-from pagedgen.errors import PagedGenError
 from pagedgen.executor.runner import ModelRunner
-from pagedgen.ops.gemm_threads import (
-    configure_cpu_threads,
-    current_thread_settings,
-    set_blas_num_threads,
-    torch_pool,
-    usable_cpus,
-)
+from pagedgen.ops.matmul.gemm_threads import usable_cpus
 from pagedgen.parallel.comm import DEFAULT_TIMEOUT_S, join_group, serve_store
-from pagedgen.parallel.messages import AdaptGemm, Done, Failed, Ready, StepMessage, Stop
+from pagedgen.parallel.launch import (
+    Launcher,
+    LocalLauncher,
+    Placement,
+    RankFailedError,
+    RankLauncher,
+    RankProcess,
+    stop_ranks,
+)
+from pagedgen.parallel.messages import AdaptGemm, Done, Failed, Ready, StepMessage
 from pagedgen.parallel.plan import TensorParallelError
 from pagedgen.parallel.shard import check_family, plan_for, shard_llama, weight_bytes
+from pagedgen.parallel.threads import cpu_threads
 from pagedgen.parallel.worker import ModelSource, ShardedModel, WorkerSpec
 
 STARTUP_TIMEOUT_S = 600.0  # a worker loads the whole checkpoint before it cuts its shard
-STOP_TIMEOUT_S = 10.0
 
 
-class RankFailedError(PagedGenError, RuntimeError):
-    """A tensor-parallel rank died, hung past the timeout or failed mid-step: the ranks are out of step."""
+__all__ = ["RankFailedError", "TensorParallelRunner"]
+
+
+def make_launcher(launcher: Launcher, placement: Placement, device: torch.device, world: int) -> RankLauncher:
+    """The launcher of ``launcher``'s kind; a Ray one reserves its placement group here (raises
+    :class:`TensorParallelError` when the cluster cannot place it). Ray is imported only for ``ray``."""
+    if launcher is Launcher.LOCAL:
+        return LocalLauncher()
+    from pagedgen.parallel.ray_ranks import RayLauncher
+
+    return RayLauncher(world, device, placement)
 
 
 class _Worker:
-    """One worker process (``python -m pagedgen.parallel``) and rank 0's end of its pipe.
+    """One rank other than 0: its process (a subprocess or a Ray actor) and rank 0's end of its connection."""
 
-    A subprocess rather than a multiprocessing spawn: spawn re-runs the caller's ``__main__`` in the child,
-    which a script without a ``__main__`` guard cannot survive.
-    """
-
-    def __init__(self, rank: int, process: subprocess.Popen, conn: Any):
+    def __init__(self, rank: int, process: RankProcess, conn: Connection):
         self.rank, self.process, self.conn = rank, process, conn
 
     def failure(self, wait_s: float = 0.0) -> str | None:
-        """Why this rank is gone (its last message, or how it exited), or ``None`` while it lives."""
+        """Why this rank is gone (its last message, or how it ended), or ``None`` while it lives."""
+        closed = False
         try:
             if self.conn.poll(wait_s):
                 message = self.conn.recv()
                 if isinstance(message, Failed):
                     return f"tensor-parallel rank {self.rank} failed: {message.error}"
         except (EOFError, OSError):
-            pass
-        code = self.process.poll()
-        if code is None:
-            return None
-        return f"tensor-parallel rank {self.rank} (pid {self.process.pid}) exited with code {code}"
+            closed = True
+        reason = self.process.exit_reason()
+        if reason is not None:
+            return f"tensor-parallel rank {self.rank} ({self.process.label}) {reason}"
+        if closed:
+            return f"tensor-parallel rank {self.rank} ({self.process.label}) closed its connection"
+        return None
 
 
 def _model_source(model: Any) -> ModelSource:
@@ -89,24 +97,12 @@ def _model_source(model: Any) -> ModelSource:
     return ModelSource(str(checkpoint.source), model.dtype, model.weights_format.value, model.activations)
 
 
-def _stop(workers: list[_Worker]) -> None:
-    """Ask every worker to stop, then end the ones that do not (a finalizer: no reference to the runner)."""
-    for worker in workers:
-        with contextlib.suppress(OSError, ValueError):
-            worker.conn.send(Stop())
-    for worker in workers:
-        try:
-            worker.process.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            worker.process.kill()
-            worker.process.wait(STOP_TIMEOUT_S)
-        worker.conn.close()
-
-
 class TensorParallelRunner:
     """The execute phase over ``world`` ranks; ``model`` is the engine's ``pg.Model`` (not changed).
 
-    Raises :class:`TensorParallelError` for a model outside the Llama family or sizes that do not split,
+    ``launcher`` starts ranks ``1..world-1`` as local processes or Ray actors (``placement``: the Ray
+    placement group's strategy; :mod:`pagedgen.parallel.launch`). Raises :class:`TensorParallelError` for a
+    model outside the Llama family, sizes that do not split or a placement the cluster cannot make, and
     :class:`RankFailedError` when a worker fails to start (its error in the message).
     """
 
@@ -119,6 +115,8 @@ class TensorParallelRunner:
         window_blocks: int | None = None,
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        launcher: Launcher | str = Launcher.LOCAL,
+        placement: Placement | str = Placement.STRICT_PACK,
     ):
         config = getattr(model, "config", None)
         family = getattr(config, "architecture", type(model).__name__)  # a model without a config: its type
@@ -127,15 +125,23 @@ class TensorParallelRunner:
         shards = plan_for(model.runtime, world)  # refuses sizes that do not split, before any process starts
         self.world = world
         self.device = torch.device(model.device)
+        self.launcher = make_launcher(Launcher(launcher), Placement(placement), self.device, world)
+        ranks: list[tuple[RankProcess, Connection]] = []  # the finalizer's: each rank joins as it starts
+        self._finalizer = weakref.finalize(self, stop_ranks, ranks, self.launcher)
         threads = max(1, usable_cpus() // world) if self.device.type == "cpu" else None
-        self._threads_before = current_thread_settings()
-        if threads is not None:
-            configure_cpu_threads(threads)
-        store, address = serve_store(world, timeout_s)
+        self._threads = None if threads is None else cpu_threads.acquire(threads)
         self._broken: str | None = None
-        self._workers = self._spawn(address, source, num_blocks, block_size, window_blocks, threads)
-        self._finalizer = weakref.finalize(self, _stop, self._workers)
+        self._workers: list[_Worker] = []
         try:
+            store, address = serve_store(world, timeout_s, self.launcher.host)
+            for rank in range(1, world):
+                device = self.launcher.worker_device(self.device, rank)
+                geometry = (num_blocks, block_size, window_blocks)
+                spec = WorkerSpec(rank, address, source, device, *geometry, threads)
+                process, conn = self.launcher.start(rank)
+                self._workers.append(_Worker(rank, process, conn))
+                ranks.append((process, conn))
+                conn.send(spec)
             self._reduce = self._join(address, store)
             runtime, report = shard_llama(model.runtime, shards[0], self._reduce)
             view = ShardedModel(runtime, self.device, int(model.vocab_size), int(model.max_context))
@@ -148,22 +154,6 @@ class TensorParallelRunner:
         self.rank_weight_bytes = (weight_bytes(runtime), *(r.weight_bytes for r in ready))
         self.dequantized_slices = (report.dequantized, *(r.dequantized_slices for r in ready))
         self.vocab_size = self._inner.vocab_size
-
-    def _spawn(self, address, source, num_blocks, block_size, window_blocks, threads) -> list[_Worker]:
-        workers = []
-        for rank in range(1, self.world):
-            device = f"cuda:{rank}" if self.device.type == "cuda" else "cpu"
-            spec = WorkerSpec(rank, address, source, device, num_blocks, block_size, window_blocks, threads)
-            parent, child = multiprocessing.Pipe()
-            fd = child.fileno()
-            process = subprocess.Popen(
-                [sys.executable, "-m", "pagedgen.parallel", str(fd)], pass_fds=(fd,), env=dict(os.environ)
-            )
-            child.close()
-            worker = _Worker(rank, process, parent)
-            workers.append(worker)
-            parent.send(spec)
-        return workers
 
     def _join(self, address, store):
         """Rank 0's side of the rendezvous, watching the workers: one that dies first fails it at once."""
@@ -185,16 +175,20 @@ class TensorParallelRunner:
     def _await_ready(self, worker: _Worker) -> Ready:
         waited = 0.0
         while waited < STARTUP_TIMEOUT_S:
-            if worker.conn.poll(1.0):
-                message = worker.conn.recv()
-                if isinstance(message, Ready):
-                    return message
-                if isinstance(message, Failed):
-                    raise RankFailedError(
-                        f"tensor-parallel rank {worker.rank} failed to start: {message.error}\n"
-                        + "".join(message.details)
-                    )
-            elif worker.process.poll() is not None:
+            try:
+                message = worker.conn.recv() if worker.conn.poll(1.0) else None
+            except (EOFError, OSError):
+                raise RankFailedError(
+                    worker.failure() or f"tensor-parallel rank {worker.rank} did not start"
+                ) from None
+            if isinstance(message, Ready):
+                return message
+            if isinstance(message, Failed):
+                raise RankFailedError(
+                    f"tensor-parallel rank {worker.rank} failed to start: {message.error}\n"
+                    + "".join(message.details)
+                )
+            if message is None and worker.process.exit_reason() is not None:
                 raise RankFailedError(worker.failure() or f"tensor-parallel rank {worker.rank} did not start")
             waited += 1.0
         raise RankFailedError(
@@ -251,18 +245,18 @@ class TensorParallelRunner:
         raise RankFailedError(reason) from cause
 
     def release(self) -> None:
-        """Stop every worker and drop the KV storage (engine teardown). Idempotent."""
+        """Stop every worker, remove the launcher's placement (Ray) and drop the KV storage (engine
+        teardown). Idempotent."""
         self._finalizer()
         self._inner.release()
         self._restore_threads()
 
     def _restore_threads(self) -> None:
-        """The process's thread pools as they were before this runner."""
-        before = self._threads_before
-        torch_pool.set_full(before.torch_threads)
-        if before.blas_threads is not None:
-            set_blas_num_threads(before.blas_threads)
+        """Give this runner's thread count back to the process-wide guard (``pagedgen.parallel.threads``)."""
+        if self._threads is not None:
+            cpu_threads.release(self._threads)
 
     @property
     def worker_pids(self) -> tuple[int, ...]:
+        """The local worker processes' ids (``launcher="local"``)."""
         return tuple(w.process.pid for w in self._workers)

@@ -13,7 +13,7 @@ rows, and a column cut falls on a block edge whenever the cut (a multiple of the
 projection's block) is one. A column cut inside a block (a 64-wide head range of a 256-element K-quant
 row) expands that one slice to float32 instead, exactly (``dequantize_column_cuts`` counts them).
 
-The fused decode path (:mod:`pagedgen.ops.decoder_layers`, every layer in one native call) has no point
+The fused decode path (:mod:`pagedgen.ops.layers.decoder_layers`, every layer in one native call) has no point
 between o and the residual add for the all-reduce, so a sharded runtime runs its layers one by one (the
 per-layer path, the same arithmetic; its cost is measured in docs/performance.md).
 """
@@ -27,9 +27,9 @@ import torch
 from torch import nn
 
 from pagedgen.models.llama import DecoderLayer, Linear, LlamaForCausalLM, _set_weight
-from pagedgen.ops.linear import linear
-from pagedgen.ops.quant_gemm import dequantize
-from pagedgen.ops.qweight import QuantizedWeight
+from pagedgen.ops.matmul.linear import linear
+from pagedgen.ops.matmul.quant_gemm import dequantize
+from pagedgen.ops.matmul.qweight import QuantizedWeight
 from pagedgen.parallel.plan import RankShard, TensorParallelError, plan_shards
 
 Weight = torch.Tensor | QuantizedWeight

@@ -1,5 +1,9 @@
 """A tensor-parallel rank other than 0: its own process, its own shard and KV cache, the same forward.
 
+One loop for both launchers (:mod:`pagedgen.parallel.launch`): a local subprocess runs it on an inherited
+pipe, a Ray actor on the socket rank 0 connected to; both are a :class:`Connection` carrying the same
+messages.
+
 The worker joins the group, loads the checkpoint the engine's model came from, keeps its shard (the full
 weights are freed), builds a :class:`ModelRunner` over a KV cache of only its KV heads with the engine's
 block count, and then runs every step rank 0 sends, in order. It never plans, samples or commits: rank 0's
@@ -7,8 +11,8 @@ transaction decides what runs, so a rolled-back step needs nothing here (its K/V
 rank 0's cache manager discards, exactly as on rank 0).
 
 A failure here is reported to rank 0 as :class:`Failed` and ends the process; rank 0 then finds the group
-broken (its next collective fails) and the engine becomes unhealthy. The pipe's end (rank 0 gone) ends the
-worker too, so no rank outlives its engine.
+broken (its next collective fails) and the engine becomes unhealthy. The connection's end (rank 0 gone)
+ends the worker too, so no rank outlives its engine.
 """
 
 from __future__ import annotations
@@ -73,7 +77,7 @@ def _load_shard(spec: WorkerSpec):
     """This rank's group, runner and shard report (the full checkpoint is loaded, cut, then freed)."""
     from pagedgen.executor.runner import ModelRunner
     from pagedgen.models.model import Model
-    from pagedgen.ops.gemm_threads import configure_cpu_threads
+    from pagedgen.ops.matmul.gemm_threads import configure_cpu_threads
 
     device = torch.device(spec.device)
     if spec.threads is not None:

@@ -54,6 +54,7 @@ from pagedgen.server.routes_misc import MiscContext, add_misc_routes, check_mode
 from pagedgen.server.serving import chat_builder, chat_ids, check_text, plan_auto_tools, serve
 from pagedgen.server.updates import SHUTTING_DOWN
 from pagedgen.server.worker import SHUTDOWN_MESSAGE, UNAVAILABLE_MESSAGE, AsyncEngineClient, EngineWorker
+from pagedgen.server.worker_protocol import ServingWorker
 
 if TYPE_CHECKING:
     from pagedgen.engine.config import EngineConfig
@@ -176,7 +177,7 @@ def build_app(
 
 
 def create_app(
-    worker: EngineWorker,
+    worker: ServingWorker,
     tokenizer: TextTokenizer,
     metrics: ServerMetrics,
     options: ServerOptions,

@@ -36,7 +36,8 @@ from pagedgen.server.updates import (
     raise_for,
     unless_disconnected,
 )
-from pagedgen.server.worker import EngineWorker, Finish, JobUpdate
+from pagedgen.server.worker import Finish, JobUpdate
+from pagedgen.server.worker_protocol import ServingWorker
 
 if TYPE_CHECKING:
     from pagedgen.server.app import _Server
@@ -62,7 +63,7 @@ class JobGroup:
     """The asyncio end of a request's ``n`` jobs: ``next()`` yields ``(index, update)`` as the worker sends
     them (each job's updates in order); ``cancel()`` cancels every unfinished job and is idempotent."""
 
-    def __init__(self, worker: EngineWorker, n: int):
+    def __init__(self, worker: ServingWorker, n: int):
         self._worker = worker
         self._updates: asyncio.Queue[tuple[int, JobUpdate]] = asyncio.Queue()
         self._backlog: deque[tuple[int, JobUpdate]] = deque()
@@ -72,7 +73,7 @@ class JobGroup:
     @classmethod
     def submit(
         cls,
-        worker: EngineWorker,
+        worker: ServingWorker,
         prompt_ids: Sequence[int],
         params: Sequence[SamplingParams],
         arrived_at: float,

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from pagedgen.engine.request import Request, RequestOptions
     from pagedgen.llm import ServedModel
     from pagedgen.server.metrics import ServerMetrics
+    from pagedgen.server.worker_protocol import ServingWorker  # it imports this module's records
     from pagedgen.spec import DraftDriver
 
 log = logging.getLogger("pagedgen.server")
@@ -684,7 +685,7 @@ def _deliver(sink: Sink, update: JobUpdate) -> None:
 class JobHandle:
     """The asyncio end of one job: ``await next()`` yields updates in order; ``cancel()`` is idempotent."""
 
-    def __init__(self, worker: EngineWorker, updates: asyncio.Queue[JobUpdate]):
+    def __init__(self, worker: ServingWorker, updates: asyncio.Queue[JobUpdate]):
         self._worker = worker
         self._updates = updates
         self.job_id = 0
@@ -705,7 +706,7 @@ class JobHandle:
 class AsyncEngineClient:
     """Bridges asyncio handlers to the worker; must be used from the event loop that serves requests."""
 
-    def __init__(self, worker: EngineWorker):
+    def __init__(self, worker: ServingWorker):
         self.worker = worker
 
     def submit(

@@ -16,7 +16,7 @@ from pagedgen.core.kv import PagedKVCache
 from pagedgen.executor.inputs import SequenceChunk, pack_step
 from pagedgen.models.llama import Linear, _fuse_linears, _set_weight
 from pagedgen.models.model import Model
-from pagedgen.ops.qweight import QType, QuantizedWeight
+from pagedgen.ops.matmul.qweight import QType, QuantizedWeight
 
 # Byte offsets of each K-quant super-block's f16 scales (d, and dmin where there is one).
 K_SCALE_OFFSETS = {QType.Q2_K: (80, 82), QType.Q3_K: (108,), QType.Q4_K: (0, 2), QType.Q5_K: (0, 2)}

@@ -11,7 +11,7 @@ import torch
 
 from pagedgen.core.window_geometry import ring_blocks, ring_slot
 from pagedgen.executor.inputs import SequenceChunk, pack_step
-from pagedgen.ops.attention import paged_attention, plan_attention, write_kv
+from pagedgen.ops.mixers.attention import paged_attention, plan_attention, write_kv
 
 
 def dense_window_attention(query, keys, values, past, window, scale, softcap=None):

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import pagedgen as pg
-import pagedgen.ops.decoder_layers as decoder_layers
-import pagedgen.ops.quant_gemm as quant_gemm
-from pagedgen.ops import native
-from pagedgen.ops.qweight import QType, QuantizedWeight
+import pagedgen.ops.layers.decoder_layers as decoder_layers
+import pagedgen.ops.matmul.quant_gemm as quant_gemm
+from pagedgen.ops.kernels import native
+from pagedgen.ops.matmul.qweight import QType, QuantizedWeight
 from tests.model.hf_cases import ids_of
 from tests.model.paged_runner import PagedRunner, PagedSequence, stepwise_logits
 from tests.model.tiny_checkpoints import (

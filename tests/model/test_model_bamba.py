@@ -94,7 +94,8 @@ def test_a_bfloat16_model_runs_every_path_near_the_float32_logits(logits_case):
 
 def test_logits_match_transformers_on_every_path(logits_case):
     case = logits_case
-    ids = ids_of(80)  # longer than the scan's chunk (pagedgen.ops.ssm.CHUNK): a prefill carries state inside
+    # longer than the scan's chunk (pagedgen.ops.mixers.ssm.CHUNK): a prefill carries state inside
+    ids = ids_of(80)
     ref = case.reference(ids)
     for logits in (
         prompt_logits(case.model, ids),  # one prefill: every state starts from zeros

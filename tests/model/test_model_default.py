@@ -15,8 +15,8 @@ import torch
 
 from pagedgen.models.model import Model
 from pagedgen.models.native_weights import WeightFormat
-from pagedgen.ops.native import native_status
-from pagedgen.ops.qweight import QType, QuantizedWeight
+from pagedgen.ops.kernels.native import native_status
+from pagedgen.ops.matmul.qweight import QType, QuantizedWeight
 from tests.model.paged_runner import PagedRunner, PagedSequence, greedy, prompt_logits
 
 pytestmark = pytest.mark.model

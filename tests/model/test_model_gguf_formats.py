@@ -17,7 +17,7 @@ import torch
 
 import pagedgen as pg
 from pagedgen.models.native_weights import WeightFormat
-from pagedgen.ops.qweight import QType, QuantizedWeight
+from pagedgen.ops.matmul.qweight import QType, QuantizedWeight
 from tests.model.hf_cases import ids_of
 from tests.model.paged_runner import prompt_logits, stepwise_logits
 from tests.model.tiny_checkpoints import hf_config_dict, hf_state, tiny_hf_model, write_gemma_gguf, write_gguf

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from pagedgen.models.model import Model
-from pagedgen.ops import attention, triton_attention
-from pagedgen.ops.triton_attention import TRITON_ENV
+from pagedgen.ops.mixers import attention, triton_attention
+from pagedgen.ops.mixers.triton_attention import TRITON_ENV
 from tests.model.paged_runner import (
     PagedRunner,
     PagedSequence,

@@ -25,7 +25,7 @@ import torch
 
 import pagedgen as pg
 from pagedgen.models.model import Model
-from pagedgen.ops import attention
+from pagedgen.ops.mixers import attention
 from pagedgen.sampling.sampler import Sampler
 from tests.helpers import drain, make_engine, submit, synthetic_model, turn_options
 from tests.host_reads import HostReads, Read, mark_device_state, separate_device_copies

@@ -74,6 +74,12 @@ def per_replica(text: str, name: str) -> dict[str, float]:
     return values
 
 
+def routed(text: str) -> dict[str, float]:
+    """``pagedgen:routed_requests_total`` by ``route`` (how the router chose each generation's replica)."""
+    pattern = r'^pagedgen:routed_requests_total\{model_name="[^"]*",route="(\w+)"\} (\S+)$'
+    return {route: float(value) for route, value in re.findall(pattern, text, re.M)}
+
+
 def wait_for_metrics(url: str, ready) -> str:
     """The first ``/metrics`` text that ``ready(text)`` accepts, polled at most :data:`POLLS` times (the
     ingress refreshes replica counters every ``POLL_S``); the last text if none did."""

@@ -1,8 +1,10 @@
 """``pagedgen serve --replicas 2`` as a subprocess (its own local Ray cluster), answering the ``openai``
-client streaming and not, with the affinity visible in usage and metrics, then ending on SIGTERM."""
+client streaming and not, with the affinity visible in usage and metrics, then ending on SIGTERM after the
+stream in flight has finished (the application's graceful shutdown)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,11 +17,15 @@ import openai
 import pytest
 
 from pagedgen.models.synthetic import SyntheticTokenizer, synthetic_greedy
-from tests.ray.cluster import free_port, per_replica
+from tests.ray.cluster import free_port, per_replica, routed
 
 ROOT = Path(__file__).resolve().parents[2]  # this checkout: the subprocess serves its code
 WAIT_S = 600  # the bound of every wait: a Ray cluster and three replicas starting on a loaded 2-core machine
 VOCAB = 257  # ModelSource("synthetic")'s default
+DRAIN_S = (
+    300  # --shutdown-timeout: the stream in flight at SIGTERM must be able to finish on a loaded machine
+)
+DRAINED_TOKENS = 1500  # that stream's length: long enough to be in flight when the drain begins
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +33,8 @@ def served(tmp_path_factory):
     port = free_port()
     stderr_path = tmp_path_factory.mktemp("serve") / "serve.stderr"
     command = [sys.executable, "-m", "pagedgen.cli", "serve", "--model", "synthetic", "--port", str(port)]
-    command += ["--replicas", "2", "--max-batch-size", "8", "--num-blocks", "256", "--shutdown-timeout", "5"]
+    command += ["--replicas", "2", "--max-batch-size", "8", "--num-blocks", "256"]
+    command += ["--shutdown-timeout", str(DRAIN_S)]
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
@@ -98,6 +105,25 @@ def test_the_openai_client_through_two_replicas(served):
         time.sleep(0.5)
     hits = per_replica(text, "pagedgen:prefix_cache_hits_total")
     assert sorted(hits.values())[0] == 0 and len(hits) == 2, hits  # every turn's cache hits on one replica
+    # and the router says why: the first prompt was new, the two after it went to its prefix's holder
+    assert routed(text) == {"prefix": 2, "balanced": 0, "new": 1, "random": 0}
 
-    proc.send_signal(signal.SIGTERM)
+    # graceful shutdown of the whole application: a stream in flight at SIGTERM runs to its end
+    body = {"model": "synthetic", "prompt": prompt + "drained", "max_tokens": DRAINED_TOKENS}
+    body.update(temperature=0, ignore_eos=True, stream=True)
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=WAIT_S) as r:
+        lines = r.iter_lines()
+        events = []
+        for line in lines:
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+                break
+        proc.send_signal(signal.SIGTERM)
+        rest = [line[6:] for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "[DONE]", rest[-3:]
+    events += [json.loads(data) for data in rest[:-1]]
+    assert not [event for event in events if "error" in event], events[-2:]
+    text = "".join(event["choices"][0]["text"] for event in events if event.get("choices"))
+    assert text == _expected(prompt + "drained", DRAINED_TOKENS)
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
     assert proc.wait(WAIT_S) == 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -16,12 +17,14 @@ import ray
 
 from pagedgen.models.synthetic import SyntheticModel, SyntheticTokenizer
 from pagedgen.server.app import ServerOptions, build_app
+from pagedgen.server.replicas.client import REPLICA_LOST_MESSAGE
 from tests.ray.cluster import (
     VOCAB,
     Cluster,
     engine_config,
     metrics,
     per_replica,
+    routed,
     settled_metrics,
     wait_for_metrics,
 )
@@ -130,7 +133,8 @@ def test_two_replicas_answer_as_the_single_server(cluster, single):
 
 
 def test_a_conversation_stays_on_one_replica_and_reports_cached_tokens(cluster):
-    before = per_replica(settled_metrics(cluster.url), "pagedgen:prompt_tokens_total")
+    settled = settled_metrics(cluster.url)
+    before, routes_before = per_replica(settled, "pagedgen:prompt_tokens_total"), routed(settled)
     prompt, cached, sizes = "system: you answer in one line. " * 4, [], []
     for turn in range(4):
         prompt += f"user: question number {turn}? assistant:"
@@ -150,8 +154,16 @@ def test_a_conversation_stays_on_one_replica_and_reports_cached_tokens(cluster):
     after = per_replica(wait_for_metrics(cluster.url, counted), "pagedgen:prompt_tokens_total")
     grown = {name: after[name] - before.get(name, 0) for name in after if after[name] != before.get(name, 0)}
     assert list(grown.values()) == [sent], grown  # every turn's prompt went to one replica
-    hits = per_replica(metrics(cluster.url), "pagedgen:prefix_cache_hits_total")
+    text = metrics(cluster.url)
+    hits = per_replica(text, "pagedgen:prefix_cache_hits_total")
     assert hits[next(iter(grown))] >= sum(cached)
+    # the router's own account: the first turn had no routed prefix, the three after went to its holder
+    assert {route: routed(text)[route] - routes_before[route] for route in routes_before} == {
+        "prefix": 3,
+        "balanced": 0,
+        "new": 1,
+        "random": 0,
+    }
 
 
 async def _mixed_request(client: httpx.AsyncClient, index: int, rng: random.Random) -> int:
@@ -218,7 +230,16 @@ def _replica_actor(replica: str):
     raise AssertionError(f"no actor of replica {replica}")
 
 
-def test_a_killed_replica_ends_its_streams_cleanly_and_is_replaced(cluster):
+def _jobs_on(text: str, replica: str) -> float:
+    """Jobs a replica holds (running and queued), from its last published counters."""
+    running = per_replica(text, "pagedgen:num_requests_running").get(replica, 0)
+    return running + per_replica(text, "pagedgen:num_requests_waiting").get(replica, 0)
+
+
+def test_a_killed_replica_ends_its_requests_cleanly_and_is_replaced(cluster):
+    """Kill the replica serving a stream and a 4-choice non-streaming request (the same prompt, so the same
+    replica): the stream gets one error event and [DONE], the other request a 503, neither hangs; later
+    requests are answered; a replacement appears and /health stays ok."""
     prompt = "a prompt whose blocks pin it to one replica " * 2
     before = per_replica(settled_metrics(cluster.url), "pagedgen:prompt_tokens_total")
     first = _post(
@@ -231,19 +252,29 @@ def test_a_killed_replica_ends_its_streams_cleanly_and_is_replaced(cluster):
 
     after = per_replica(wait_for_metrics(cluster.url, counted), "pagedgen:prompt_tokens_total")
     (holder,) = [name for name in after if after[name] != before.get(name, 0)]
-    body = {"model": "synthetic", "prompt": prompt, "max_tokens": 3500, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=TIMEOUT) as r:
-        lines = r.iter_lines()
-        for line in lines:
-            if line.startswith("data: "):
-                break
-        ray.kill(_replica_actor(holder), no_restart=True)
-        rest = [line for line in lines if line.startswith("data: ")]
+    long = {"model": "synthetic", "prompt": prompt, "ignore_eos": True}
+    body = {**long, "max_tokens": 3500, "stream": True}
+    with ThreadPoolExecutor(1) as pool:
+        # four choices of 3,000 tokens need three times the replica's 256 blocks: they queue behind each other
+        batch = pool.submit(_post, cluster.url, "/v1/completions", {**long, "max_tokens": 3000, "n": 4})
+        with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=TIMEOUT) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    break
+            held = wait_for_metrics(cluster.url, lambda text: _jobs_on(text, holder) == 5)
+            assert _jobs_on(held, holder) == 5, held  # the stream and the four choices, all on the holder
+            ray.kill(_replica_actor(holder), no_restart=True)
+            rest = [line for line in lines if line.startswith("data: ")]
+        refused = batch.result()
     events = [json.loads(line[6:]) for line in rest[:-1]]
     errors = [event["error"] for event in events if "error" in event]
     assert len(errors) == 1 and errors[0]["code"] == "unhealthy", events[-2:]
+    assert errors[0]["message"] == REPLICA_LOST_MESSAGE
     assert not any(e.get("choices") and e["choices"][0].get("finish_reason") for e in events)
     assert rest[-1] == "data: [DONE]"
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["code"] == "unhealthy"
     for index in range(6):  # new requests go to the live replica (then to the replacement)
         answer = _post(
             cluster.url,

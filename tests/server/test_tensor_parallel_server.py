@@ -9,6 +9,7 @@ import pytest
 
 import pagedgen as pg
 from pagedgen import cli
+from pagedgen.engine.config import TENSOR_PARALLEL_LAUNCHERS, TENSOR_PARALLEL_PLACEMENTS
 from pagedgen.server.app import ServerOptions, build_app
 from tests.server.live import API_KEY, MODEL_NAME, LiveServer
 
@@ -24,6 +25,30 @@ def test_the_flag_reaches_the_engine_config():
     args = cli.build_parser().parse_args(["serve", "--tensor-parallel-size", "2"])
     assert cli.engine_config(args).tensor_parallel_size == 2
     assert cli.engine_config(cli.build_parser().parse_args(["serve"])).tensor_parallel_size == 1
+
+
+def test_the_launcher_flags_take_every_value_the_engine_config_accepts():
+    for launcher in TENSOR_PARALLEL_LAUNCHERS:
+        args = cli.build_parser().parse_args(["serve", "--tensor-parallel-launcher", launcher])
+        assert cli.engine_config(args).tensor_parallel_launcher == launcher
+    for placement in TENSOR_PARALLEL_PLACEMENTS:
+        args = cli.build_parser().parse_args(["serve", "--tensor-parallel-placement", placement])
+        assert cli.engine_config(args).tensor_parallel_placement == placement
+
+
+def test_the_launcher_flags_reach_the_engine_config():
+    argv = ["serve", "--tensor-parallel-launcher", "ray", "--tensor-parallel-placement", "SPREAD"]
+    config = cli.engine_config(cli.build_parser().parse_args(argv))
+    assert (config.tensor_parallel_launcher, config.tensor_parallel_placement) == ("ray", "SPREAD")
+    config = cli.engine_config(cli.build_parser().parse_args(["serve"]))
+    assert (config.tensor_parallel_launcher, config.tensor_parallel_placement) == ("local", "STRICT_PACK")
+
+
+@pytest.mark.parametrize("flag", ["--tensor-parallel-launcher", "--tensor-parallel-placement"])
+def test_an_unknown_launcher_or_placement_is_a_usage_error(flag, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["serve", flag, "mp"])
+    assert info.value.code == 2 and f"{flag}: invalid choice: 'mp'" in capsys.readouterr().err
 
 
 def test_a_zero_size_is_a_usage_error(capsys):

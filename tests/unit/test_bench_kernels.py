@@ -21,7 +21,7 @@ from pagedgen.bench.kernel_profile import (
     run_kernel_profile,
 )
 from pagedgen.models.model import Model
-from pagedgen.ops import quant_gemm
+from pagedgen.ops.matmul import quant_gemm
 from tests.model.tiny_checkpoints import TINY_RAW, random_state, write_gguf
 
 LAYERS = TINY_RAW["num_hidden_layers"]

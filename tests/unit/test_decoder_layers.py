@@ -1,4 +1,4 @@
-"""The one-call decode path (pagedgen/ops/decoder_layers.py) is the per-layer path with the Python removed.
+"""The one-call decode path (ops/layers/decoder_layers.py) is the per-layer path with the Python removed.
 
 Every test compares bits: the fused path runs the same kernels in the same order, so its logits and the K/V
 it writes must equal the per-layer loop's exactly, for any batch, format and bias; steps it cannot run fall
@@ -15,13 +15,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import pagedgen.ops.decoder_layers as decoder_layers
-import pagedgen.ops.quant_gemm as quant_gemm
+import pagedgen.ops.layers.decoder_layers as decoder_layers
+import pagedgen.ops.matmul.quant_gemm as quant_gemm
 from pagedgen.core.kv import PagedKVCache
 from pagedgen.executor.inputs import SequenceChunk, pack_step
 from pagedgen.models.model import Model
-from pagedgen.ops import native
-from pagedgen.ops.attention import plan_attention
+from pagedgen.ops.kernels import native
+from pagedgen.ops.mixers.attention import plan_attention
 from tests.model.paged_runner import PagedRunner, PagedSequence
 from tests.model.tiny_checkpoints import TINY_RAW, formats_by_suffix, random_state, write_gguf
 

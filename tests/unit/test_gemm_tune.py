@@ -1,4 +1,4 @@
-"""ops.gemm_tune / gemm_calibrate: what is measured, how the table and its reasons follow, and the cache.
+"""matmul.gemm_tune / gemm_calibrate: what is measured, how the table and its reasons follow, and the cache.
 
 No test here runs a real multi-second calibration: the measurement is a fake that returns fixed timings
 and counts its calls, or a real one on weights of a few KB.
@@ -17,8 +17,10 @@ import torch
 
 from pagedgen.models.llama import Linear, _set_weight
 from pagedgen.models.synthetic import SyntheticModel
-from pagedgen.ops import cpu_info, gemm, gemm_calibrate, gemm_tune
-from pagedgen.ops.gemm import (
+from pagedgen.ops.kernels import cpu_info
+from pagedgen.ops.kernels.native import NativeStatus
+from pagedgen.ops.matmul import gemm, gemm_calibrate, gemm_tune
+from pagedgen.ops.matmul.gemm import (
     NATIVE_ONLY,
     OPENBLAS_ONLY,
     TORCH_ONLY,
@@ -30,7 +32,7 @@ from pagedgen.ops.gemm import (
     set_gemm_table,
     use_gemm_table,
 )
-from pagedgen.ops.gemm_calibrate import (
+from pagedgen.ops.matmul.gemm_calibrate import (
     LinearWeight,
     PassTiming,
     RowCounts,
@@ -41,10 +43,9 @@ from pagedgen.ops.gemm_calibrate import (
     pass_weights,
     time_passes,
 )
-from pagedgen.ops.gemm_threads import ThreadSettings
-from pagedgen.ops.native import NativeStatus
-from pagedgen.ops.quant_calibrate import QuantPassTiming, derive_quant_table, model_quant_weights
-from pagedgen.ops.quant_table import (
+from pagedgen.ops.matmul.gemm_threads import ThreadSettings
+from pagedgen.ops.matmul.quant_calibrate import QuantPassTiming, derive_quant_table, model_quant_weights
+from pagedgen.ops.matmul.quant_table import (
     DEQUANT_ONLY,
     KERNEL_ONLY,
     UNCALIBRATED,
@@ -53,7 +54,7 @@ from pagedgen.ops.quant_table import (
     set_quant_table,
     use_quant_table,
 )
-from pagedgen.ops.qweight import QType, QuantizedWeight
+from pagedgen.ops.matmul.qweight import QType, QuantizedWeight
 from tests.helpers.linear import QuantRuntime, TinyRuntime
 
 pytestmark = pytest.mark.cpu  # the GEMM table is measured for CPU backends and thread pools
@@ -354,7 +355,7 @@ def test_an_engine_without_a_compiler_measures_torch_and_openblas(tmp_path):
     script = """
 import json, sys, torch
 import pagedgen as pg
-from pagedgen.ops import gemm, gemm_tune
+from pagedgen.ops.matmul import gemm, gemm_tune
 from tests.helpers.linear import TinyRuntime
 
 class Model(pg.models.synthetic.SyntheticModel):
@@ -593,7 +594,7 @@ def test_the_environment_names_a_table_file_with_quantized_timings(monkeypatch, 
 
 def test_bench_gemm_prints_the_quantized_table_and_its_reasons(monkeypatch, capsys, tmp_path):
     from pagedgen.bench import cli
-    from pagedgen.ops import quant_gemm
+    from pagedgen.ops.matmul import quant_gemm
 
     class StubModel:
         def __init__(self, name, dtype, device, weights):

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedgen.ops.cpu_info import RELEVANT_FEATURES, cpu_features, cpu_flags, cpu_model
-from pagedgen.ops.native import gemm_kernel, native_status
+from pagedgen.ops.kernels.cpu_info import RELEVANT_FEATURES, cpu_features, cpu_flags, cpu_model
+from pagedgen.ops.kernels.native import gemm_kernel, native_status
 
 pytestmark = pytest.mark.cpu  # the native GEMM's CPU instruction-set variants
 

@@ -22,7 +22,7 @@ from pagedgen.executor.inputs import SequenceChunk, pack_step
 from pagedgen.models.gguf_cache import gguf_cache_entry
 from pagedgen.models.model import Model
 from pagedgen.models.safetensors_stream import TensorSpec, write_safetensors
-from pagedgen.ops.native import native_status
+from pagedgen.ops.kernels.native import native_status
 from tests.model.tiny_checkpoints import TINY_RAW, random_state, write_gguf, write_hf_dir
 
 

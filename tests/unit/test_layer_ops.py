@@ -1,4 +1,4 @@
-"""ops.layer_ops: the native elementwise kernels equal the torch reference formulas, and fall back to them."""
+"""ops.layers.layer_ops: the native elementwise kernels equal the torch formulas, or fall back to them."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedgen.ops import layer_ops
-from pagedgen.ops.layer_ops import (
+from pagedgen.ops.kernels.native import layer_ops_kernels, native_status
+from pagedgen.ops.layers import layer_ops
+from pagedgen.ops.layers.layer_ops import (
     Activation,
     add_rms_norm,
     apply_rotary_,
@@ -18,7 +19,6 @@ from pagedgen.ops.layer_ops import (
     rotary_reference,
     silu_and_mul,
 )
-from pagedgen.ops.native import layer_ops_kernels, native_status
 
 pytestmark = pytest.mark.cpu  # the native elementwise CPU kernels
 

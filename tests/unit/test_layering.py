@@ -4,7 +4,8 @@ Every import is read from the source with ``ast``: module-level and function-loc
 import would otherwise hide an upward one), plus ``importlib.import_module("pagedgen....")`` with a literal
 name (how the command dispatches to the bench). Imports under ``if TYPE_CHECKING:`` never run and are left
 out. A part is a sub-package of ``pagedgen/`` or one of its top-level modules; ``pagedgen`` itself is the
-lazy facade (``pagedgen/__init__.py``). docs/architecture.md, "Who imports whom", has the table and why.
+lazy facade (``pagedgen/__init__.py``). A part split into sub-packages by job (``ops``) has a table of its
+own for them. docs/architecture.md, "Who imports whom" and "Inside ops", has the tables and why.
 """
 
 from __future__ import annotations
@@ -41,6 +42,20 @@ ALLOWED: dict[str, frozenset[str]] = {
         "bench": ("argtypes", "core", "ops", "models", "executor", "engine", "spec", "errors"),
     }.items()
 }
+# A part split into sub-packages by job: sub-package -> the sibling sub-packages it may import (what the
+# part's own row allows, e.g. ``core`` for ``ops``, holds for each of them). Keep in step with
+# docs/architecture.md, "Inside ops".
+SUB_ALLOWED: dict[str, dict[str, frozenset[str]]] = {
+    "ops": {
+        name: frozenset(subs)
+        for name, subs in {
+            "kernels": (),
+            "matmul": ("kernels",),
+            "mixers": ("kernels",),
+            "layers": ("kernels", "matmul", "mixers"),
+        }.items()
+    },
+}
 # The one way into the bench from outside it: the command hands ``pagedgen bench ...`` over by name.
 BENCH_DISPATCH = ("pagedgen.cli", "pagedgen.bench.cli")
 # Module cycles that wait for a change elsewhere; each must still exist (a stale entry fails).
@@ -65,6 +80,12 @@ def part_of(module: str) -> str:
     """``pagedgen.engine.step`` -> ``engine``; ``pagedgen.llm`` -> ``llm``; ``pagedgen`` -> ``pagedgen``."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else parts[0]
+
+
+def sub_part_of(module: str) -> str | None:
+    """``pagedgen.ops.matmul.gemm`` -> ``matmul``; ``pagedgen.ops`` (the package itself) -> ``None``."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 else None
 
 
 def _is_type_checking(node: ast.If) -> bool:
@@ -215,6 +236,44 @@ def test_no_module_cycle():
 
 def test_each_pending_cycle_still_exists():
     assert {frozenset(cycle) for cycle in cycles(GRAPH)} >= set(PENDING_CYCLES)
+
+
+def test_every_module_of_a_split_part_sits_in_a_sub_package_with_a_row():
+    for part, rows in SUB_ALLOWED.items():
+        outside = sorted(
+            module
+            for module in modules()
+            if part_of(module) == part and module != f"pagedgen.{part}" and sub_part_of(module) not in rows
+        )
+        assert outside == [], part
+        assert {sub_part_of(module) for module in modules() if part_of(module) == part} - {None} == set(rows)
+
+
+@pytest.mark.parametrize(
+    ("part", "sub"), [(part, sub) for part, rows in sorted(SUB_ALLOWED.items()) for sub in sorted(rows)]
+)
+def test_a_sub_package_imports_only_what_its_row_allows(part, sub):
+    allowed = SUB_ALLOWED[part][sub] | {sub}
+    refused = sorted(
+        f"{edge.source} -> {edge.target}"
+        for edge in GRAPH
+        if part_of(edge.source) == part == part_of(edge.target)
+        and sub_part_of(edge.source) == sub
+        and sub_part_of(edge.target) not in allowed
+    )
+    assert refused == []
+
+
+@pytest.mark.parametrize("part", sorted(SUB_ALLOWED))
+def test_the_sub_packages_have_no_cycle_in_their_table_or_as_imported(part):
+    table = [Edge(sub, other, "module") for sub, others in SUB_ALLOWED[part].items() for other in others]
+    imported = [
+        Edge(str(sub_part_of(e.source)), str(sub_part_of(e.target)), e.how)
+        for e in GRAPH
+        if part_of(e.source) == part == part_of(e.target) and sub_part_of(e.source) != sub_part_of(e.target)
+    ]
+    assert cycles(table) == []
+    assert cycles(imported) == []
 
 
 def test_the_bench_is_a_leaf():

@@ -1,4 +1,4 @@
-"""ops.linear / ops.gemm: every backend computes F.linear's product; the table picks backends as stated.
+"""ops.matmul.linear / gemm: every backend computes F.linear's product; the table picks backends as stated.
 
 Numerical contract: fp32, relative difference <= 1e-5 of the output scale vs ``F.linear`` (the backends only
 differ in summation order). Selection is pure table arithmetic, checked at every bucket boundary.
@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedgen.ops import gemm
-from pagedgen.ops.gemm import (
+from pagedgen.ops.kernels.native import gemm_kernel, native_status
+from pagedgen.ops.matmul import gemm
+from pagedgen.ops.matmul.gemm import (
     NATIVE_ONLY,
     OPENBLAS_ONLY,
     TORCH_ONLY,
@@ -25,16 +26,20 @@ from pagedgen.ops.gemm import (
     openblas_eligible,
     use_gemm_table,
 )
-from pagedgen.ops.gemm_calibrate import ShapeTiming, check_equivalence, derive_table, model_linear_shapes
-from pagedgen.ops.gemm_threads import (
+from pagedgen.ops.matmul.gemm_calibrate import (
+    ShapeTiming,
+    check_equivalence,
+    derive_table,
+    model_linear_shapes,
+)
+from pagedgen.ops.matmul.gemm_threads import (
     blas_num_threads,
     configure_cpu_threads,
     current_thread_settings,
     set_blas_num_threads,
     torch_pool,
 )
-from pagedgen.ops.linear import linear
-from pagedgen.ops.native import gemm_kernel, native_status
+from pagedgen.ops.matmul.linear import linear
 
 pytestmark = pytest.mark.cpu  # the CPU GEMM backends (torch, OpenBLAS, native)
 

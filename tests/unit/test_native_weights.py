@@ -15,14 +15,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import pagedgen.ops.quant_gemm as quant_gemm
+import pagedgen.ops.matmul.quant_gemm as quant_gemm
 from pagedgen.errors import ModelLoadError
 from pagedgen.models.llama import Linear, _fuse_linears, _set_weight
 from pagedgen.models.model import Model
 from pagedgen.models.native_weights import WeightFormat
-from pagedgen.ops import gemm, native
-from pagedgen.ops.quant_gemm import dequantize
-from pagedgen.ops.qweight import QType, QuantizedWeight
+from pagedgen.ops.kernels import native
+from pagedgen.ops.matmul import gemm
+from pagedgen.ops.matmul.quant_gemm import dequantize
+from pagedgen.ops.matmul.qweight import QType, QuantizedWeight
 from tests.helpers.linear import PROMPT_IDS, all_logits, random_weight
 from tests.model.tiny_checkpoints import TINY_RAW, random_state, write_gguf
 

@@ -16,15 +16,16 @@ from hypothesis import strategies as st
 
 from pagedgen.core.step_inputs import StepInputs
 from pagedgen.executor.inputs import SequenceChunk, pack_step
-from pagedgen.ops import attention, native
-from pagedgen.ops.attention import (
+from pagedgen.ops.kernels import native
+from pagedgen.ops.kernels.cpu_memory import retain_freed_cpu_memory
+from pagedgen.ops.mixers import attention
+from pagedgen.ops.mixers.attention import (
     check_step_slots,
     paged_attention,
     paged_attention_reference,
     plan_attention,
     write_kv,
 )
-from pagedgen.ops.cpu_memory import retain_freed_cpu_memory
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from pagedgen.executor.inputs import SequenceChunk, pack_step
-from pagedgen.ops import triton_attention
-from pagedgen.ops.attention import paged_attention, paged_attention_reference, plan_attention
-from pagedgen.ops.triton_attention import TRITON_ENV
+from pagedgen.ops.mixers import triton_attention
+from pagedgen.ops.mixers.attention import paged_attention, paged_attention_reference, plan_attention
+from pagedgen.ops.mixers.triton_attention import TRITON_ENV
 
 pytestmark = pytest.mark.skipif(
     not triton_attention.triton_importable(), reason="triton is not installed (the `test` extra brings it)"
@@ -295,7 +295,7 @@ def test_pagedgen_imports_and_attends_without_triton():
         "import torch\n"
         "import pagedgen\n"
         "from pagedgen.executor.inputs import SequenceChunk, pack_step\n"
-        "from pagedgen.ops.attention import paged_attention, plan_attention\n"
+        "from pagedgen.ops.mixers.attention import paged_attention, plan_attention\n"
         "inputs = pack_step([SequenceChunk([0], 3, [0])], 4)\n"
         "k = torch.randn(1, 4, 1, 8)\n"
         "plan = plan_attention(inputs, k)\n"

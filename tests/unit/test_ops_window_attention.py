@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from pagedgen.core.window_geometry import ring_blocks
 from pagedgen.executor.inputs import SequenceChunk, pack_step
-from pagedgen.ops import native
-from pagedgen.ops.attention import paged_attention, plan_attention
+from pagedgen.ops.kernels import native
+from pagedgen.ops.mixers.attention import paged_attention, plan_attention
 from tests.helpers.window_attention import run_case
 
 

@@ -21,10 +21,10 @@ import torch
 
 from pagedgen.errors import ModelLoadError
 from pagedgen.models.model import Model
-from pagedgen.ops import native
-from pagedgen.ops.cpu_info import cpu_features
-from pagedgen.ops.quant_gemm import QuantKernels, quant_kernels
-from pagedgen.ops.qweight import Q8_ACTIVATION_TYPES, QType, QuantizedWeight
+from pagedgen.ops.kernels import native
+from pagedgen.ops.kernels.cpu_info import cpu_features
+from pagedgen.ops.matmul.quant_gemm import QuantKernels, quant_kernels
+from pagedgen.ops.matmul.qweight import Q8_ACTIVATION_TYPES, QType, QuantizedWeight
 from tests.helpers.linear import PROMPT_IDS, all_logits, random_weight
 from tests.model.tiny_checkpoints import TINY_RAW, random_state, write_gguf
 

@@ -1,4 +1,4 @@
-"""ops.quant_calibrate: which quantized weights are measured, how the crossover per kind follows from
+"""ops.matmul.quant_calibrate: which quantized weights are measured, how the crossover per kind follows from
 timings, and the reasons printed for it.
 
 The timings are synthetic; the one real measurement runs on weights of a few KB and asserts only what was
@@ -15,9 +15,9 @@ from torch import nn
 
 from pagedgen.models.llama import Linear
 from pagedgen.models.synthetic import SyntheticModel
-from pagedgen.ops import quant_calibrate
-from pagedgen.ops.gemm_calibrate import RowCounts, pass_members
-from pagedgen.ops.quant_calibrate import (
+from pagedgen.ops.matmul import quant_calibrate
+from pagedgen.ops.matmul.gemm_calibrate import RowCounts, pass_members
+from pagedgen.ops.matmul.quant_calibrate import (
     QuantPassTiming,
     crossover,
     derive_quant_table,
@@ -25,9 +25,9 @@ from pagedgen.ops.quant_calibrate import (
     model_quant_weights,
     time_quant_passes,
 )
-from pagedgen.ops.quant_gemm import quant_kernels
-from pagedgen.ops.quant_table import QuantBucket, QuantOverride, QuantPath, QuantTable
-from pagedgen.ops.qweight import QType
+from pagedgen.ops.matmul.quant_gemm import quant_kernels
+from pagedgen.ops.matmul.quant_table import QuantBucket, QuantOverride, QuantPath, QuantTable
+from pagedgen.ops.matmul.qweight import QType
 from tests.helpers.linear import QuantRuntime
 
 pytestmark = pytest.mark.cpu  # the quantized CPU paths are measured

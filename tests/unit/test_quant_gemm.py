@@ -1,5 +1,5 @@
-"""ops.quant_gemm: weights kept as stored expand to exactly gguf-py's dequantised values, and every GEMM path
-over them equals a float64 product of those values up to fp32 summation order.
+"""ops.matmul.quant_gemm: weights kept as stored expand to exactly gguf-py's dequantised values, and every
+GEMM path over them equals a float64 product of those values up to fp32 summation order.
 
 Each kernel variant is built from the same source: the host's (-march=native: AVX-512 here), an AVX2 + FMA
 build (the EPYC hosts) and a portable build without vector extensions (scalar f16 conversion included).
@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from pagedgen.ops import native
-from pagedgen.ops.linear import linear
-from pagedgen.ops.quant_gemm import (
+from pagedgen.ops.kernels import native
+from pagedgen.ops.matmul.linear import linear
+from pagedgen.ops.matmul.quant_gemm import (
     QuantKernels,
     dequantize,
     embedding,
@@ -26,14 +26,14 @@ from pagedgen.ops.quant_gemm import (
     quant_kernels,
     tiled_dequant_gemm,
 )
-from pagedgen.ops.quant_table import (
+from pagedgen.ops.matmul.quant_table import (
     DEQUANT_ONLY,
     KERNEL_ONLY,
     UNCALIBRATED,
     UNCALIBRATED_KERNEL_MAX_ROWS,
     use_quant_table,
 )
-from pagedgen.ops.qweight import QType, QuantizedWeight, concat_rows
+from pagedgen.ops.matmul.qweight import QType, QuantizedWeight, concat_rows
 from tests.helpers.linear import random_weight
 
 pytestmark = pytest.mark.cpu  # the quantized GEMM kernels are native CPU code
@@ -130,7 +130,7 @@ def test_linear_dispatch_matches_the_reference_on_either_path(qtype, table, rows
 
 def test_many_rows_go_tile_by_tile_over_a_large_weight(monkeypatch):
     _need_kernels()
-    import pagedgen.ops.quant_gemm as quant_gemm_module
+    import pagedgen.ops.matmul.quant_gemm as quant_gemm_module
 
     monkeypatch.setattr(quant_gemm_module, "TILE_BYTES", 4 * 96 * 10)  # tiles of 10 rows: 37 = 3 x 10 + 7
     weight = random_weight(QType.Q8_0, 37, 96, seed=4)
@@ -186,7 +186,7 @@ def test_embedding_dequantizes_the_looked_up_rows():
 
 
 def test_dequantize_without_the_kernels_uses_gguf(monkeypatch):
-    import pagedgen.ops.quant_gemm as quant_gemm_module
+    import pagedgen.ops.matmul.quant_gemm as quant_gemm_module
 
     monkeypatch.setattr(quant_gemm_module, "quant_kernels", lambda: None)
     for qtype in (QType.Q4_1, QType.F16, QType.BF16):

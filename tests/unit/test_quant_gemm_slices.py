@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from pagedgen.ops import native
-from pagedgen.ops.qweight import QType, QuantizedWeight
+from pagedgen.ops.kernels import native
+from pagedgen.ops.matmul.qweight import QType, QuantizedWeight
 from tests.helpers.linear import random_weight
 
 pytestmark = pytest.mark.cpu

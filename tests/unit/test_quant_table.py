@@ -1,16 +1,16 @@
-"""ops.quant_table and quant_gemm.use_quant_kernel: which path a quantized linear call takes, before and after
-a table is installed, under pins, and that quantized_linear follows it."""
+"""ops.matmul.quant_table and quant_gemm.use_quant_kernel: which path a quantized linear call takes, before
+and after a table is installed, under pins, and that quantized_linear follows it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import pagedgen.ops.quant_gemm as quant_gemm
-from pagedgen.ops import quant_table
-from pagedgen.ops.linear import linear
-from pagedgen.ops.quant_gemm import quantized_linear, use_quant_kernel
-from pagedgen.ops.quant_table import (
+import pagedgen.ops.matmul.quant_gemm as quant_gemm
+from pagedgen.ops.matmul import quant_table
+from pagedgen.ops.matmul.linear import linear
+from pagedgen.ops.matmul.quant_gemm import quantized_linear, use_quant_kernel
+from pagedgen.ops.matmul.quant_table import (
     DEQUANT_ONLY,
     KERNEL_ONLY,
     UNCALIBRATED,
@@ -24,7 +24,7 @@ from pagedgen.ops.quant_table import (
     set_quant_table,
     use_quant_table,
 )
-from pagedgen.ops.qweight import QType
+from pagedgen.ops.matmul.qweight import QType
 from tests.helpers.linear import random_weight
 
 pytestmark = pytest.mark.cpu  # the quantized CPU path choice

@@ -7,15 +7,26 @@ import random
 import pytest
 
 from pagedgen.cache.prefix import BlockHashes
-from pagedgen.server.replicas.affinity import AffinityTable, choose, power_of_two, prompt_digests
+from pagedgen.server.replicas.affinity import (
+    AffinityTable,
+    Route,
+    Routing,
+    choose,
+    power_of_two,
+    prompt_digests,
+)
 
 BS = 4
 
 
-def _choose(table, prompt, loads, imbalance=2, affinity=True, seed=0):
+def _routing(table, prompt, loads, imbalance=2, affinity=True, seed=0) -> Routing:
     return choose(
         table, prompt, loads, block_size=BS, imbalance=imbalance, affinity=affinity, rng=random.Random(seed)
     )
+
+
+def _choose(table, prompt, loads, imbalance=2, affinity=True, seed=0) -> list[str]:
+    return _routing(table, prompt, loads, imbalance, affinity, seed).order
 
 
 def test_digests_are_the_prefix_cache_s_block_names():
@@ -80,6 +91,18 @@ def test_power_of_two_prefers_the_less_loaded_of_two_draws():
     assert power_of_two({"only": 5}, random.Random(0)) == "only"
     picks = {power_of_two({"a": 9, "b": 0, "c": 0}, random.Random(s)) for s in range(30)}
     assert picks == {"b", "c"}  # a loses every draw it is in (ties keep the first drawn)
+
+
+def test_each_decision_says_how_it_was_made():
+    table = AffinityTable()
+    loads = {"a": 0, "b": 0}
+    first = _routing(table, list(range(8)), loads)
+    assert first.route is Route.NEW  # nothing routed yet
+    assert _routing(table, list(range(12)), loads) == Routing(first.order, Route.PREFIX)
+    assert _routing(table, [1, 2], loads).route is Route.NEW  # not one full block
+    busy = {first.order[0]: 3, first.order[1]: 0}
+    assert _routing(table, list(range(8)), busy, imbalance=2) == Routing(first.order[::-1], Route.BALANCED)
+    assert _routing(table, list(range(8)), loads, affinity=False).route is Route.RANDOM
 
 
 def test_table_capacity_is_checked():

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedgen.server.metrics import ServerMetrics
+from pagedgen.server.replicas.affinity import Route
 from pagedgen.server.replicas.client import total_snapshot
 from pagedgen.server.replicas.messages import ReplicaStats
 from pagedgen.server.replicas.metrics import ReplicatedMetrics
@@ -29,7 +30,7 @@ def _samples(text: bytes) -> dict[tuple[str, tuple], float]:
 
 def test_every_replica_s_families_carry_its_label_and_the_ingress_keeps_its_outcomes():
     replicas = {"r1": _replica("r1", 7, 30), "r2": _replica("r2", 10, 5)}
-    ingress = ReplicatedMetrics("m", lambda: replicas)
+    ingress = ReplicatedMetrics("m", lambda: replicas, lambda: {Route.PREFIX: 3, Route.NEW: 1})
     ingress.on_success("stop")
     ingress.bind(snapshot=lambda: total_snapshot([s.snapshot for s in replicas.values()]), admitted=lambda: 2)
     samples = _samples(ingress.render())
@@ -41,6 +42,12 @@ def test_every_replica_s_families_carry_its_label_and_the_ingress_keeps_its_outc
     assert samples[success] == 1
     assert samples[("pagedgen:num_requests_admitted", (("model_name", "m"),))] == 2
     assert samples[("pagedgen:num_replicas", (("model_name", "m"),))] == 2
+    routed = {
+        dict(labels)["route"]: value
+        for (name, labels), value in samples.items()
+        if name == "pagedgen:routed_requests_total"
+    }
+    assert routed == {"prefix": 3, "balanced": 0, "new": 1, "random": 0}
     # no engine family from the ingress itself: each is reported once per replica
     assert [k for k in samples if k[0] == "pagedgen:kv_cache_blocks_total"] == [
         ("pagedgen:kv_cache_blocks_total", (("model_name", "m"), ("replica", "r1"))),

@@ -8,7 +8,7 @@ import torch
 from pagedgen.executor.inputs import SequenceChunk, pack_step
 from pagedgen.executor.runner import ExecutionCapacityError, ModelRunner
 from pagedgen.models.synthetic import SyntheticModel
-from pagedgen.ops.gemm import GemmBackend, GemmTable, RowBucket, choose_backend, use_gemm_table
+from pagedgen.ops.matmul.gemm import GemmBackend, GemmTable, RowBucket, choose_backend, use_gemm_table
 
 # Backends on different thread pools: OpenBLAS up to 16 rows, torch above.
 OPENBLAS_SMALL = GemmTable(buckets=(RowBucket(16, GemmBackend.OPENBLAS),), default=GemmBackend.TORCH)

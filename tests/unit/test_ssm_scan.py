@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedgen.ops.ssm import packed_selective_scan
+from pagedgen.ops.mixers.ssm import packed_selective_scan
 
 HEADS, HEAD_DIM, GROUPS, STATE = 4, 3, 2, 5
 LENGTHS = [1, 7, 0, 4, 11]

@@ -13,9 +13,9 @@ import torch
 
 from pagedgen.executor.cuda_graphs import GraphGeometry, GraphKey, StaticDecodeBuffers, classify_step
 from pagedgen.executor.inputs import SequenceChunk, pack_step
-from pagedgen.ops import attention, triton_attention
-from pagedgen.ops.attention import paged_attention, plan_attention
-from pagedgen.ops.triton_attention import TRITON_ENV
+from pagedgen.ops.mixers import attention, triton_attention
+from pagedgen.ops.mixers.attention import paged_attention, plan_attention
+from pagedgen.ops.mixers.triton_attention import TRITON_ENV
 from tests.host_reads import HostReads
 
 BS = 4

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import pagedgen as pg
 from pagedgen.engine.errors import InvalidArgumentError
+from pagedgen.parallel.comm import backend_for
+from pagedgen.parallel.launch import LocalLauncher
 from pagedgen.parallel.plan import RankShard, TensorParallelError, even_ranges, plan_shards
 
 
@@ -71,3 +74,40 @@ def test_engine_config_validates_the_size():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(InvalidArgumentError, match="tensor_parallel_size"):
             pg.EngineConfig(tensor_parallel_size=bad)
+
+
+def test_engine_config_validates_the_launcher_and_placement():
+    config = pg.EngineConfig()
+    assert (config.tensor_parallel_launcher, config.tensor_parallel_placement) == ("local", "STRICT_PACK")
+    config = pg.EngineConfig(tensor_parallel_launcher="ray", tensor_parallel_placement="SPREAD")
+    assert (config.tensor_parallel_launcher, config.tensor_parallel_placement) == ("ray", "SPREAD")
+    with pytest.raises(
+        InvalidArgumentError, match="tensor_parallel_launcher must be one of local, ray, got 'mp'"
+    ):
+        pg.EngineConfig(tensor_parallel_launcher="mp")
+    with pytest.raises(
+        InvalidArgumentError, match="tensor_parallel_placement must be one of STRICT_PACK, PACK"
+    ):
+        pg.EngineConfig(tensor_parallel_placement="spread")
+
+
+@pytest.mark.parametrize(
+    ("device", "backend"),
+    [("cpu", "gloo"), ("cuda", "nccl"), ("cuda:1", "nccl")],
+    ids=["cpu", "cuda", "cuda1"],
+)
+def test_the_collective_backend_follows_the_device(device, backend):
+    # Only the choice runs here (no GPU on this machine): a CUDA rank's group is NCCL, a CPU rank's gloo.
+    assert backend_for(torch.device(device)) == backend
+
+
+def test_a_device_without_a_backend_is_refused_by_name():
+    with pytest.raises(TensorParallelError, match="cpu \\(gloo\\) or cuda \\(nccl\\) devices, not 'meta'"):
+        backend_for(torch.device("meta"))
+
+
+def test_each_launcher_names_a_rank_s_device():
+    local = LocalLauncher()
+    assert [local.worker_device(torch.device("cuda", 0), r) for r in (1, 2)] == ["cuda:1", "cuda:2"]
+    assert local.worker_device(torch.device("cpu"), 1) == "cpu"
+    assert local.host == "127.0.0.1"

@@ -6,7 +6,7 @@
  * a contiguous slice of weight rows once and computes every x row against them while the rows sit in
  * cache. Each output is one thread's fixed-order sum, so results do not depend on the thread count or on
  * which other rows share the batch. Whether this kernel or a library runs is decided per machine by
- * measurement (pagedgen/ops/gemm_calibrate.py), not here.
+ * measurement (pagedgen/ops/matmul/gemm_calibrate.py), not here.
  *
  * Layouts: x [m_rows, k], w [n_out, k], y [m_rows, n_out], bias [n_out] or NULL; all contiguous.
  *

@@ -6,18 +6,38 @@ those blocks, so a later prompt that starts with them (the next turn of a conver
 prompt) finds them there. :class:`AffinityTable` remembers, for each block digest routed, the replica it
 went to (bounded, least recently routed forgotten first); it is routing history, the way Ray's
 ``PrefixCacheAffinityRouter`` keeps a tree of routed text, not a mirror of each engine's cache, which may
-have evicted a block since. :func:`choose` is the decision, pure so its boundaries are unit-tested.
+have evicted a block since. :func:`choose` is the decision, pure so its boundaries are unit-tested; it says
+how it decided (:class:`Route`), which ``/metrics`` counts (``pagedgen:routed_requests``).
 """
 
 from __future__ import annotations
 
+import enum
 import random
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from pagedgen.cache.prefix import BlockHashes
 
 DEFAULT_TABLE_BLOCKS = 1 << 18  # 262,144 digests (~16 MiB): millions of cached tokens at 16 per block
+
+
+class Route(enum.Enum):
+    """How a request's replica was chosen (the ``route`` label of ``pagedgen:routed_requests``)."""
+
+    PREFIX = "prefix"  # to the replica that was sent the prompt's longest routed prefix
+    BALANCED = "balanced"  # that replica was too busy: the power of two choices instead
+    NEW = "new"  # no routed prefix (or not one full block): the power of two choices
+    RANDOM = "random"  # routing="random": uniformly at random, the prompt ignored
+
+
+@dataclass(frozen=True, slots=True)
+class Routing:
+    """:func:`choose`'s answer: the replicas in the order to try them, and how the first was chosen."""
+
+    order: list[str]
+    route: Route
 
 
 class AffinityTable:
@@ -77,22 +97,23 @@ def choose(
     imbalance: int,
     affinity: bool,
     rng: random.Random,
-) -> list[str]:
-    """Replicas in the order to try them (``loads``: requests in flight per live replica, not empty).
+) -> Routing:
+    """The replicas in the order to try them (``loads``: requests in flight per live replica, not empty).
 
     With ``affinity`` the first is the holder of the prompt's longest routed prefix, unless it has more than
-    ``imbalance`` requests in flight beyond the least-loaded replica; otherwise (or without a full block, or
-    without ``affinity``: uniformly at random) the power of two choices. The prompt's blocks are then
+    ``imbalance`` requests in flight beyond the least-loaded replica; otherwise (or without a full block)
+    the power of two choices; without ``affinity``, uniformly at random. The prompt's blocks are then
     recorded as routed to the first. The rest follow by load, for when the first refuses (full)."""
     digests = prompt_digests(prompt_ids, block_size) if prompt_ids and affinity else []
     holder, _ = table.holder(digests, loads)
-    if holder is not None and loads[holder] - min(loads.values()) <= imbalance:
-        first = holder
-    elif affinity:
-        first = power_of_two(loads, rng)
+    if not affinity:
+        first, route = rng.choice(sorted(loads)), Route.RANDOM
+    elif holder is not None and loads[holder] - min(loads.values()) <= imbalance:
+        first, route = holder, Route.PREFIX
     else:
-        first = rng.choice(sorted(loads))
+        first = power_of_two(loads, rng)
+        route = Route.NEW if holder is None else Route.BALANCED
     if digests:
         table.record(digests, first)
     rest = sorted((name for name in loads if name != first), key=lambda name: (loads[name], name))
-    return [first, *rest]
+    return Routing([first, *rest], route)

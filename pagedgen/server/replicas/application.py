@@ -1,19 +1,19 @@
 """The replicated application: an ingress serving the single server's app, over N engine replicas.
 
 :func:`build_application` turns a :class:`ReplicaSetup` into a Serve application (what ``serve.run`` takes);
-:func:`builder` is the same from a dict of plain values, for ``serve run`` with a YAML file
-(``deploy/serve.yaml``) or ``serve run pagedgen.server.replicas.application:builder model=default``.
+:func:`builder` is the same from :class:`ApplicationArgs` (plain values, which Serve validates into it), for
+``serve run`` / ``serve deploy`` with a YAML file (``deploy/serve.yaml``) or
+``serve run pagedgen.server.replicas.application:builder model=default``.
 The ingress deployment builds the FastAPI app with :func:`pagedgen.server.app.create_app` (the single
 server's routes, guard and lifespan) over a :class:`ReplicaSetWorker`; the replica deployment
 (:class:`EngineReplica`) runs one engine per replica, routed by :class:`CacheAffinityRouter`.
 """
 
-from __future__ import annotations
-
-from typing import Any
-
+from fastapi import FastAPI
+from pydantic import BaseModel, ConfigDict
 from ray import serve
-from ray.serve.config import RequestRouterConfig
+from ray.serve import Application
+from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from pagedgen.engine.config import EngineConfig
@@ -21,6 +21,7 @@ from pagedgen.llm import context_length
 from pagedgen.server.app import ServerOptions, create_app
 from pagedgen.server.replicas.client import ReplicaSetWorker
 from pagedgen.server.replicas.metrics import ReplicatedMetrics
+from pagedgen.server.replicas.registry import route_counts
 from pagedgen.server.replicas.replica import EngineReplica
 from pagedgen.server.replicas.router import CacheAffinityRouter
 from pagedgen.server.replicas.setup import ModelSource, ReplicaSetup
@@ -42,9 +43,13 @@ class PagedgenIngress:
         model, tokenizer = setup.source.load()
         capacity = setup.engine.max_batch_size * setup.max_replicas
         self.worker = ReplicaSetWorker(replicas, model, app_name, REPLICA_DEPLOYMENT, capacity)
-        metrics = ReplicatedMetrics(setup.options.model_name, lambda: self.worker.replica_stats)
+        metrics = ReplicatedMetrics(
+            setup.options.model_name,
+            lambda: self.worker.replica_stats,
+            lambda: route_counts(app_name, REPLICA_DEPLOYMENT),
+        )
         self._app = create_app(
-            self.worker,  # type: ignore[arg-type]  # the EngineWorker interface, over the replicas
+            self.worker,
             tokenizer,
             metrics,
             setup.options,
@@ -52,18 +57,13 @@ class PagedgenIngress:
             vocab_size=model.vocab_size,
         )
 
-    def __serve_build_asgi_app__(self) -> Any:
+    def __serve_build_asgi_app__(self) -> FastAPI:
         return self._app
 
 
-def build_application(setup: ReplicaSetup, app_name: str = APP_NAME) -> Any:
+def build_application(setup: ReplicaSetup, app_name: str = APP_NAME) -> Application:
     """The Serve application of ``setup`` (bind it with ``serve.run(app, name=app_name)``)."""
-    shutdown = {"graceful_shutdown_timeout_s": setup.options.shutdown_timeout}
-    scaling: dict[str, Any] = (
-        {"autoscaling_config": setup.autoscaling_config}
-        if setup.autoscaling_config is not None
-        else {"num_replicas": setup.num_replicas}
-    )
+    shutdown = setup.options.shutdown_timeout
     router = RequestRouterConfig(
         request_router_class=CacheAffinityRouter,
         request_router_kwargs={
@@ -77,45 +77,70 @@ def build_application(setup: ReplicaSetup, app_name: str = APP_NAME) -> Any:
         ray_actor_options={"num_cpus": setup.replica_cpus},
         max_ongoing_requests=REPLICA_MAX_ONGOING,
         request_router_config=router,
-        **scaling,
-        **shutdown,
+        graceful_shutdown_timeout_s=shutdown,
     )
+    if setup.autoscaling_config is not None:  # Serve's own settings, as given: they decide the count
+        replica = replica.options(autoscaling_config=setup.autoscaling_config)
+    else:
+        replica = replica.options(num_replicas=setup.num_replicas)
     ingress = serve.deployment(PagedgenIngress, name=INGRESS_DEPLOYMENT).options(
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=REPLICA_MAX_ONGOING * setup.max_replicas,
-        **shutdown,
+        graceful_shutdown_timeout_s=shutdown,
     )
     return ingress.bind(replica.bind(setup.source, setup.engine, setup.options), setup, app_name)
 
 
-def builder(args: dict[str, Any]) -> Any:
-    """``serve run``'s application builder: plain values (YAML ``args``) into :func:`build_application`.
+class ApplicationArgs(BaseModel):
+    """``serve run``'s application arguments (a YAML file's ``args``), checked by pydantic before anything
+    starts: an unknown key or a value of the wrong type is an error naming it. Each means what the
+    ``pagedgen serve`` option of the same name means (docs/replicas.md)."""
 
-    Keys: ``model``, ``weights``, ``served_model_name``, ``replicas``, ``replica_cpus``,
-    ``autoscaling_config`` (a mapping of Serve's fields), ``routing``, ``imbalance``, ``max_batch_size``,
-    ``num_blocks``, ``block_size``, ``api_key``, ``max_queued_requests``, ``shutdown_timeout``,
-    ``app_name``; an unknown key is an error naming it."""
-    known = {
-        "model", "weights", "served_model_name", "replicas", "replica_cpus", "autoscaling_config", "routing",
-        "imbalance", "max_batch_size", "num_blocks", "block_size", "api_key", "max_queued_requests",
-        "shutdown_timeout", "app_name",
-    }  # fmt: skip
-    unknown = sorted(set(args) - known)
-    if unknown:
-        raise ValueError(f"unknown application argument(s) {unknown}; known: {sorted(known)}")
-    model = str(args.get("model", "default"))
-    engine = {key: args[key] for key in ("max_batch_size", "num_blocks", "block_size") if key in args}
-    options = {
-        key: args[key] for key in ("api_key", "max_queued_requests", "shutdown_timeout") if key in args
-    }
-    setup = ReplicaSetup(
-        source=ModelSource(model, str(args.get("weights", "native"))),
-        engine=EngineConfig(**engine),
-        options=ServerOptions(model_name=str(args.get("served_model_name", model)), **options),
-        num_replicas=int(args.get("replicas", 2)),
-        replica_cpus=float(args.get("replica_cpus", 1.0)),
-        autoscaling_config=args.get("autoscaling_config"),
-        routing=str(args.get("routing", "affinity")),
-        imbalance=int(args.get("imbalance", 8)),
-    )
-    return build_application(setup, str(args.get("app_name", APP_NAME)))
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = "default"
+    weights: str = "native"
+    served_model_name: str | None = None
+    chat_template: str | None = None  # the synthetic model's (a real model brings its own)
+    replicas: int = 2
+    replica_cpus: float = 1.0
+    autoscaling_config: AutoscalingConfig | None = None
+    routing: str = "affinity"
+    imbalance: int = 8
+    max_batch_size: int | None = None
+    num_blocks: int | None = None
+    block_size: int | None = None
+    api_key: str | None = None
+    max_queued_requests: int | None = None
+    shutdown_timeout: float | None = None
+    app_name: str = APP_NAME
+
+    def setup(self) -> ReplicaSetup:
+        """The application these arguments describe (the unset engine and server fields keep their
+        defaults)."""
+        engine = {
+            key: value
+            for key in ("max_batch_size", "num_blocks", "block_size")
+            if (value := getattr(self, key)) is not None
+        }
+        options = {
+            key: value
+            for key in ("api_key", "max_queued_requests", "shutdown_timeout")
+            if (value := getattr(self, key)) is not None
+        }
+        return ReplicaSetup(
+            source=ModelSource(self.model, self.weights, chat_template=self.chat_template),
+            engine=EngineConfig(**engine),
+            options=ServerOptions(model_name=self.served_model_name or self.model, **options),
+            num_replicas=self.replicas,
+            replica_cpus=self.replica_cpus,
+            autoscaling_config=self.autoscaling_config,
+            routing=self.routing,
+            imbalance=self.imbalance,
+        )
+
+
+def builder(args: ApplicationArgs) -> Application:
+    """``serve run``'s application builder (``deploy/serve.yaml``): Serve validates the YAML's ``args``
+    into :class:`ApplicationArgs` (the annotation tells it to), then this builds the application."""
+    return build_application(args.setup(), args.app_name)

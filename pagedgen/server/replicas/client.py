@@ -1,8 +1,9 @@
 """The ingress's engine: the single server's worker interface, served by the replica deployment.
 
-:func:`pagedgen.server.app.create_app` drives an :class:`~pagedgen.server.worker.EngineWorker` through
-``submit`` / ``cancel`` / ``snapshot`` / ``healthy`` / ``start`` / ``shutdown`` / ``abort``.
-:class:`ReplicaSetWorker` offers exactly those over a Serve handle, so the routes, parameters, errors,
+:func:`pagedgen.server.app.create_app` drives a :class:`~pagedgen.server.worker_protocol.ServingWorker`
+(``submit`` / ``cancel`` / ``release`` / ``snapshot`` / ``healthy`` / ``start`` / ``shutdown`` / ``abort``);
+the single server's is the :class:`~pagedgen.server.worker.EngineWorker`. :class:`ReplicaSetWorker` fills
+the same role over a Serve handle, so the routes, parameters, errors,
 streaming and admission are the single server's own code. A job is one streaming ``generate`` call, routed
 by :class:`~pagedgen.server.replicas.router.CacheAffinityRouter`; its updates go to the job's sink as they
 arrive. A replica that dies mid-job ends the job with ``unhealthy`` (a 503, or an error event in a stream)
@@ -16,19 +17,22 @@ server's ``/health`` and ``/metrics`` read the engine thread's last publication.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import logging
+import queue
 import threading
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import fields
-from typing import Any
+
+from ray.serve.handle import DeploymentHandle
 
 from pagedgen.llm import SamplingParams
+from pagedgen.models.base import CausalLM
 from pagedgen.server.replicas.messages import ReplicaJob, ReplicaStats, ReplicaTarget
 from pagedgen.server.replicas.registry import live_replicas
-from pagedgen.server.worker import SHUTDOWN_MESSAGE, EngineSnapshot, JobError, JobUpdate, Keep
+from pagedgen.server.worker import SHUTDOWN_MESSAGE, EngineSnapshot, JobError, JobUpdate, Keep, Sink
 
 log = logging.getLogger("pagedgen.server")
 
@@ -37,20 +41,17 @@ NO_REPLICA_MESSAGE = "no replica of the engine is running"
 POLL_S = 1.0
 CALL_TIMEOUT_S = 10.0  # a stats call to a replica that died meanwhile
 
-Sink = Callable[[JobUpdate], None]
 
+def _call_context() -> contextvars.Context:
+    """An empty context for a job's task, so its handle call gets its own Serve request ids.
 
-def _own_call_id() -> None:
-    """Give this task's handle calls their own Serve request id.
-
-    A call made while serving an HTTP request inherits that request's internal id, and Serve's router
-    matches a routed replica to its waiting call by that id: the several jobs of one request (``n`` choices,
-    a batch of prompts) would share one and all but one would wait forever. Each job runs in its own task
-    (its own context copy), so setting a fresh id here affects only its call. ``_set_request_context`` is
-    Serve's internal setter (Ray 2.60; the extra pins the minor release)."""
-    from ray.serve import context
-
-    context._set_request_context(_internal_request_id=uuid.uuid4().hex)
+    A handle call made in the context of an HTTP request Serve is serving takes that request's internal id,
+    and Serve's router matches a routed replica to its waiting call by that id: the several jobs of one
+    request (``n`` choices, a batch of prompts) would share one, and all but one would wait forever. In an
+    empty context there is no request context to inherit, so Serve gives each call fresh ids (Ray 2.60's
+    ``get_request_metadata``), with no private Serve call. The job's tag still names the HTTP request in the
+    replica's log lines."""
+    return contextvars.Context()
 
 
 def total_snapshot(snapshots: Sequence[EngineSnapshot]) -> EngineSnapshot:
@@ -61,13 +62,16 @@ def total_snapshot(snapshots: Sequence[EngineSnapshot]) -> EngineSnapshot:
 
 
 class ReplicaSetWorker:
-    """An ``EngineWorker`` stand-in whose engine is the replica deployment behind ``handle``.
+    """A :class:`~pagedgen.server.worker_protocol.ServingWorker` whose engine is the replica deployment
+    behind ``handle``.
 
     ``max_batch_size`` is the application's: one replica's batch times the most replicas that may run, so the
     single server's admission rule (429 past running plus ``max_queued_requests``) holds for the whole set.
     ``submit`` and ``cancel`` run on the serving event loop (as the routes call them)."""
 
-    def __init__(self, handle: Any, model: Any, app_name: str, deployment: str, max_batch_size: int):
+    def __init__(
+        self, handle: DeploymentHandle, model: CausalLM, app_name: str, deployment: str, max_batch_size: int
+    ):
         self._handle = handle
         self._model = model
         self._app_name = app_name
@@ -79,11 +83,15 @@ class ReplicaSetWorker:
         self._aborted = False
         self._stopped = threading.Event()
         self._poller = threading.Thread(target=self._poll_loop, name="pagedgen-replica-poll", daemon=True)
+        self._releases: queue.SimpleQueue[str | None] = queue.SimpleQueue()  # None: stop
+        self._releaser = threading.Thread(
+            target=self._release_loop, name="pagedgen-replica-release", daemon=True
+        )
 
     # ------------------------------------------------------------ the worker interface
 
     @property
-    def model(self) -> Any:
+    def model(self) -> CausalLM:
         return self._model
 
     @property
@@ -112,11 +120,14 @@ class ReplicaSetWorker:
         self._handle.stats.remote(ReplicaTarget()).result()
         self.poll()
         self._poller.start()
+        self._releaser.start()
 
     def shutdown(self) -> None:
         self._stopped.set()
-        if self._poller.is_alive():
-            self._poller.join()
+        self._releases.put(None)
+        for thread in (self._poller, self._releaser):
+            if thread.is_alive():
+                thread.join()
 
     def abort(self) -> None:
         """End every job in flight with ``shutting_down`` and refuse later ones (a drain that ran out)."""
@@ -141,20 +152,22 @@ class ReplicaSetWorker:
             sink(JobUpdate(error=JobError.SHUTDOWN, message=SHUTDOWN_MESSAGE))
             return job_id
         job = ReplicaJob(tuple(prompt_ids), params, time.monotonic() - arrived_at, tag, keep)
-        task = asyncio.get_running_loop().create_task(self._relay(job_id, job, sink))
+        task = asyncio.get_running_loop().create_task(self._relay(job_id, job, sink), context=_call_context())
         self._tasks[job_id] = task
         return job_id
 
     def release(self, key: str) -> None:
         """Close the Request kept under ``key`` (a stored response's). Which replica holds it is not known
-        here, so every live replica is told, from a thread of its own so the caller never waits; the
-        others hold nothing under the key, and a follow-up that lands elsewhere starts a fresh Request."""
-        threading.Thread(
-            target=self._release_everywhere, args=(key,), name="replica-release", daemon=True
-        ).start()
+        here, so every live replica is told, by the release thread (one, draining a queue in order) so the
+        caller never waits; the others hold nothing under the key, and a follow-up that lands elsewhere
+        starts a fresh Request."""
+        self._releases.put(key)
+
+    def _release_loop(self) -> None:
+        while (key := self._releases.get()) is not None:
+            self._release_everywhere(key)
 
     def _release_everywhere(self, key: str) -> None:
-        _own_call_id()
         for name in live_replicas(self._app_name, self._deployment):
             try:
                 self._handle.release.remote(ReplicaTarget(name), key).result(timeout_s=CALL_TIMEOUT_S)
@@ -171,7 +184,6 @@ class ReplicaSetWorker:
     async def _relay(self, job_id: int, job: ReplicaJob, sink: Sink) -> None:
         """Pass the replica's updates to ``sink``; a lost replica ends the job with ``unhealthy``."""
         final = False
-        _own_call_id()
         stream = self._handle.options(stream=True).generate.remote(job)
         try:
             async for update in stream:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from typing import Any
 
 from pagedgen.server.replicas.application import APP_NAME, build_application
 from pagedgen.server.replicas.setup import ReplicaSetup
@@ -22,14 +21,21 @@ log = logging.getLogger("pagedgen.server")
 START_ATTEMPTS = 3
 
 
-def start_local_ray(**options: Any) -> None:
+def start_local_ray(
+    num_cpus: int | None = None, *, log_to_driver: bool = True, configure_logging: bool = True
+) -> None:
     """``ray.init`` of a new local cluster, retried (bounded) when its node times out starting: Ray gives
     its raylet a fixed 30 s to register, which a loaded machine can exceed; any other error is raised."""
     import ray
 
     for attempt in range(START_ATTEMPTS):
         try:
-            ray.init(include_dashboard=False, **options)
+            ray.init(
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                log_to_driver=log_to_driver,
+                configure_logging=configure_logging,
+            )
             return
         except Exception as exc:
             if "timed out during startup" not in str(exc) or attempt == START_ATTEMPTS - 1:

@@ -4,20 +4,22 @@ Each replica keeps the single server's :class:`~pagedgen.server.metrics.ServerMe
 latencies, engine levels); the ingress keeps the request outcomes it decides (success, rejected, failed,
 disconnects) and the admission level. A scrape renders the ingress's families and, from the last poll,
 each replica's exposition with a ``replica`` label added to every sample, merged by family, plus
-``pagedgen:num_replicas``.
+``pagedgen:num_replicas`` and the router's ``pagedgen:routed_requests`` by ``route`` (how each generation
+call's replica was chosen: to its prefix's holder, balanced away from it, new, or random).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
 from pagedgen.server.metrics import ServerMetrics
+from pagedgen.server.replicas.affinity import Route
 from pagedgen.server.replicas.messages import ReplicaStats
 
 # The families the ingress decides; every other family is an engine's, reported per replica.
@@ -53,6 +55,18 @@ def merged_families(own: bytes, replicas: dict[str, ReplicaStats], model_name: s
     return [*merged.values(), count]
 
 
+def routed_family(routes: Mapping[Route, int], model_name: str) -> Metric:
+    """``pagedgen:routed_requests_total`` by ``route``: every route, zeros too."""
+    family = CounterMetricFamily(
+        "pagedgen:routed_requests",
+        "Generation calls routed to a replica, by how it was chosen.",
+        labels=["model_name", "route"],
+    )
+    for route in Route:
+        family.add_metric([model_name, route.value], routes.get(route, 0))
+    return family
+
+
 class _Merged(Collector):
     def __init__(self, families: list[Metric]):
         self._families = families
@@ -62,14 +76,22 @@ class _Merged(Collector):
 
 
 class ReplicatedMetrics(ServerMetrics):
-    """The ingress's metrics; ``render`` adds the replicas' from ``replicas()`` (the last poll)."""
+    """The ingress's metrics; ``render`` adds the replicas' from ``replicas()`` (the last poll) and the
+    router's counts from ``routes()`` (read when scraped)."""
 
-    def __init__(self, model_name: str, replicas: Callable[[], dict[str, ReplicaStats]]):
+    def __init__(
+        self,
+        model_name: str,
+        replicas: Callable[[], dict[str, ReplicaStats]],
+        routes: Callable[[], Mapping[Route, int]],
+    ):
         super().__init__(model_name)
         self._replicas = replicas
+        self._routes = routes
         self._name = model_name
 
     def render(self) -> bytes:
+        families = merged_families(super().render(), self._replicas(), self._name)
         registry = CollectorRegistry()
-        registry.register(_Merged(merged_families(super().render(), self._replicas(), self._name)))
+        registry.register(_Merged([*families, routed_family(self._routes(), self._name)]))
         return generate_latest(registry)

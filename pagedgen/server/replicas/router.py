@@ -16,12 +16,12 @@ replicas; Serve creates one per handle, in the handle's process.
 from __future__ import annotations
 
 import random
-from typing import Any
+from collections import Counter
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from pagedgen.server.replicas import registry
-from pagedgen.server.replicas.affinity import AffinityTable, choose
+from pagedgen.server.replicas.affinity import AffinityTable, Route, choose
 from pagedgen.server.replicas.messages import ReplicaJob, ReplicaTarget
 
 
@@ -37,6 +37,7 @@ class CacheAffinityRouter(RequestRouter):
         self._rng = random.Random(seed)
         self._table = AffinityTable()
         self._in_flight: dict[str, int] = {}
+        self._routes: Counter[Route] = Counter()  # generation calls by how their replica was chosen
         registry.register(self._deployment_id.app_name, self._deployment_id.name, self)
 
     async def choose_replicas(
@@ -53,7 +54,7 @@ class CacheAffinityRouter(RequestRouter):
             return [[target]] if target is not None else []
         prompt = message.prompt_ids if isinstance(message, ReplicaJob) else None
         loads = {name: self._in_flight.get(name, 0) for name in by_name}
-        order = choose(
+        routing = choose(
             self._table,
             prompt,
             loads,
@@ -62,10 +63,17 @@ class CacheAffinityRouter(RequestRouter):
             affinity=self._affinity,
             rng=self._rng,
         )
+        if isinstance(message, ReplicaJob):
+            self._routes[routing.route] += 1
+        order = routing.order
         ranks = [[by_name[order[0]]]]
         if len(order) > 1:
             ranks.append([by_name[name] for name in order[1:]])
         return ranks
+
+    def route_counts(self) -> dict[Route, int]:
+        """Generation calls routed so far, by how their replica was chosen (every route, zeros too)."""
+        return {route: self._routes[route] for route in Route}
 
     def on_send_request(self, replica_id: ReplicaID) -> None:
         super().on_send_request(replica_id)
@@ -84,7 +92,9 @@ class CacheAffinityRouter(RequestRouter):
         self._in_flight.pop(replica_id.unique_id, None)
 
 
-def _message_of(pending_request: PendingRequest | None) -> Any:
+def _message_of(pending_request: PendingRequest | None) -> ReplicaJob | ReplicaTarget | None:
+    """The call's record (its first argument), or None for a call that carries neither."""
     if pending_request is None or not pending_request.args:
         return None
-    return pending_request.args[0]
+    message = pending_request.args[0]
+    return message if isinstance(message, (ReplicaJob, ReplicaTarget)) else None

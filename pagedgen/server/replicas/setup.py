@@ -9,11 +9,20 @@ it itself, and :class:`ReplicaSetup` carries the engine configuration and server
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+from ray.serve.config import AutoscalingConfig
 
 from pagedgen.engine.config import EngineConfig
+from pagedgen.models.base import CausalLM
+from pagedgen.models.chat_template import render_chat
+from pagedgen.models.synthetic import SyntheticTokenizer
 from pagedgen.server.app import ServerOptions
+
+if TYPE_CHECKING:
+    from pagedgen.models.tokenizer import Tokenizer
 
 SYNTHETIC = "synthetic"  # the weightless synthetic model and its one-character codec (tests, dry runs)
 ROUTING_MODES = ("affinity", "random")
@@ -23,18 +32,30 @@ DEFAULT_IMBALANCE = 8  # requests: a holder this much busier than the least-load
 @dataclass(frozen=True, slots=True)
 class ModelSource:
     """A model each process loads for itself: ``default``, a checkpoint directory, a ``.gguf`` path, or
-    ``synthetic`` (the synthetic model with ``vocab_size`` and its codec)."""
+    ``synthetic`` (the synthetic model with ``vocab_size`` and its codec; with ``chat_template``, a Jinja
+    chat template, the codec renders chats too, so a dry run can serve ``/v1/chat/completions``)."""
 
     name: str = "default"
     weights: str = "native"
     vocab_size: int = 257
+    chat_template: str | None = None
 
-    def load(self) -> tuple[Any, Any]:
+    def __post_init__(self) -> None:
+        if self.chat_template is not None and self.name != SYNTHETIC:
+            raise ValueError(
+                f"ModelSource.chat_template is for the synthetic model (a real model brings its own), "
+                f"got model {self.name!r}"
+            )
+
+    def load(self) -> tuple[CausalLM, Tokenizer | SyntheticTokenizer]:
         """The model and its tokenizer."""
         if self.name == SYNTHETIC:
-            from pagedgen.models.synthetic import SyntheticModel, SyntheticTokenizer
+            from pagedgen.models.synthetic import SyntheticModel
 
-            return SyntheticModel(vocab_size=self.vocab_size), SyntheticTokenizer(self.vocab_size)
+            if self.chat_template is None:
+                return SyntheticModel(vocab_size=self.vocab_size), SyntheticTokenizer(self.vocab_size)
+            tokenizer = SyntheticChatTokenizer(self.vocab_size, self.chat_template)
+            return SyntheticModel(vocab_size=self.vocab_size), tokenizer
         from pagedgen.llm import tokenizer_for
         from pagedgen.models.model import Model
 
@@ -42,10 +63,26 @@ class ModelSource:
         return model, tokenizer_for(model)
 
 
+class SyntheticChatTokenizer(SyntheticTokenizer):
+    """The synthetic codec with a chat template, rendered the way a real tokenizer renders its own."""
+
+    def __init__(self, vocab_size: int, chat_template: str):
+        super().__init__(vocab_size)
+        self._template = chat_template
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, object]],
+        add_generation_prompt: bool = True,
+        **variables: object,
+    ) -> str:
+        return render_chat(self._template, messages, add_generation_prompt, variables)
+
+
 @dataclass(frozen=True, slots=True)
 class ReplicaSetup:
-    """One replicated application: ``num_replicas`` engines (or Serve's ``autoscaling_config``, a dict of
-    its fields, which then decides the count), each on ``replica_cpus`` CPUs.
+    """One replicated application: ``num_replicas`` engines (or Serve's ``autoscaling_config``, which then
+    decides the count and is passed to Serve as it is), each on ``replica_cpus`` CPUs.
 
     ``routing``: ``affinity`` sends a prompt to the replica that was sent its longest prefix of full blocks
     unless that replica has ``imbalance`` more requests in flight than the least-loaded one (then the power of
@@ -56,7 +93,7 @@ class ReplicaSetup:
     options: ServerOptions = field(default_factory=ServerOptions)
     num_replicas: int = 2
     replica_cpus: float = 1.0
-    autoscaling_config: dict[str, Any] | None = None
+    autoscaling_config: AutoscalingConfig | None = None
     routing: str = "affinity"
     imbalance: int = DEFAULT_IMBALANCE
 
@@ -69,18 +106,18 @@ class ReplicaSetup:
             raise ValueError(f"ReplicaSetup.routing must be one of {ROUTING_MODES}, got {self.routing!r}")
         if self.imbalance < 0:
             raise ValueError(f"ReplicaSetup.imbalance must be >= 0, got {self.imbalance}")
-        if self.autoscaling_config is not None and not isinstance(self.autoscaling_config, dict):
-            raise ValueError("ReplicaSetup.autoscaling_config must be a dict of Serve's autoscaling fields")
+        if self.autoscaling_config is not None and not isinstance(self.autoscaling_config, AutoscalingConfig):
+            raise ValueError("ReplicaSetup.autoscaling_config must be Serve's AutoscalingConfig")
 
     @property
     def max_replicas(self) -> int:
         """The most replicas that may run at once (admission sizes the application's capacity by it)."""
         if self.autoscaling_config is None:
             return self.num_replicas
-        return int(self.autoscaling_config.get("max_replicas", self.num_replicas))
+        return self.autoscaling_config.max_replicas
 
 
-def parse_autoscaling(text: str | None) -> dict[str, Any] | None:
+def parse_autoscaling(text: str | None) -> AutoscalingConfig | None:
     """``--autoscaling-config`` (a JSON object of Serve's ``AutoscalingConfig`` fields), checked by Serve's
     own model so a typo is an error naming it before anything starts."""
     if text is None:
@@ -91,10 +128,7 @@ def parse_autoscaling(text: str | None) -> dict[str, Any] | None:
         raise ValueError(f"--autoscaling-config is not JSON: {exc}") from exc
     if not isinstance(value, dict):
         raise ValueError("--autoscaling-config must be a JSON object")
-    from ray.serve.config import AutoscalingConfig
-
     try:
-        AutoscalingConfig(**value)
+        return AutoscalingConfig(**value)
     except Exception as exc:  # pydantic's ValidationError names the field
         raise ValueError(f"--autoscaling-config: {exc}") from exc
-    return value

@@ -1,30 +1,10 @@
 """Native CPU kernels: compiled from C on first use, loaded with ctypes, shared by every layer.
 
-Why C (docs/performance.md has the measurements):
-
-* ``kernels/paged_decode.c``: the pure-torch decode path must gather each request's scattered KV blocks
-  into a dense copy in every layer and then runs SDPA on it; a kernel that reads the blocks in place does
-  the same arithmetic 2-3x faster. The KV write lives there too.
-* ``kernels/small_gemm.c``: at decode sizes a linear layer streams its weights; libraries do not always
-  thread that well, and OpenBLAS threads it in a second pool. An AVX-512 and an AVX2 register tile, picked
-  by the host's instruction set; whether it beats the libraries is measured per machine (ops/gemm_tune.py).
-* ``kernels/layer_ops.c``: RMSNorm, rotary, SwiGLU; as torch ops they are 5-10 dispatches each.
-* ``kernels/quant_gemm.c``: linear layers over GGUF-quantised or 16-bit weights kept as stored
-  (:mod:`pagedgen.ops.quant_gemm`), so a decode step streams 85 MB instead of 538 MB.
-* ``kernels/decoder_layers.c``: the per-layer loop of a pure-decode step over the kernels above, in one call
-  (:mod:`pagedgen.ops.decoder_layers`), so no Python runs between a step's layers.
-
-No library of the field ships these for Python on CPU (vLLM's kernels are built into vLLM), so they are
-ours: built with the system C compiler (``$CC``, else ``cc``) into one library in the pagedgen cache
-directory, keyed by sources, flags, compiler and CPU, so a machine builds it once (under a second).
-
-Threads: the library is linked with ``-fopenmp`` against ``libgomp.so.1``; torch's wheel has already loaded
-a ``libgomp.so.1``, so the dynamic loader binds the kernel to torch's OpenMP runtime and thread pool (one
-pool, no spinning competitor). If a second OpenMP runtime shows up anyway, the kernel is not used.
-
-Without a compiler, with ``PAGEDGEN_NATIVE_KERNELS=0``, or when the build fails, :func:`decode_kernel`,
-:func:`gemm_kernel` and :func:`layer_ops_kernels` return ``None``; attention and the layer ops then use
-their pure-torch paths, linear layers OpenBLAS or torch, and :func:`native_status` says why.
+Why C, ours: at decode sizes the hot paths (paged decode attention, the small-batch GEMM, the layer ops, the
+GEMM over stored blocks, the fused decode step) are bound by memory traffic and Python dispatch, and no
+library of the field ships such kernels for Python on CPU (vLLM's are built into vLLM). They are built once
+per machine with the system C compiler, bound to torch's OpenMP pool, and left off with a reason when they
+cannot be built (:func:`native_status`). docs/performance.md, "Module notes: ops and bench", has the rest.
 """
 
 from __future__ import annotations
@@ -48,7 +28,7 @@ from pagedgen.core.paths import cache_root
 log = logging.getLogger(__name__)
 
 DISABLE_ENV = "PAGEDGEN_NATIVE_KERNELS"
-KERNELS = Path(__file__).with_name("kernels")
+KERNELS = Path(__file__).parent
 SOURCES = tuple(
     KERNELS / name
     for name in (
@@ -207,7 +187,8 @@ class GemmKernel:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``[rows, out]`` for fp32 CPU ``x [rows, in]``, contiguous ``weight [out, in]`` and ``bias [out]``.
 
-        The caller (:func:`pagedgen.ops.linear.linear`) has checked dtypes, devices and the weight layout.
+        The caller (:func:`pagedgen.ops.matmul.linear.linear`) has checked dtypes, devices and the weight
+        layout.
         """
         x = x.contiguous()
         rows, k = x.shape
@@ -228,8 +209,8 @@ class GemmKernel:
 
 
 class LayerOpsKernels:
-    """The per-layer elementwise kernels of ``layer_ops.c``; callers (:mod:`pagedgen.ops.layer_ops`) check
-    that tensors are fp32, on the CPU and laid out as each function's docstring says."""
+    """The per-layer elementwise kernels of ``layer_ops.c``; callers (:mod:`pagedgen.ops.layers.layer_ops`)
+    check that tensors are fp32, on the CPU and laid out as each function's docstring says."""
 
     def __init__(self, library: ctypes.CDLL):
         f32 = ctypes.c_float
@@ -329,7 +310,7 @@ class _Library:
     gemm: GemmKernel | None
     layer_ops: LayerOpsKernels | None
     status: NativeStatus
-    library: ctypes.CDLL | None = None  # for kernels wrapped in their own modules (ops/quant_gemm.py)
+    library: ctypes.CDLL | None = None  # for kernels wrapped in their own modules (ops/matmul/quant_gemm.py)
 
 
 _lock = threading.Lock()

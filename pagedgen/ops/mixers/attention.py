@@ -1,24 +1,10 @@
 """Paged attention over packed variable-length steps: the K/V write, a pure-torch oracle, the fast CPU path.
 
-A step's queries are the concatenated new tokens of B requests (``StepInputs``). Request ``i``'s keys live in
-the paged cache at logical positions ``[0, past_i + q_i)``: logical position ``p`` sits in physical block
-``block_tables[i, p // block_size]`` at offset ``p % block_size``. The model first writes the step's new K/V
-with :func:`write_kv` (through ``slot_mapping``), then attends with :func:`paged_attention`; the query token
-at absolute position ``p`` sees keys ``0..p`` (causal). Grouped-query attention: query head ``h`` reads kv
-head ``h // (Hq // Hkv)``.
-
-:func:`paged_attention_reference` is the obviously-correct oracle (one request, one query token at a time in
-float32); :func:`paged_attention` is what models call, with the step's :class:`AttentionPlan` built once by
-:func:`plan_attention`. Single-token (decode) rows go to the native kernel (:mod:`pagedgen.ops.native`),
-which reads the blocks in place, or, without it, to one masked SDPA per bucket over gathered blocks; the
-tokens of a draft-verification row are planned as decodes too, each over the keys through its position.
-Multi-token prefill rows get one causal SDPA each, so the Python loop is over requests, never over tokens.
-Soft-capped scores (Gemma 2) take the torch path with explicit attention instead of SDPA.
-
-On CUDA (or on the CPU under Triton's interpreter when ``PAGEDGEN_TRITON_ATTENTION=1``) the plan selects the
-Triton kernels instead (:mod:`pagedgen.ops.triton_attention`): one decode kernel for every single-token
-entry (decode rows and draft tokens alike) and one varlen prefill kernel that reads cached prefixes through
-the block tables, both with sliding windows and soft-capping.
+Why a plan and an oracle: the plan is built once per step and shared by every layer, so a layer pays for its
+kernels alone; the oracle (one request, one query token at a time, in float32) is what every fast path is
+tested against. Decode rows go to the native kernel, which reads the blocks in place, prefill rows to one
+causal SDPA each, and CUDA steps to the Triton kernels. docs/performance.md, "Module notes: ops and bench",
+has the rest.
 """
 
 from __future__ import annotations
@@ -29,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedgen.core.step_inputs import StepInputs
-from pagedgen.ops.native import DecodeKernel, decode_kernel
-from pagedgen.ops.triton_attention import (
+from pagedgen.ops.kernels.native import DecodeKernel, decode_kernel
+from pagedgen.ops.mixers.triton_attention import (
     TritonPlan,
     decode_splits,
     prefill_work,
@@ -295,8 +281,9 @@ def plan_attention(
     ``use_native=False`` forces the pure-torch decode path on the CPU (tests and benchmarks compare the two).
     ``window`` plans for sliding-window layers: a query at ``p`` sees keys ``p - window + 1 .. p``, read
     from the step's rings (``inputs.window``) when it has them, else from the block tables.
-    When :func:`~pagedgen.ops.triton_attention.triton_selected` picks the Triton kernels for this cache's
-    device, the plan carries their work lists (``triton``) and neither torch buckets nor prefill masks.
+    When :func:`~pagedgen.ops.mixers.triton_attention.triton_selected` picks the Triton kernels for this
+    cache's device, the plan carries their work lists (``triton``) and neither torch buckets nor prefill
+    masks.
 
     Host traffic: the step's lengths are read once (:func:`_host_lengths`) and the plan's index tensors
     written once (:func:`_upload`); every other list is host arithmetic. A pure decode step without host

@@ -1,15 +1,10 @@
 """A weight matrix kept in the format it is stored in: GGUF quant blocks, f16 or bf16.
 
-Formats: every one of llama.cpp's common recipes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K) and f16/bf16.
-
 Why: the default model's weights are Q4_1/Q8_0 in its GGUF file (85 MB); dequantised to fp32 they are 538 MB,
-and a batch-1 decode step is bound by streaming them. :func:`pagedgen.ops.linear.linear` recognises a
-:class:`QuantizedWeight` and runs :mod:`pagedgen.ops.quant_gemm`, whose kernel expands each weight to fp32 in
-registers/L1 exactly as ``gguf.quants.dequantize`` would. Nothing about the model changes: no re-quantisation.
-
-Layout: ``data`` is ``[out, row_bytes]`` uint8, each row the ``in / block_elems`` blocks of one output row in
-GGUF order (f16/bf16: the 2-byte values). Rows are independent, so permuting or concatenating output rows
-(llama.cpp's Q/K permutation, fusing q/k/v) is a row operation on ``data``.
+and a batch-1 decode step is bound by streaming them. :func:`pagedgen.ops.matmul.linear.linear` recognises a
+:class:`QuantizedWeight` and runs :mod:`pagedgen.ops.matmul.quant_gemm`, whose kernel expands each weight to
+fp32 in registers/L1 exactly as ``gguf.quants.dequantize`` would. Nothing about the model changes: no
+re-quantisation. docs/performance.md, "Module notes: ops and bench", has the rest.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """GEMM backends for the model's linear layers and the table that picks one per shape.
 
 Why several backends: which library is fastest at decode-sized batches (1-64 rows) depends on the CPU. On a
-2-core AMD EPYC (AVX2) numpy's OpenBLAS beat torch's MKL up to 1.9x and pagedgen's own kernel beat both; on
-an AVX-512 Xeon the order was different again (docs/performance.md). So no threshold is fixed here: at engine
+2-core AMD EPYC (AVX2) numpy's OpenBLAS beat torch's MKL up to 1.9x and pagedgen's own kernel beat both; on an
+AVX-512 Xeon the order was different again (docs/performance.md). So no threshold is fixed here: at engine
 start the candidates are timed on the model's own linear layers and the fastest per row count becomes the
-active table (:mod:`pagedgen.ops.gemm_tune`, cached per machine). numpy's matmul on zero-copy views
+active table (:mod:`pagedgen.ops.matmul.gemm_tune`, cached per machine). numpy's matmul on zero-copy views
 (``Tensor.numpy()`` / ``torch.from_numpy``) reaches OpenBLAS without copying weights or activations, so the
-choice costs one Python branch per call.
-
-The table is chosen per ``(rows, in_features, out_features)``: a list of row buckets, each naming a backend,
-with optional per-``(in, out)`` overrides. Until a table is measured or set, every call takes torch
-(:data:`UNTUNED`, the library's own choice). A table set by :func:`set_gemm_table` is *pinned*: the engine's
-measurement then leaves it alone (benchmarks comparing backends, ``PAGEDGEN_GEMM_TABLE``).
-Every backend computes the same fp32 product; only the summation order differs (relative error ~1e-6).
+choice costs one Python branch per call. docs/performance.md, "Module notes: ops and bench", has the rest.
 """
 
 from __future__ import annotations
@@ -26,14 +20,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedgen.ops.gemm_threads import torch_pool
-from pagedgen.ops.native import gemm_kernel
+from pagedgen.ops.kernels.native import gemm_kernel
+from pagedgen.ops.matmul.gemm_threads import torch_pool
 
 
 class GemmBackend(enum.Enum):
     TORCH = "torch"  # F.linear: MKL sgemm / oneDNN, torch's OpenMP pool
     OPENBLAS = "openblas"  # numpy.matmul on zero-copy views: numpy's bundled OpenBLAS, its own thread pool
-    NATIVE = "native"  # pagedgen's small-batch C kernel (ops/native.py) on torch's OpenMP pool
+    NATIVE = "native"  # pagedgen's small-batch C kernel (ops/kernels/native.py) on torch's OpenMP pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,7 +212,8 @@ def torch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 
 
 def native_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The native small-batch kernel on torch's pool at its full thread count (:mod:`pagedgen.ops.native`)."""
+    """The native small-batch kernel on torch's pool at its full thread count
+    (:mod:`pagedgen.ops.kernels.native`)."""
     torch_pool.restore()
     kernel = gemm_kernel()
     if kernel is None:

@@ -1,29 +1,10 @@
 """Adapt the GEMM tables to the machine: measure once per machine and model, cache the result, install it.
 
-Why: the fastest backend per row count depends on the CPU, the libraries and the thread count (an AVX2
-EPYC and an AVX-512 Xeon disagree, docs/performance.md), so nothing about it is fixed in code. At engine
-start :func:`adapt_to_model` measures, at the row counts the engine's steps produce, on the model's own
-weights:
-
-* for fp32 linear weights: torch, OpenBLAS and (when it can be built) the native kernel
-  (:mod:`pagedgen.ops.gemm_calibrate`); the fastest per row count becomes the
-  :class:`~pagedgen.ops.gemm.GemmTable`, unless one was pinned (:func:`pagedgen.ops.gemm.set_gemm_table`);
-* for weights kept in their stored format (:class:`~pagedgen.ops.qweight.QuantizedWeight`): the native
-  quant kernel against dequantise + torch GEMM, per format and shape (:mod:`pagedgen.ops.quant_calibrate`);
-  the faster per row count becomes the :class:`~pagedgen.ops.quant_table.QuantTable`, unless one was pinned
-  (:func:`pagedgen.ops.quant_table.set_quant_table`).
-
-Both measurements are cached in one JSON entry in ``<cache root>/gemm/``, keyed by everything they depend on
-(:func:`calibration_key`): CPU model and flags, thread counts, torch and numpy versions, numpy's BLAS
-library and kernel family, the native library (its file name hashes sources, flags, compiler and CPU) or
-why it is off, the fp32 weight shapes, the quantized weight formats and shapes, and the row counts. Any
-change gives a new entry; an entry that does not parse or whose stored key differs is measured again and
-overwritten. Within a process, a key is measured or read once.
-
-``PAGEDGEN_GEMM_TABLE`` overrides the measurement for reproducibility: ``torch``, ``openblas`` or
-``native`` (one backend for every fp32 call; for quantized weights ``native`` means the quant kernel for
-every call, ``torch`` and ``openblas`` dequantise + torch GEMM for every call: there is no OpenBLAS path over
-stored blocks), or the path of a cache entry (its timings decide, whatever machine they came from).
+Why: the fastest backend per row count depends on the CPU, the libraries and the thread count (an AVX2 EPYC
+and an AVX-512 Xeon disagree, docs/performance.md), so nothing about it is fixed in code. At engine start
+:func:`adapt_to_model` times the fp32 backends and the quantized paths on the model's own weights at the row
+counts the engine's steps produce, and caches the result per machine and model. docs/performance.md, "Module
+notes: ops and bench", has the rest.
 """
 
 from __future__ import annotations
@@ -43,8 +24,9 @@ import numpy as np
 import torch
 
 from pagedgen.core.paths import cache_root
-from pagedgen.ops.cpu_info import cpu_flags, cpu_model
-from pagedgen.ops.gemm import (
+from pagedgen.ops.kernels.cpu_info import cpu_flags, cpu_model
+from pagedgen.ops.kernels.native import native_status
+from pagedgen.ops.matmul.gemm import (
     NATIVE_ONLY,
     OPENBLAS_ONLY,
     TORCH_ONLY,
@@ -53,7 +35,7 @@ from pagedgen.ops.gemm import (
     adopt_table,
     table_pinned,
 )
-from pagedgen.ops.gemm_calibrate import (
+from pagedgen.ops.matmul.gemm_calibrate import (
     LinearWeight,
     PassTiming,
     RowCounts,
@@ -63,9 +45,8 @@ from pagedgen.ops.gemm_calibrate import (
     model_linear_weights,
     time_passes,
 )
-from pagedgen.ops.gemm_threads import current_thread_settings, torch_pool
-from pagedgen.ops.native import native_status
-from pagedgen.ops.quant_calibrate import (
+from pagedgen.ops.matmul.gemm_threads import current_thread_settings, torch_pool
+from pagedgen.ops.matmul.quant_calibrate import (
     QuantLinearWeight,
     QuantPassTiming,
     derive_quant_table,
@@ -73,8 +54,8 @@ from pagedgen.ops.quant_calibrate import (
     model_quant_weights,
     time_quant_passes,
 )
-from pagedgen.ops.quant_gemm import quant_kernels
-from pagedgen.ops.quant_table import (
+from pagedgen.ops.matmul.quant_gemm import quant_kernels
+from pagedgen.ops.matmul.quant_table import (
     DEQUANT_ONLY,
     KERNEL_ONLY,
     QuantPath,
@@ -82,7 +63,7 @@ from pagedgen.ops.quant_table import (
     adopt_quant_table,
     quant_table_pinned,
 )
-from pagedgen.ops.qweight import QType
+from pagedgen.ops.matmul.qweight import QType
 
 log = logging.getLogger(__name__)
 
@@ -309,7 +290,7 @@ def env_calibration() -> Calibration | None:
 
 
 def adapt_to_model(
-    runtime: Any,
+    runtime: object,
     linear_types: tuple[type, ...],
     max_batch_size: int,
     max_scheduled_tokens: int,

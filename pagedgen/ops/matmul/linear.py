@@ -1,17 +1,18 @@
 """The one matmul entry point of every model's linear layers.
 
-Kept behind a single function so the GEMM backend is chosen per shape (:mod:`pagedgen.ops.gemm`,
+Kept behind a single function so the GEMM backend is chosen per shape (:mod:`pagedgen.ops.matmul.gemm`,
 docs/performance.md) without touching model code: CPU fp32 calls go to the backend the active
-:class:`~pagedgen.ops.gemm.GemmTable` names for ``(rows, in, out)``; everything else (CUDA, half precision,
-autograd, 3-D inputs) goes to ``F.linear``. A weight kept in its stored format (a
-:class:`~pagedgen.ops.qweight.QuantizedWeight`) goes to :func:`pagedgen.ops.quant_gemm.quantized_linear`.
+:class:`~pagedgen.ops.matmul.gemm.GemmTable` names for ``(rows, in, out)``; everything else (CUDA, half
+precision, autograd, 3-D inputs) goes to ``F.linear``. A weight kept in its stored format (a
+:class:`~pagedgen.ops.matmul.qweight.QuantizedWeight`) goes to
+:func:`pagedgen.ops.matmul.quant_gemm.quantized_linear`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pagedgen.ops.gemm import (
+from pagedgen.ops.matmul.gemm import (
     GemmBackend,
     choose_backend,
     native_gemm,
@@ -19,8 +20,8 @@ from pagedgen.ops.gemm import (
     openblas_gemm,
     torch_gemm,
 )
-from pagedgen.ops.quant_gemm import quantized_linear
-from pagedgen.ops.qweight import QuantizedWeight
+from pagedgen.ops.matmul.quant_gemm import quantized_linear
+from pagedgen.ops.matmul.qweight import QuantizedWeight
 
 
 def linear(

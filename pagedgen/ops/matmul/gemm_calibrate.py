@@ -1,28 +1,9 @@
 """Measure the GEMM backends on this machine and derive a :class:`GemmTable` with a reason per choice.
 
-Two measurements, one method:
-
-* :func:`time_passes` (what the engine runs at start, :mod:`pagedgen.ops.gemm_tune`): per row count, one
-  *pass* multiplies a batch of that many rows by every linear weight of the loaded model, in model order,
-  on each backend. The model's own weights are the realistic working set: a decode step streams all of
-  them, so whatever does not fit the caches streams from DRAM in the pass as in the step. Row counts above
-  the decode widths (prefill chunks) are compute-bound: their pass takes one weight of each per-token shape,
-  and the LM head, which only ever sees the sampled rows, is left out of them.
-* :func:`time_shape` (``pagedgen bench gemm --shapes``): one shape at a time, cycling through enough
-  distinct random weights to exceed the last-level cache.
-
-In both, each candidate runs a block of calls in its own pool mode (OpenBLAS parks torch's pool, torch
-restores it), blocks of the candidates alternate, and the best block per candidate is kept: on a shared
-machine the least-disturbed block is the closest estimate of what the hardware does. Ratios are taken within
-one process and one trial loop, never across runs.
-
-:func:`derive_table` then picks, per row count, the backend with the smaller time (summed over shapes),
-one backend per step (see :func:`pagedgen.ops.gemm.gemm_step`). What no GEMM timing sees: a step on
-OpenBLAS runs attention and the small ops on one thread (the torch pool is parked), so the whole-forward
-effect of an OpenBLAS choice can be smaller than its GEMM gain (docs/performance.md).
-
-Weights kept in their stored format are not candidates here: :mod:`pagedgen.ops.quant_calibrate` times their
-own two paths, choosing what each pass multiplies by with the same :func:`pass_members`.
+Why on the model's own weights, in blocks that alternate between the candidates, keeping each one's best: a
+decode step streams every weight, so the measured pass must too, and on a shared machine the least-disturbed
+block is the closest estimate of what the hardware does. docs/performance.md, "Module notes: ops and bench",
+has the rest.
 """
 
 from __future__ import annotations
@@ -30,13 +11,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 import torch
 
-from pagedgen.ops.gemm import GemmBackend, GemmTable, RowBucket, native_gemm, openblas_gemm, torch_gemm
-from pagedgen.ops.native import gemm_kernel
+from pagedgen.ops.kernels.native import gemm_kernel
+from pagedgen.ops.matmul.gemm import GemmBackend, GemmTable, RowBucket, native_gemm, openblas_gemm, torch_gemm
 
 DRAM_BYTES = 192 << 20  # enough distinct weights per shape to stream from memory, not cache
 SHARED_DECODE_ROWS = 32  # decode widths every engine measures (see engine_row_counts)
@@ -191,7 +172,7 @@ class LinearWeight:
         return self.weight.numel()
 
 
-def model_linear_weights(runtime: Any, linear_types: tuple[type, ...]) -> list[LinearWeight]:
+def model_linear_weights(runtime: object, linear_types: tuple[type, ...]) -> list[LinearWeight]:
     """The fp32 CPU weights of ``runtime``'s linear layers (modules of ``linear_types``, e.g. the model
     family's ``Linear``: ops cannot import the models), each once, in module order.
 

@@ -1,21 +1,11 @@
 """Which path a linear call over a weight kept in its stored format takes, per weight kind and row count.
 
-Why a table: :mod:`pagedgen.ops.quant_gemm` has two paths, the native kernel that streams the packed blocks
-(bandwidth-bound, best at few rows) and dequantise + torch's GEMM (compute-bound, best at many rows), and
-where one overtakes the other depends on the CPU, the thread count, the format and the shape. So the
-crossover is measured per machine and model with the GEMM calibration (:mod:`pagedgen.ops.quant_calibrate`,
-cached by :mod:`pagedgen.ops.gemm_tune`) and installed here at engine start.
-
-A :class:`QuantTable` mirrors :class:`pagedgen.ops.gemm.GemmTable`: row buckets with a path each, a default
-above them, and per-kind overrides with their own buckets and default, a kind being a format and a shape
-(two layers of one shape may be stored in different formats, e.g. Q4_K and Q6_K down projections). Until
-a table is installed every call follows :data:`UNCALIBRATED`: the kernel up to
-:data:`UNCALIBRATED_KERNEL_MAX_ROWS` rows (a bare ``Model`` used without an engine, tests). A table set by
-:func:`set_quant_table` is pinned: the engine's calibration then leaves it alone (``pagedgen bench
-throughput --gemm ...``).
-
-Both paths run on torch's thread pool, so unlike the fp32 table no step-wide choice is needed: every call
-takes its own kind's choice at its own row count.
+Why a table: :mod:`pagedgen.ops.matmul.quant_gemm` has two paths, the native kernel that streams the packed
+blocks (bandwidth-bound, best at few rows) and dequantise + torch's GEMM (compute-bound, best at many rows),
+and where one overtakes the other depends on the CPU, the thread count, the format and the shape. So the
+crossover is measured per machine and model with the GEMM calibration
+(:mod:`pagedgen.ops.matmul.quant_calibrate`, cached by :mod:`pagedgen.ops.matmul.gemm_tune`) and installed
+here at engine start. docs/performance.md, "Module notes: ops and bench", has the rest.
 """
 
 from __future__ import annotations
@@ -25,7 +15,7 @@ import enum
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from pagedgen.ops.qweight import QType
+from pagedgen.ops.matmul.qweight import QType
 
 # The uncalibrated fallback, measured once on a 2-core AVX-512 Xeon, one thread, the default model's Q4_1
 # shapes with hot caches: the kernel won up to 96 rows, tied at 128, lost at 256 (docs/performance.md).

@@ -1,23 +1,12 @@
 """Every decoder layer of a pure-decode step in one native call (``kernels/decoder_layers.c``).
 
 Why: at batch 1 a decoder layer is ten microsecond-sized kernels; calling them one by one from Python, with
-the tensor bookkeeping between them, cost about a quarter of a forward (docs/performance.md, "The fused
-decode path"). :class:`FusedDecoder` runs the same kernels' arithmetic on the same kinds of buffers, from
-one C loop over the layers, so its output is bit-identical to the per-layer path. Its threads share one
-OpenMP region for the whole step (each owns a slice of every GEMM's columns and a run of kv heads) and meet
-at five barriers per layer instead of forking and joining for every kernel.
-
-The loop covers the Llama family (Llama, Mistral, Qwen2, Qwen3 with its q/k norms, sliding-window layers)
-and Gemma 3 (sandwich norms, GELU-tanh MLP, query scale, local layers with their own RoPE table). A fused
-matrix (q/k/v, gate/up) may be made of up to three segments stored in different formats, as the parts of a
-llama.cpp Q4_K_M file are: each segment is one GEMM into its columns.
-
-It applies only where that per-layer path would itself run those native kernels: float32 CPU activations,
-every linear weight kept in its stored format (:class:`~pagedgen.ops.qweight.QuantizedWeight`) and run by
-the native quant kernel at the step's row count, steps whose rows are all single-token decodes read by the
-native paged decode kernel. Anything else (prefill and mixed steps, float32 weights, other devices,
-soft-capped attention scores) takes the per-layer path. :meth:`FusedDecoder.build` returns ``None`` for a
-model it cannot run. :data:`FUSED_STEPS` counts the steps it ran (benchmarks and tests read which path ran).
+the tensor bookkeeping between them, cost about a quarter of a forward (docs/performance.md, "The fused decode
+path"). :class:`FusedDecoder` runs the same kernels' arithmetic on the same kinds of buffers, from one C loop
+over the layers, so its output is bit-identical to the per-layer path. Its threads share one OpenMP region for
+the whole step (each owns a slice of every GEMM's columns and a run of kv heads) and meet at five barriers per
+layer instead of forking and joining for every kernel. docs/performance.md, "Module notes: ops and bench", has
+the rest.
 """
 
 from __future__ import annotations
@@ -29,12 +18,12 @@ from dataclasses import dataclass
 import torch
 
 from pagedgen.core.step_inputs import StepInputs
-from pagedgen.ops.attention import AttentionPlan
-from pagedgen.ops.gemm_threads import torch_pool
-from pagedgen.ops.layer_ops import Activation
-from pagedgen.ops.native import native_library
-from pagedgen.ops.quant_gemm import use_quant_kernel
-from pagedgen.ops.qweight import QuantizedWeight
+from pagedgen.ops.kernels.native import native_library
+from pagedgen.ops.layers.layer_ops import Activation
+from pagedgen.ops.matmul.gemm_threads import torch_pool
+from pagedgen.ops.matmul.quant_gemm import use_quant_kernel
+from pagedgen.ops.matmul.qweight import QuantizedWeight
+from pagedgen.ops.mixers.attention import AttentionPlan
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64

@@ -1,9 +1,9 @@
 """What this CPU is: its model name and the instruction-set features the CPU path cares about.
 
 Why: the fastest GEMM backend per row count differs between CPUs (an AVX2 EPYC and an AVX-512 Xeon chose
-differently, docs/performance.md), so the measured choice is cached per CPU (:mod:`pagedgen.ops.gemm_tune`)
-and the features are printed beside every benchmark. Read from ``/proc/cpuinfo`` (Linux); elsewhere the
-model is ``platform.processor()`` and the feature set is empty.
+differently, docs/performance.md), so the measured choice is cached per CPU
+(:mod:`pagedgen.ops.matmul.gemm_tune`) and the features are printed beside every benchmark. Read from
+``/proc/cpuinfo`` (Linux); elsewhere the model is ``platform.processor()`` and the feature set is empty.
 """
 
 from __future__ import annotations

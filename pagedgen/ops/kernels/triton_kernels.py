@@ -1,20 +1,9 @@
 """Triton paged-attention kernels: decode rows, varlen prefill blocks, the split-KV combine.
 
-Only :mod:`pagedgen.ops.triton_attention` imports this file, lazily, with ``TRITON_INTERPRET`` set to the
-mode Triton's own helpers were decorated in (``triton.jit`` chooses between compiling and interpreting when
-it decorates, not when it launches): compiled for CUDA, interpreted on CPU-only test machines. Nothing
-here touches the host: every length, table and bound is loaded on the device from the plan's tensors; the
-grids and constexprs come from the host plan.
-
-Layout (as :mod:`pagedgen.ops.attention`): ``query``/``out [T, Hq, D]``, caches
-``[num_blocks, block_size, Hkv, D]``, any strides. A program owns one kv head and every query head of its
-group (GQA: K/V are read once per group). Keys are addressed one by one through the block table
-(``table[key // BLOCK_SIZE]``, offset ``key % BLOCK_SIZE``), so a tile of ``TILE`` keys may span several
-blocks and any block size works. Scores use an online softmax in float32 in the log2 domain; a row that has
-seen no key yet (a window's first tiles, padded rows) keeps ``m = -inf`` without producing NaNs.
-
-Written against Triton language features present since 3.2 (``tl.dot`` with ``input_precision``,
-constexpr ``if``, runtime-bounded ``range``).
+Why Triton: one kernel source compiles for CUDA and runs under Triton's interpreter on CPU-only machines, so
+the same tests check it everywhere. Nothing here touches the host: every length, table and bound is loaded on
+the device from the plan's tensors; the grids and constexprs come from the host plan. docs/performance.md,
+"Module notes: ops and bench", has the rest.
 """
 
 from __future__ import annotations

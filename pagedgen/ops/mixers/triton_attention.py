@@ -1,31 +1,9 @@
 """The Triton paged-attention backend: when it is selected, its host-side plan, and the kernel launches.
 
-Selection (:func:`triton_selected`): the kernels run when the cache is on CUDA and ``triton`` imports.
-``PAGEDGEN_TRITON_ATTENTION`` overrides that: ``0`` never, ``1`` always, CPU tensors included, through
-Triton's interpreter (how the tests run a whole model forward through these kernels on a machine without a
-GPU); unset or ``auto`` is the default rule. Triton stays optional: nothing imports it until a plan selects
-it, and without it the default rule never selects it.
-
-Interpreter or compiler: ``triton.jit`` decides when it decorates, from ``TRITON_INTERPRET``, and Triton's
-own helpers were decorated when ``triton.language`` was first imported. So one process runs Triton one way:
-the kernels are imported lazily (:func:`_kernels`) in the mode of Triton's helpers, and CPU tensors are
-accepted only when that mode is the interpreter (``TRITON_INTERPRET=1`` set before triton's first import;
-``tests/conftest.py`` does so on machines without CUDA).
-
-Host metadata: :func:`triton_paged_attention` reads no device value on the host (no ``.item()``,
-``.tolist()`` or ``.cpu()``). Everything it needs was derived once per step by
-:func:`pagedgen.ops.attention.plan_attention` from host lists (query and past lengths, each row's first
-readable position) and handed over in :class:`TritonPlan` and the plan's decode tensors. The grids are
-host sizes: decode ``(entries, Hkv, splits)``, ``entries`` being the single-token entries (one per decode
-row, one per token of a draft-verification row); prefill ``(query blocks, Hkv, BLOCK_Q / SUB_Q)``,
-``query blocks`` being ``sum(ceil(q_len / BLOCK_Q))`` over the multi-token rows. Each program loads its
-own row's lengths and loops over exactly its keys, so the kernels need neither ``max_q`` nor ``max_kv``;
-the longest decode history (the plan's ``max_kv`` for decode rows, a host int) only sizes the split-KV
-decode (:func:`decode_splits`), which is what the step's ``[max_q, max_kv, kv_lower_bound]`` is for.
-``plan_attention`` reads a packed step's lengths from its host copies (``StepInputs.host``) and writes the
-plan's index tensors with one pinned, asynchronous copy (:func:`prefill_work` builds the prefill part); a
-pure decode step without host copies (a CUDA graph's static inputs) is planned with no read or upload at
-all, its split count from ``max_kv_len``, the bucket's bound.
+Why this shape: Triton stays optional (nothing imports it until a plan selects it), one process runs Triton
+one way (compiled or interpreted, fixed when it is first imported), and the launches read no device value on
+the host, so a step on CUDA never waits for the device to plan its attention. docs/performance.md, "Module
+notes: ops and bench", has the rest.
 """
 
 from __future__ import annotations
@@ -48,7 +26,7 @@ MAX_SPLITS = 16
 SPLIT_MIN_KEYS = 256  # a split reads at least this many keys: fewer would cost more to combine than to read
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-_KERNELS = "pagedgen.ops.triton_kernels"
+_KERNELS = "pagedgen.ops.kernels.triton_kernels"
 _lock = threading.Lock()
 _importable: bool | None = None
 
@@ -108,8 +86,8 @@ def triton_interpreting() -> bool:
 
 
 def _kernels() -> ModuleType:
-    """:mod:`pagedgen.ops.triton_kernels`, imported on first use and decorated in the mode of this process's
-    Triton (:func:`triton_interpreting`), whatever ``TRITON_INTERPRET`` says by now."""
+    """:mod:`pagedgen.ops.kernels.triton_kernels`, imported on first use and decorated in the mode of this
+    process's Triton (:func:`triton_interpreting`), whatever ``TRITON_INTERPRET`` says by now."""
     with _lock:
         module = sys.modules.get(_KERNELS)
         if module is not None:

@@ -1,23 +1,9 @@
-"""Linear layers and embedding lookups over a :class:`~pagedgen.ops.qweight.QuantizedWeight`.
+"""Linear layers and embedding lookups over a :class:`~pagedgen.ops.matmul.qweight.QuantizedWeight`.
 
-Two paths (docs/performance.md, "Native weights"):
-
-* :func:`quant_gemm`, the native kernel of ``kernels/quant_gemm.c``, which streams the packed blocks once and
-  expands them in L1; bandwidth-bound, so fewer bytes is faster: the path for few rows (decode, the LM head);
-* :func:`tiled_dequant_gemm`: the weight is dequantised into fp32 for the call and multiplied by torch's GEMM
-  (dequantising a 576 x 1536 matrix costs 0.17 ms, its GEMM at 256 rows 2.9 ms); compute-bound, the path
-  for many rows (prefill). A matrix above :data:`TILE_BYTES` as fp32 (the 49152-row LM head: 113 MB) goes
-  tile by tile, so no call allocates and page-faults a whole fp32 copy.
-
-Which one a call takes is :func:`use_quant_kernel`: the installed
-:class:`~pagedgen.ops.quant_table.QuantTable` for the weight's format, shape and the call's row count. The
-engine measures that table at start with the GEMM calibration (:mod:`pagedgen.ops.quant_calibrate`, cached
-per machine and model by :mod:`pagedgen.ops.gemm_tune`); without one (a bare ``Model``, tests) the kernel
-runs up to :data:`~pagedgen.ops.quant_table.UNCALIBRATED_KERNEL_MAX_ROWS` rows. ``PAGEDGEN_GEMM_TABLE=native``
-means the kernel for every call, ``torch`` or ``openblas`` the dequantise path for every call.
-
-Both use the same fp32 weight values (bit-identical to ``gguf.quants.dequantize``), so they differ from
-each other and from the dequantised fp32 model only in summation order.
+Why two paths: the native kernel streams the packed blocks once and expands them in L1 (bandwidth-bound: the
+path for few rows, decode and the LM head), while dequantise + torch's GEMM is compute-bound and wins at many
+rows (prefill); a call takes what the installed :class:`~pagedgen.ops.matmul.quant_table.QuantTable` names for
+its kind and row count. docs/performance.md, "Module notes: ops and bench", has the rest.
 """
 
 from __future__ import annotations
@@ -28,11 +14,11 @@ import threading
 import numpy as np
 import torch
 
-from pagedgen.ops.gemm import torch_gemm
-from pagedgen.ops.gemm_threads import torch_pool
-from pagedgen.ops.native import native_library
-from pagedgen.ops.quant_table import QuantPath, quant_path
-from pagedgen.ops.qweight import QType, QuantizedWeight
+from pagedgen.ops.kernels.native import native_library
+from pagedgen.ops.matmul.gemm import torch_gemm
+from pagedgen.ops.matmul.gemm_threads import torch_pool
+from pagedgen.ops.matmul.quant_table import QuantPath, quant_path
+from pagedgen.ops.matmul.qweight import QType, QuantizedWeight
 
 TILE_BYTES = 8 << 20  # fp32 bytes of one dequantised weight tile on the many-row path
 
@@ -150,7 +136,9 @@ def quant_gemm(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | No
     """
     kernels = quant_kernels()
     if kernels is None:
-        raise RuntimeError("quant_gemm needs the native kernels (pagedgen.ops.native.native_status())")
+        raise RuntimeError(
+            "quant_gemm needs the native kernels (pagedgen.ops.kernels.native.native_status())"
+        )
     if x.dtype is not torch.float32 or x.device.type != "cpu" or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"quant_gemm needs fp32 CPU x [rows, {weight.shape[1]}], got {x.dtype} {x.shape}")
     torch_pool.restore()

@@ -1,8 +1,8 @@
 """Thread counts of the two GEMM thread pools: torch's OpenMP pool and numpy's OpenBLAS pool.
 
 Why both: the linear layers run on OpenBLAS at decode sizes and on torch (MKL / oneDNN, OpenMP) elsewhere
-(:mod:`pagedgen.ops.gemm`), and attention, norms and activations always run on torch. Each pool must use
-every core this process may run on, and no more: an oversubscribed pool on a 2-core machine waits on a
+(:mod:`pagedgen.ops.matmul.gemm`), and attention, norms and activations always run on torch. Each pool must
+use every core this process may run on, and no more: an oversubscribed pool on a 2-core machine waits on a
 preempted worker at every barrier. numpy has no API for its BLAS thread count, so it is set through the
 OpenBLAS library numpy already loaded (``dlopen`` of a loaded path returns that same library).
 """

@@ -1,24 +1,9 @@
 """Mamba-2's selective state-space scan over packed variable-length steps, continuing each row's state.
 
-Per head ``h`` (scalar decay ``a_h < 0``), per token ``t`` of one row::
-
-    state_t = exp(dt_t a_h) state_{t-1} + dt_t x_t B_t^T        state [head_dim, N]
-    y_t     = state_t C_t                                        y [head_dim]
-
-``B``/``C`` are shared by the heads of a group. A step's rows may be prefill chunks or single decode tokens
-packed back to back (``cu_seqlens``); each starts from its committed state and the state after its last token
-is written out, so chunked prefill and decode continue exactly where the previous step stopped.
-
-The recurrence is evaluated in the chunked "SSD" form of the Mamba-2 paper, as transformers' reference scan
-does: the rows' tokens are cut at the same offsets into chunks of ``chunk`` positions; within a chunk the
-outputs are one masked, decay-weighted ``C B^T`` product (attention-like, quadratic in ``chunk``) plus the
-chunk's start state read through ``C``, and the state is carried from chunk to chunk. So the state is
-materialised once per chunk, not once per token, and a decode step (one token per row) is a single update
-for the whole batch. A row shorter than the chunk is padded with ``dt = 0`` positions, which leave the state
-unchanged (decay ``exp(0) = 1``, no inflow), so its carried state is the state after its own last token.
-
-Everything runs in float32 whatever the model's dtype: the state is multiplied by a decay and accumulated
-every token, so rounding it to 16 bits would drift (transformers' scan also computes in float32).
+Why the chunked form: the state is materialised once per chunk rather than once per token, a decode step is
+one update for the whole batch, and each row continues its committed state exactly, so chunked prefill and
+decode agree. Everything runs in float32: the state decays and accumulates every token. docs/performance.md,
+"Module notes: ops and bench", has the rest.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import enum
 import torch
 import torch.nn.functional as F
 
-from pagedgen.ops.native import layer_ops_kernels
+from pagedgen.ops.kernels.native import layer_ops_kernels
 
 
 def _native_ok(*tensors: torch.Tensor) -> bool:

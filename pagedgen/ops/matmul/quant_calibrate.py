@@ -1,34 +1,9 @@
 """Time the two paths of a linear layer over a weight kept in its stored format; derive a :class:`QuantTable`.
 
-The paths (:mod:`pagedgen.ops.quant_gemm`): the native kernel over the packed blocks, and dequantise +
-torch's GEMM. :func:`time_quant_passes` measures them as :func:`pagedgen.ops.gemm_calibrate.time_passes`
-measures the fp32 backends, at the same engine row counts: per row count one pass over the model's own
-quantized weights in model order (every weight at a decode width, so the pass streams the packed model like
-a decode step; at prefill sizes the per-token weights up to the widest decode pass's FLOPs, at least one of
-each kind), rounds repeated within a budget, the best kept; the two paths alternate per row count (see
-:func:`time_quant_passes`). Each call is timed on its own, so one model-order pass gives a time per *kind*
-(format and shape): the kind's median call times its number of calls. The median, not the sum: on a shared
-machine a 2-thread call whose second thread is descheduled waits a whole time slice (kernel calls of 40 us
-measured at 10 ms), and a whole pass at 1 row lasts ~20 ms.
-
-:func:`derive_quant_table` then chooses **per kind** (and, for kinds the table does not name, another
-model's weights in the same process, on the times summed over all kinds) one crossover: the kernel up to
-a measured row count, dequantise + GEMM above. Per kind rather than the fp32 table's one sum, because:
-
-* the crossover differs by kind: the expansion cost differs by format (Q8_0, Q4_1, Q6_K) and the GEMM's
-  efficiency by shape, and the LM head (its own format in GGUF files, sampled rows only) is the largest
-  single weight, which would otherwise dominate every decode-width sum;
-* it costs nothing at run time: both paths run on torch's thread pool, so, unlike the fp32 table's OpenBLAS,
-  mixing them within a step hands no pool over; a call's choice is one memoised lookup.
-
-One crossover rather than the fastest path at each row count independently, because each path's time is
-close to affine in the rows (the kernel: stream the blocks, then its register tile's rate; dequantise +
-GEMM: a larger fixed cost, then MKL's higher rate), so they cross once, and because the paths differ up to
-50x at few rows: one disturbed pass that flipped a single count would cost far more than a near-tie
-misjudged. The crossover is the one whose choices lose least against the faster path at every measured
-count, summed as log ratios (each count weighs the same); the reasons name the counts it overrules.
-Rows above the crossover, including those above a kind's largest measured count (the head is measured at
-the decode widths only: it never sees more than the sampled rows), take dequantise + GEMM.
+Why one crossover per kind: where the kernel stops beating dequantise + GEMM differs by format and shape, and
+each path's time is close to affine in the rows, so they cross once; a crossover chosen over every measured
+row count survives the one disturbed pass that a per-count choice would follow. docs/performance.md, "Module
+notes: ops and bench", has the rest.
 """
 
 from __future__ import annotations
@@ -38,14 +13,13 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from pagedgen.ops.gemm_calibrate import BUDGET_S, SETTLE_S, RowCounts, pass_members
-from pagedgen.ops.quant_gemm import quant_gemm, quant_kernels, tiled_dequant_gemm
-from pagedgen.ops.quant_table import QuantBucket, QuantOverride, QuantPath, QuantTable, kind_name
-from pagedgen.ops.qweight import QType, QuantizedWeight
+from pagedgen.ops.matmul.gemm_calibrate import BUDGET_S, SETTLE_S, RowCounts, pass_members
+from pagedgen.ops.matmul.quant_gemm import quant_gemm, quant_kernels, tiled_dequant_gemm
+from pagedgen.ops.matmul.quant_table import QuantBucket, QuantOverride, QuantPath, QuantTable, kind_name
+from pagedgen.ops.matmul.qweight import QType, QuantizedWeight
 
 QuantGemm = Callable[[torch.Tensor, QuantizedWeight, torch.Tensor | None], torch.Tensor]
 Kind = tuple[QType, tuple[int, int]]  # (format, (out, in))
@@ -77,11 +51,11 @@ class QuantLinearWeight:
 
     @property
     def name(self) -> str:
-        """e.g. ``Q4_1 576->960`` (:func:`~pagedgen.ops.quant_table.kind_name`), `` head`` appended."""
+        """e.g. ``Q4_1 576->960`` (:func:`~pagedgen.ops.matmul.quant_table.kind_name`), `` head`` appended."""
         return kind_name(*self.kind) + ("" if self.every_token else " head")
 
 
-def model_quant_weights(runtime: Any, linear_types: tuple[type, ...]) -> list[QuantLinearWeight]:
+def model_quant_weights(runtime: object, linear_types: tuple[type, ...]) -> list[QuantLinearWeight]:
     """The :class:`QuantizedWeight` of ``runtime``'s linear layers (modules of ``linear_types``), each once,
     in module order, and the LM head (``runtime.head_weight``, perhaps the tied embedding) marked
     ``every_token=False``.
@@ -141,8 +115,8 @@ def time_quant_passes(
     max_rounds: int = 3,
     paths: dict[QuantPath, QuantGemm] | None = None,
 ) -> list[QuantPassTiming]:
-    """Best seconds per path and kind of a :func:`~pagedgen.ops.gemm_calibrate.pass_members` pass at every
-    row count; rounds and budget as in :func:`~pagedgen.ops.gemm_calibrate.time_passes`.
+    """Best seconds per path and kind of a :func:`~pagedgen.ops.matmul.gemm_calibrate.pass_members` pass at
+    every row count; rounds and budget as in :func:`~pagedgen.ops.matmul.gemm_calibrate.time_passes`.
 
     Unlike there, the paths alternate per row count within a round (kernel pass, dequantise pass, next row
     count), so the two passes compared at a count run back to back: on a shared machine, load comes in

@@ -1,0 +1,1 @@
+"""Linear layers: per-shape GEMM backends, weights kept in their stored format, and the path tables."""
