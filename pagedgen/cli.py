@@ -18,10 +18,20 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING
 
 from pagedgen.argtypes import positive_int
+
+if TYPE_CHECKING:
+    import torch
+    from fastapi import FastAPI
+
+    from pagedgen.engine.config import EngineConfig
+    from pagedgen.llm import ChatSession, CompletionOutput, SamplingParams
+    from pagedgen.models.model import Model
+    from pagedgen.server.app import ServerOptions
+    from pagedgen.server.worker import EngineSnapshot
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -112,7 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _subcommand(
-    parser: argparse.ArgumentParser, sub: Any, name: str, *, help: str
+    parser: argparse.ArgumentParser,
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    *,
+    help: str,
 ) -> argparse.ArgumentParser:
     command = sub.add_parser(name, help=help, description=help)
     # SUPPRESS: without the flag the subcommand leaves the top level's --debug as it was.
@@ -391,7 +405,7 @@ def _add_sampling_args(parser: argparse.ArgumentParser, default_max_tokens: int)
     group.add_argument("--ignore-eos", action="store_true")
 
 
-def engine_config(args: argparse.Namespace) -> Any:
+def engine_config(args: argparse.Namespace) -> EngineConfig:
     from pagedgen.engine.config import EngineConfig
 
     return EngineConfig(
@@ -409,7 +423,7 @@ def engine_config(args: argparse.Namespace) -> Any:
     )
 
 
-def sampling_params(args: argparse.Namespace) -> Any:
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
     from pagedgen.llm import SamplingParams
 
     return SamplingParams(
@@ -427,7 +441,7 @@ def sampling_params(args: argparse.Namespace) -> Any:
     )
 
 
-def _load_model(name: str, weights: str = "native") -> Any:
+def _load_model(name: str, weights: str = "native") -> Model:
     from pagedgen.models.model import Model
 
     print(f"loading model {name!r} ({weights} weights) ...", file=sys.stderr, flush=True)
@@ -437,7 +451,7 @@ def _load_model(name: str, weights: str = "native") -> Any:
 # ---------------------------------------------------------------- subcommands
 
 
-def server_options(args: argparse.Namespace) -> Any:
+def server_options(args: argparse.Namespace) -> ServerOptions:
     from pagedgen.server.app import ServerOptions
     from pagedgen.server.guard import host_allow_list
     from pagedgen.server.responses_api.store import StoreLimits
@@ -488,7 +502,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0 if server.started else 3  # 3: uvicorn's startup failure (it logged why)
 
 
-def _serve_replicas(args: argparse.Namespace, options: Any) -> int:
+def _serve_replicas(args: argparse.Namespace, options: ServerOptions) -> int:
     """``--replicas N``: the same options and engine configuration, served by Ray Serve."""
     try:
         from pagedgen.server.replicas.launch import serve_replicas
@@ -523,7 +537,9 @@ def check_port_free(host: str, port: int) -> None:
             raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
 
 
-def startup_lines(model: Any, config: Any, options: Any, snapshot: Any) -> list[str]:
+def startup_lines(
+    model: Model, config: EngineConfig, options: ServerOptions, snapshot: EngineSnapshot
+) -> list[str]:
     """What an operator needs once the engine is up: the id clients send, the context, the cache, memory."""
     from pagedgen.engine.cache_layout import plan_cache_layout
 
@@ -554,11 +570,11 @@ def _mib(num_bytes: int) -> str:
     return f"{num_bytes / (1 << 20):.1f} MiB"
 
 
-def _dtype_name(dtype: Any) -> str:
+def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _announce_on_startup(app: Any, lines: Any) -> None:
+def _announce_on_startup(app: FastAPI, lines: Callable[[], list[str]]) -> None:
     """Log ``lines()`` once the app's lifespan has started the engine (its cache size is known only then)."""
     import logging
 
@@ -566,7 +582,7 @@ def _announce_on_startup(app: Any, lines: Any) -> None:
     lifespan = app.router.lifespan_context
 
     @contextlib.asynccontextmanager
-    async def announcing(app_: Any) -> Any:
+    async def announcing(app_: FastAPI) -> AsyncIterator[object]:
         async with lifespan(app_) as state:
             for line in lines():
                 logger.info(line)
@@ -623,7 +639,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def throughput_line(outputs: Sequence[Any], elapsed: float) -> str:
+def throughput_line(outputs: Sequence[CompletionOutput], elapsed: float) -> str:
     """The run's summary: prompts, tokens in and out, and generated tokens per second of wall time."""
     prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs)
     generated = sum(len(out.token_ids) for out in outputs)
@@ -654,7 +670,7 @@ class ChatLoop:
     refused with a message, so a typo cannot become a turn. ``//`` escapes a message that starts with ``/``.
     """
 
-    def __init__(self, new_session: Any, system: str | None):
+    def __init__(self, new_session: Callable[[str | None], ChatSession], system: str | None):
         self._new_session = new_session
         self.system = system
         self.session = new_session(system)
@@ -735,7 +751,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         loop.session.close()
 
 
-def _chat_turn(session: Any, line: str, turn: int, stats: bool) -> None:
+def _chat_turn(session: ChatSession, line: str, turn: int, stats: bool) -> None:
     try:
         for delta in session.send(line):
             print(delta, end="", flush=True)
@@ -780,7 +796,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_reporting_errors(handlers[args.command], args)
 
 
-def run_reporting_errors(handler: Any, args: argparse.Namespace) -> int:
+def run_reporting_errors(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     """Run a subcommand; a user's mistake is one line on stderr and exit status 2 (``--debug``: raise)."""
     from pagedgen.errors import PagedGenError
 

@@ -1,292 +1,85 @@
 """Offline helpers on top of the engine loop: ``pg.LLM(model).generate(prompts, pg.SamplingParams(...))``.
 
-Like vLLM's ``LLM``, this is the batch API: every prompt becomes one engine Request with one Turn, all are
-submitted at once, and the engine's continuous batching runs them to completion. ``LLM.chat`` applies the
-model's chat template first; :meth:`LLM.start_chat` keeps an interactive conversation as *one* multi-turn
-Request, so a later turn prefills only its new tokens.
-
-The Engine is created by, and must only be used from, the thread that constructs the ``LLM`` (the engine's
-single-owner rule); the server instead owns its engine on a dedicated worker thread.
-
-``LLM(model, speculative="ngram", num_speculative_tokens=K)`` puts a prompt-lookup proposer above the engine
-(:mod:`pagedgen.spec`): before each step it proposes up to K drafts per decoding request, which the engine
-verifies. Greedy output is unchanged, sampled output too (same seed), only faster where drafts are accepted.
+Like vLLM's ``LLM`` this is the batch API (every prompt one Request, all submitted at once, continuous
+batching runs them), with ``LLM.chat`` and :class:`ChatSession` (a conversation kept as one multi-turn
+Request, so a later turn prefills only its new tokens) beside it; the Engine belongs to the thread that
+builds the ``LLM``. docs/server.md, "Offline batches: pg.LLM", has the contract.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
-import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pagedgen.errors import EngineError
 from pagedgen.models.tokenizer import ChatPrompt
-from pagedgen.sampling.errors import SamplingOptionsError
-from pagedgen.sampling.options import SamplingOptions, check_num_logprobs, check_stop_strings
+from pagedgen.sampling.logprobs import TokenLogprob as TokenLogprob
+from pagedgen.sampling.params import SamplingParams as SamplingParams
+from pagedgen.sampling.params import StructuredOutputsParams as StructuredOutputsParams
+from pagedgen.sampling.params import choice_grammar as choice_grammar
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from tqdm import tqdm
+
+    from pagedgen.engine.config import EngineConfig
+    from pagedgen.engine.events import EngineErrorCode, EngineEvent, FinishReason, TokenLogprobs
+    from pagedgen.engine.request import GeneratorParams, Request, RequestOptions, TurnOptions
+    from pagedgen.models.model import Model
+    from pagedgen.models.synthetic import SyntheticModel
+
+    # The models an engine serves: a loaded checkpoint, or the synthetic oracle (same surface).
+    ServedModel = Model | SyntheticModel
 
 _MAX_EVENTS = 256
-_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-# SamplingOptions' field names that SamplingParams calls differently.
-_PARAM_NAME = {"min_new_tokens": "min_tokens", "do_sample": "temperature"}
+class TextTokenizer(Protocol):
+    """The tokenizer surface the helpers and the server use: ``pg.Tokenizer``, or a model's own (the
+    synthetic model's). Chat rendering (``render_chat`` / ``apply_chat_template`` / ``encode_chat``) and
+    ``max_token_chars`` are optional: the helpers probe for them."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], /, skip_special_tokens: bool = True) -> str: ...
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_real(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+def generator_params(model: ServedModel, params: SamplingParams) -> GeneratorParams:
+    """A fresh ``pg.GeneratorParams`` carrying ``params`` (raises if the model refuses one of them).
 
-
-def choice_grammar(choices: Sequence[str]) -> str:
-    """A Lark grammar (llguidance's dialect) matching exactly one of ``choices``, nothing more.
-
-    Each choice is a JSON-escaped string literal (llguidance reads Lark literals with JSON escapes), so
-    quotes, backslashes, newlines, ``|`` and non-ASCII text match literally, never as grammar syntax.
+    The structured-outputs constraint is set here too, although each turn sets its own
+    (:func:`turn_options`): ``GeneratorParams`` checks it against the model's tokenizer, so ``LLM.generate``
+    and the server refuse a constraint the vocabulary cannot follow before submitting anything.
     """
-    return "start: " + " | ".join(json.dumps(choice) for choice in choices)
+    from pagedgen.engine.request import GeneratorParams
+
+    return GeneratorParams(model, params)
 
 
-@dataclass(frozen=True, slots=True)
-class StructuredOutputsParams:
-    """Constrain a completion's text (vLLM's ``StructuredOutputsParams``); set exactly one field.
+def turn_options(request: Request, params: SamplingParams) -> TurnOptions:
+    """A ``pg.TurnOptions`` for one turn of ``request``: token limit, stop strings, logprobs, and the
+    structured-outputs constraint (a turn option, so a chat session can constrain one turn only)."""
+    from pagedgen.engine.request import TurnOptions
 
-    - ``json``: a JSON Schema, as a dict or as JSON text; the output is JSON valid against it, written as
-      ``json.dumps`` writes it;
-    - ``regex``: a regular expression the whole output matches (llguidance's Rust ``regex`` syntax);
-    - ``choice``: a non-empty list of strings; the output is exactly one of them;
-    - ``grammar``: a Lark grammar in llguidance's dialect (``start`` is the root rule);
-    - ``json_object=True``: any JSON object.
-
-    The constraint is compiled here, so a schema, regex or grammar that llguidance refuses raises
-    :class:`SamplingOptionsError` now, naming the field (``field`` is ``"structured_outputs.<name>"``).
-    """
-
-    json: Mapping[str, Any] | str | None = None
-    regex: str | None = None
-    choice: Sequence[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.choice, list):
-            object.__setattr__(self, "choice", tuple(self.choice))
-        given = [name for name in _CONSTRAINTS if self._is_set(name)]
-        if len(given) != 1:
-            found = ", ".join(given) if given else "none"
-            raise SamplingOptionsError(
-                "structured_outputs needs exactly one of json, regex, choice, grammar, "
-                f"json_object=True; got {found}",
-                "structured_outputs",
-            )
-        name = given[0]
-        self._check_types(name)
-        from pagedgen.guidance import GuidanceError, compile_guidance
-
-        try:
-            compile_guidance(*self.guidance())
-        except GuidanceError as exc:
-            raise SamplingOptionsError(
-                f"structured_outputs.{name}: {exc}", f"structured_outputs.{name}"
-            ) from None
-
-    def _is_set(self, name: str) -> bool:
-        value = getattr(self, name)
-        return value is not None and not (name == "json_object" and value is False)
-
-    def _check_types(self, name: str) -> None:
-        value = getattr(self, name)
-        field_name = f"structured_outputs.{name}"
-        if name == "json_object" and value is not True:
-            raise SamplingOptionsError(f"{field_name} must be true or None, got {value!r}", field_name)
-        if name == "json" and not isinstance(value, Mapping | str):
-            raise SamplingOptionsError(
-                f"{field_name} must be a JSON Schema as a dict or JSON text, got {type(value).__name__}",
-                field_name,
-            )
-        if name in ("regex", "grammar") and not isinstance(value, str):
-            raise SamplingOptionsError(f"{field_name} must be a str, got {type(value).__name__}", field_name)
-        if name == "choice":
-            if isinstance(value, str) or not isinstance(value, Sequence) or not value:
-                raise SamplingOptionsError(f"{field_name} must be a non-empty list of strings", field_name)
-            bad = next((c for c in value if not isinstance(c, str)), None)
-            if bad is not None:
-                raise SamplingOptionsError(
-                    f"{field_name} must hold only strings, got {type(bad).__name__} {bad!r}", field_name
-                )
-
-    @property
-    def kind(self) -> str:
-        """Which field is set: ``"json"``, ``"regex"``, ``"choice"``, ``"grammar"`` or ``"json_object"``."""
-        return next(name for name in _CONSTRAINTS if self._is_set(name))
-
-    def guidance(self) -> tuple[str, Any]:
-        """The ``(kind, data)`` of ``TurnOptions.set_guidance`` that applies this constraint."""
-        kind = self.kind
-        if kind == "json":
-            return "json_schema", dict(self.json) if isinstance(self.json, Mapping) else self.json
-        if kind == "json_object":
-            return "json_schema", {"type": "object"}
-        if kind == "regex":
-            return "regex", self.regex
-        if kind == "choice":
-            return "lark_grammar", choice_grammar(self.choice or ())
-        return "lark_grammar", self.grammar
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """How to generate one completion (vLLM's ``SamplingParams`` names; OpenAI semantics).
-
-    ``temperature=0`` is greedy. ``max_tokens=None`` generates until EOS, a stop string or the context ends.
-    ``top_k=0`` and ``top_p=1`` disable those filters. ``stop`` strings are never part of the returned text.
-    ``logprobs=k`` returns the sampled token's logprob and the top-``k`` alternatives per token.
-    ``structured_outputs`` constrains each turn's output (a :class:`StructuredOutputsParams`).
-    Raises ``ValueError`` naming the first bad field.
-    """
-
-    max_tokens: int | None = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: Mapping[int, float] | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    logprobs: int | None = None
-    structured_outputs: StructuredOutputsParams | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        elif isinstance(self.stop, list):
-            object.__setattr__(self, "stop", tuple(self.stop))
-        owner = "SamplingParams"
-        if not (self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens > 0)):
-            raise SamplingOptionsError(
-                f"SamplingParams.max_tokens must be None or an int >= 1, got {self.max_tokens!r}",
-                "max_tokens",
-            )
-        check_stop_strings(self.stop, owner, "stop")
-        if self.logprobs is not None:
-            check_num_logprobs(self.logprobs, owner)
-        if self.structured_outputs is not None and not isinstance(
-            self.structured_outputs, StructuredOutputsParams
-        ):
-            raise SamplingOptionsError(
-                "SamplingParams.structured_outputs must be None or a StructuredOutputsParams, got "
-                f"{type(self.structured_outputs).__name__}",
-                "structured_outputs",
-            )
-        if self.logit_bias is not None and not isinstance(self.logit_bias, Mapping):
-            raise SamplingOptionsError(
-                f"SamplingParams.logit_bias must be a mapping {{token_id: bias}}, got {self.logit_bias!r}",
-                "logit_bias",
-            )
-        try:
-            self.sampling_options()
-        except SamplingOptionsError as exc:  # the one rule set, reported under this class's field names
-            name = _PARAM_NAME.get(exc.field or "", exc.field)
-            message = str(exc).replace(f"SamplingOptions.{exc.field}", f"{owner}.{name}", 1)
-            raise SamplingOptionsError(message, name) from None
-
-    def sampling_options(self) -> SamplingOptions:
-        """The engine's :class:`SamplingOptions` of these parameters; validates every field."""
-        bias = tuple(self.logit_bias.items()) if self.logit_bias else ()
-        if all(_is_int(token) for token, _ in bias):
-            bias = tuple(sorted(bias))
-        return SamplingOptions(
-            do_sample=_is_real(self.temperature) and self.temperature > 0,
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            min_p=self.min_p,
-            seed=self.seed,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            logit_bias=bias,
-            ignore_eos=self.ignore_eos,
-            min_new_tokens=self.min_tokens,
-        )
-
-    def check_vocabulary(self, vocab_size: int) -> None:
-        """Refuse token ids outside a model's vocabulary (SamplingOptionsError naming ``logit_bias``)."""
-        self.sampling_options().check_vocabulary(vocab_size)
-
-    def search_options(self) -> dict[str, Any]:
-        """Keyword arguments for ``GeneratorParams.set_search_options`` (only knobs that are not default)."""
-        options: dict[str, Any] = {"do_sample": self.temperature > 0}
-        if self.temperature > 0:
-            options.update(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
-        if self.seed is not None:
-            options["seed"] = self.seed
-        for name, neutral in (
-            ("presence_penalty", 0.0),
-            ("frequency_penalty", 0.0),
-            ("repetition_penalty", 1.0),
-        ):
-            if getattr(self, name) != neutral:
-                options[name] = getattr(self, name)
-        if self.logit_bias:
-            options["logit_bias"] = self.sampling_options().logit_bias
-        if self.ignore_eos:
-            options["ignore_eos"] = True
-        if self.min_tokens:
-            options["min_new_tokens"] = self.min_tokens
-        return options
-
-    def generator_params(self, model: Any) -> Any:
-        """A fresh ``pg.GeneratorParams`` carrying these options (raises if the sampler refuses one).
-
-        The structured-outputs constraint is set here too, although each turn sets its own
-        (:meth:`turn_options`): ``GeneratorParams.set_guidance`` checks it against the model's tokenizer,
-        so ``LLM.generate`` refuses a constraint the vocabulary cannot follow before submitting anything.
-        """
-        from pagedgen.engine.request import GeneratorParams
-
-        params = GeneratorParams(model)
-        params.set_search_options(**self.search_options())
-        if self.structured_outputs is not None:
-            params.set_guidance(*self.structured_outputs.guidance())
-        return params
-
-    def turn_options(self, request: Any) -> Any:
-        """A ``pg.TurnOptions`` for one turn of ``request``: token limit, stop strings, logprobs, and the
-        structured-outputs constraint (a turn option, so a chat session can constrain one turn only)."""
-        from pagedgen.engine.request import TurnOptions
-
-        options = TurnOptions(request)
-        if self.structured_outputs is not None:
-            options.set_guidance(*self.structured_outputs.guidance())
-        if self.max_tokens is not None:
-            options.set_max_generated_tokens(self.max_tokens)
-        if self.stop:
-            options.set_stop_strings(list(self.stop))
-        if self.logprobs is not None:
-            # The engine reads 0 as "no logprobs"; OpenAI's top_logprobs=0 still wants the sampled token's.
-            options.set_logprobs(max(self.logprobs, 1))
-        return options
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    """A generated token's logprob and its top ``(token_id, logprob)`` alternatives (copied off the event)."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
+    options = TurnOptions(request)
+    if params.structured_outputs is not None:
+        options.set_guidance(*params.structured_outputs.guidance())
+    if params.max_tokens is not None:
+        options.set_max_generated_tokens(params.max_tokens)
+    if params.stop:
+        options.set_stop_strings(list(params.stop))
+    if params.logprobs is not None:
+        # The engine reads 0 as "no logprobs"; OpenAI's top_logprobs=0 still wants the sampled token's.
+        options.set_logprobs(max(params.logprobs, 1))
+    return options
 
 
 @dataclass(slots=True)
@@ -310,14 +103,14 @@ class CompletionOutput:
     drafts_accepted: int = 0  # of those, accepted
 
 
-def turn_text(tokenizer: Any, tokens: list[int], finish: Any) -> str:
+def turn_text(tokenizer: TextTokenizer, tokens: list[int], finish: EngineEvent) -> str:
     """A finished turn's text: its emitted tokens, then the text before the stop string that no emitted
     token carries (``finish`` is the TURN_FINISHED event). Exactly the generated text cut at the stop string.
     """
     return tokenizer.decode(tokens) + finish.text_before_stop
 
 
-def finish_reason_text(reason: Any) -> str:
+def finish_reason_text(reason: FinishReason) -> str:
     """The OpenAI ``finish_reason`` of an engine ``FinishReason``: end of text -> stop, a limit -> length."""
     from pagedgen.engine.events import FinishReason
 
@@ -328,19 +121,19 @@ def finish_reason_text(reason: Any) -> str:
     return "cancelled" if reason is FinishReason.CANCELLED else "failed"
 
 
-def is_engine_failure(error_code: Any) -> bool:
+def is_engine_failure(error_code: EngineErrorCode) -> bool:
     """True for the error codes that mean the engine itself failed (it is unhealthy from then on)."""
     from pagedgen.engine.events import EngineErrorCode
 
     return error_code in (EngineErrorCode.ENGINE_CONTRACT_FAILURE, EngineErrorCode.ENGINE_EXECUTION_FAILURE)
 
 
-def copy_logprobs(token: int, logprobs: Any, top_n: int) -> TokenLogprob:
+def copy_logprobs(token: int, logprobs: TokenLogprobs, top_n: int) -> TokenLogprob:
     """A :class:`TokenLogprob` copied off an event's logprobs, keeping the top ``top_n`` alternatives."""
     return TokenLogprob(token, float(logprobs.logprob), tuple(logprobs.top[:top_n]))
 
 
-def context_length(model: Any) -> int:
+def context_length(model: ServedModel) -> int:
     """The most tokens (prompt + generated) one request of ``model`` may hold."""
     return int(model.max_context)
 
@@ -388,7 +181,7 @@ def check_text_fits(
     )
 
 
-def encode_prompt(tokenizer: Any, text: str, *, parse_special: bool = False) -> list[int]:
+def encode_prompt(tokenizer: TextTokenizer, text: str, *, parse_special: bool = False) -> list[int]:
     """Token ids of a raw-text prompt, with the special tokens (BOS) the tokenizer puts at a sequence start.
 
     Special-token strings written in the prompt are text unless ``parse_special`` (the caller's text is
@@ -396,14 +189,14 @@ def encode_prompt(tokenizer: Any, text: str, *, parse_special: bool = False) -> 
     the chat template writes its own.
     """
     parameters = inspect.signature(tokenizer.encode).parameters
-    kwargs: dict[str, Any] = {"parse_special": parse_special} if "parse_special" in parameters else {}
+    kwargs: dict[str, bool] = {"parse_special": parse_special} if "parse_special" in parameters else {}
     if "add_special_tokens" in parameters:
         kwargs["add_special_tokens"] = True
     return tokenizer.encode(text, **kwargs)
 
 
 def render_chat_prompt(
-    tokenizer: Any,
+    tokenizer: TextTokenizer,
     messages: Sequence[Mapping[str, Any]],
     *,
     parse_special_in_content: bool = False,
@@ -423,7 +216,7 @@ def render_chat_prompt(
     )
 
 
-def encode_chat_prompt(tokenizer: Any, prompt: ChatPrompt, start: int = 0) -> list[int]:
+def encode_chat_prompt(tokenizer: TextTokenizer, prompt: ChatPrompt, start: int = 0) -> list[int]:
     """Ids of ``prompt.text[start:]``: markup as special tokens, the client's text as text."""
     if hasattr(tokenizer, "encode_chat"):
         return tokenizer.encode_chat(prompt, start)
@@ -440,7 +233,7 @@ def prompt_chars(messages: Sequence[Mapping[str, Any]]) -> int:
     return total
 
 
-def tokenizer_for(model: Any) -> Any:
+def tokenizer_for(model: ServedModel) -> TextTokenizer:
     """The tokenizer of ``model``: ``pg.Tokenizer(model)`` for a real model, the model's own otherwise."""
     from pagedgen.models.model import Model
 
@@ -459,8 +252,8 @@ class _Slot:
     prompt: str | None
     prompt_ids: list[int]
     params: SamplingParams
-    generator_params: Any  # params validated against the model before anything was submitted
-    request: Any = None
+    generator_params: GeneratorParams  # validated against the model before anything was submitted
+    request: Request | None = None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
@@ -480,10 +273,10 @@ class LLM:
 
     def __init__(
         self,
-        model: Any,
-        engine_config: Any = None,
+        model: ServedModel | str,
+        engine_config: EngineConfig | None = None,
         *,
-        tokenizer: Any = None,
+        tokenizer: TextTokenizer | None = None,
         speculative: str | None = None,
         num_speculative_tokens: int = 4,
         parse_special_in_content: bool = False,
@@ -507,7 +300,7 @@ class LLM:
             raise
         self._buffer = self.engine.create_event_buffer(_MAX_EVENTS)
 
-    def _propose(self, requests: Any) -> None:
+    def _propose(self, requests: Iterable[Request]) -> None:
         """Set the drafter's proposals before a step (no-op without speculative decoding)."""
         if self.drafter is not None:
             self.drafter.propose(requests)
@@ -580,7 +373,7 @@ class LLM:
         if problem is not None:
             raise ValueError(f"prompt {index}: {problem}")
 
-    def _normalize(self, prompts: Any) -> tuple[list[str | None], list[list[int]]]:
+    def _normalize(self, prompts: Sequence[str | Sequence[int]]) -> tuple[list[str | None], list[list[int]]]:
         texts: list[str | None] = []
         ids: list[list[int]] = []
         for p in prompts:
@@ -593,7 +386,7 @@ class LLM:
         return texts, ids
 
     @staticmethod
-    def _per_prompt(params: Any, n: int) -> list[SamplingParams]:
+    def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
         if params is None:
             return [SamplingParams()] * n
         if isinstance(params, SamplingParams):
@@ -611,7 +404,7 @@ class LLM:
             problem = check_prompt_fits(len(prompt_ids), sp.max_tokens, self.context_length)
             if problem is not None:
                 raise ValueError(f"prompt {i}: {problem}")
-            slots.append(_Slot(i, text, prompt_ids, sp, sp.generator_params(self.model)))
+            slots.append(_Slot(i, text, prompt_ids, sp, generator_params(self.model, sp)))
         from tqdm.auto import tqdm
 
         pending: dict[int, _Slot] = {}
@@ -637,9 +430,11 @@ class LLM:
         request = self.engine.create_request(slot.generator_params, RequestOptions())
         slot.request = request
         pending[id(request)] = slot
-        request.begin_turn(slot.prompt_ids, slot.params.turn_options(request))
+        request.begin_turn(slot.prompt_ids, turn_options(request, slot.params))
 
-    def _dispatch(self, event: Any, pending: dict[int, _Slot], results: list, bar: Any) -> None:
+    def _dispatch(
+        self, event: EngineEvent, pending: dict[int, _Slot], results: list[CompletionOutput | None], bar: tqdm
+    ) -> None:
         from pagedgen.engine.events import EngineEventFlags
 
         if is_engine_failure(event.error_code):
@@ -659,7 +454,7 @@ class LLM:
             slot.request.close()
             bar.update(1)
 
-    def _output(self, slot: _Slot, event: Any) -> CompletionOutput:
+    def _output(self, slot: _Slot, event: EngineEvent) -> CompletionOutput:
         stop_reason = None
         if event.matched_stop_string_index is not None:
             stop_reason = slot.params.stop[event.matched_stop_string_index]
@@ -708,7 +503,7 @@ class ChatSession:
         self.messages: list[dict[str, str]] = (
             [] if system is None else [{"role": "system", "content": system}]
         )
-        self._request: Any = None
+        self._request: Request | None = None
         self._held_text = ""  # the text of every token the Request holds
         self._held_tokens = 0
         self.last: TurnResult | None = None
@@ -742,9 +537,9 @@ class ChatSession:
             )
         if self._request is None:
             self._request = self._llm.engine.create_request(
-                self._params.generator_params(self._llm.model), _request_options()
+                generator_params(self._llm.model, self._params), _request_options()
             )
-        self._request.begin_turn(ids, turn_params.turn_options(self._request))
+        self._request.begin_turn(ids, turn_options(self._request, turn_params))
         detok = IncrementalDetokenizer(self._llm.tokenizer)
         tokens: list[int] = []
         event = None
@@ -770,7 +565,7 @@ class ChatSession:
         self.close()
         return encode_chat_prompt(tokenizer, prompt)
 
-    def _events(self) -> Iterator[Any]:
+    def _events(self) -> Iterator[EngineEvent]:
         from pagedgen.engine.events import EngineEventFlags
 
         engine = self._llm.engine
@@ -786,7 +581,7 @@ class ChatSession:
                     return
 
     def _finish_turn(
-        self, messages: list[dict[str, str]], rendered: str, tokens: list[int], event: Any
+        self, messages: list[dict[str, str]], rendered: str, tokens: list[int], event: EngineEvent
     ) -> None:
         reply = turn_text(self._llm.tokenizer, tokens, event)
         self.messages = [*messages, {"role": "assistant", "content": reply}]
@@ -813,7 +608,7 @@ class ChatSession:
         self._held_tokens = 0
 
 
-def _request_options() -> Any:
+def _request_options() -> RequestOptions:
     from pagedgen.engine.request import RequestOptions
 
     return RequestOptions()

@@ -40,6 +40,7 @@ from pagedgen.sampling.options import (
 
 if TYPE_CHECKING:
     from pagedgen.engine.engine import Engine
+    from pagedgen.sampling.params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -61,14 +62,19 @@ class GeneratorParams:
     """Request-level generation parameters, snapshotted by ``Engine.create_request`` (later edits don't leak).
 
     ``max_length`` (default: the model's context length, and never above it) is the cumulative sequence limit
-    of a request; the other search options are the fields of :class:`pagedgen.sampling.SamplingOptions`.
+    of a request; ``sampling`` is a :class:`pagedgen.sampling.SamplingOptions`. ``GeneratorParams(model,
+    params)`` takes a caller's validated :class:`pagedgen.sampling.params.SamplingParams` as it is
+    (:meth:`set_sampling_params`); :meth:`set_search_options` sets the same options by name, the ONNX
+    Runtime GenAI way.
     """
 
-    def __init__(self, model: Any):
+    def __init__(self, model: Any, params: SamplingParams | None = None):
         self.model = model
         self.max_length: int = int(model.max_context)
         self.sampling = SamplingOptions()
         self.guidance: GuidanceSpec | None = None
+        if params is not None:
+            self.set_sampling_params(params)
 
     def set_guidance(self, kind: str | None, data: Any = "") -> None:
         """Constrain every turn's output to a ``"json_schema"``, ``"regex"`` or ``"lark_grammar"``.
@@ -82,8 +88,21 @@ class GeneratorParams:
         new_cursor(self.model, guidance)  # compiles (cached) against the tokenizer, or refuses
         self.guidance = guidance
 
+    def set_sampling_params(self, params: SamplingParams) -> None:
+        """Take a validated ``SamplingParams``: its :meth:`~SamplingParams.sampling_options` and its
+        structured-outputs constraint (the request's guidance; None clears it). All-or-nothing: what the
+        model refuses (a token id outside its vocabulary, a constraint its tokenizer cannot follow) is an
+        :class:`InvalidArgumentError` naming the field, and the params keep what they had."""
+        sampling = params.sampling_options()
+        self._check(sampling, self.max_length)
+        constraint = params.structured_outputs
+        guidance = None if constraint is None else _compiled_guidance(*constraint.guidance())
+        new_cursor(self.model, guidance)
+        self.sampling, self.guidance = sampling, guidance
+
     def set_search_options(self, **options: Any) -> None:
-        """Set any of ``max_length`` and the SamplingOptions fields; all-or-nothing, unknown names raise.
+        """Set any of ``max_length`` and the SamplingOptions fields by name; all-or-nothing, unknown names
+        raise (the ONNX Runtime GenAI-compatible form of :meth:`set_sampling_params`).
 
         Every value is checked here, against the model too (token ids inside its vocabulary), so a bad
         option is refused with an :class:`InvalidArgumentError` naming it (``field``) before any request
@@ -96,13 +115,7 @@ class GeneratorParams:
                 f"unknown search option(s) {unknown}; known options: {allowed}", field=unknown[0]
             )
         max_length = options.pop("max_length", self.max_length)
-        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
-            raise InvalidArgumentError(f"max_length must be an int >= 2, got {max_length!r}", "max_length")
-        if max_length > self.model.max_context:
-            raise InvalidArgumentError(
-                f"max_length {max_length} exceeds the model's context length {self.model.max_context}",
-                "max_length",
-            )
+        self._check_max_length(max_length)
         bias = options.get("logit_bias")
         if isinstance(bias, Mapping):  # {token: bias} is the OpenAI shape
             try:
@@ -111,12 +124,29 @@ class GeneratorParams:
                 raise InvalidArgumentError(f"logit_bias keys must be token ids: {exc}", "logit_bias") from exc
         try:
             sampling = dataclasses.replace(self.sampling, **options)
-            sampling.check_vocabulary(int(self.model.vocab_size))
         except SamplingOptionsError as exc:
             raise InvalidArgumentError(str(exc), exc.field) from exc
         except (TypeError, ValueError) as exc:
             raise InvalidArgumentError(f"invalid search option: {exc}") from exc
+        self._check(sampling, max_length)
         self.max_length, self.sampling = max_length, sampling
+
+    def _check_max_length(self, max_length: object) -> None:
+        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
+            raise InvalidArgumentError(f"max_length must be an int >= 2, got {max_length!r}", "max_length")
+        if max_length > self.model.max_context:
+            raise InvalidArgumentError(
+                f"max_length {max_length} exceeds the model's context length {self.model.max_context}",
+                "max_length",
+            )
+
+    def _check(self, sampling: SamplingOptions, max_length: object) -> None:
+        """The checks both setters share, the ones that need the model; nothing is changed here."""
+        self._check_max_length(max_length)
+        try:
+            sampling.check_vocabulary(int(self.model.vocab_size))
+        except SamplingOptionsError as exc:
+            raise InvalidArgumentError(str(exc), exc.field) from exc
 
 
 class RequestOptions:

@@ -18,6 +18,16 @@ import torch
 from pagedgen.core.transfer import upload_values
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token's logprob and its top ``(token_id, logprob)`` alternatives, as a caller gets them
+    (``CompletionOutput.logprobs``, the server's responses): copied off the engine's event."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
 @dataclass(slots=True)
 class RowLogprobs:
     """One row's sampled-token logprob and its top-n ``(token, logprob)`` alternatives, descending."""

@@ -1,18 +1,9 @@
 """Bounded admission: how many completion requests the server holds at once, counted on the event loop.
 
-Without a bound, a burst of requests piles up in the worker's command queue and in the engine's queue; every
-one of them holds a connection, a tokenized prompt and an asyncio queue, and all of them time out together.
-The server instead admits a request only while fewer than ``max_running + max_queued`` are in flight
-(admitted, response not yet ended): ``max_running`` is the engine's ``max_batch_size`` (what it can run at
-once) and ``max_queued`` the ``--max-queued-requests`` that may wait beyond a full batch, as in vLLM. A
-request past the bound gets 429 with ``Retry-After`` before its prompt is tokenized.
-
-A server that is shutting down closes its admission: from then on every request is refused (503, not 429:
-retrying here will not help) while the admitted ones finish.
-
-The count lives on the event loop only (no lock): a ticket is taken by a route and released once, when its
-response ends, whichever way it ends. A request for ``n`` choices runs ``n`` engine requests, so its ticket
-holds ``n`` places (all or none).
+Without a bound a burst piles up in the worker's and the engine's queues, every request holding a
+connection, a tokenized prompt and a queue, and all of them time out together; so a request past
+``max_batch_size + max_queued_requests`` in flight gets 429 before its prompt is tokenized, and a draining
+server refuses with 503. docs/server.md, "Errors" (429, 503) and "Shutdown", has the rules.
 """
 
 from __future__ import annotations
@@ -39,7 +30,13 @@ class Ticket:
 
 @dataclass(slots=True)
 class Admission:
-    """The in-flight count and its bound (see the module docstring); used from the event loop only."""
+    """The in-flight count and its bound; used from the event loop only (no lock).
+
+    A request is in flight from its admission until its response ends, whichever way it ends: its ticket is
+    released once. ``max_running`` is the engine's ``max_batch_size``, ``max_queued`` what may wait beyond a
+    full batch (vLLM's ``--max-queued-requests``); a request for ``n`` choices runs ``n`` engine requests, so
+    its ticket holds ``n`` places (all or none). Once ``closed`` (a shutdown), every request is refused.
+    """
 
     max_running: int
     max_queued: int

@@ -1,21 +1,10 @@
 """``tool_choice: "auto"`` (and tools without ``tool_choice``): the model answers in text or calls tools.
 
-What vLLM serves with ``--enable-auto-tool-choice --tool-call-parser NAME``, on by default here
-(``--no-enable-auto-tool-choice`` turns it off; ``"auto"`` is then a 400 naming ``tool_choice``, as vLLM
-answers without the flag). For each such request :func:`auto_tool_calls` decides:
-
-- the format (:mod:`pagedgen.server.tool_parsers`): ``--tool-call-parser``, else the one the chat template
-  shows (``<tool_call>``: hermes; ``[TOOL_CALLS]``: mistral; ``<|python_tag|>`` or Llama 3's JSON wording:
-  llama3_json); a template that renders ``tools`` in none of them is a 400 asking for the flag;
-- the prompt: the tools go to the template's ``tools`` variable; a template that has no such variable (the
-  default SmolLM2's) gets them in a system prompt instead (:func:`fallback_system_prompt`, in the format's
-  words: hermes unless the flag says otherwise), added to the conversation's system message or before it;
-- the constraint (:func:`pagedgen.server.tool_parsers.tool_call_grammar`): text stays free, and a call, once
-  its trigger appears, is forced to name a tool and carry arguments valid for its schema; with
-  ``parallel_tool_calls: false`` the reply ends after the first call;
-- the decoding: a trigger that is a special token of the tokenizer (Mistral's ``[TOOL_CALLS]``) must stay
-  in the text the parser reads, so such replies are decoded with special tokens kept (the constraint lets
-  no other special token than EOS through).
+What vLLM serves with ``--enable-auto-tool-choice --tool-call-parser NAME``, on by default here, but every
+call held to a tool and its schema: :func:`auto_tool_calls` picks the format (the flag, else the chat
+template's), the prompt (the template's ``tools``, else a fallback system prompt), the constraint
+(:mod:`pagedgen.server.tool_parsers.grammar`) and the decoding of a request. docs/server.md, "Automatic tool
+calls", has the rules and why.
 """
 
 from __future__ import annotations
@@ -24,7 +13,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedgen.server.guard import ApiError
 from pagedgen.server.tool_parsers import (
@@ -38,6 +27,10 @@ from pagedgen.server.tool_parsers import (
 )
 from pagedgen.server.tool_parsers.hermes import HERMES
 from pagedgen.server.tools import parameters_schema
+
+if TYPE_CHECKING:
+    from pagedgen.llm import TextTokenizer
+    from pagedgen.server.protocol import ChatCompletionRequest
 
 DISABLED_MESSAGE = (
     '"auto" tool choice (the default when tools are given) is off on this server (started with '
@@ -82,7 +75,9 @@ class AutoToolCalls:
         return ToolCallParser(self.format)
 
 
-def auto_tool_calls(body: Any, tokenizer: Any, settings: AutoToolSettings) -> AutoToolCalls | None:
+def auto_tool_calls(
+    body: ChatCompletionRequest, tokenizer: TextTokenizer, settings: AutoToolSettings
+) -> AutoToolCalls | None:
     """The plan of a chat request with ``tools`` and ``tool_choice`` ``"auto"`` or absent, attached to the
     request (its constraint, and special tokens kept where the trigger is one); None for any other request.
     A refusal is an :class:`ApiError` 400 naming ``tool_choice``."""
@@ -110,7 +105,7 @@ def auto_tool_calls(body: Any, tokenizer: Any, settings: AutoToolSettings) -> Au
 def tokenized_messages(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
-    tokenizer: Any,
+    tokenizer: TextTokenizer,
     settings: AutoToolSettings,
 ) -> list[dict[str, Any]]:
     """The messages ``/tokenize`` renders for a chat with ``tools`` (no ``tool_choice`` there: the chat
@@ -162,7 +157,7 @@ def renders_tools(template: str) -> bool:
         return False
 
 
-def special_token_id(tokenizer: Any, text: str) -> int | None:
+def special_token_id(tokenizer: TextTokenizer, text: str) -> int | None:
     """The id of the special token spelled ``text`` in ``tokenizer``, None when it is text there."""
     encode = getattr(tokenizer, "encode", None)
     if encode is None or not hasattr(tokenizer, "render_chat") or not text:

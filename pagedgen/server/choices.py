@@ -1,49 +1,54 @@
 """``n > 1``: several choices of one prompt, served as ``n`` engine jobs that compute the prompt once.
 
-Choice ``i`` is its own engine request (its own sampler, stop matcher, constraint and blocks), submitted in
-index order right after the others. The prompt is shared through the prefix cache: the scheduler holds back
-an admission whose next uncached block an earlier prefill is about to compute (docs/cache.md, "Arriving
-together"), so choice 0 prefills the prompt and choices 1..n-1 start from its committed full blocks; each of
-them computes only the prompt's tail that no full block holds (at least its last token, whose logits it
-needs: 1 to ``block_size`` tokens). ``usage`` counts the prompt once (``prompt_tokens``, and
-``cached_tokens`` as choice 0 found the cache), ``completion_tokens`` summed over the choices; the siblings'
-hits show in ``pagedgen:prefix_cache_hits_total``.
-
-Seeds: with ``seed=s``, choice ``i`` samples with seed ``s + i`` (wrapped into the engine's 64-bit range),
-so the same request with the same seed returns the same choices, and a choice's seed stream never equals
-another's; without a seed each choice draws a fresh one. Greedy choices are identical.
-
-The choices succeed or fail together: the first error (a refused submission, ``guidance_failed``, an
-unhealthy engine) answers the whole request (a stream ends with its error event), the other choices are
-cancelled and their blocks freed; a client that leaves cancels all of them. Streams interleave the choices'
-chunks as their tokens come, each chunk naming its choice's ``index``, each choice ending with its own
-``finish_reason``; the usage chunk comes after the last one ends.
+Choice ``i`` is its own engine request, submitted in index order right after the others, so the prefix
+cache shares the prompt's full blocks (choice ``i`` seeded ``seed + i``); the choices succeed or fail
+together, and a stream interleaves their chunks. docs/server.md, "Several choices (n > 1)", has the rules,
+the usage accounting and the cost.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
+from fastapi.responses import Response
 
-from pagedgen.llm import SamplingParams, TokenLogprob, finish_reason_text
+from pagedgen.llm import finish_reason_text
 from pagedgen.models.tokenizer import IncrementalDetokenizer
+from pagedgen.sampling.logprobs import TokenLogprob
 from pagedgen.sampling.options import SEED_MAX
+from pagedgen.sampling.params import SamplingParams
 from pagedgen.server.admission import Ticket
 from pagedgen.server.guard import ApiError, request_id_of
 from pagedgen.server.metrics import ServerMetrics
-from pagedgen.server.responses import usage_dict
+from pagedgen.server.responses import PayloadBuilder, usage_dict
 from pagedgen.server.sse import DONE, EventStreamResponse, sse_event
+from pagedgen.server.updates import (
+    CLIENT_GONE,
+    chunk,
+    client_gone,
+    error_json_body,
+    raise_for,
+    unless_disconnected,
+)
 from pagedgen.server.worker import Finish, JobUpdate
 from pagedgen.server.worker_protocol import ServingWorker
 
+if TYPE_CHECKING:
+    from pagedgen.server.app import _Server
+    from pagedgen.server.protocol import RequestBody
+
+log = logging.getLogger("pagedgen.server")
+
 
 def choice_seed(seed: int | None, index: int) -> int | None:
-    """The seed of choice ``index`` of a request seeded ``seed`` (see the module docstring)."""
+    """The seed of choice ``index`` of a request seeded ``seed``: ``seed + index``, wrapped into the
+    engine's 64-bit range (the sampler reduces seeds mod 2**64), so no two choices share a stream."""
     if seed is None:
         return None
     derived = seed + index
@@ -127,26 +132,24 @@ class JobGroup:
 
 
 async def run_choices(
-    server: Any,
-    body: Any,
+    server: _Server,
+    body: RequestBody,
     params: SamplingParams,
     ids: list[int],
-    builder: Any,
+    builder: PayloadBuilder,
     arrived: float,
     request: Request,
     ticket: Ticket,
-) -> Any:
+) -> Response | dict[str, Any]:
     """Serve a validated request's ``body.n`` choices (the route's ``_run_job`` for ``n > 1``)."""
-    from pagedgen.server import app  # the route's helpers; app imports this module lazily as well
-
     tag = request_id_of(request.scope) or ""
     group = JobGroup.submit(server.client.worker, ids, choice_params(params, body.n), arrived, tag)
     try:
-        refusal = await app._unless_disconnected(group.started(), request.receive)
-        if refusal is app._CLIENT_GONE:
-            return app._client_gone(group, server.metrics)
+        refusal = await unless_disconnected(group.started(), request.receive)
+        if refusal is CLIENT_GONE:
+            return client_gone(group, server.metrics)
         if refusal is not None:
-            app._raise_for(refusal)
+            raise_for(refusal)
     except BaseException:
         group.cancel()
         raise
@@ -156,9 +159,9 @@ async def run_choices(
         close = _close_stream(group, ticket, server.metrics)
         return EventStreamResponse(_stream(group, texts, builders, server.metrics, tag), on_close=close)
     try:
-        collected = await app._unless_disconnected(_collect(group, texts, builders), request.receive)
-        if collected is app._CLIENT_GONE:
-            return app._client_gone(group, server.metrics)
+        collected = await unless_disconnected(_collect(group, texts, builders), request.receive)
+        if collected is CLIENT_GONE:
+            return client_gone(group, server.metrics)
         for reason in collected[1]:
             server.metrics.on_success(reason)
         return collected[0]
@@ -166,7 +169,7 @@ async def run_choices(
         group.cancel()  # the other choices of a failed one, or a handler interrupted
 
 
-def _close_stream(group: JobGroup, ticket: Ticket, metrics: ServerMetrics) -> Any:
+def _close_stream(group: JobGroup, ticket: Ticket, metrics: ServerMetrics) -> Callable[[], None]:
     def close() -> None:
         if not group.done:
             group.cancel()
@@ -188,18 +191,16 @@ def _indexed(payload: dict[str, Any], index: int) -> dict[str, Any]:
 
 
 async def _collect(
-    group: JobGroup, texts: list[IncrementalDetokenizer], builders: list[Any]
+    group: JobGroup, texts: list[IncrementalDetokenizer], builders: list[PayloadBuilder]
 ) -> tuple[dict[str, Any], list[str]]:
     """The whole response (choices ordered by index) and each choice's engine finish reason."""
-    from pagedgen.server import app
-
     n = group.n
     parts: list[list[str]] = [[] for _ in range(n)]
     logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
     finishes: list[Finish | None] = [None] * n
     while None in finishes:
         index, update = await group.next()
-        app._raise_for(update)
+        raise_for(update)
         parts[index].append(await asyncio.to_thread(texts[index].add, update.tokens))
         logprobs[index].extend(update.logprobs)
         if update.finish is not None:
@@ -220,13 +221,11 @@ async def _collect(
 async def _stream(
     group: JobGroup,
     texts: list[IncrementalDetokenizer],
-    builders: list[Any],
+    builders: list[PayloadBuilder],
     metrics: ServerMetrics,
     request_id: str,
 ) -> AsyncIterator[bytes]:
     """SSE chunks of every choice, interleaved as they come; cancels what is left if the stream ends early."""
-    from pagedgen.server import app
-
     try:
         for index, builder in enumerate(builders):
             first = builder.first_chunk()
@@ -236,25 +235,27 @@ async def _stream(
         while None in finishes:
             index, update = await group.next()
             try:
-                app._raise_for(update)
+                raise_for(update)
             except ApiError as exc:
                 metrics.on_error_status(exc.status)
                 if exc.status >= 500:
-                    app.log.error("request %s failed with %d: %s", request_id, exc.status, exc.message)
+                    log.error("request %s failed with %d: %s", request_id, exc.status, exc.message)
                 group.cancel()  # the whole request fails: its other choices stop here
-                yield sse_event(app.error_json_body(exc))
+                yield sse_event(error_json_body(exc))
                 break
             builder, finish = builders[index], update.finish
             delta = await asyncio.to_thread(texts[index].add, update.tokens)
             if finish is None:
                 if delta or update.logprobs:
-                    chunk = await app._chunk(builder, delta, update.logprobs, None)
-                    if chunk is not None:  # None: the builder holds the text until the turn ends
-                        yield sse_event(_indexed(chunk, index))
+                    piece = await chunk(builder, delta, update.logprobs, None)
+                    if piece is not None:  # None: the builder holds the text until the turn ends
+                        yield sse_event(_indexed(piece, index))
                 continue
             delta += await asyncio.to_thread(texts[index].flush) + finish.text_before_stop
             reason = finish_reason_text(finish.reason)
-            yield sse_event(_indexed(await app._chunk(builder, delta, update.logprobs, reason), index))
+            last = await chunk(builder, delta, update.logprobs, reason)
+            if last is not None:
+                yield sse_event(_indexed(last, index))
             metrics.on_success(reason)
             finishes[index] = finish
         else:

@@ -1,21 +1,9 @@
 """OpenAI-style error bodies, and the ASGI middleware that refuses a request before any route runs.
 
-The guard gives every request an id (``X-Request-Id`` on every response, and in the log line of a 500), then
-answers, cheapest check first and before it reads any body byte: 421 when a ``Host`` allow-list is set and
-the request's ``Host`` is not on it (a keyless server on loopback: a web page whose name an attacker
-re-points at 127.0.0.1, DNS rebinding, would otherwise read and drive it), 401 on ``/v1/*``, ``/tokenize``,
-``/detokenize``, ``/version`` and the API docs (``/docs``, ``/redoc``, ``/openapi.json``) when an API key
-is configured and the request does not carry it (an unauthenticated client cannot make the server buffer
-megabytes), 413 when the declared
-``Content-Length`` exceeds the limit, 503 while the server drains for a shutdown (with ``Retry-After`` and
-``Connection: close``) and once the engine is unhealthy (every route but ``/health`` and ``/metrics``, which
-must stay available exactly then). Only then does it read the body, counting the bytes of a chunked upload as
-they arrive (413 past the limit), within the body deadline (408 past it: a client that trickles its body
-cannot hold a connection and a handler for long), and replays it to the app.
-A refused chunked body is drained, up to a bound, so the client can read the answer instead of a reset.
-
-An exception escaping a route is logged with the request id and answered with a generic 500 that names the id:
-the exception text may hold internals (paths, prompts of other requests) and is for the operator only.
+The cheapest checks run first and before any body byte is read (``Host``, API key, declared size, drain,
+engine health), then the body is counted and timed as it arrives, so an unauthenticated or slow client
+cannot make the server buffer or wait; a route's exception is a generic 500 naming the request id (its text
+is for the operator's log only). docs/server.md, "Errors", lists the statuses in order.
 """
 
 from __future__ import annotations
@@ -27,7 +15,6 @@ import json
 import logging
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -138,8 +125,15 @@ _REFUSAL_HEADERS: dict[str, tuple[tuple[bytes, bytes], ...]] = {
 
 
 class GuardMiddleware:
-    """Request id, Host allow-list, API key, body-size limit and deadline, drain and engine health (see the
-    module docstring).
+    """Request id, Host allow-list, API key, body-size limit and deadline, drain and engine health.
+
+    Every request gets an id (``X-Request-Id`` on every response, and in the log line of a 500). The answers
+    before the body: 421 for a ``Host`` off the allow-list (DNS rebinding of a keyless loopback server), 401
+    without the key on ``/v1/*``, ``/tokenize``, ``/detokenize``, ``/version`` and the API docs, 413 for a
+    declared ``Content-Length`` over the limit, 503 while draining (``Retry-After``, ``Connection: close``)
+    and once the engine is unhealthy (every route but ``/health`` and ``/metrics``). Then the body is read,
+    a chunked upload counted as it arrives (413) within the body deadline (408), and replayed to the app; a
+    refused chunked body is drained, up to a bound, so the client can read the answer instead of a reset.
 
     ``allowed_hosts``: None for no ``Host`` check, else the names accepted beyond ``localhost`` and loopback
     addresses (:func:`host_allowed`). ``draining()`` is true while the server shuts down. ``body_timeout``:
@@ -351,5 +345,5 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-def request_id_of(scope: Any) -> str | None:
+def request_id_of(scope: Scope) -> str | None:
     return scope.get(REQUEST_ID_KEY)

@@ -1,22 +1,9 @@
 """How ``pagedgen serve`` runs an app under uvicorn: connection timeouts and the graceful shutdown.
 
-uvicorn alone bounds neither a client that trickles its request head (a connection that sends one header
-line per second, or nothing at all, stays open as long as it likes: uvicorn's keep-alive timer only runs
-between requests) nor the shutdown: its graceful timeout cancels the handlers still running, so streams are
-cut mid-chunk, non-streaming requests get a text/plain 500, ``CancelledError`` tracebacks are logged, and the
-signal is raised again after the shutdown, so the process ends with 143.
-
-:class:`HeadTimeoutProtocol` is uvicorn's h11 protocol with a deadline for the request head: it runs from the
-moment a connection opens, or from the first byte of the next request on a kept-alive one, to the end of the
-head; past it the server answers 408 (or, to a connection that sent nothing, just closes it). The body
-deadline is the guard's (:mod:`pagedgen.server.guard`), the idle time between requests uvicorn's keep-alive.
-
-:class:`PagedgenServer` drains on SIGTERM or SIGINT before uvicorn's own shutdown begins: admission closes
-(new requests get 503 with ``Retry-After`` while the listener stays open, ``/health`` answers 503), the
-requests in flight run for up to the shutdown timeout, then the engine thread ends every one that is left (a
-stream gets an error event and ``data: [DONE]``, a non-streaming request the JSON error body) and closes
-their requests, which frees their KV blocks. Only then does uvicorn close the connections and the lifespan
-stop the engine. A second signal ends the wait at once. The process exits with 0.
+uvicorn alone bounds neither a client that trickles its request head (its keep-alive timer runs only
+between requests) nor its shutdown (it cancels running handlers: cut streams, text/plain 500s, tracebacks,
+exit 143); :class:`HeadTimeoutProtocol` adds the head deadline and :class:`PagedgenServer` drains before
+uvicorn shuts down. docs/server.md, "Shutdown and connection limits", has the steps and the bounds.
 """
 
 from __future__ import annotations
@@ -31,7 +18,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Generator
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import h11
 import uvicorn
@@ -39,6 +26,11 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pagedgen.server.admission import Admission
 from pagedgen.server.guard import error_body
+
+if TYPE_CHECKING:
+    import socket
+
+    from fastapi import FastAPI
 
 log = logging.getLogger("pagedgen.server")
 
@@ -169,12 +161,12 @@ class PagedgenServer(uvicorn.Server):
             for sig, handler in original.items():
                 signal.signal(sig, handler)
 
-    async def shutdown(self, sockets: Any = None) -> None:
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         await self._drain(self._shutdown_timeout, lambda: self._hurry)
         await super().shutdown(sockets=sockets)
 
 
-def build_server(app: Any, *, host: str, port: int, log_level: str = "info") -> PagedgenServer:
+def build_server(app: FastAPI, *, host: str, port: int, log_level: str = "info") -> PagedgenServer:
     """The server of an app made by :func:`pagedgen.server.app.create_app`, configured by its options."""
     options = app.state.options
     config = uvicorn.Config(

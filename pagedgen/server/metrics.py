@@ -1,14 +1,8 @@
 """Prometheus metrics of one server: engine levels, request outcome counters and latency histograms.
 
-Each server owns its own ``CollectorRegistry`` (two servers in one process, as in the tests, do not collide).
-Counters and histograms are fed as requests progress (prometheus-client is thread-safe): token counts and
-latencies from the engine's owner thread, request outcomes (success, rejected, failed) by the routes once a
-response is decided. The engine's levels and its monotonic step counts are read at scrape time from the
-worker's published :class:`EngineSnapshot`, never from the engine itself, so a scrape does not wait for a
-running step and still answers once the engine is unhealthy (``pagedgen:healthy`` is then 0).
-
-Monotonic values are counters (``*_total``), gauges are levels only. Names follow vLLM's (``vllm:`` becomes
-``pagedgen:``).
+Outcomes and latencies are fed as requests progress; the engine's levels and step counts are read at
+scrape time from the worker's published snapshot, never from the engine, so a scrape does not wait for a
+step and still answers once the engine is unhealthy. docs/server.md, "Metrics", lists them.
 """
 
 from __future__ import annotations
@@ -110,7 +104,13 @@ class _EngineCollector(Collector):
 
 
 class ServerMetrics:
-    """The server's metrics; ``render()`` is the ``/metrics`` body in the Prometheus text format."""
+    """The server's metrics; ``render()`` is the ``/metrics`` body in the Prometheus text format.
+
+    Each server owns its ``CollectorRegistry`` (two servers in one process, as in the tests, do not
+    collide). Counters and histograms are fed from the engine's owner thread (token counts, latencies) and
+    by the routes once a response is decided (prometheus-client is thread-safe). Monotonic values are
+    counters (``*_total``), gauges are levels only; the names are vLLM's with ``pagedgen:`` for ``vllm:``.
+    """
 
     content_type = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -1,13 +1,6 @@
 """Chat prompts with vLLM's template options: the generation prompt, continuing the final message, and
-extra template variables.
-
-``continue_final_message`` renders the conversation without a generation prompt, then cuts the text right
-after the last message's content (as transformers does): the template's end-of-turn markup after it is
-dropped, so the model continues that assistant message instead of starting a new one.
-
-``chat_template_kwargs`` are template variables. A string among them is client text written outside the
-messages, which the template's markup cannot be told apart from: unless the server reads special-token
-strings in content as tokens, a string that holds one is refused (it would otherwise become control).
+extra template variables; a string variable holding a special-token string is refused unless the server
+reads such strings as tokens (it would become control). docs/server.md, "Request parameters", has the rules.
 """
 
 from __future__ import annotations
@@ -16,13 +9,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from pagedgen.llm import encode_chat_prompt
+from pagedgen.llm import TextTokenizer, encode_chat_prompt
 from pagedgen.models.tokenizer import ChatPrompt
 from pagedgen.server.guard import ApiError
 
 
 def chat_prompt_ids(
-    tokenizer: Any,
+    tokenizer: TextTokenizer,
     messages: Sequence[Mapping[str, Any]],
     tools: list[dict[str, Any]] | None,
     parse_special: bool,
@@ -50,7 +43,7 @@ def chat_prompt_ids(
 
 
 def _render(
-    tokenizer: Any,
+    tokenizer: TextTokenizer,
     messages: Sequence[Mapping[str, Any]],
     generation_prompt: bool,
     parse_special: bool,
@@ -87,7 +80,7 @@ def _cut_after_final_message(prompt: ChatPrompt, final: Mapping[str, Any]) -> Ch
     return replace(prompt, text=prompt.text[:end], markup=markup)
 
 
-def _check_template_strings(tokenizer: Any, variables: Mapping[str, Any]) -> None:
+def _check_template_strings(tokenizer: TextTokenizer, variables: Mapping[str, Any]) -> None:
     """Refuse a string variable holding a special-token string (only a tokenizer that tells text from
     control, ours, can hold one)."""
     encode = getattr(tokenizer, "encode", None)

@@ -1,37 +1,27 @@
-"""The OpenAI wire format: pydantic models for request bodies and response payloads.
+"""The OpenAI wire format: pydantic models for request bodies, strict about types, lenient about names.
 
-Strict about types, lenient about names, as vLLM is: an unknown top-level field of a request (OpenAI's
-``store``, ``metadata``, ``service_tier``, ``reasoning_effort``, ``modalities``, ... which clients send by
-default, or any other) is ignored and logged once per name for the whole process, never a 400; so is an
-unknown key of a message (clients send back a response's ``refusal`` or ``annotations``) or of
-``stream_options``. The nested objects whose fields change what is generated stay strict (an unknown key is
-a 400 naming it): ``response_format``, ``structured_outputs``, ``tools``, ``tool_choice`` and a message's
-content parts, where a typo would otherwise silently drop a constraint. A known field with a bad value is
-always a 400 naming it. This layer checks only the wire shape (types, ``n <= 16``, ``top_logprobs`` without
-``logprobs``, the chat template options); the value rules of every sampling parameter are the engine's
-one rule set (:mod:`pagedgen.sampling.options`), applied when :meth:`to_sampling_params` builds the
-engine-facing :class:`SamplingParams` (a :class:`SamplingOptionsError` there is a 400 naming
-:meth:`wire_name` of its field). Checks that need the model (vocabulary, context length, model name)
-happen in the route. Responses are built as plain dicts by :mod:`pagedgen.server.responses`.
-
-JSON may carry a lone UTF-16 surrogate (``"\\ud800"``), which Python's JSON reader keeps and nothing
-downstream can encode (the tokenizer, llguidance, the JSON of an error echoing it): every string and key of
-a body is checked for one first, and the 400 names its path (``messages[0].content``).
+An unknown top-level field (or message key) is ignored and logged once, as vLLM does; the objects that
+choose what is generated stay strict, and a lone UTF-16 surrogate anywhere is a 400 naming its path. The
+sampling fields' defaults and types are :class:`SamplingParams`' own (``to_sampling_params`` passes them
+on by name), so the engine's one rule set validates them. docs/server.md, "Request parameters" and
+"Errors", has the rules.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import threading
 import uuid
+from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from pagedgen.llm import SamplingParams, StructuredOutputsParams
 from pagedgen.sampling.errors import SamplingOptionsError
+from pagedgen.sampling.params import SamplingParams, StructuredOutputsParams
 from pagedgen.server.tools import ForcedToolCalls, parameters_schema, required_schema
 
 log = logging.getLogger("pagedgen.server")
@@ -42,7 +32,7 @@ MAX_TOKEN_ID_DIGITS = 9  # a logit_bias key longer than this names no token of a
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def surrogate_path(value: Any, path: str = "") -> str | None:
+def surrogate_path(value: object, path: str = "") -> str | None:
     """The path (``messages[0].content``) of the first string or key in ``value`` holding a lone
     surrogate, else None; ``path`` is the path of ``value`` itself."""
     if isinstance(value, str):
@@ -111,7 +101,7 @@ class _Lenient(BaseModel):
     where: ClassVar[str] = ""  # the body path of the object, for the log ("messages[]"; "" at the top)
 
     @model_validator(mode="after")
-    def _drop_unknown(self) -> Any:
+    def _drop_unknown(self) -> _Lenient:
         extra = self.__pydantic_extra__
         if extra:
             IGNORED_FIELDS.note([f"{self.where}.{key}" if self.where else str(key) for key in extra])
@@ -260,6 +250,13 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
+# The defaults of the sampling fields a body shares with SamplingParams: the one definition's.
+_DEFAULT: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+# The SamplingParams fields a body writes in its own shape (converted by ``_sampling_params``); every other
+# field of SamplingParams is a body field of the same name, type and default, passed on as it is.
+WIRE_SHAPED = frozenset({"max_tokens", "top_k", "stop", "logit_bias", "logprobs", "structured_outputs"})
+
+
 class _SamplingFields(_Body):
     """The sampling parameters shared by both routes: OpenAI's, plus vLLM's extensions."""
 
@@ -268,18 +265,18 @@ class _SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     n: PositiveInt = 1
     max_tokens: int | None = None
-    temperature: Annotated[float, Field(le=2.0)] = 1.0  # OpenAI caps it at 2 (the engine does not)
-    top_p: float = 1.0
-    top_k: int = 0  # vLLM's -1 also disables top-k
-    min_p: float = 0.0
-    seed: int | None = None
+    temperature: Annotated[float, Field(le=2.0)] = _DEFAULT["temperature"]  # OpenAI's cap (not the engine's)
+    top_p: float = _DEFAULT["top_p"]
+    top_k: int = _DEFAULT["top_k"]  # vLLM's -1 also disables top-k
+    min_p: float = _DEFAULT["min_p"]
+    seed: int | None = _DEFAULT["seed"]
     stop: str | list[str] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    presence_penalty: float = _DEFAULT["presence_penalty"]
+    frequency_penalty: float = _DEFAULT["frequency_penalty"]
+    repetition_penalty: float = _DEFAULT["repetition_penalty"]
     logit_bias: dict[str, float] | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
+    ignore_eos: bool = _DEFAULT["ignore_eos"]
+    min_tokens: int = _DEFAULT["min_tokens"]
     user: str | None = None  # accepted, not used
     skip_special_tokens: bool = True  # False: special tokens the model generates stay in the text
     response_format: ResponseFormat | None = None
@@ -382,20 +379,13 @@ class _SamplingFields(_Body):
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises :class:`SamplingOptionsError` naming the first bad field (the engine's one rule set)."""
+        same = {name: getattr(self, name) for name in _DEFAULT if name not in WIRE_SHAPED}
         return SamplingParams(
+            **same,
             max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
             top_k=0 if self.top_k == -1 else self.top_k,
-            min_p=self.min_p,
-            seed=self.seed,
             stop=self._stop_strings(),
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
             logit_bias=self._logit_bias(),
-            ignore_eos=self.ignore_eos,
-            min_tokens=self.min_tokens,
             logprobs=logprobs,
             structured_outputs=self.structured_outputs_params(),
         )
@@ -420,14 +410,16 @@ class ChatTemplateFields(BaseModel):
 
     @field_validator("chat_template_kwargs")
     @classmethod
-    def _check_template_kwargs(cls, kwargs: dict[str, TemplateValue] | None) -> Any:
+    def _check_template_kwargs(
+        cls, kwargs: dict[str, TemplateValue] | None
+    ) -> dict[str, TemplateValue] | None:
         for key in kwargs or {}:
             if key in RESERVED_TEMPLATE_VARIABLES or key.endswith("_token"):
                 raise ValueError(f"{key!r} is set by the server and cannot be passed to the chat template")
         return kwargs
 
     @model_validator(mode="after")
-    def _check_continue(self) -> Any:
+    def _check_continue(self) -> ChatTemplateFields:
         if self.continue_final_message and self.add_generation_prompt:
             raise field_error(
                 "continue_final_message",
@@ -678,6 +670,49 @@ class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[Annotated[int, Field(ge=0)]]
     skip_special_tokens: bool = False
+
+
+# The body of either sampling route (the Responses API's is translated into a chat completion's).
+RequestBody = ChatCompletionRequest | CompletionRequest
+
+
+NAMED_ERRORS = ("lone_surrogate", "field_error")  # validation errors whose message and ctx name the field
+_PYDANTIC_TAG = re.compile(r"[\[\](),-]|^(str|int|float|bool|dict|list|none)$|^[A-Z]")  # a union member's tag
+
+
+def error_param(error: Mapping[str, Any], body: object) -> str | None:
+    """The body path of a validation error (``messages[0].content``).
+
+    pydantic's ``loc`` also names union members (``str``, ``list[TextPart]``) and discriminator values
+    (``json_schema``); walking the request body along it keeps only the segments that are its keys and
+    indexes (and a last, missing field's name). A discriminator value can also be a key of the object
+    (``response_format: {"type": "json_schema", "json_schema": ...}``): for an unknown key, the walk that
+    skips the value and reaches the key wins (``response_format.strictly``)."""
+    ctx = error.get("ctx") or {}
+    if error.get("type") in NAMED_ERRORS and isinstance(ctx.get("param"), str):
+        return ctx["param"]
+    loc = [part for part in error.get("loc", ()) if part != "body"]
+    path, reached = _body_path(loc, body, skip_tags=False)
+    if error.get("type") == "extra_forbidden" and not reached:
+        tagless, reached = _body_path(loc, body, skip_tags=True)
+        if reached:
+            return tagless
+    return path
+
+
+def _body_path(loc: list[str | int], body: object, *, skip_tags: bool) -> tuple[str | None, bool]:
+    """The body path along ``loc``, and whether its last segment is in the body."""
+    path, node, present = "", body, False
+    for index, part in enumerate(loc):
+        if skip_tags and isinstance(node, dict) and node.get("type") == part and index < len(loc) - 1:
+            continue  # the discriminator's value, not a key
+        present = isinstance(node, dict) and part in node
+        present = present or (isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node))
+        if not present and (index < len(loc) - 1 or _PYDANTIC_TAG.search(str(part))):
+            continue  # a union member's or a discriminator's tag
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+        node = node[part] if present else None
+    return path or None, present
 
 
 def new_id(prefix: str, separator: str = "-") -> str:

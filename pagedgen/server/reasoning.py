@@ -1,29 +1,10 @@
-"""Reasoning output (``pagedgen serve --reasoning-parser NAME``): a reasoning model's ``<think> ... </think>``
-goes to ``message.reasoning_content`` (and ``reasoning``, vLLM's newer name), the text after it to
-``content``; streamed, as ``delta.reasoning_content`` / ``delta.reasoning`` and ``delta.content``.
+"""Reasoning output (``pagedgen serve --reasoning-parser NAME``): ``<think> ... </think>`` to
+``message.reasoning_content`` (and ``reasoning``), the rest to ``content``, whole or streamed.
 
-Three conventions (:data:`REASONING_PARSERS`), read from the reply's text:
-
-- ``think``: the reply reasons only if it opens with ``<think>`` (after whitespace); otherwise it is
-  all content.
-- ``deepseek_r1``: the reply reasons from its first token (DeepSeek-R1's template opens ``<think>`` in
-  the prompt, so the reply holds only the closing tag; a ``<think>`` the model writes itself is dropped).
-- ``qwen3``: as ``think``, and ``chat_template_kwargs: {"enable_thinking": false}`` means no reasoning
-  (Qwen3's template then closes an empty block in the prompt): the whole reply is content.
-
-Whatever the convention, the prompt decides first (:meth:`ReasoningParser.start`): a prompt that ends with
-``<think>`` has opened the reasoning (Qwen3.5, QwQ, R1 templates), one that ends with ``</think>`` has
-closed it. The reasoning is everything up to the first ``</think>`` (a reply that never writes it is all
-reasoning, ``content`` null); the content starts at the first non-whitespace character after it (the
-templates themselves drop that whitespace when the turn goes back into the prompt).
-
-An output constraint (``response_format``, ``structured_outputs``, a forced tool call) is about the
-answer, so it applies after the reasoning: :meth:`ReasoningResponses.constrain` replaces it with a grammar
-whose prefix is free text up to the end tag (:mod:`pagedgen.guidance.prefixed` says why that is exact).
-
-The tags are read in the decoded text, so they must decode as text: true of DeepSeek-R1's and Qwen3's
-tokenizers (``<think>`` and ``</think>`` are added tokens, not special ones), which is also what the
-grammar's text match needs.
+The prompt decides first where a reply starts (:meth:`ReasoningParser.start`), each convention
+(:data:`REASONING_PARSERS`) then reads the reply's text, and an output constraint moves after the reasoning
+(:meth:`ReasoningResponses.constrain`, exact as :mod:`pagedgen.guidance.prefixed` says). docs/server.md,
+"Reasoning output", has the conventions and why.
 """
 
 from __future__ import annotations
@@ -32,10 +13,15 @@ import dataclasses
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedgen.guidance.prefixed import constraint_after_text
-from pagedgen.llm import SamplingParams, StructuredOutputsParams, TokenLogprob
+from pagedgen.sampling.logprobs import TokenLogprob
+from pagedgen.sampling.params import SamplingParams, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from pagedgen.server.responses import ChatResponses
+    from pagedgen.server.worker import Finish
 
 PROMPT_TAIL_TOKENS = 16  # the prompt's last tokens, decoded, tell whether its template opened the reasoning
 
@@ -209,7 +195,7 @@ class ReasoningResponses:
     (``n > 1``) made after it start the same way, each with its own splitter.
     """
 
-    def __init__(self, inner: Any, parser: ReasoningParser, template_kwargs: Mapping[str, Any]):
+    def __init__(self, inner: ChatResponses, parser: ReasoningParser, template_kwargs: Mapping[str, Any]):
         self._inner = inner
         self._parser = parser
         self._template_kwargs = dict(template_kwargs)
@@ -219,6 +205,10 @@ class ReasoningResponses:
     @property
     def include_usage(self) -> bool:
         return self._inner.include_usage
+
+    @property
+    def reasoning_split(self) -> ReasoningResponses:
+        return self
 
     @property
     def reasoning_start(self) -> ReasoningStart:
@@ -240,7 +230,7 @@ class ReasoningResponses:
     def first_chunk(self) -> dict[str, Any] | None:
         return self._inner.first_chunk()
 
-    def usage_chunk(self, finish: Any) -> dict[str, Any]:
+    def usage_chunk(self, finish: Finish) -> dict[str, Any]:
         return self._inner.usage_chunk(finish)
 
     def chunk(
@@ -260,7 +250,7 @@ class ReasoningResponses:
         return chunk
 
     def full(
-        self, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str, finish: Any
+        self, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str, finish: Finish
     ) -> dict[str, Any]:
         split = split_reasoning(self._parser, self._start, text)
         response = self._inner.full(split.content, logprobs, finish_reason, finish)

@@ -1,35 +1,58 @@
 """Response payloads in the OpenAI wire format, for both routes, streaming and not.
 
-One builder per HTTP request keeps what the chunks of one stream share (id, creation time, model name) and,
-for the completions API, the running text offset of its logprobs. Payloads are plain dicts: they go straight
-to ``json.dumps`` on the hot streaming path.
-
-A chat turn forced to call tools (:mod:`pagedgen.server.tools`) answers ``message.tool_calls`` with
-``content`` null. A named function's call streams its ``arguments`` as they are generated (the first chunk
-carries the call's id and name, as OpenAI streams). A ``"required"`` list is parsed when the turn ends, so
-its stream sends every call in the last chunk; its ``finish_reason`` is ``"tool_calls"`` where the output
-ended normally (``"stop"`` for a named function, as OpenAI and vLLM answer). Output that does not parse
-(cut short by ``max_tokens`` or a stop string) is returned as ``content`` with the engine's finish reason.
-
-An automatic call (``tool_choice: "auto"``, :mod:`pagedgen.server.auto_tools`) is found by the format's
-parser as the text streams: text before the call streams as ``content``, each call's first delta carries its
-id and name, then its ``arguments`` as generated. The reply's ``finish_reason`` is ``"tool_calls"`` when it
-ended normally with every call whole; a call cut short by ``max_tokens`` keeps the arguments generated so
-far, with ``"length"``.
+One builder per HTTP request keeps what one stream's chunks share (id, creation time, model, the
+completions API's logprob text offset) and builds plain dicts, which go straight to ``json.dumps`` on the
+hot path; forced and automatic tool calls come out as OpenAI and vLLM shape them. docs/server.md,
+"Responses", "Structured outputs and tools" and "Automatic tool calls", has the shapes.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from pagedgen.llm import TokenLogprob
+from pagedgen.sampling.logprobs import TokenLogprob
 from pagedgen.server.auto_tools import AutoToolCalls
 from pagedgen.server.protocol import new_id
 from pagedgen.server.tool_parsers import ParserDelta, ToolCallParser
 from pagedgen.server.tools import ForcedToolCalls, new_tool_call_id, parse_required_calls, tool_call
 from pagedgen.server.worker import Finish
+
+if TYPE_CHECKING:
+    from pagedgen.llm import TextTokenizer
+    from pagedgen.server.reasoning import ReasoningResponses
+
+# One payload, or (the Responses API's) the list of events one piece of output becomes.
+Payload = dict[str, Any] | list[dict[str, Any]]
+
+
+class PayloadBuilder(Protocol):
+    """What the serving loop asks of a route's payload builder (:class:`ChatResponses`,
+    :class:`CompletionResponses`, the reasoning split over a chat builder, the Responses API's builder)."""
+
+    @property
+    def include_usage(self) -> bool: ...
+
+    @property
+    def reasoning_split(self) -> ReasoningResponses | None:
+        """The split of reasoning and content the reply goes through (its prompt decides where it starts),
+        None without a reasoning parser."""
+        ...
+
+    def first_chunk(self) -> Payload | None: ...
+
+    def chunk(
+        self, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str | None
+    ) -> Payload | None: ...
+
+    def usage_chunk(self, finish: Finish) -> Payload: ...
+
+    def full(
+        self, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str, finish: Finish
+    ) -> dict[str, Any]: ...
+
+    def sibling(self) -> PayloadBuilder: ...
 
 
 def usage_dict(finish: Finish) -> dict[str, Any]:
@@ -44,13 +67,17 @@ def usage_dict(finish: Finish) -> dict[str, Any]:
 class _Builder:
     id_prefix = ""
 
-    def __init__(self, model_name: str, tokenizer: Any, logprobs: int | None, include_usage: bool):
+    def __init__(self, model_name: str, tokenizer: TextTokenizer, logprobs: int | None, include_usage: bool):
         self.id = new_id(self.id_prefix)
         self.created = int(time.time())
         self.model = model_name
         self._tokenizer = tokenizer
         self.top_n = logprobs
         self.include_usage = include_usage
+
+    @property
+    def reasoning_split(self) -> ReasoningResponses | None:
+        return None  # a reasoning parser wraps the builder (pagedgen.server.reasoning)
 
     def sibling(self) -> _Builder:
         """A fresh builder for another choice of the same response (same id, creation time and settings;
@@ -75,14 +102,16 @@ class _Builder:
 
 class ChatResponses(_Builder):
     """``chat.completion`` and ``chat.completion.chunk`` payloads; ``tools`` when the turn is a forced tool
-    call (see the module docstring)."""
+    call, ``auto`` when it may call tools (docs/server.md, "Structured outputs and tools" and "Automatic
+    tool calls": a named function streams its arguments, a ``"required"`` list is parsed when the turn ends,
+    output that does not parse is ``content`` with the engine's finish reason)."""
 
     id_prefix = "chatcmpl"
 
     def __init__(
         self,
         model_name: str,
-        tokenizer: Any,
+        tokenizer: TextTokenizer,
         logprobs: int | None,
         include_usage: bool,
         tools: ForcedToolCalls | None = None,
@@ -132,7 +161,7 @@ class ChatResponses(_Builder):
         return self._chunk(delta, entries, reason)
 
     def _auto_chunk(
-        self, parser: ToolCallParser, text: str, entries: Any, finish_reason: str | None
+        self, parser: ToolCallParser, text: str, entries: dict[str, Any] | None, finish_reason: str | None
     ) -> dict[str, Any] | None:
         parsed = parser.feed(text)
         if finish_reason is not None:
@@ -142,7 +171,9 @@ class ChatResponses(_Builder):
             return None  # text held back (a trigger's beginning, whitespace before a call)
         return self._chunk(auto_delta(parsed), entries, finish_reason)
 
-    def _chunk(self, delta: dict[str, Any], logprobs: Any, finish_reason: str | None) -> dict[str, Any]:
+    def _chunk(
+        self, delta: dict[str, Any], logprobs: dict[str, Any] | None, finish_reason: str | None
+    ) -> dict[str, Any]:
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         extra = {"usage": None} if self.include_usage else {}
         return self._envelope("chat.completion.chunk", [choice], **extra)
@@ -237,7 +268,12 @@ class CompletionResponses(_Builder):
     id_prefix = "cmpl"
 
     def __init__(
-        self, model_name: str, tokenizer: Any, logprobs: int | None, include_usage: bool, echo: str = ""
+        self,
+        model_name: str,
+        tokenizer: TextTokenizer,
+        logprobs: int | None,
+        include_usage: bool,
+        echo: str = "",
     ):
         super().__init__(model_name, tokenizer, logprobs, include_usage)
         self._offset = 0  # text offset of the next logprob entry

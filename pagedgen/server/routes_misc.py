@@ -15,7 +15,7 @@ import inspect
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI
 
@@ -25,6 +25,11 @@ from pagedgen.server.guard import ApiError
 from pagedgen.server.prompting import chat_prompt_ids
 from pagedgen.server.protocol import DetokenizeRequest, TokenizeRequest
 
+if TYPE_CHECKING:
+    from pagedgen.llm import TextTokenizer
+
+T = TypeVar("T")
+
 
 @dataclass(frozen=True, slots=True)
 class MiscContext:
@@ -33,7 +38,7 @@ class MiscContext:
     model_name: str
     context: int
     vocab_size: int
-    tokenizer: Any
+    tokenizer: TextTokenizer
     parse_special: bool
     prepare_pool: ThreadPoolExecutor
     auto_tools: AutoToolSettings = AutoToolSettings()  # the chat route's, for a chat sent with tools
@@ -82,7 +87,7 @@ def add_misc_routes(app: FastAPI, ctx: MiscContext) -> None:
         return {"prompt": await _off_loop(ctx, decode)}
 
 
-async def _off_loop(ctx: MiscContext, work: Callable[[], Any]) -> Any:
+async def _off_loop(ctx: MiscContext, work: Callable[[], T]) -> T:
     return await asyncio.get_running_loop().run_in_executor(ctx.prepare_pool, work)
 
 
@@ -98,7 +103,7 @@ def _tokenize(ctx: MiscContext, body: TokenizeRequest) -> list[int]:
     return chat_prompt_ids(ctx.tokenizer, messages, tools, ctx.parse_special, **body.template_options())
 
 
-def _encode_text(tokenizer: Any, text: str, add_special: bool, parse_special: bool) -> list[int]:
+def _encode_text(tokenizer: TextTokenizer, text: str, add_special: bool, parse_special: bool) -> list[int]:
     """As :func:`pagedgen.llm.encode_prompt`, with the sequence tokens optional."""
     parameters = inspect.signature(tokenizer.encode).parameters
     kwargs: dict[str, Any] = {"parse_special": parse_special} if "parse_special" in parameters else {}
@@ -107,5 +112,5 @@ def _encode_text(tokenizer: Any, text: str, add_special: bool, parse_special: bo
     return tokenizer.encode(text, **kwargs)
 
 
-def _token_strs(tokenizer: Any, ids: list[int]) -> list[str]:
+def _token_strs(tokenizer: TextTokenizer, ids: list[int]) -> list[str]:
     return [tokenizer.decode([token], skip_special_tokens=False) for token in ids]

@@ -22,15 +22,25 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pagedgen.engine.errors import EngineClosedError, EngineUnhealthyError
 from pagedgen.engine.events import EngineErrorCode, EngineEventFlags, FinishReason
 from pagedgen.errors import PagedGenError
-from pagedgen.llm import SamplingParams, TokenLogprob, copy_logprobs, is_engine_failure
+from pagedgen.llm import copy_logprobs, generator_params, is_engine_failure, turn_options
+from pagedgen.sampling.logprobs import TokenLogprob
+from pagedgen.sampling.options import SamplingOptions
+from pagedgen.sampling.params import SamplingParams
 
-if TYPE_CHECKING:  # the Protocol names this module's records, so it imports this module
-    from pagedgen.server.worker_protocol import ServingWorker
+if TYPE_CHECKING:
+    from pagedgen.engine.config import EngineConfig
+    from pagedgen.engine.engine import Engine
+    from pagedgen.engine.events import EngineEvent, EngineEventBuffer
+    from pagedgen.engine.request import Request, RequestOptions
+    from pagedgen.llm import ServedModel
+    from pagedgen.server.metrics import ServerMetrics
+    from pagedgen.server.worker_protocol import ServingWorker  # it imports this module's records
+    from pagedgen.spec import DraftDriver
 
 log = logging.getLogger("pagedgen.server")
 
@@ -139,8 +149,8 @@ class Keep:
 
 @dataclass(slots=True)
 class _Kept:
-    request: Any
-    search_options: dict[str, Any]
+    request: Request
+    sampling: SamplingOptions  # a resumed job must sample the same way
 
 
 Sink = Callable[[JobUpdate], None]
@@ -182,12 +192,15 @@ class _Stop:
     pass
 
 
+_Command = _Submit | _Cancel | _Release | _Sync | _Abort | _Stop
+
+
 @dataclass(slots=True)
 class _Job:
     """Owner-thread bookkeeping of one in-flight turn."""
 
     job_id: int
-    request: Any
+    request: Request
     turn_id: int
     sink: Sink
     arrived_at: float
@@ -196,7 +209,7 @@ class _Job:
     num_tokens: int = 0
     tag: str = ""  # the HTTP request id, for log lines
     keep_as: str | None = None
-    search_options: dict[str, Any] = field(default_factory=dict)
+    sampling: SamplingOptions | None = None  # with keep_as: the options a resumed job must match
 
 
 class EngineWorker:
@@ -210,10 +223,10 @@ class EngineWorker:
 
     def __init__(
         self,
-        model: Any,
-        engine_config: Any,
+        model: ServedModel,
+        engine_config: EngineConfig,
         *,
-        metrics: Any = None,
+        metrics: ServerMetrics | None = None,
         max_events: int = 256,
         speculative: str | None = None,
         num_speculative_tokens: int = 4,
@@ -222,17 +235,17 @@ class EngineWorker:
         self._config = engine_config
         self._speculative = speculative
         self._num_speculative_tokens = num_speculative_tokens
-        self._drafter: Any = None
+        self._drafter: DraftDriver | None = None
         self._metrics = metrics
         self._max_events = max_events
-        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._ids = itertools.count(1)
         self._jobs: dict[int, _Job] = {}  # owner thread only
         self._by_request: dict[int, _Job] = {}  # id(request) -> job; owner thread only
         self._kept: OrderedDict[str, _Kept] = OrderedDict()  # owner thread only; least recently kept first
         self._resumed_turns = 0
-        self._engine: Any = None
-        self._buffer: Any = None
+        self._engine: Engine | None = None  # created on the owner thread by start()
+        self._buffer: EngineEventBuffer | None = None
         self._snapshot = EngineSnapshot()
         self._error: str | None = None
         self._aborted = False  # owner thread only: set by abort(), later submissions are refused
@@ -263,7 +276,7 @@ class EngineWorker:
         return self._snapshot
 
     @property
-    def model(self) -> Any:
+    def model(self) -> ServedModel:
         """The served model (read-only: parameters are checked against it off the owner thread)."""
         return self._model
 
@@ -368,7 +381,7 @@ class EngineWorker:
             except queue.Empty:
                 return True
 
-    def _apply(self, command: Any) -> None:
+    def _apply(self, command: _Command) -> None:
         """Apply one command; its error fails at most its own job, unless the engine says it is unhealthy."""
         try:
             if isinstance(command, _Submit):
@@ -407,20 +420,20 @@ class EngineWorker:
         job.tag = command.tag
         if command.keep is not None and command.keep.keep_as is not None:
             job.keep_as = command.keep.keep_as
-            job.search_options = command.params.search_options()
+            job.sampling = command.params.sampling_options()
         self._jobs[job.job_id] = job
         self._by_request[id(request)] = job
         if self._metrics is not None:
             self._metrics.on_started(job.prompt_tokens)
         _deliver(job.sink, JobUpdate(started=True))
 
-    def _begin(self, command: _Submit) -> tuple[Any, int]:
+    def _begin(self, command: _Submit) -> tuple[Request, int]:
         """The job's Request (a kept one it resumes, or a fresh one) and its started turn."""
         params, ids = command.params, list(command.prompt_ids)
         kept = self._take_kept(command)
         if kept is not None:
             held = len(kept.request.tokens)
-            options = params.turn_options(kept.request)
+            options = turn_options(kept.request, params)
             if params.structured_outputs is None:  # the kept Request's params may carry a constraint
                 options.set_guidance(None)
             try:
@@ -430,9 +443,9 @@ class EngineWorker:
                 raise
             self._resumed_turns += 1
             return kept.request, turn_id
-        request = self._engine.create_request(params.generator_params(self._model), _options())
+        request = self._engine.create_request(generator_params(self._model, params), _options())
         try:
-            return request, request.begin_turn(ids, params.turn_options(request))
+            return request, request.begin_turn(ids, turn_options(request, params))
         except Exception:
             with contextlib.suppress(Exception):  # a refused begin_turn left the request unassigned
                 request.close()
@@ -448,7 +461,7 @@ class EngineWorker:
         held = kept.request.tokens
         ids = command.prompt_ids
         fits = len(ids) > len(held) and ids[: len(held)] == tuple(held)
-        if fits and kept.search_options == command.params.search_options():
+        if fits and kept.sampling == command.params.sampling_options():
             return kept
         kept.request.close()
         return None
@@ -487,11 +500,11 @@ class EngineWorker:
         del self._by_request[id(job.request)]
         if self._drafter is not None:
             self._drafter.forget(job.request)
-        if not keep or job.keep_as is None:
+        if not keep or job.keep_as is None or job.sampling is None:
             job.request.close()
             return
         self._close_kept(job.keep_as)
-        self._kept[job.keep_as] = _Kept(job.request, job.search_options)
+        self._kept[job.keep_as] = _Kept(job.request, job.sampling)
         while len(self._kept) > MAX_KEPT_REQUESTS:
             _key, oldest = self._kept.popitem(last=False)
             oldest.request.close()
@@ -620,13 +633,13 @@ class EngineWorker:
         log.info("engine stopping: %d of %d KV-cache blocks free", stats.free_blocks, stats.total_blocks)
 
 
-def _options() -> Any:
+def _options() -> RequestOptions:
     from pagedgen.engine.request import RequestOptions
 
     return RequestOptions()
 
 
-def _copy_event(event: Any, update: JobUpdate) -> None:
+def _copy_event(event: EngineEvent, update: JobUpdate) -> None:
     """Copy one event's payload (the buffer's records are reused by the next run)."""
     if event.flags & EngineEventFlags.TOKEN:
         update.tokens.append(event.token)

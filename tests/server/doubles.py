@@ -8,6 +8,7 @@ applied first must wait for it here).
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -98,6 +99,23 @@ class ChatTokenizer(SyntheticTokenizer):
         self.seen_tools.append(tools)
         lines = [f"{m['role']}: {m['content']}" for m in messages]
         return "\n".join(lines) + ("\nassistant: " if add_generation_prompt else "")
+
+
+class TableTemplate(SyntheticTokenizer):
+    """The synthetic codec with a chat template: ``/no_think`` first when ``enable_thinking`` is false, a
+    ``tools: [names]`` line when tools are given, a ``role: content|`` line per message, ``assistant: ``."""
+
+    def __init__(self, eos_token_id: int | None = None):
+        super().__init__(VOCAB, eos_token_id)
+        self.seen: list[dict] = []
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tools=None, **variables) -> str:
+        self.seen.append({"tools": tools, **variables})
+        head = "/no_think " if variables.get("enable_thinking") is False else ""
+        if tools:
+            head += "tools: " + json.dumps([tool["function"]["name"] for tool in tools]) + " "
+        lines = "".join(f"{m['role']}: {m['content']}|" for m in messages)
+        return head + lines + ("assistant: " if add_generation_prompt else "")
 
 
 def serve_counting_submits(model, tokenizer) -> LiveServer:

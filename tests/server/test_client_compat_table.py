@@ -31,7 +31,7 @@ import pagedgen as pg
 from pagedgen import cli
 from pagedgen.models.synthetic import SyntheticModel, SyntheticTokenizer, synthetic_greedy
 from pagedgen.server.app import ServerOptions, build_app
-from tests.server.doubles import VOCAB, client_of, serve
+from tests.server.doubles import VOCAB, TableTemplate, client_of, serve
 from tests.server.doubles import ScriptedModel as ToolScriptedModel
 from tests.server.live import LiveServer
 from tests.server.reasoning_doubles import EOS, ScriptedModel, script_reply
@@ -51,23 +51,6 @@ TOOLS = [
         "function": {"name": "pick", "description": "pick an answer", "parameters": SCHEMA},
     }
 ]
-
-
-class TableTemplate(SyntheticTokenizer):
-    """The synthetic codec with a chat template: ``/no_think`` first when ``enable_thinking`` is false, a
-    ``tools: [names]`` line when tools are given, a ``role: content|`` line per message, ``assistant: ``."""
-
-    def __init__(self, eos_token_id: int | None = None):
-        super().__init__(VOCAB, eos_token_id)
-        self.seen: list[dict] = []
-
-    def apply_chat_template(self, messages, add_generation_prompt=True, tools=None, **variables) -> str:
-        self.seen.append({"tools": tools, **variables})
-        head = "/no_think " if variables.get("enable_thinking") is False else ""
-        if tools:
-            head += "tools: " + json.dumps([tool["function"]["name"] for tool in tools]) + " "
-        lines = "".join(f"{m['role']}: {m['content']}|" for m in messages)
-        return head + lines + ("assistant: " if add_generation_prompt else "")
 
 
 def greedy(prompt: str, max_tokens: int) -> str:

@@ -59,11 +59,7 @@ SUB_ALLOWED: dict[str, dict[str, frozenset[str]]] = {
 # The one way into the bench from outside it: the command hands ``pagedgen bench ...`` over by name.
 BENCH_DISPATCH = ("pagedgen.cli", "pagedgen.bench.cli")
 # Module cycles that wait for a change elsewhere; each must still exist (a stale entry fails).
-PENDING_CYCLES: tuple[frozenset[str], ...] = (
-    # app imports choices inside a route, choices imports app's helpers inside its functions: the server
-    # work that is under way moves those helpers out.
-    frozenset({"pagedgen.server.app", "pagedgen.server.choices"}),
-)
+PENDING_CYCLES: tuple[frozenset[str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ import pytest
 
 import pagedgen as pg
 from pagedgen.models.synthetic import SyntheticModel, SyntheticTokenizer, synthetic_greedy
+from pagedgen.sampling.options import SamplingOptions
 
 VOCAB = 95
 
@@ -170,8 +171,9 @@ def test_sampling_params_validation_names_the_field(field, value):
         pg.SamplingParams(**{field: value})
 
 
-def test_search_options_map_only_what_is_set():
-    assert greedy(4).search_options() == {"do_sample": False}
+def test_sampling_options_are_what_the_engine_runs():
+    """A greedy request's filters stay neutral (greedy decoding ignores them); the rest pass as given."""
+    assert greedy(4, top_k=5, top_p=0.5, min_p=0.2).sampling_options() == SamplingOptions(do_sample=False)
     params = pg.SamplingParams(
         temperature=0.7,
         top_k=5,
@@ -181,22 +183,44 @@ def test_search_options_map_only_what_is_set():
         presence_penalty=0.5,
         logit_bias={7: -2.0, 3: 1.0},
     )
-    assert params.search_options() == {
-        "do_sample": True,
-        "temperature": 0.7,
-        "top_k": 5,
-        "top_p": 0.9,
-        "min_p": 0.1,
-        "seed": 3,
-        "presence_penalty": 0.5,
-        "logit_bias": ((3, 1.0), (7, -2.0)),
-    }
-    assert greedy(4, ignore_eos=True, min_tokens=2).search_options() == {
-        "do_sample": False,
-        "ignore_eos": True,
-        "min_new_tokens": 2,
-    }
+    assert params.sampling_options() == SamplingOptions(
+        do_sample=True,
+        temperature=0.7,
+        top_k=5,
+        top_p=0.9,
+        min_p=0.1,
+        seed=3,
+        presence_penalty=0.5,
+        logit_bias=((3, 1.0), (7, -2.0)),
+    )
+    assert greedy(4, ignore_eos=True, min_tokens=2, seed=9).sampling_options() == SamplingOptions(
+        do_sample=False, ignore_eos=True, min_new_tokens=2, seed=9
+    )
     assert pg.SamplingParams(stop="x").stop == ("x",)
+
+
+def test_generator_params_take_sampling_params_as_set_search_options_would():
+    """The typed path and the by-name shim end in the same options."""
+    model = SyntheticModel(vocab_size=16)
+    params = pg.SamplingParams(temperature=0.5, top_k=3, seed=1, logit_bias={2: 1.0}, min_tokens=1)
+    typed = pg.GeneratorParams(model, params)
+    by_name = pg.GeneratorParams(model)
+    by_name.set_search_options(
+        do_sample=True, temperature=0.5, top_k=3, seed=1, logit_bias={2: 1.0}, min_new_tokens=1
+    )
+    assert typed.sampling == by_name.sampling == params.sampling_options()
+    assert typed.max_length == by_name.max_length == model.max_context and typed.guidance is None
+
+
+def test_generator_params_refuse_sampling_params_the_model_cannot_follow_and_keep_theirs():
+    model = SyntheticModel(vocab_size=16)
+    request_params = pg.GeneratorParams(model, pg.SamplingParams(seed=4))
+    with pytest.raises(pg.EngineError, match="outside the model's vocabulary") as info:
+        request_params.set_sampling_params(pg.SamplingParams(logit_bias={16: 1.0}))
+    assert info.value.field == "logit_bias"
+    assert (
+        request_params.sampling == SamplingOptions(do_sample=True, seed=4) and request_params.guidance is None
+    )
 
 
 class CountingTokenizer(SyntheticTokenizer):

@@ -12,7 +12,7 @@ import pytest
 
 import pagedgen as pg
 from pagedgen.guidance import compile_guidance
-from pagedgen.llm import choice_grammar
+from pagedgen.llm import choice_grammar, generator_params, turn_options
 from pagedgen.models.synthetic import SyntheticModel
 from pagedgen.sampling.errors import SamplingOptionsError
 from tests.helpers import guidance_accepts
@@ -107,13 +107,13 @@ def test_the_constraint_is_set_on_the_params_and_on_every_turn():
     engine = pg.Engine(model, pg.EngineConfig(max_batch_size=2, num_blocks=8))
     try:
         params = pg.SamplingParams(structured_outputs=pg.StructuredOutputsParams(regex="[a-z]+"))
-        generator_params = params.generator_params(model)
-        assert generator_params.guidance.kind == "regex" and generator_params.guidance.data == "[a-z]+"
-        request = engine.create_request(generator_params, pg.RequestOptions())
-        spec = params.turn_options(request).spec
+        request_params = generator_params(model, params)
+        assert request_params.guidance.kind == "regex" and request_params.guidance.data == "[a-z]+"
+        request = engine.create_request(request_params, pg.RequestOptions())
+        spec = turn_options(request, params).spec
         assert spec.guidance_set and spec.guidance.kind == "regex" and spec.guidance.data == "[a-z]+"
-        assert pg.SamplingParams().generator_params(model).guidance is None
-        assert not pg.SamplingParams().turn_options(request).spec.guidance_set
+        assert generator_params(model, pg.SamplingParams()).guidance is None
+        assert not turn_options(request, pg.SamplingParams()).spec.guidance_set
         request.close()
     finally:
         engine.close()

@@ -1,13 +1,6 @@
-"""A Responses request as a chat-completions request: the messages, tools and output format it means.
-
-The prompt is ``instructions`` (a system message: as OpenAI does, a follow-up's instructions replace the
-earlier ones, which are not carried over), then the stored conversation of ``previous_response_id``, then
-this turn's input items: messages as they are (text parts joined), ``function_call`` items as the tool
-calls of an assistant message (consecutive calls in one message), ``function_call_output`` items as
-``tool`` messages (named after the call they answer, when it is in the conversation). Function tools,
-``tool_choice`` and ``text.format`` become the chat route's ``tools``, ``tool_choice`` and
-``response_format``; ``max_output_tokens`` its ``max_tokens``. The chat route then applies its one rule
-set, and :func:`wire_param` names a field it refuses by its Responses name.
+"""A Responses request as a chat-completions request: the messages, tools and output format it means,
+so the chat route's one rule set applies and :func:`wire_param` names a refused field by its Responses
+name. docs/server.md, "The Responses API", has the mapping.
 """
 
 from __future__ import annotations
@@ -49,6 +42,11 @@ class ChatTurn:
 
 
 def chat_turn(request: ResponsesRequest, history: Sequence[dict[str, Any]]) -> ChatTurn:
+    """The chat body of a turn: ``instructions`` as a system message (a follow-up's replace the earlier
+    ones, which are not carried over), the stored ``history``, then this turn's input items: messages as
+    they are (text parts joined), ``function_call`` items as an assistant message's tool calls (consecutive
+    calls in one message), ``function_call_output`` items as ``tool`` messages (named after the call they
+    answer when it is in the conversation)."""
     conversation = [*history, *input_messages(request.input, history)]
     system = [{"role": "system", "content": request.instructions}] if request.instructions else []
     body: dict[str, Any] = {

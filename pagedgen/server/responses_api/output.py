@@ -1,21 +1,6 @@
-"""Responses objects and stream events, translated from the chat route's payloads of the same turn.
-
-:class:`ResponseBuilder` is the chat route's payload builder for a Responses request: it hands each piece
-of output to a :class:`ChatResponses` (so tool calls, forced or automatic, come out as the chat route makes
-them) and turns the chat message or chunk that comes back into Responses output items: the text into one
-``message`` item with an ``output_text`` part, each tool call into a ``function_call`` item. A stream
-opens with ``response.created`` and ``response.in_progress``; an item is announced by
-``response.output_item.added`` when its first piece arrives (a message's ``content_part.added`` with
-it), grows by ``response.output_text.delta`` / ``response.function_call_arguments.delta`` events, and is
-closed by its ``...done`` events when the next item starts or the turn ends; ``response.completed`` (or
-``response.incomplete`` when ``max_output_tokens`` cut the answer) carries the whole response and its
-usage. Reasoning the chat route separates (``reasoning_content``, or ``reasoning``) becomes a ``reasoning``
-item with a ``reasoning_text`` part, streamed by ``response.reasoning_text.delta`` events; one item streams
-at a time, so opening the next closes the one before. Every event has the next ``sequence_number``, from
-0. A turn that produced nothing still answers one empty message, as OpenAI does.
-
-``usage.input_tokens`` counts the whole prompt (the earlier turns too); ``cached_tokens`` those the turn
-did not compute: the history still held by the previous response's Request, or what the prefix cache held.
+"""Responses objects and stream events, translated from the chat route's payloads of the same turn, so
+tool calls and reasoning come out as the chat route makes them. docs/server.md, "The Responses API", has
+the items, the events and the usage.
 """
 
 from __future__ import annotations
@@ -24,8 +9,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pagedgen.llm import TokenLogprob
+from pagedgen.sampling.logprobs import TokenLogprob
 from pagedgen.server.protocol import new_id
+from pagedgen.server.reasoning import ReasoningResponses
 from pagedgen.server.responses import ChatResponses
 from pagedgen.server.worker import Finish
 
@@ -75,14 +61,21 @@ _TEXT_EVENTS = {"message": "response.output_text", "reasoning": "response.reason
 
 
 class ResponseBuilder:
-    """The payload builder of one Responses turn (see the module docstring); ``on_done(response,
-    assistant_message)`` is called once with the finished response and its output as a chat message."""
+    """The payload builder of one Responses turn; ``on_done(response, assistant_message)`` is called once
+    with the finished response and its output as a chat message.
+
+    Each piece of output goes to the chat builder, and what comes back becomes items: the text one
+    ``message`` item with an ``output_text`` part, each tool call a ``function_call`` item, separated
+    reasoning a ``reasoning`` item. One item streams at a time (opening the next closes the one before);
+    every event has the next ``sequence_number``, from 0; a turn that produced nothing still answers one
+    empty message, as OpenAI does.
+    """
 
     include_usage = True  # the stream's last event, response.completed, carries the usage
 
     def __init__(
         self,
-        chat: ChatResponses,
+        chat: ChatResponses | ReasoningResponses,
         header: dict[str, Any],
         on_done: Callable[[dict[str, Any], dict[str, Any]], None],
     ):
@@ -96,9 +89,13 @@ class ResponseBuilder:
         self._status = "in_progress"
 
     @property
-    def chat(self) -> ChatResponses:
-        """The chat route's builder this one translates (with a reasoning parser, its reasoning split)."""
-        return self._chat
+    def reasoning_split(self) -> ReasoningResponses | None:
+        """The chat builder's: a Responses turn reasons as the chat route's turn would."""
+        return self._chat.reasoning_split
+
+    def sibling(self) -> ResponseBuilder:
+        """Another choice of the same response (its own output items; the same header and ``on_done``)."""
+        return ResponseBuilder(self._chat.sibling(), self._header, self._on_done)
 
     # ------------------------------------------------------------ the chat route's builder interface
 

@@ -1,40 +1,38 @@
 """``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``: the Responses API over the chat route.
 
-A request is translated (:mod:`.convert`) into a chat-completions request and served by the chat route's
-own path (admission, parameter checks, templating, the engine job, streaming, errors), with a
-:class:`~.output.ResponseBuilder` as its payload builder; an error the chat route raises names the field
-by its Responses name.
-
-``previous_response_id``: the follow-up's prompt is the stored conversation plus its new input. A stored
-turn keeps its engine Request open (the worker's :class:`~pagedgen.server.worker.Keep`), and the
-follow-up continues in it: the engine computes only the tokens past what that Request holds (the new
-input and the template's markup), which ``usage.input_tokens_details.cached_tokens`` shows. When the
-Request is gone (released with its evicted response, or taken by another follow-up of the same response)
-or the prompt no longer starts with its tokens, the follow-up runs in a fresh Request and the prefix cache
-serves what it still holds. ``store=false`` stores nothing and keeps no Request. A missing id is a 404.
+A request is translated (:mod:`.convert`) and served by the chat route's own path with a
+:class:`~.output.ResponseBuilder` as its payload builder; a stored turn keeps its engine Request open
+(the worker's :class:`~pagedgen.server.worker.Keep`) so a ``previous_response_id`` follow-up computes only
+its new tokens. docs/server.md, "The Responses API", has the rules.
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
+from fastapi.responses import Response
 from pydantic import ValidationError
 
 from pagedgen.llm import prompt_chars
 from pagedgen.server.guard import ApiError
-from pagedgen.server.protocol import ChatCompletionRequest, new_id
+from pagedgen.server.protocol import ChatCompletionRequest, error_param, new_id
 from pagedgen.server.responses_api.convert import chat_turn, wire_message, wire_param
 from pagedgen.server.responses_api.output import ResponseBuilder
 from pagedgen.server.responses_api.store import ResponseStore, StoredResponse
 from pagedgen.server.responses_api.wire import ResponsesRequest
+from pagedgen.server.routes_misc import check_model
+from pagedgen.server.serving import chat_builder, chat_ids, check_text, plan_auto_tools, serve
 from pagedgen.server.worker import Keep
 
+if TYPE_CHECKING:
+    from pagedgen.server.app import _Server
 
-def add_responses_routes(app: FastAPI, server: Any) -> None:
-    """Add the routes; ``server`` is the chat app's shared state (``pagedgen.server.app._Server``)."""
+
+def add_responses_routes(app: FastAPI, server: _Server) -> None:
+    """Add the routes; ``server`` is the chat app's shared state."""
     store = ResponseStore(server.options.response_store, server.client.worker.release)
     app.state.response_store = store
 
@@ -53,11 +51,11 @@ def add_responses_routes(app: FastAPI, server: Any) -> None:
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
-async def _create(server: Any, store: ResponseStore, body: ResponsesRequest, request: Request) -> Any:
-    from pagedgen.server import app as chat  # the chat route's helpers (it imports this module)
-
+async def _create(
+    server: _Server, store: ResponseStore, body: ResponsesRequest, request: Request
+) -> Response | dict[str, Any]:
     arrived = time.monotonic()
-    chat.check_model(body.model, server.options.model_name)
+    check_model(body.model, server.options.model_name)
     if not hasattr(server.tokenizer, "apply_chat_template"):
         raise ApiError(400, f"model {body.model!r} has no chat template", param="input")
     previous = None
@@ -66,8 +64,8 @@ async def _create(server: Any, store: ResponseStore, body: ResponsesRequest, req
     turn = chat_turn(body, previous.conversation if previous is not None else [])
     chat_body = _chat_request(turn.body)
     messages = [m.as_template_message() for m in chat_body.messages]
-    chat._check_text(server, prompt_chars(messages), chat_body.requested_max_tokens, "input")
-    auto = chat.plan_auto_tools(server, chat_body)  # "auto" tools, as the chat route serves them
+    check_text(server, prompt_chars(messages), chat_body.requested_max_tokens, "input")
+    auto = plan_auto_tools(server, chat_body)  # "auto" tools, as the chat route serves them
     messages = messages if auto is None else auto.prompt_messages(messages)
     response_id = new_id("resp", "_")
     keep = Keep(
@@ -81,10 +79,10 @@ async def _create(server: Any, store: ResponseStore, body: ResponsesRequest, req
             store.put(record)
 
     header = _header(body, response_id, server.options.model_name)
-    builder = ResponseBuilder(chat.chat_builder(server, chat_body, auto), header, done)
+    builder = ResponseBuilder(chat_builder(server, chat_body, auto), header, done)
     parse = server.options.parse_special_in_content
     template = functools.partial(
-        chat._chat_ids,
+        chat_ids,
         server.tokenizer,
         messages,
         chat_body.template_tools,
@@ -98,7 +96,7 @@ async def _create(server: Any, store: ResponseStore, body: ResponsesRequest, req
         return ids
 
     try:
-        return await chat._serve(server, chat_body, prepare, builder, arrived, "input", request, keep)
+        return await serve(server, chat_body, prepare, builder, arrived, "input", request, keep)
     except ApiError as exc:
         raise ApiError(
             exc.status,
@@ -115,13 +113,11 @@ async def _create(server: Any, store: ResponseStore, body: ResponsesRequest, req
 def _chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
     """The chat route's request; a rule of its own that the translated body breaks is a 400 naming the
     Responses field."""
-    from pagedgen.server import app as chat
-
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
         error = exc.errors()[0]
-        param = chat._error_param(error, body)
+        param = error_param(error, body)
         message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
         name = wire_param(param)
         if error.get("type") != "field_error":

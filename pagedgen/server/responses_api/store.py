@@ -1,14 +1,8 @@
 """Stored responses: what ``previous_response_id`` and ``GET /v1/responses/{id}`` find, bounded and evictable.
 
-A stored response holds its payload (what ``GET`` returns) and its conversation as chat messages (the
-earlier turns, this turn's input and its output: what a follow-up's prompt starts with). The store is an
-LRU map bounded three ways, each a ``pagedgen serve`` flag: a count, the bytes of the payloads and
-conversations (their JSON size), and an age past which a response is gone. Putting, reading and deleting
-evict first what is too old, then the least recently used until the bounds hold; a response larger than
-the whole byte bound is not stored. Every removed response that may still have its engine Request open
-(the worker keeps a stored turn's Request for its follow-up) is handed to ``release``, which closes it.
-
-Handlers call the store from the event loop and from the threads that build payloads, so it has a lock.
+An LRU map bounded by count, JSON bytes and age (each a ``pagedgen serve`` flag); every response it drops
+has its kept engine Request released. docs/server.md, "The Responses API" ("Stored responses are
+bounded"), has the bounds.
 """
 
 from __future__ import annotations
@@ -57,13 +51,20 @@ class StoredResponse:
     stored_at: float = 0.0
 
 
-def json_size(value: Any) -> int:
+def json_size(value: object) -> int:
     return len(json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8"))
 
 
 @dataclass(slots=True)
 class ResponseStore:
-    """The LRU map of stored responses (see the module docstring); ``clock`` is injectable for tests."""
+    """The LRU map of stored responses; ``clock`` is injectable for tests.
+
+    A stored response holds its payload (what ``GET`` returns) and its conversation as chat messages (what
+    a follow-up's prompt starts with). Putting, reading and deleting evict first what is too old, then the
+    least recently used until the bounds hold; a response larger than the whole byte bound is not stored.
+    Every removed response is handed to ``release`` (its engine Request may still be open). Handlers call
+    the store from the event loop and from the threads that build payloads, so it has a lock.
+    """
 
     limits: StoreLimits
     release: Callable[[str], None]  # closes the engine Request kept for a response's follow-up

@@ -1,20 +1,8 @@
 """Finding tool calls in a model's text, whole or as it streams, for one tool-call format.
 
-A :class:`ToolCallFormat` says how a model writes its calls: a trigger that opens them (``<tool_call>``,
-``[TOOL_CALLS]``, or for Llama 3 a JSON object at the very start), words around each call, the word that
-leads to the next call, and the key of the arguments. Every format writes a call as a JSON object
-``{"name": ..., "<arguments key>": {...}}``.
-
-:class:`ToolCallParser` is fed the text in pieces (:meth:`~ToolCallParser.feed`, then
-:meth:`~ToolCallParser.finish`) and answers :class:`ParserDelta` values: content text and call deltas, the
-shape OpenAI streams. Whole text is parsed the same way (one piece), so a stream and a whole response agree:
-the content is the text before the first call (without its trailing whitespace, which a stream holds back
-until it knows no call follows), and a call's ``arguments`` are its arguments' text exactly as generated.
-A call whose object names its function first streams its name as soon as it is known and then its arguments
-as they come; any other key order is parsed when the object closes. Text after the calls that does not
-follow the format ends the parsing (it is not content). The parser checks only the layout: under the
-server's constraint (:mod:`pagedgen.server.tool_parsers.grammar`) a call always names a tool and carries
-arguments valid for it.
+A :class:`ToolCallFormat` says how a model family writes its calls, and a :class:`ToolCallParser` reads a
+reply in pieces into OpenAI's content and call deltas, whole text the same way, so a stream and a whole
+response agree. docs/server.md, "Automatic tool calls", has the formats.
 """
 
 from __future__ import annotations
@@ -32,7 +20,8 @@ _HEADER = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments
 
 @dataclass(frozen=True, slots=True)
 class ToolCallFormat:
-    """How one model family writes tool calls (see the module docstring).
+    """How one model family writes tool calls; every format writes a call as a JSON object
+    ``{"name": ..., "<arguments key>": {...}}``.
 
     ``trigger``: the text that opens the calls; with ``at_start`` the calls must open the reply, either with
     the trigger or directly with a call's ``{`` (Llama 3), and a reply that starts otherwise is all content.
@@ -99,7 +88,15 @@ class _Mode(enum.Enum):
 
 
 class ToolCallParser:
-    """Parse one reply (see the module docstring); one parser per choice, fed in order."""
+    """Parse one reply; one parser per choice, fed in order (:meth:`feed`, then :meth:`finish`).
+
+    The content is the text before the first call (without its trailing whitespace, which a stream holds
+    back until it knows no call follows), and a call's ``arguments`` are its arguments' text exactly as
+    generated. A call whose object names its function first streams its name as soon as it is known, then
+    its arguments as they come; any other key order is parsed when the object closes. Text after the calls
+    that does not follow the format ends the parsing (it is not content). Only the layout is checked: under
+    the server's constraint a call always names a tool and carries arguments valid for it.
+    """
 
     def __init__(self, fmt: ToolCallFormat):
         self.format = fmt

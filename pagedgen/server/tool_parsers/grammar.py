@@ -1,17 +1,9 @@
 """The constraint of an automatic tool call: free text, until the model opens a call; then a valid call.
 
-The grammar is llguidance's Lark dialect. Its text is free (any characters) up to the format's trigger: the
-trigger is a *lazy* lexeme (``head[lazy]: TEXT "<tool_call>"``), which ends the text at the trigger's first
-occurrence, or a special token (``<[id]>``) where the tokenizer has one for it, which no text can contain.
-From there on every character is the format's: each call is
-``{"name": "<a tool's name>", "<arguments key>": <JSON valid for that tool's parameters schema>}`` with the
-format's words around it, and after the last call only the end of the reply (EOS) or, when parallel calls
-are allowed, the next call. So an automatic call always parses and validates, while a reply without one is
-not constrained at all (a Llama 3 reply is the one exception: it may not start with ``{``, which would be a
-call).
-
-The arguments follow each schema as :mod:`pagedgen.guidance.spec` writes JSON (``json.dumps``'s
-separators, no free whitespace) unless the schema carries its own ``x-guidance`` options.
+The text is free up to the format's trigger (a lazy lexeme, or the special token the tokenizer has for
+it); from there every character is the format's: a call naming a tool with arguments valid for its
+schema, then EOS or the next call. So an automatic call always parses and validates, and a text reply is
+not constrained. docs/server.md, "Automatic tool calls" ("The constraint"), has the details.
 """
 
 from __future__ import annotations
@@ -34,8 +26,10 @@ def tool_call_grammar(
     parallel: bool,
     trigger_token: int | None,
 ) -> str:
-    """The Lark grammar over ``(name, parameters schema)`` pairs; ``trigger_token`` is the id of the special
-    token the trigger is in this tokenizer (None: the trigger is text)."""
+    """The Lark grammar (llguidance's dialect) over ``(name, parameters schema)`` pairs; ``trigger_token``
+    is the id of the special token the trigger is in this tokenizer (None: the trigger is text). The
+    arguments follow each schema as :mod:`pagedgen.guidance.spec` writes JSON (``json.dumps``'s separators,
+    no free whitespace) unless the schema carries its own ``x-guidance`` options."""
     calls = " | ".join(f"call_{index}" for index in range(len(tools)))
     repeat = f" ({_literal(fmt.grammar_next)} one)*" if parallel else ""
     body = f"{_literal(fmt.grammar_open)} one{repeat} {_literal(fmt.grammar_end)}".strip()
