@@ -23,9 +23,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedgen.errors import EngineError
+from pagedgen.errors import EngineError, SamplingOptionsError
 from pagedgen.models.tokenizer import ChatPrompt
-from pagedgen.sampling.errors import SamplingOptionsError
 from pagedgen.sampling.options import SamplingOptions, check_num_logprobs, check_stop_strings
 
 _MAX_EVENTS = 256
@@ -87,7 +86,8 @@ class StructuredOutputsParams:
             )
         name = given[0]
         self._check_types(name)
-        from pagedgen.guidance import GuidanceError, compile_guidance
+        from pagedgen.errors import GuidanceError
+        from pagedgen.guidance import compile_guidance
 
         try:
             compile_guidance(*self.guidance())
@@ -330,7 +330,7 @@ def finish_reason_text(reason: Any) -> str:
 
 def is_engine_failure(error_code: Any) -> bool:
     """True for the error codes that mean the engine itself failed (it is unhealthy from then on)."""
-    from pagedgen.engine.events import EngineErrorCode
+    from pagedgen.errors import EngineErrorCode
 
     return error_code in (EngineErrorCode.ENGINE_CONTRACT_FAILURE, EngineErrorCode.ENGINE_EXECUTION_FAILURE)
 

@@ -18,7 +18,7 @@ from pagedgen.cache import FixedStatePool, WindowRingSpec
 from pagedgen.core.fixed_state_spec import FixedStateSpec
 from pagedgen.core.state_manifest import SlidingWindow, StateKind, StateManifest
 from pagedgen.engine.config import EngineConfig
-from pagedgen.engine.errors import UnsupportedStateError
+from pagedgen.errors import UnsupportedStateError
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedgen.engine.errors import InvalidArgumentError
 from pagedgen.engine.isolation import DEFAULT_MAX_STEP_RETRIES
+from pagedgen.errors import InvalidArgumentError
 
 DEFAULT_MAX_SCHEDULED_TOKENS = 2048
 AUTO_KV_MEMORY_FRACTION = 0.25

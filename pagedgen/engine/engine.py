@@ -23,15 +23,6 @@ from pagedgen.cache.prefix import BlockHashes
 from pagedgen.engine.cache_layout import plan_cache_layout
 from pagedgen.engine.config import EngineConfig, resolve_mixed_step_tokens, resolve_num_blocks
 from pagedgen.engine.consistency import request_violations
-from pagedgen.engine.errors import (
-    DraftsUnsupportedError,
-    EngineClosedError,
-    EngineUnhealthyError,
-    InvalidArgumentError,
-    RequestClosedError,
-    RequestStateError,
-    WrongThreadError,
-)
 from pagedgen.engine.events import EngineEvent, EngineEventBuffer, EngineEventFlags, FinishReason
 from pagedgen.engine.faults import FaultInjector
 from pagedgen.engine.isolation import FailureIsolator
@@ -51,7 +42,16 @@ from pagedgen.engine.scheduler import DynamicScheduler
 from pagedgen.engine.static import StaticScheduler, StaticStep
 from pagedgen.engine.step import DynamicStep, StepResult
 from pagedgen.engine.turn_output import finish_turn_now
-from pagedgen.errors import EngineError
+from pagedgen.errors import (
+    DraftsUnsupportedError,
+    EngineClosedError,
+    EngineError,
+    EngineUnhealthyError,
+    InvalidArgumentError,
+    RequestClosedError,
+    RequestStateError,
+    WrongThreadError,
+)
 from pagedgen.executor.runner import ModelRunner
 from pagedgen.sampling import RequestSampler, StopStringMatcher
 

@@ -14,8 +14,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pagedgen.engine.codes import EngineErrorCode as EngineErrorCode  # re-exported: the public name
-from pagedgen.engine.errors import InvalidArgumentError
+from pagedgen.errors import EngineErrorCode as EngineErrorCode  # re-exported: events carry the public codes
+from pagedgen.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from pagedgen.engine.request import Request

@@ -19,12 +19,8 @@ import threading
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from pagedgen.engine.errors import InvalidArgumentError
-from pagedgen.engine.outcomes import Phase, RequestFailure
-
-
-class InjectedFault(RuntimeError):
-    """The default error of an armed phase: an *unknown* failure (no retryable/capacity meaning)."""
+from pagedgen.engine.outcomes import Phase
+from pagedgen.errors import InjectedFault, InvalidArgumentError, RequestFailure
 
 
 @dataclass(slots=True)

@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pagedgen.cache.prefix import BlockHashes
-from pagedgen.engine.errors import InvalidArgumentError, SessionLimitError
 from pagedgen.engine.events import FinishReason, TokenLogprobs, TurnReuse, Usage
-from pagedgen.guidance import GuidanceError, GuidanceSpec, compile_guidance
+from pagedgen.errors import GuidanceError, InvalidArgumentError, SamplingOptionsError, SessionLimitError
+from pagedgen.guidance import GuidanceSpec, compile_guidance
 from pagedgen.guidance.cursor import GrammarCursor
-from pagedgen.sampling import RequestSampler, SamplingOptions, SamplingOptionsError, StopStringMatcher
+from pagedgen.sampling import RequestSampler, SamplingOptions, StopStringMatcher
 from pagedgen.sampling.options import (
     check_max_generated_tokens,
     check_num_logprobs,

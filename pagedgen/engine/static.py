@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedgen.cache import blocks_for_tokens
-from pagedgen.engine.events import EngineErrorCode, EngineEvent, FinishReason
+from pagedgen.engine.events import EngineEvent, FinishReason
 from pagedgen.engine.faults import FaultInjector
 from pagedgen.engine.isolation import FailureIsolator
-from pagedgen.engine.outcomes import ENGINE_EVENT_OF, Phase, RequestFailure, StepOutcome, classify_failure
+from pagedgen.engine.outcomes import ENGINE_EVENT_OF, Phase, StepOutcome, classify_failure
 from pagedgen.engine.request import RequestState, RequestStatus
 from pagedgen.engine.step import StepResult
 from pagedgen.engine.turn_output import (
@@ -31,11 +31,12 @@ from pagedgen.engine.turn_output import (
     sample_row,
     stage_sampled,
 )
+from pagedgen.errors import EngineErrorCode, RequestFailure, RowSamplingError
 from pagedgen.executor.inputs import SequenceChunk, pack_step
 from pagedgen.executor.runner import ModelRunner
 from pagedgen.guidance.bitmask import TokenMasks
 from pagedgen.guidance.masks import MaskComputer, MaskRow
-from pagedgen.sampling import RowSamplingError, Sampler
+from pagedgen.sampling import Sampler
 
 
 @dataclass(slots=True)

@@ -21,10 +21,10 @@ import torch
 
 from pagedgen.cache import Reservation
 from pagedgen.core.step_inputs import StepInputs
-from pagedgen.engine.events import EngineErrorCode, EngineEvent, FinishReason, TokenLogprobs, TurnReuse
+from pagedgen.engine.events import EngineEvent, FinishReason, TokenLogprobs, TurnReuse
 from pagedgen.engine.faults import FaultInjector
 from pagedgen.engine.isolation import FailureIsolator
-from pagedgen.engine.outcomes import ENGINE_EVENT_OF, Phase, RequestFailure, StepOutcome, classify_failure
+from pagedgen.engine.outcomes import ENGINE_EVENT_OF, Phase, StepOutcome, classify_failure
 from pagedgen.engine.request import RequestState
 from pagedgen.engine.scheduler import DynamicScheduler, RequestStepPlan, StepPlan, cache_candidates
 from pagedgen.engine.turn_output import (
@@ -35,12 +35,12 @@ from pagedgen.engine.turn_output import (
     sample_row,
     stage_outputs,
 )
-from pagedgen.errors import CacheError
+from pagedgen.errors import CacheError, EngineErrorCode, RequestFailure, RowSamplingError
 from pagedgen.executor.inputs import SequenceChunk, pack_step
 from pagedgen.executor.runner import ModelRunner
 from pagedgen.guidance.bitmask import TokenMasks
 from pagedgen.guidance.masks import MaskComputer, MaskRow, PendingMasks
-from pagedgen.sampling import RowSamplingError, Sampler
+from pagedgen.sampling import Sampler
 from pagedgen.sampling.draft_verification import VerifiedRow, sample_with_drafts
 
 

@@ -22,7 +22,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pagedgen.engine.events import (
-    EngineErrorCode,
     EngineEvent,
     EngineEventFlags,
     FinishReason,
@@ -31,7 +30,7 @@ from pagedgen.engine.events import (
     Usage,
 )
 from pagedgen.engine.request import RequestState, RequestStatus
-from pagedgen.guidance.spec import GuidanceError
+from pagedgen.errors import EngineErrorCode, GuidanceError
 from pagedgen.sampling import SampledToken, SampleRow
 
 

@@ -17,7 +17,7 @@ import torch
 
 from pagedgen.core.kv import PagedKVCache
 from pagedgen.core.step_inputs import StepInputs
-from pagedgen.errors import PagedGenError
+from pagedgen.errors import ExecutionCapacityError
 from pagedgen.executor.cuda_graphs import (
     CudaGraphCapture,
     DecodeGraphs,
@@ -30,14 +30,6 @@ from pagedgen.ops.attention import check_step_slots
 from pagedgen.ops.cpu_memory import retain_freed_cpu_memory
 from pagedgen.ops.gemm import gemm_step
 from pagedgen.ops.gemm_tune import adapt_to_model
-
-
-class RetryableExecutionError(PagedGenError, RuntimeError):
-    """The executor reports a transient failure: the step is rolled back and may be retried unchanged."""
-
-
-class ExecutionCapacityError(PagedGenError, RuntimeError):
-    """The model run exceeded available memory: the step is rolled back; the engine stays healthy."""
 
 
 class ModelRunner:

@@ -22,8 +22,9 @@ from typing import Any
 
 import llguidance
 
+from pagedgen.errors import GuidanceError
 from pagedgen.guidance.lru import BoundedLru
-from pagedgen.guidance.spec import GuidanceError, GuidanceSpec, parser_limits
+from pagedgen.guidance.spec import GuidanceSpec, parser_limits
 from pagedgen.guidance.tokenizer import guidance_tokenizer
 
 COMPILED_CACHE_SIZE = 128  # compiled (tokenizer, grammar) matchers kept; a server reuses a few schemas a lot

@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 import llguidance
 import torch
 
+from pagedgen.errors import GuidanceError
 from pagedgen.guidance.bitmask import TokenMasks, bitmask_words
 from pagedgen.guidance.cursor import GrammarCursor
-from pagedgen.guidance.spec import GuidanceError
 
 MASK_BUDGET_S = 0.5  # how long sampling waits after the forward pass for a mask that is not done
 

@@ -35,7 +35,7 @@ def constraint_after_text(kind: str, data: object, *, end: str, opener: str | No
 
     ``opener`` None: the output starts inside the free text (a prompt that opened it). Else the free part
     is optional and, when present, starts with whitespace and ``opener``; without it the output is the
-    constraint alone. Raises :class:`pagedgen.guidance.GuidanceError` if the constraint does not compile.
+    constraint alone. Raises :class:`pagedgen.errors.GuidanceError` if the constraint does not compile.
     """
     answer = _nested(compile_guidance(kind, data).grammar)
     free = f"pagedgen_free[lazy]: /(?s:.*){_lark_regex(end)}/"

@@ -35,7 +35,7 @@ from typing import Any
 
 import llguidance
 
-from pagedgen.errors import PagedGenError
+from pagedgen.errors import GuidanceError
 from pagedgen.guidance.lru import BoundedLru
 
 GUIDANCE_KINDS = ("json_schema", "regex", "lark_grammar")
@@ -65,10 +65,6 @@ def parser_limits() -> llguidance.LLParserLimits:
         max_grammar_size=MAX_GRAMMAR_SIZE,
         verbose_errors=False,
     )
-
-
-class GuidanceError(PagedGenError, ValueError):
-    """A guidance kind is unknown or its schema / grammar does not compile; the message says which."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,8 +23,7 @@ from typing import Any
 
 import llguidance
 
-from pagedgen.errors import TokenizerError
-from pagedgen.guidance.spec import GuidanceError
+from pagedgen.errors import GuidanceError, TokenizerError
 
 _lock = threading.Lock()
 _by_model: dict[int, tuple[weakref.ref[Any], dict[bool, llguidance.LLTokenizer]]] = {}

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pagedgen.sampling.errors import StopStringError
+from pagedgen.errors import StopStringError
 
 _REPLACEMENT = "\ufffd"
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedgen.sampling.errors import SamplingError
+from pagedgen.errors import SamplingError
 from pagedgen.sampling.options import SamplingOptions
 
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)  # splitmix64 increment (golden ratio)

@@ -34,8 +34,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive
 
-from pagedgen.engine.errors import InvalidArgumentError
-from pagedgen.engine.events import EngineErrorCode
+from pagedgen.errors import EngineErrorCode, InvalidArgumentError, SamplingOptionsError
 from pagedgen.llm import (
     SamplingParams,
     TokenLogprob,
@@ -49,7 +48,6 @@ from pagedgen.llm import (
     tokenizer_for,
 )
 from pagedgen.models.tokenizer import IncrementalDetokenizer
-from pagedgen.sampling.errors import SamplingOptionsError
 from pagedgen.server.admission import DEFAULT_MAX_QUEUED_REQUESTS, RETRY_AFTER_S, Admission, Ticket
 from pagedgen.server.apidocs import add_offline_docs
 from pagedgen.server.auto_tools import AutoToolCalls, AutoToolSettings, auto_tool_calls

@@ -30,8 +30,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from pagedgen.errors import SamplingOptionsError
 from pagedgen.llm import SamplingParams, StructuredOutputsParams
-from pagedgen.sampling.errors import SamplingOptionsError
 from pagedgen.server.tools import ForcedToolCalls, parameters_schema, required_schema
 
 log = logging.getLogger("pagedgen.server")

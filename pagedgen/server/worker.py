@@ -24,9 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from pagedgen.engine.errors import EngineClosedError, EngineUnhealthyError
-from pagedgen.engine.events import EngineErrorCode, EngineEventFlags, FinishReason
-from pagedgen.errors import PagedGenError
+from pagedgen.engine.events import EngineEventFlags, FinishReason
+from pagedgen.errors import EngineClosedError, EngineErrorCode, EngineUnhealthyError, PagedGenError
 from pagedgen.llm import SamplingParams, TokenLogprob, copy_logprobs, is_engine_failure
 
 log = logging.getLogger("pagedgen.server")

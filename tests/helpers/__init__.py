@@ -8,8 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pagedgen as pg
-from pagedgen.engine.faults import InjectedFault
-from pagedgen.executor.runner import ExecutionCapacityError, RetryableExecutionError
+from pagedgen.errors import ExecutionCapacityError, InjectedFault, RetryableExecutionError
 from pagedgen.models.synthetic import SyntheticModel, synthetic_greedy
 
 # The recoverable faults a transaction must roll back exactly, one per phase that can fail before commit.

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import pagedgen as pg
-from pagedgen.engine.faults import InjectedFault
+from pagedgen.errors import ExecutionCapacityError, InjectedFault, RetryableExecutionError
 from pagedgen.executor.inputs import SequenceChunk, pack_step
-from pagedgen.executor.runner import ExecutionCapacityError, ModelRunner, RetryableExecutionError
+from pagedgen.executor.runner import ModelRunner
 from pagedgen.parallel.runner import RankFailedError, TensorParallelRunner
 from pagedgen.parallel.shard import weight_bytes
 from tests.helpers import drain, engine_snapshot, event_key, submit

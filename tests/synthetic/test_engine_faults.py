@@ -17,9 +17,8 @@ from __future__ import annotations
 import pytest
 
 import pagedgen as pg
-from pagedgen.engine.faults import InjectedFault
 from pagedgen.engine.outcomes import Phase
-from pagedgen.executor.runner import ExecutionCapacityError, RetryableExecutionError
+from pagedgen.errors import ExecutionCapacityError, InjectedFault, RetryableExecutionError
 from tests.helpers import SyntheticFamily, drain, engine_snapshot, event_key, submit
 
 F = pg.EngineEventFlags

@@ -15,8 +15,7 @@ import threading
 import pytest
 
 import pagedgen as pg
-from pagedgen.engine.errors import InvalidArgumentError
-from pagedgen.engine.faults import InjectedFault
+from pagedgen.errors import InjectedFault, InvalidArgumentError
 from tests.helpers import (
     RECOVERABLE,
     RECOVERABLE_IDS,

@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 
 import pagedgen as pg
-from pagedgen.engine.faults import InjectedFault
-from pagedgen.executor.runner import ExecutionCapacityError, RetryableExecutionError
+from pagedgen.errors import ExecutionCapacityError, InjectedFault, RetryableExecutionError
 from pagedgen.sampling import SamplingOptions
 from tests.helpers import drain, finishes_of, make_engine, submit, tokens_of
 

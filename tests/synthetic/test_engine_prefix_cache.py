@@ -10,9 +10,8 @@ from __future__ import annotations
 import pytest
 
 import pagedgen as pg
-from pagedgen.engine.faults import InjectedFault
 from pagedgen.engine.scheduler import cache_candidates
-from pagedgen.executor.runner import ExecutionCapacityError, RetryableExecutionError
+from pagedgen.errors import ExecutionCapacityError, InjectedFault, RetryableExecutionError
 from tests.helpers import (
     after_rollback,
     drain,

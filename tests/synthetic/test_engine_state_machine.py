@@ -51,7 +51,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, rule
 
 import pagedgen as pg
-from pagedgen.executor.runner import RetryableExecutionError
+from pagedgen.errors import RetryableExecutionError
 from pagedgen.guidance import compile_guidance
 from pagedgen.guidance.cursor import GrammarCursor
 from pagedgen.models.synthetic import SyntheticModel, synthetic_greedy

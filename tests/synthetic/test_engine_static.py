@@ -96,6 +96,6 @@ def test_static_unserviceable_and_execution_failures():
 
 
 def pg_retryable():
-    from pagedgen.executor.runner import RetryableExecutionError
+    from pagedgen.errors import RetryableExecutionError
 
     return RetryableExecutionError("transient")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import pagedgen as pg
-from pagedgen.engine.errors import InvalidArgumentError
+from pagedgen.errors import InvalidArgumentError
 from pagedgen.parallel.plan import RankShard, TensorParallelError, even_ranges, plan_shards
 
 
