@@ -140,6 +140,10 @@ class StopStringMatcher:
     def checkpoint(self) -> StopCheckpoint:
         return StopCheckpoint(self._identity, self._state)
 
+    def snapshot(self) -> object:
+        """The matcher's state as a comparable value (held tokens, decoded text, whether it finished)."""
+        return self._state
+
     def restore(self, checkpoint: object) -> None:
         """Roll back to ``checkpoint``; raises :class:`StopStringError` (changing nothing) if not ours."""
         if not isinstance(checkpoint, StopCheckpoint) or checkpoint.owner is not self._identity:

@@ -85,6 +85,10 @@ class RequestSampler:
     def checkpoint(self) -> SamplerCheckpoint:
         return SamplerCheckpoint(self._identity, self._draws)
 
+    def snapshot(self) -> tuple[int, int]:
+        """``(seed, draws)``: everything a later draw depends on besides the options."""
+        return self.seed, self._draws
+
     def restore(self, checkpoint: object) -> None:
         """Roll back to ``checkpoint``; raises :class:`SamplingError` (changing nothing) if it is not ours."""
         if not isinstance(checkpoint, SamplerCheckpoint) or checkpoint.owner is not self._identity:
