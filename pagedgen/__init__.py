@@ -28,7 +28,7 @@ _EXPORTS: dict[str, str] = {
     "EngineEventBuffer": "pagedgen.engine.events",
     "EngineEventFlags": "pagedgen.engine.events",
     "FinishReason": "pagedgen.engine.events",
-    "EngineErrorCode": "pagedgen.engine.events",
+    "EngineErrorCode": "pagedgen.errors",
     "Usage": "pagedgen.engine.events",
     "TokenLogprobs": "pagedgen.engine.events",
     "LLM": "pagedgen.llm",

@@ -123,7 +123,7 @@ def finish_reason_text(reason: FinishReason) -> str:
 
 def is_engine_failure(error_code: EngineErrorCode) -> bool:
     """True for the error codes that mean the engine itself failed (it is unhealthy from then on)."""
-    from pagedgen.engine.events import EngineErrorCode
+    from pagedgen.errors import EngineErrorCode
 
     return error_code in (EngineErrorCode.ENGINE_CONTRACT_FAILURE, EngineErrorCode.ENGINE_EXECUTION_FAILURE)
 

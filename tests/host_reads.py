@@ -160,9 +160,9 @@ class HostReads(TorchFunctionMode):
 
 def mark_device_state(reads: HostReads, engine: Any) -> None:
     """Mark the engine's long-lived device state: KV cache, fixed-state pool, model weights and buffers."""
-    runner = engine._runner
+    runner = engine.parts.runner
     reads.mark(runner.kv_cache.keys, runner.kv_cache.values)
-    fixed = getattr(engine._scheduler.cache, "fixed", None)
+    fixed = getattr(engine.parts.cache, "fixed", None)
     if fixed is not None:
         reads.mark(fixed._banks, fixed._gathered, fixed._staged)
     runtime = runner.runtime

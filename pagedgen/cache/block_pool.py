@@ -1,21 +1,9 @@
 """The physical block pool: a fixed set of KV-cache blocks, each free, transaction-reserved, owned or cached.
 
-The pool is the single authority on which state every block is in. It never decides *who* owns a block
-(block tables and the live reservation record that); it only enforces the legal transitions
-
-    FREE --reserve--> RESERVED --publish--> OWNED --release--> FREE
-                      RESERVED --return_reserved--> FREE
-                                            OWNED --release (kept)--> CACHED --evict--> FREE
-                                           CACHED --add_ref--> OWNED
-
-each all-or-nothing (a refused call changes nothing), and advances ``generation`` on every mutation so a
-reservation can prove nothing moved between reserve and commit. Every operation costs O(blocks touched).
-
-Prefix caching (:mod:`pagedgen.cache.prefix`) is why blocks carry reference counts and why CACHED exists: a
-full block whose content is published under a hash can be in several tables at once (its ``refcount`` is the
-number of tables holding it), and when the last table lets it go it is not wiped but parked in an LRU list of
-CACHED blocks, reusable by the next request with the same prefix and evicted (oldest first) only when the
-pool runs out of FREE blocks. Without prefix caching every owned block has refcount 1 and nothing is CACHED.
+The pool is the single authority on which state every block is in, never on who owns it: it enforces the
+legal transitions, each all-or-nothing, and advances a generation on every mutation so a reservation can
+prove nothing moved between reserve and commit. The transitions and why CACHED and reference counts exist:
+docs/cache.md, "The block pool's states".
 """
 
 from __future__ import annotations

@@ -111,6 +111,25 @@ class FixedStatePool:
     def num_free(self) -> int:
         return len(self._free)
 
+    def snapshot(self) -> dict[str, object]:
+        """Committed state: per owner its slot record and visible values, the free slots, health.
+
+        The active bank index is left out on purpose: moving a row to the other bank without changing its
+        value is a representation change (direct-path normalisation), not a change of committed state.
+        """
+        owners = {}
+        for rid, index in self.owners().items():
+            slot = self.slot(index)
+            state = {name: tuple(t.flatten().tolist()) for name, t in self.state(rid).items()}
+            owners[rid] = (
+                index,
+                slot.allocation_generation,
+                slot.state_generation,
+                slot.committed_tokens,
+                state,
+            )
+        return {"owners": owners, "free": self.free_slots(), "healthy": self.healthy}
+
     def free_slots(self) -> tuple[int, ...]:
         return tuple(self._free)
 

@@ -1,21 +1,9 @@
 """The cache manager the engine talks to: plan, reserve, release and report paged KV-cache ownership.
 
-``PagedCacheManager`` is a facade over per-kind pieces. It composes one :class:`BlockPool` for full-context
-paged KV, optionally a second one for sliding-window rings (:class:`WindowRingSpec`: every resident owns a
-fixed ring there), and the committed :class:`BlockTable` of every resident request. Both pools go through
-the same plan / reserve / commit / deallocate surface and are accounted separately. A model with fixed conv /
-recurrent state adds a :class:`FixedStatePool` (one slot per possible resident): planning counts its free
-slots with the blocks, a reservation takes the rows' slots together with their blocks (one composite
-:class:`Reservation`), and deallocation returns the slot with the blocks.
-
-With ``prefix_caching`` the manager also keeps a :class:`PrefixCache` beside the pool: admissions start from
-the longest cached prefix of full blocks (shared, reference counted), commits publish the blocks they fill,
-released blocks that hold published content stay CACHED (still counted as free, evicted oldest first when
-FREE blocks run out) instead of being wiped.
-
-Committed state changes only through :meth:`Reservation.commit` and :meth:`PagedCacheManager.deallocate`;
-planning and stats never mutate. At most one reservation is live at a time, and while it is, deallocation is
-refused, so the reservation's view of committed ownership cannot go stale.
+A facade over per-kind pieces (the full pool, the window-ring pool, the fixed-state pool, the prefix cache,
+the block tables), so the scheduler and the step see one plan / reserve / commit / deallocate surface and
+only a small result type crosses it. Committed state changes only at a reservation's commit or a
+deallocation: docs/cache.md, "The cache manager".
 """
 
 from __future__ import annotations
@@ -182,6 +170,29 @@ class PagedCacheManager:
             prefix_blocks=0 if self.prefix is None else len(self.prefix),
             prefix=None if self.prefix is None else dataclasses.replace(self.prefix.stats),
         )
+
+    def snapshot(self) -> dict[str, object]:
+        """Committed state as comparable values: the tables, the free blocks (sorted: a rollback may return
+        them in another FIFO order), the window pool's, the fixed-state pool's and the prefix cache's (its
+        name table, the LRU list with stamps, every block's reference count)."""
+        snap: dict[str, object] = {
+            "tables": {
+                rid: (tuple(t.blocks), t.committed_slots, tuple(t.window_blocks))
+                for rid, t in self._tables.items()
+            },
+            "free_blocks": sorted(self.pool.free_list()),
+        }
+        if self.window_pool is not None:
+            snap["free_window_blocks"] = sorted(self.window_pool.free_list())
+        if self.fixed is not None:
+            snap["fixed"] = self.fixed.snapshot()
+        if self.prefix is not None:
+            snap["prefix"] = {
+                "names": self.prefix.entries(),
+                "lru": self.pool.cached_stamps(),
+                "refs": self.pool.refcounts(),
+            }
+        return snap
 
     def cached_prefix(self, candidate: CacheCandidate) -> tuple[int, ...]:
         """The cached blocks a new candidate would start from: the longest published prefix of its full

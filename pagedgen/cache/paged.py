@@ -1,16 +1,8 @@
 """Planning paged-cache resources for one engine step: which candidates fit, and why the others do not.
 
-The scheduler hands over its candidates in decode-first order. The planner walks them once, in that order,
-and selects every candidate whose rows, residency and new blocks still fit. It skips an infeasible candidate
-and keeps going, so a blocked prefill does not hide smaller work behind it. A rejected candidate is either
-CAPACITY_DEFERRED (it could run once capacity frees up) or UNSERVICEABLE (it needs more blocks than the whole
-pool, or a wider block table than supported, so it can never run). Planning is pure: it reads committed state
-through a :class:`ResidentView` and mutates nothing.
-
-With prefix caching a new candidate may start from cached blocks (``hits``: the manager's longest match). They
-cost no new block, but a hit on an unreferenced CACHED block takes it out of the evictable supply (CACHED
-blocks count as free: allocation evicts them when FREE ones run out), so the first selected candidate to use
-such a block pays one block for it and later ones share it for nothing.
+One pure pass over the scheduler's candidates in decode-first order, skipping what does not fit so a
+blocked prefill hides no smaller work, and telling a deferred candidate from one that can never run. How
+prefix-cache hits are charged: docs/cache.md, "Planning a step's resources".
 """
 
 from __future__ import annotations

@@ -50,6 +50,10 @@ class BlockHashes:
     def num_full_blocks(self) -> int:
         return len(self.tokens) // self.block_size
 
+    def snapshot(self) -> tuple[int, bytes]:
+        """What names the digests besides the tokens (the digests themselves are a memo of the tokens)."""
+        return self.block_size, self.salt
+
     def upto(self, num_blocks: int) -> list[bytes]:
         """The digests of the first ``num_blocks`` blocks; ``CacheError`` if they are not all full."""
         if num_blocks > self.num_full_blocks:

@@ -1,20 +1,9 @@
 """The decoder state manifest: which decoder state each layer owns, described without naming a model family.
 
-``state_groups`` lists groups of logical layer ids by *kind of state
-transition*:
-
-- ``paged_kv``: K/V that grows by appending token slots (paged blocks; committed by advancing occupancy);
-- ``fixed_conv`` / ``fixed_recurrent``: one request-indexed value replaced every step (a short convolution's
-  window, a recurrent state), published at commit.
-
-``sliding_window`` names the window size and the layers that attend only within it; those layers must belong
-to the paged group, where they keep a ring of blocks instead of growing ones
-(:mod:`pagedgen.core.window_geometry`).
-
-When no group is given the manifest is the *legacy* one: a single dense paged-KV group over every layer. It is
-implied, never written into ``groups`` as a group of its own; :attr:`paged_layers` just answers for it
-(docs/cache.md, "The decoder state manifest"). Validation here is structural (kinds, ranges, duplicates,
-window membership); what one engine accepts is :meth:`StateManifest.dynamic_engine_problems`.
+The engine and the cache decide their pools from this one structural description (groups of layers by kind
+of state transition, and the sliding window) instead of asking which family a model is. Validation here is
+structural; what one engine accepts is :meth:`StateManifest.dynamic_engine_problems`. The fields and the
+legacy manifest: docs/cache.md, "The decoder state manifest".
 """
 
 from __future__ import annotations
@@ -23,7 +12,6 @@ import enum
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from pagedgen.errors import StateManifestError
 
@@ -166,7 +154,7 @@ class StateManifest:
     @classmethod
     def from_dict(
         cls,
-        data: Mapping[str, Any],
+        data: object,
         num_layers: int,
         source: str,
         default_window: SlidingWindow | None = None,
@@ -193,14 +181,14 @@ class StateManifest:
         return cls(num_layers, groups, window, source)
 
 
-def _list(data: Mapping[str, Any], key: str, source: str) -> list[Any]:
+def _list(data: Mapping[str, object], key: str, source: str) -> list[object]:
     value = data.get(key, [])
     if not isinstance(value, list):
         raise StateManifestError(f"{source}: {key} must be a list, got {type(value).__name__}")
     return value
 
 
-def _layer_ids(value: Any, where: str) -> tuple[int, ...]:
+def _layer_ids(value: object, where: str) -> tuple[int, ...]:
     if not isinstance(value, list):
         raise StateManifestError(f"{where}: layers must be a list of layer ids, got {value!r}")
     try:
@@ -209,11 +197,11 @@ def _layer_ids(value: Any, where: str) -> tuple[int, ...]:
         raise StateManifestError(f"{where}: layers must be integers, got {value!r}") from None
 
 
-def _bad(value: Any) -> int:
+def _bad(value: object) -> int:
     raise TypeError(value)
 
 
-def _parse_group(entry: Any, index: int, source: str) -> StateGroup:
+def _parse_group(entry: object, index: int, source: str) -> StateGroup:
     where = f"{source}: state_groups[{index}]"
     if not isinstance(entry, Mapping):
         raise StateManifestError(f"{where}: must be an object, got {entry!r}")
@@ -229,7 +217,7 @@ def _parse_group(entry: Any, index: int, source: str) -> StateGroup:
     return StateGroup(StateKind(entry["kind"]), _layer_ids(entry.get("layers"), where), name)
 
 
-def _parse_window(entry: Any, source: str) -> SlidingWindow | None:
+def _parse_window(entry: object, source: str) -> SlidingWindow | None:
     where = f"{source}: sliding_window"
     if entry is None:
         return None

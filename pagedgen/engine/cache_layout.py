@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 from pagedgen.cache import FixedStatePool, WindowRingSpec
+from pagedgen.core.decoder import DecoderModel
 from pagedgen.core.fixed_state_spec import FixedStateSpec
 from pagedgen.core.state_manifest import SlidingWindow, StateKind, StateManifest
 from pagedgen.engine.config import EngineConfig
-from pagedgen.engine.errors import UnsupportedStateError
+from pagedgen.errors import UnsupportedStateError
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,9 +48,9 @@ class CacheLayout:
         )
 
 
-def model_manifest(model: Any) -> StateManifest:
+def model_manifest(model: DecoderModel) -> StateManifest:
     """The model's manifest, or the legacy one its KV spec implies (a dense paged group, its window)."""
-    manifest = getattr(model, "state_manifest", None)
+    manifest = model.state_manifest
     if manifest is not None:
         return manifest
     spec = model.kv_spec
@@ -58,13 +58,15 @@ def model_manifest(model: Any) -> StateManifest:
     return StateManifest(spec.num_layers, (), window, f"{type(model).__name__}.kv_spec")
 
 
-def fixed_state_specs(model: Any, manifest: StateManifest, dynamic: bool) -> tuple[FixedStateSpec, ...]:
+def fixed_state_specs(
+    model: DecoderModel, manifest: StateManifest, dynamic: bool
+) -> tuple[FixedStateSpec, ...]:
     """The model's fixed-state tensors, checked against the manifest's fixed groups.
 
     Raises :class:`UnsupportedStateError` on the static path with fixed groups, or when the groups and the
     model's tensors disagree (per kind, the same set of layers).
     """
-    specs = tuple(getattr(model, "fixed_state_specs", ()) or ())
+    specs = tuple(model.fixed_state_specs)
     if manifest.fixed_groups and not dynamic:
         raise UnsupportedStateError(
             f"{manifest.source}: fixed conv / recurrent state needs dynamic_batching=True (the static path "
@@ -82,7 +84,7 @@ def fixed_state_specs(model: Any, manifest: StateManifest, dynamic: bool) -> tup
     return specs
 
 
-def plan_cache_layout(model: Any, config: EngineConfig) -> CacheLayout:
+def plan_cache_layout(model: DecoderModel, config: EngineConfig) -> CacheLayout:
     """Validate the model's manifest for this engine and choose its cache paths.
 
     Raises :class:`UnsupportedStateError` for a manifest this engine cannot serve (naming the groups) or one

@@ -1,23 +1,9 @@
-"""Engine configuration and the rule that sizes the KV-cache block pool.
+"""Engine configuration and the rules that size the KV-cache block pool and a mixed step's token budget.
 
-``num_blocks=None`` is resolved by :func:`resolve_num_blocks`:
-
-1. ``num_blocks`` when given;
-2. else ``kv_cache_memory_bytes // bytes_per_block`` when a byte budget is given;
-3. else a quarter of the memory that is free now on the model's device (``MemAvailable`` of the host for
-   CPU, ``torch.cuda.mem_get_info`` free bytes for CUDA; both already exclude the loaded weights), capped at
-   what the workload can ever use: ``max_batch_size`` requests of ``max_context`` tokens each. A quarter
-   leaves room for activations, the sampler and the rest of the process on a shared machine.
-
-Storage reserved first (``reserved_bytes``: the sliding-window ring pool and the fixed-state pool) comes off
-the byte budget in 2 and 3. A full pool whose blocks cost nothing (every layer windowed: it only tracks
-positions) is the ceiling.
-
-``max_mixed_step_tokens=None`` is resolved by :func:`resolve_mixed_step_tokens` from the model's device: a
-step that carries a running stream's decode row lasts as long as its prefill chunks take, so on a CPU
-(under a thousand prefill tokens a second for the default model on two cores) such a step takes at most
-``DEFAULT_CPU_MIXED_STEP_TOKENS``; on an accelerator, where a 2,048-token step of a small model takes tens
-of milliseconds, it may take the whole ``max_scheduled_tokens``.
+One frozen, validated ``EngineConfig`` is the whole of what a caller chooses; the two values it may leave as
+None are resolved here from the model and its device (:func:`resolve_num_blocks`,
+:func:`resolve_mixed_step_tokens`), so the engine never guesses elsewhere. The rules and why:
+docs/cache.md, "Sizing the block pool", and docs/engine.md, "Latency fairness".
 """
 
 from __future__ import annotations
@@ -27,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedgen.engine.errors import InvalidArgumentError
 from pagedgen.engine.isolation import DEFAULT_MAX_STEP_RETRIES
+from pagedgen.errors import InvalidArgumentError
 from pagedgen.parallel.launch import Launcher, Placement
 
 DEFAULT_MAX_SCHEDULED_TOKENS = 2048

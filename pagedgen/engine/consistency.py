@@ -9,14 +9,17 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pagedgen.engine.events import EngineEvent, FinishReason
 from pagedgen.engine.request import RequestState, RequestStatus
 
+if TYPE_CHECKING:
+    from pagedgen.engine.roles import EngineScheduler
+
 
 def request_violations(
-    states: Mapping[int, RequestState], scheduler: Any, pending: Iterable[EngineEvent]
+    states: Mapping[int, RequestState], scheduler: EngineScheduler, pending: Iterable[EngineEvent]
 ) -> list[str]:
     """Every inconsistency between the registered requests, the scheduler and the retained events."""
     problems: list[str] = []

@@ -1,19 +1,9 @@
 """How many of a decode's proposed drafts one step verifies: pure arithmetic, no state.
 
-Drafts are optional work (docs/engine.md, "Speculative drafts"). The scheduler first gives every
-selected row its mandatory token and the cache blocks that token needs; only what is left of the step's
-token budget and of the free blocks goes to drafts, decodes in scheduler order, and a draft that does not
-fit is cut (the rest of its proposal with it), never another row's mandatory decode. Cutting is also where
-verification would be wasted work:
-
-- the per-request query limit (``chunk_size``; with sliding-window rings the rings' C, which a step must
-  not exceed or the ring would overwrite positions its first query still reads) bounds the mandatory token
-  plus the drafts;
-- a turn emits at most ``max_generated_tokens - generated`` more tokens and a request grows to at most
-  ``max_session_tokens``: with ``j`` outputs the turn ends at the ``j``-th, so drafts beyond ``remaining - 1``
-  could never be emitted (this also keeps every draft position inside the model's context);
-- the K/V of the drafts lives in slots past the sequence: they need blocks up to ``seq_len + K`` within the
-  request's table width.
+Drafts are optional work: every selected row first gets its mandatory token and its blocks, and only what is
+left of the step's budget and the free blocks goes to drafts, cut where verifying them would be wasted (a
+query limit, a turn's or session's remaining tokens, the table width). Kept apart from the scheduler so
+the boundaries can be enumerated in unit tests; the rules: docs/engine.md, "The draft budget".
 """
 
 from __future__ import annotations

@@ -14,28 +14,14 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-import torch
-
-from pagedgen.cache import FixedStatePool, PagedCacheManager, blocks_for_tokens
 from pagedgen.cache.prefix import BlockHashes
-from pagedgen.engine.cache_layout import plan_cache_layout
-from pagedgen.engine.config import EngineConfig, resolve_mixed_step_tokens, resolve_num_blocks
+from pagedgen.core.decoder import DecoderModel, TextTokenizer
+from pagedgen.engine.config import EngineConfig
 from pagedgen.engine.consistency import request_violations
-from pagedgen.engine.errors import (
-    DraftsUnsupportedError,
-    EngineClosedError,
-    EngineUnhealthyError,
-    InvalidArgumentError,
-    RequestClosedError,
-    RequestStateError,
-    WrongThreadError,
-)
 from pagedgen.engine.events import EngineEvent, EngineEventBuffer, EngineEventFlags, FinishReason
-from pagedgen.engine.faults import FaultInjector
-from pagedgen.engine.isolation import FailureIsolator
 from pagedgen.engine.outcomes import FATAL_ERROR_CODE, StepOutcome
+from pagedgen.engine.parts import EngineParts, build_engine_parts
 from pagedgen.engine.request import (
     GeneratorParams,
     Request,
@@ -47,12 +33,18 @@ from pagedgen.engine.request import (
     new_cursor,
     validate_token_ids,
 )
-from pagedgen.engine.scheduler import DynamicScheduler
-from pagedgen.engine.static import StaticScheduler, StaticStep
-from pagedgen.engine.step import DynamicStep, StepResult
+from pagedgen.engine.step import StepResult
 from pagedgen.engine.turn_output import finish_turn_now
-from pagedgen.errors import EngineError
-from pagedgen.executor.runner import ModelRunner
+from pagedgen.errors import (
+    DraftsUnsupportedError,
+    EngineClosedError,
+    EngineError,
+    EngineUnhealthyError,
+    InvalidArgumentError,
+    RequestClosedError,
+    RequestStateError,
+    WrongThreadError,
+)
 from pagedgen.sampling import RequestSampler, StopStringMatcher
 
 MAX_TURN_ID = (1 << 64) - 1
@@ -100,12 +92,27 @@ class EngineStats:
 class Engine:
     """Continuous batching over a paged KV cache for one model (the public loop: docs/architecture.md)."""
 
-    def __init__(self, model: Any, config: EngineConfig | None = None):
+    def __init__(
+        self, model: DecoderModel, config: EngineConfig | None = None, parts: EngineParts | None = None
+    ):
+        """``parts`` defaults to ``build_engine_parts(model, config)``; parts built for another model or
+        config are refused (:class:`InvalidArgumentError`)."""
         config = EngineConfig() if config is None else config
         if not isinstance(config, EngineConfig):
             raise InvalidArgumentError(f"config must be an EngineConfig, got {type(config).__name__}")
+        if parts is None:
+            parts = build_engine_parts(model, config)
+        elif not isinstance(parts, EngineParts) or parts.model is not model or parts.config != config:
+            raise InvalidArgumentError("parts must come from build_engine_parts for this model and config")
         self.model = model
         self.config = config
+        self._parts = parts
+        self._layout = parts.layout
+        self._runner = parts.runner
+        self._scheduler = parts.scheduler
+        self._step = parts.step
+        self.num_blocks = parts.num_blocks
+        self.eos_token_ids: tuple[int, ...] = tuple(model.eos_token_ids)
         self._owner = threading.get_ident()
         self._abandoned: deque[int] = deque()  # request ids queued by finalizers (any thread)
         self._states: dict[int, RequestState] = {}
@@ -117,67 +124,12 @@ class Engine:
         self._rollbacks = 0
         self._drafts_proposed = 0
         self._drafts_accepted = 0
-        self._faults = FaultInjector()
-        self._tokenizer: Any = None
-        self.eos_token_ids: tuple[int, ...] = tuple(model.eos_token_ids)
-        device = torch.device(model.device)
-        layout = plan_cache_layout(model, config)  # the manifest decides the cache paths
-        self._layout = layout
-        self.num_blocks = resolve_num_blocks(
-            config,
-            layout.bytes_per_block,
-            int(model.max_context),
-            device,
-            layout.window_bytes + layout.fixed_bytes,
-        )
-        window_blocks = None if layout.window is None else layout.window.num_blocks
-        if config.tensor_parallel_size > 1:
-            from pagedgen.parallel.runner import TensorParallelRunner
+        self._tokenizer: TextTokenizer | None = None
 
-            self._runner: Any = TensorParallelRunner(
-                model,
-                config.tensor_parallel_size,
-                self.num_blocks,
-                config.block_size,
-                window_blocks,
-                launcher=config.tensor_parallel_launcher,
-                placement=config.tensor_parallel_placement,
-            )
-        else:
-            self._runner = ModelRunner(
-                model,
-                self.num_blocks,
-                config.block_size,
-                window_blocks,
-                cuda_graphs=config.cuda_graphs,
-                max_batch_size=config.max_batch_size,
-            )
-        self._runner.adapt_gemm(config.max_batch_size, config.max_scheduled_tokens, layout.chunk_size)
-        isolator = FailureIsolator(config.max_step_retries)
-        if config.dynamic_batching:
-            cache = PagedCacheManager(
-                self.num_blocks,
-                config.block_size,
-                config.max_batch_size,
-                max_blocks_per_table=blocks_for_tokens(int(model.max_context), config.block_size),
-                window=layout.window,
-                fixed=FixedStatePool(layout.fixed, config.max_batch_size, device) if layout.fixed else None,
-                prefix_caching=layout.prefix_caching,
-            )
-            self._scheduler: Any = DynamicScheduler(
-                cache,
-                config.max_batch_size,
-                config.max_scheduled_tokens,
-                layout.chunk_size,
-                max_draft_tokens=0 if cache.fixed is not None else config.max_draft_tokens,
-                max_mixed_step_tokens=resolve_mixed_step_tokens(config, device),
-            )
-            self._step: Any = DynamicStep(
-                self._scheduler, self._runner, self._faults, self.eos_token_ids, isolator
-            )
-        else:
-            self._scheduler = StaticScheduler(self.num_blocks, config.block_size, config.max_batch_size)
-            self._step = StaticStep(self._scheduler, self._runner, self._faults, self.eos_token_ids, isolator)
+    @property
+    def parts(self) -> EngineParts:
+        """The collaborators this engine runs on (read-only: an engine's parts never change)."""
+        return self._parts
 
     # -- requests -------------------------------------------------------------------------------------
 
@@ -322,7 +274,8 @@ class Engine:
         """Why drafts cannot be verified here ('' when they can)."""
         if not self.config.dynamic_batching:
             return "static batching does not verify drafts"
-        if self._scheduler.cache.fixed is not None:
+        cache = self._parts.cache
+        if cache is not None and cache.fixed is not None:
             return "the model keeps fixed conv / recurrent state, which cannot commit an accepted prefix"
         if self.config.max_draft_tokens == 0:
             return "EngineConfig.max_draft_tokens is 0"
@@ -367,7 +320,7 @@ class Engine:
         total, free = self._scheduler.block_counts()
         window_total, window_free = self._scheduler.window_block_counts()
         fixed_total, fixed_free = self._scheduler.fixed_slot_counts()
-        cache = getattr(self._scheduler, "cache", None)
+        cache = self._parts.cache
         cache_stats = None if cache is None else cache.stats()
         prefix = None if cache_stats is None else cache_stats.prefix
         masks = self._step.masker.stats
@@ -394,12 +347,23 @@ class Engine:
             prefix_queried_tokens=0 if prefix is None else prefix.queried_tokens,
             prefix_hits=0 if prefix is None else prefix.hits,
             prefix_hit_tokens=0 if prefix is None else prefix.hit_tokens,
-            preemptions=getattr(self._scheduler, "num_preemptions", 0),
-            idle_evictions=getattr(self._scheduler, "num_yields", 0),
+            preemptions=self._scheduler.num_preemptions,
+            idle_evictions=self._scheduler.num_yields,
             guided_rows_masked=masks.rows_masked,
             mask_seconds=masks.mask_seconds,
             mask_wait_seconds=masks.wait_seconds,
         )
+
+    def snapshot(self) -> dict[str, object]:
+        """Everything committed about the requests, the retained events and the parts, as comparable values
+        (each part's own ``snapshot()``): a rolled-back step or a refused call leaves it equal. Mutates
+        nothing; meant for tests and diagnostics, not for polling (``stats()`` is the cheap view)."""
+        self._check_owner()
+        return {
+            "requests": {rid: state.snapshot() for rid, state in self._states.items()},
+            "pending": [event.snapshot() for event in self._pending],
+            **self._scheduler.snapshot(),
+        }
 
     def check_invariants(self) -> list[str]:
         """Every cache and request accounting violation (empty when consistent). Mutates nothing."""

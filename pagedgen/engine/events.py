@@ -12,12 +12,13 @@ import enum
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from pagedgen.engine.codes import EngineErrorCode as EngineErrorCode  # re-exported: the public name
-from pagedgen.engine.errors import InvalidArgumentError
+from pagedgen.errors import EngineErrorCode as EngineErrorCode  # re-exported: events carry the public codes
+from pagedgen.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
+    from pagedgen.engine.engine import Engine
     from pagedgen.engine.request import Request
 
 
@@ -108,6 +109,19 @@ class EngineEvent:
     # The engine-internal request id; lets the engine purge a closed request's events without the handle.
     request_id: int | None = field(default=None, repr=False, compare=False)
 
+    def snapshot(self) -> tuple[object, ...]:
+        """The event as a comparable value, its request by id (the engine's snapshot of retained events)."""
+        request_id = None if self.request is None else self.request.id
+        return (
+            request_id,
+            self.turn_id,
+            int(self.flags),
+            self.token,
+            self.finish_reason,
+            self.usage,
+            self.error_code,
+        )
+
     @staticmethod
     def engine_level(flags: EngineEventFlags, error_code: EngineErrorCode) -> EngineEvent:
         return EngineEvent(request=None, turn_id=0, flags=flags, error_code=error_code)
@@ -122,7 +136,7 @@ class EngineEventBuffer(Sequence[EngineEvent]):
 
     __slots__ = ("_capacity", "_engine_ref", "_events")
 
-    def __init__(self, engine: Any, capacity: int):
+    def __init__(self, engine: Engine, capacity: int):
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
             raise InvalidArgumentError(f"event buffer capacity must be an int >= 0, got {capacity!r}")
         self._capacity = capacity
@@ -133,7 +147,7 @@ class EngineEventBuffer(Sequence[EngineEvent]):
     def capacity(self) -> int:
         return self._capacity
 
-    def bound_to(self, engine: Any) -> bool:
+    def bound_to(self, engine: Engine) -> bool:
         return self._engine_ref() is engine
 
     def _reset(self) -> None:

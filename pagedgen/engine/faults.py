@@ -1,16 +1,9 @@
 """Injectable step failures: a test arms a named phase and the next step that reaches it raises.
 
-Every phase of the transaction calls :meth:`FaultInjector.check` on entry (a dict lookup when nothing is
-armed). This is how the tests prove each phase's documented outcome: rollback to identical state, a
-CAPACITY_BLOCKED or RETRYABLE engine event, or fail-stop. Production engines simply never arm anything.
-
-A fault can be tied to one request (``request_id``): it fires only in steps that schedule that request,
-either unattributed (the step cannot tell whose fault it is, like a model failure) or ``attributed``
-(raised as that request's own failure, like a sampler or stop-matcher error on its row). ``times=None``
-recurs forever.
-
-A request's guidance mask can also be held (:meth:`FaultInjector.hold_masks`): its mask task on the mask
-pool waits for a gate the test opens, which makes that one row's mask slow without any other change.
+Every phase checks its fault point on entry (a dict lookup when nothing is armed), which is how the tests
+prove each phase's documented outcome; a test hands its own :class:`FaultInjector` to the engine through
+``build_engine_parts(..., faults=...)``. Request-tied, attributed, recurring faults and held guidance masks:
+docs/engine.md, "Fault injection".
 """
 
 from __future__ import annotations
@@ -19,12 +12,8 @@ import threading
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from pagedgen.engine.errors import InvalidArgumentError
-from pagedgen.engine.outcomes import Phase, RequestFailure
-
-
-class InjectedFault(RuntimeError):
-    """The default error of an armed phase: an *unknown* failure (no retryable/capacity meaning)."""
+from pagedgen.engine.outcomes import Phase
+from pagedgen.errors import InjectedFault, InvalidArgumentError, RequestFailure
 
 
 @dataclass(slots=True)

@@ -1,18 +1,10 @@
 """Pure validators of engine state: each returns the list of violations it found (empty when consistent).
 
-They read state and never mutate it, so tests and ``EngineConfig(debug_invariants=True)`` can call them after
-every operation. They recompute everything from the raw records (block states, free list, tables, the live
-reservation) instead of trusting the counters those records keep, which is the point: a counter corrected
-after the fact would hide exactly the bugs these checks exist to find. The full-context pool and the
-window-ring pool are validated independently, each against its own records, and so is the fixed-state pool,
-whose owners must be exactly the paged residents at the same token boundary. Cost: O(pools + residents).
-
-With prefix caching a block may sit in several tables, but only a *published* (named) block, and only where
-it is full in each of them (a shared block is never written again); its reference count must equal the
-number of tables holding it; CACHED blocks are exactly the unreferenced named ones, in the LRU list once
-each; the name table is one to one and names only OWNED or CACHED blocks; the live reservation's pinned hits
-are named and its evicted blocks are not. :func:`validate_prefix_content` checks, from the requests' own
-tokens, that every named block in a table is named by the digest of exactly that table's tokens there.
+They recompute everything from the raw records (block states, free lists, tables, the live reservation)
+instead of trusting the counters those records keep: a counter corrected after the fact would hide exactly
+the bugs these checks exist to find. Read-only, so tests and ``EngineConfig(debug_invariants=True)`` run
+them after every operation; what each pool must satisfy: docs/cache.md, "What the invariant validators
+check".
 """
 
 from __future__ import annotations

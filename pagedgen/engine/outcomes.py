@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import enum
 
-from pagedgen.engine.events import EngineErrorCode, EngineEventFlags
-from pagedgen.executor.runner import ExecutionCapacityError, RetryableExecutionError
+from pagedgen.engine.events import EngineEventFlags
+from pagedgen.errors import EngineErrorCode, ExecutionCapacityError, RequestFailure, RetryableExecutionError
 
 
 class Phase(enum.Enum):
@@ -48,18 +48,6 @@ _FAIL_STOP_PHASES = frozenset(
 _RETRYABLE_PHASES = frozenset({Phase.CHECKPOINT, Phase.PACK, Phase.SAMPLE, Phase.STAGE, Phase.VALIDATE})
 # Where a failure can name its request: per-row work after the model ran, before the commit boundary.
 _ATTRIBUTABLE_PHASES = frozenset({Phase.SAMPLE, Phase.STAGE})
-
-
-class RequestFailure(Exception):
-    """A step failure that belongs to one request's row (its sampler, processors, stop matcher).
-
-    Raised before the commit boundary, it rolls the step back and fails only that request's turn.
-    """
-
-    def __init__(self, request_id: int, cause: BaseException):
-        super().__init__(f"request {request_id} failed: {type(cause).__name__}: {cause}")
-        self.request_id = request_id
-        self.cause = cause
 
 
 class StepOutcome(enum.Enum):

@@ -1,16 +1,9 @@
 """Requests: caller handles, generation parameters, per-turn options, and the engine-owned request state.
 
-A :class:`Request` is one sequence with any number of turns. The caller holds the :class:`Request` handle; the
-engine holds the :class:`RequestState` (the handle holds the engine, never the reverse), so dropping the last
-handle without ``close()`` is noticed by a ``weakref.finalize`` that only queues the id, and the engine
-reclaims the request at its next boundary. Lifecycle::
-
-    UNASSIGNED --begin_turn--> ASSIGNED --scheduled--> ACTIVE --turn ends--> TURN_COMPLETE --begin_turn--> ..
-    any state --close()--> CLOSED
-
-Counters: ``tokens`` is the logical sequence (prompt, generated
-output and every continuation input); ``processed_len`` how many of them are in the committed KV cache. The
-unprocessed interval ``[processed_len, len(tokens))`` is the next step's input.
+The caller holds the :class:`Request` handle and the engine the :class:`RequestState` (the handle holds the
+engine, never the reverse), so a dropped handle is noticed by a finalizer that only queues its id and the
+engine reclaims the request at its next boundary. The lifecycle and the counters: docs/engine.md,
+"Requests, handles and their counters".
 """
 
 from __future__ import annotations
@@ -20,18 +13,19 @@ import dataclasses
 import enum
 import operator
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pagedgen.cache.prefix import BlockHashes
-from pagedgen.engine.errors import InvalidArgumentError, SessionLimitError
+from pagedgen.core.decoder import DecoderModel
 from pagedgen.engine.events import FinishReason, TokenLogprobs, TurnReuse, Usage
-from pagedgen.guidance import GuidanceError, GuidanceSpec, compile_guidance
+from pagedgen.errors import GuidanceError, InvalidArgumentError, SamplingOptionsError, SessionLimitError
+from pagedgen.guidance import GuidanceSpec, compile_guidance
 from pagedgen.guidance.cursor import GrammarCursor
-from pagedgen.sampling import RequestSampler, SamplingOptions, SamplingOptionsError, StopStringMatcher
+from pagedgen.sampling import RequestSampler, SamplingOptions, StopStringMatcher
 from pagedgen.sampling.options import (
     check_max_generated_tokens,
     check_num_logprobs,
@@ -204,7 +198,7 @@ class TurnOptions:
             check_num_logprobs(num_logprobs, "TurnOptions")
         self._spec = dataclasses.replace(self._spec, num_logprobs=num_logprobs)
 
-    def set_guidance(self, kind: str | None, data: Any = "") -> None:
+    def set_guidance(self, kind: str | None, data: object = "") -> None:
         """Constrain this turn's output (kinds as ``GeneratorParams.set_guidance``), overriding the params;
         ``kind=None`` makes the turn unconstrained even when the params set guidance. Refused like there."""
         guidance = _compiled_guidance(kind, data)
@@ -215,7 +209,7 @@ class TurnOptions:
         return self._spec
 
 
-def _compiled_guidance(kind: str | None, data: Any) -> GuidanceSpec | None:
+def _compiled_guidance(kind: str | None, data: object) -> GuidanceSpec | None:
     """None for ``kind=None``, else the compiled spec; an InvalidArgumentError (field "guidance") if not."""
     if kind is None:
         return None
@@ -225,7 +219,7 @@ def _compiled_guidance(kind: str | None, data: Any) -> GuidanceSpec | None:
         raise InvalidArgumentError(str(exc), "guidance") from exc
 
 
-def new_cursor(model: Any, guidance: GuidanceSpec | None) -> GrammarCursor | None:
+def new_cursor(model: DecoderModel, guidance: GuidanceSpec | None) -> GrammarCursor | None:
     """A fresh grammar cursor of ``guidance`` on ``model``'s tokenizer (None without guidance); refuses a
     grammar that fails against the tokenizer with an InvalidArgumentError (field "guidance")."""
     if guidance is None:
@@ -245,7 +239,7 @@ def _as_invalid_argument() -> Iterator[None]:
         raise InvalidArgumentError(str(exc), exc.field) from exc
 
 
-def validate_token_ids(token_ids: Any, vocab_size: int) -> list[int]:
+def validate_token_ids(token_ids: object, vocab_size: int) -> list[int]:
     """``token_ids`` copied to a list of ints; InvalidArgumentError if empty, not ints, out of range."""
     if isinstance(token_ids, (str, bytes)):
         raise InvalidArgumentError("token_ids must be a sequence of ints, got a string")
@@ -325,6 +319,16 @@ class RequestState:
             and len(self.tokens) - self.processed_len == 1
         )
 
+    def snapshot(self) -> dict[str, object]:
+        """Every field as a comparable value (lists as tuples; the sampler, stop matcher, grammar cursor and
+        block hashes by their own ``snapshot()``), the handle's weak reference left out. A new field is
+        covered without any change here: a rolled-back step or a refused call must leave this equal."""
+        return {
+            f.name: _comparable(getattr(self, f.name))
+            for f in dataclasses.fields(self)
+            if f.name != "handle_ref"
+        }
+
     def usage(self) -> Usage:
         return Usage(
             prompt_tokens=self.turn_prompt_tokens,
@@ -391,7 +395,7 @@ class Request:
 
     __slots__ = ("_engine", "_state", "_finalizer", "__weakref__")
 
-    def __init__(self, engine: Engine, state_factory: Any):
+    def __init__(self, engine: Engine, state_factory: Callable[[weakref.ref[Request]], RequestState]):
         self._engine = engine
         self._state: RequestState = state_factory(weakref.ref(self))
         self._finalizer = weakref.finalize(self, engine._abandoned.append, self._state.request_id)
@@ -486,3 +490,13 @@ class Request:
         return (
             f"Request(id={s.request_id}, status={s.status.name}, turn_id={s.turn_id}, tokens={len(s.tokens)})"
         )
+
+
+def _comparable(value: object) -> object:
+    """``value`` as something ``==`` compares by content: a part's ``snapshot()``, a list as a tuple."""
+    snapshot = getattr(value, "snapshot", None)
+    if callable(snapshot):
+        return snapshot()
+    if isinstance(value, list):
+        return tuple(value)
+    return value

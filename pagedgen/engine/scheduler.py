@@ -97,6 +97,7 @@ class DynamicScheduler:
         chunk_size: int | None,
         max_draft_tokens: int = 0,
         max_mixed_step_tokens: int | None = None,
+        age_limit: int = AGE_LIMIT,
     ):
         self.cache = cache
         self.max_batch_size = max_batch_size
@@ -109,7 +110,7 @@ class DynamicScheduler:
         self._residents: dict[int, RequestState] = {}  # cache residents, admission order
         self._next_priority = 1
         self._tick = 0  # committed steps, for the idle residents' LRU order
-        self.age_limit = AGE_LIMIT
+        self.age_limit = age_limit
         self.num_preemptions = 0
         self.num_yields = 0
 
@@ -250,6 +251,16 @@ class DynamicScheduler:
     @property
     def waiting(self) -> list[RequestState]:
         return list(self._waiting.values())
+
+    def snapshot(self) -> dict[str, object]:
+        """Membership (waiting and resident order, their counts) and the cache's committed state."""
+        return {
+            "blocks": self.block_counts(),
+            "residents": self.num_resident,
+            "waiting": [s.request_id for s in self._waiting.values()],
+            "resident_order": list(self._residents),
+            **self.cache.snapshot(),
+        }
 
     def violations(self, states: Mapping[int, RequestState]) -> list[str]:
         """Cache accounting plus request/cache agreement: same residents, committed slots == processed."""

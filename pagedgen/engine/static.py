@@ -13,15 +13,16 @@ hold), so a resident row's continuation never needs new blocks.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from pagedgen.cache import blocks_for_tokens
-from pagedgen.engine.events import EngineErrorCode, EngineEvent, FinishReason
+from pagedgen.cache import PagedCacheManager, blocks_for_tokens
+from pagedgen.engine.events import EngineEvent, FinishReason
 from pagedgen.engine.faults import FaultInjector
 from pagedgen.engine.isolation import FailureIsolator
-from pagedgen.engine.outcomes import ENGINE_EVENT_OF, Phase, RequestFailure, StepOutcome, classify_failure
+from pagedgen.engine.outcomes import ENGINE_EVENT_OF, Phase, StepOutcome, classify_failure
 from pagedgen.engine.request import RequestState, RequestStatus
 from pagedgen.engine.step import StepResult
 from pagedgen.engine.turn_output import (
@@ -31,11 +32,12 @@ from pagedgen.engine.turn_output import (
     sample_row,
     stage_sampled,
 )
+from pagedgen.errors import EngineErrorCode, RequestFailure, RowSamplingError
 from pagedgen.executor.inputs import SequenceChunk, pack_step
-from pagedgen.executor.runner import ModelRunner
+from pagedgen.executor.runner import StepRunner
 from pagedgen.guidance.bitmask import TokenMasks
 from pagedgen.guidance.masks import MaskComputer, MaskRow
-from pagedgen.sampling import RowSamplingError, Sampler
+from pagedgen.sampling import Sampler
 
 
 @dataclass(slots=True)
@@ -59,6 +61,10 @@ class StaticScheduler:
         self.max_batch_size = max_batch_size
         self._waiting: dict[int, RequestState] = {}
         self.batch = StaticBatch()
+        self.cache: PagedCacheManager | None = None  # the batch keeps its blocks itself
+        self.chunk_size: int | None = None  # a row runs its whole pending input
+        self.num_preemptions = 0  # rows are never preempted or evicted
+        self.num_yields = 0
 
     # -- membership (the engine's scheduler interface) ------------------------------------------------
 
@@ -124,7 +130,16 @@ class StaticScheduler:
                 del self._waiting[state.request_id]
         return unserviceable
 
-    def violations(self, states: dict[int, RequestState]) -> list[str]:
+    def snapshot(self) -> dict[str, object]:
+        """The waiting queue, the batch's rows and their block ranges, and the block counts."""
+        return {
+            "blocks": self.block_counts(),
+            "residents": self.num_resident,
+            "waiting": list(self._waiting),
+            "batch": {rid: tuple(table) for rid, table in self.batch.tables.items()},
+        }
+
+    def violations(self, states: Mapping[int, RequestState]) -> list[str]:
         problems = []
         for rid, state in self.batch.rows.items():
             capacity = len(self.batch.tables[rid]) * self.block_size
@@ -153,10 +168,11 @@ class StaticStep:
     def __init__(
         self,
         scheduler: StaticScheduler,
-        runner: ModelRunner,
+        runner: StepRunner,
         faults: FaultInjector,
         eos_token_ids: tuple[int, ...],
         isolator: FailureIsolator | None = None,
+        masker: MaskComputer | None = None,
     ):
         self.scheduler = scheduler
         self.runner = runner
@@ -164,7 +180,7 @@ class StaticStep:
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()
         self.isolator = FailureIsolator() if isolator is None else isolator
-        self.masker = MaskComputer()
+        self.masker = MaskComputer() if masker is None else masker
         self._phase = Phase.PLAN
         self._ids: tuple[int, ...] = ()
 

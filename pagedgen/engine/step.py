@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any
 
+import llguidance
 import torch
 
 from pagedgen.cache import Reservation
 from pagedgen.core.step_inputs import StepInputs
-from pagedgen.engine.events import EngineErrorCode, EngineEvent, FinishReason, TokenLogprobs, TurnReuse
+from pagedgen.engine.events import EngineEvent, FinishReason, TokenLogprobs, TurnReuse
 from pagedgen.engine.faults import FaultInjector
 from pagedgen.engine.isolation import FailureIsolator
-from pagedgen.engine.outcomes import ENGINE_EVENT_OF, Phase, RequestFailure, StepOutcome, classify_failure
+from pagedgen.engine.outcomes import ENGINE_EVENT_OF, Phase, StepOutcome, classify_failure
 from pagedgen.engine.request import RequestState
 from pagedgen.engine.scheduler import DynamicScheduler, RequestStepPlan, StepPlan, cache_candidates
 from pagedgen.engine.turn_output import (
@@ -35,12 +35,12 @@ from pagedgen.engine.turn_output import (
     sample_row,
     stage_outputs,
 )
-from pagedgen.errors import CacheError
+from pagedgen.errors import CacheError, EngineErrorCode, RequestFailure, RowSamplingError
 from pagedgen.executor.inputs import SequenceChunk, pack_step
-from pagedgen.executor.runner import ModelRunner
+from pagedgen.executor.runner import StepRunner
 from pagedgen.guidance.bitmask import TokenMasks
 from pagedgen.guidance.masks import MaskComputer, MaskRow, PendingMasks
-from pagedgen.sampling import RowSamplingError, Sampler
+from pagedgen.sampling import Sampler, SamplerCheckpoint, StopCheckpoint
 from pagedgen.sampling.draft_verification import VerifiedRow, sample_with_drafts
 
 
@@ -66,10 +66,10 @@ class _Checkpoint:
     cursor."""
 
     state: RequestState
-    sampler: Any
-    matcher: Any
+    sampler: SamplerCheckpoint
+    matcher: StopCheckpoint | None
     held_logprobs: list[TokenLogprobs | None]
-    cursor: Any = None
+    cursor: tuple[llguidance.LLMatcher, int] | None = None
 
 
 @dataclass(slots=True)
@@ -100,10 +100,11 @@ class DynamicStep:
     def __init__(
         self,
         scheduler: DynamicScheduler,
-        runner: ModelRunner,
+        runner: StepRunner,
         faults: FaultInjector,
         eos_token_ids: tuple[int, ...],
         isolator: FailureIsolator | None = None,
+        masker: MaskComputer | None = None,
     ):
         self.scheduler = scheduler
         self.cache = scheduler.cache
@@ -115,7 +116,7 @@ class DynamicStep:
         self.window = None if window is None else window.window  # sliding window of the ring layers
         self.sampler = Sampler()
         self.isolator = FailureIsolator() if isolator is None else isolator
-        self.masker = MaskComputer(hold=faults.hold_mask)
+        self.masker = MaskComputer(hold=faults.hold_mask) if masker is None else masker
 
     def run(self) -> StepResult:
         """Plan and execute at most one transaction. Never raises except for a planning MemoryError."""

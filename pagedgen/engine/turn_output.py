@@ -1,19 +1,9 @@
 """From one sampled token to a staged request result and its events (shared by the dynamic and static paths).
 
-Staging decides, without touching committed request fields, whether the token is appended, whether the
-turn ends and why, and which events the caller will see. End conditions, in order: a generated EOS (never
-appended, never emitted, unless ``ignore_eos``), a stop string (the token is appended; the stop text is never
-emitted), a guided turn's grammar complete (EOS: the token is appended, nothing but EOS could follow), the
-turn's ``max_generated_tokens``, the request's ``max_session_tokens``. Every appended token of a guided
-turn advances its grammar cursor (an EOS that ends the turn does not). Tokens the stop-string
-matcher holds back are released (and emitted) once they cannot be part of a stop string, or when the turn
-ends for another reason; on a match, the text of the unemitted tokens before the stop string travels on the
-terminal event as ``text_before_stop``. Staging mutates only the stop matcher, the grammar cursor and
-``held_logprobs``, all checkpointed by the transaction; :func:`commit_staged` publishes the rest.
-
-A row that verified drafts has several outputs (the accepted drafts, then the replacement or bonus token):
-:func:`stage_outputs` runs them through the same end conditions in order and stops at the first that ends
-the turn, so nothing after an EOS, a stop string or a limit is appended or emitted.
+Staging decides, without touching committed request fields, whether a token is appended, whether the turn
+ends and why, and which events the caller will see; it mutates only state the transaction checkpoints (the
+stop matcher, the grammar cursor, held logprobs), and :func:`commit_staged` publishes the rest. The end
+conditions in their order: docs/engine.md, "Staging a token".
 """
 
 from __future__ import annotations
@@ -22,7 +12,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pagedgen.engine.events import (
-    EngineErrorCode,
     EngineEvent,
     EngineEventFlags,
     FinishReason,
@@ -31,7 +20,7 @@ from pagedgen.engine.events import (
     Usage,
 )
 from pagedgen.engine.request import RequestState, RequestStatus
-from pagedgen.guidance.spec import GuidanceError
+from pagedgen.errors import EngineErrorCode, GuidanceError
 from pagedgen.sampling import SampledToken, SampleRow
 
 

@@ -11,13 +11,14 @@ The graph path is UNVERIFIED ON HARDWARE until a GPU session runs ``scripts/gpu_
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
 import torch
 
+from pagedgen.core.decoder import DecoderModel
 from pagedgen.core.kv import PagedKVCache
 from pagedgen.core.step_inputs import StepInputs
-from pagedgen.errors import PagedGenError
+from pagedgen.errors import ExecutionCapacityError
 from pagedgen.executor.cuda_graphs import (
     CudaGraphCapture,
     DecodeGraphs,
@@ -32,12 +33,16 @@ from pagedgen.ops.matmul.gemm_tune import adapt_to_model
 from pagedgen.ops.mixers.attention import check_step_slots
 
 
-class RetryableExecutionError(PagedGenError, RuntimeError):
-    """The executor reports a transient failure: the step is rolled back and may be retried unchanged."""
+class StepRunner(Protocol):
+    """The execute phase's collaborator: :class:`ModelRunner` here, ``TensorParallelRunner`` across ranks."""
 
+    def adapt_gemm(self, max_batch_size: int, max_scheduled_tokens: int, chunk_size: int | None) -> None: ...
 
-class ExecutionCapacityError(PagedGenError, RuntimeError):
-    """The model run exceeded available memory: the step is rolled back; the engine stays healthy."""
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        """Float logits ``[len(inputs.logits_rows), vocab]``; raises the executor's classified errors."""
+        ...
+
+    def release(self) -> None: ...
 
 
 class ModelRunner:
@@ -50,7 +55,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: Any,
+        model: DecoderModel,
         num_blocks: int,
         block_size: int,
         window_blocks: int | None = None,
@@ -132,8 +137,8 @@ class ModelRunner:
         self.graphs = None
 
 
-def _graph_capable(model: Any) -> bool:
+def _graph_capable(model: DecoderModel) -> bool:
     """Whether the model's state fits the static decode buffers: no sliding-window layers (their rings
     and masks are not in the buffers) and no fixed conv / recurrent state (not in the capture
     contract)."""
-    return not model.kv_spec.window_layers and not tuple(getattr(model, "fixed_state_specs", ()))
+    return not model.kv_spec.window_layers and not model.fixed_state_specs

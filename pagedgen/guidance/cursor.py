@@ -1,29 +1,20 @@
 """A turn's grammar cursor: an llguidance matcher as transactional per-request state.
 
-Compiling a grammar against a tokenizer is the expensive part (~1 ms for a small grammar, far more for a big
-schema), so the compiled matcher of each ``(tokenizer, grammar)`` pair is kept in an LRU cache (bounded by
-count and by estimated bytes) and every turn starts from a ``deep_copy`` of it (~1 µs). The cursor then
-advances by the tokens its turn emits. A new grammar is built under llguidance's parser limits and its first
-masks are computed once before it is cached (:func:`check_first_masks`), so a grammar over the limits is
-refused where the constraint is set, not in an engine step.
-
-Transactions: :meth:`GrammarCursor.checkpoint` is a ``deep_copy`` and :meth:`GrammarCursor.restore` puts it
-back, so a restored cursor is exactly the checkpointed one (llguidance's own ``rollback`` cannot recover a
-matcher in error state). An llguidance error (a token the grammar rejects, a parser limit hit while
-computing a mask) *poisons* the cursor for good: :attr:`GrammarCursor.error` keeps llguidance's text,
-``restore`` does not clear it, and every later use raises :class:`GuidanceError`, so generation never
-continues with a stale mask.
+Compiled matchers are cached per (tokenizer, grammar) and each turn starts from a copy; the cursor's
+checkpoint is a copy too, so a restored cursor is exactly the checkpointed one, and an llguidance error
+poisons it for good. Costs and the poisoning rule: docs/engine.md, "Grammar cursors".
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import llguidance
 
+from pagedgen.core.decoder import DecoderModel
+from pagedgen.errors import GuidanceError
 from pagedgen.guidance.lru import BoundedLru
-from pagedgen.guidance.spec import GuidanceError, GuidanceSpec, parser_limits
+from pagedgen.guidance.spec import GuidanceSpec, parser_limits
 from pagedgen.guidance.tokenizer import guidance_tokenizer
 
 COMPILED_CACHE_SIZE = 128  # compiled (tokenizer, grammar) matchers kept; a server reuses a few schemas a lot
@@ -103,7 +94,7 @@ class GrammarCursor:
         self.error: str | None = None  # llguidance's error text once poisoned (permanent)
 
     @classmethod
-    def for_model(cls, model: Any, spec: GuidanceSpec) -> GrammarCursor:
+    def for_model(cls, model: DecoderModel, spec: GuidanceSpec) -> GrammarCursor:
         """A fresh cursor at the grammar's start; :class:`GuidanceError` if it fails for the model."""
         tokenizer = guidance_tokenizer(model, json=spec.kind == "json_schema")
         return cls(spec, compiled_matcher(tokenizer, spec.grammar).deep_copy(), tokenizer.vocab_size)
@@ -141,6 +132,10 @@ class GrammarCursor:
     def restore(self, checkpoint: tuple[llguidance.LLMatcher, int]) -> None:
         """Return to ``checkpoint`` (taking ownership of it). A poisoned cursor stays poisoned."""
         self._matcher, self.num_consumed = checkpoint
+
+    def snapshot(self) -> tuple[int, bytes, bool, str | None]:
+        """The observable position: tokens consumed, the next-token mask, stopped, the poison reason."""
+        return self.num_consumed, self.allowed_bitmask(), self.complete, self.error
 
     def allowed_bitmask(self) -> bytes:
         """The mask of the next token as llguidance computes it for one matcher (tests, diagnostics)."""

@@ -1,24 +1,8 @@
 """The step's token masks: one batched llguidance call for every guided row, overlapped with the forward.
 
-A dynamic step submits its guided rows (:class:`MaskRow`: a cursor, its first logits row and its drafts)
-before the model runs; a worker thread runs one ``LLExecutor`` call over all of them (two when some rows
-verify drafts and others do not: llguidance's draft call takes only rows with drafts) (llguidance drops the
-GIL and spreads the rows over its own threads, as many as this process may use) while the owner thread
-runs the forward pass, and the sampler joins the result. A row with drafts ``d_1..d_K`` gets K+1 masks: row
-``i`` is the mask after ``d_1..d_i``; llguidance stops at the first draft its grammar rejects and the rows
-after it keep the pass-through mask they were allocated with (those outputs are discarded by draft
-verification, but must still be sampleable). Unguided rows and partial prefills get no mask at all.
-
-A cursor that is poisoned, or that llguidance reports in error after computing its mask, is reported in
-:attr:`MaskResult.failed` (the step fails that request alone). The computation changes no cursor's
-position; it only records a poisoning llguidance reported.
-
-Step budget: on the dynamic path each guided row's mask is its own task on a small thread pool, so one
-costly grammar cannot hold its batch-mates' masks. Sampling waits at most ``budget_s`` (default
-:data:`MASK_BUDGET_S`) after the forward pass for masks that are not done; a row still not done then is
-reported failed with a :class:`GuidanceError` that says so, its cursor is poisoned (without touching the
-matcher the pool still computes on), and the pool is replaced: the abandoned task ends on its own thread
-when llguidance's parser limits stop it, and never blocks the next steps' masks.
+Masks are computed on worker threads while the owner thread runs the model, each guided row its own task
+so one costly grammar cannot hold its batch-mates', and sampling waits at most a budget for them. Draft rows,
+failures and the budget: docs/engine.md, "Token masks and their step budget".
 """
 
 from __future__ import annotations
@@ -34,9 +18,9 @@ from dataclasses import dataclass, field
 import llguidance
 import torch
 
+from pagedgen.errors import GuidanceError
 from pagedgen.guidance.bitmask import TokenMasks, bitmask_words
 from pagedgen.guidance.cursor import GrammarCursor
-from pagedgen.guidance.spec import GuidanceError
 
 MASK_BUDGET_S = 0.5  # how long sampling waits after the forward pass for a mask that is not done
 

@@ -1,22 +1,8 @@
 """A constraint that starts after free text: a reasoning model's ``<think> ... </think>``, then the answer.
 
-A reasoning model writes its reasoning first and its answer after an end tag, and a client's constraint
-(a JSON schema, a regex, a grammar, a forced tool call) is about the answer. Two ways to apply it only
-after the reasoning: switch the constraint on when the end tag is seen, or constrain from the first token
-with a grammar whose prefix is free text up to the end tag. The first is not exact here: the engine
-samples the tokens of a step before any text is looked at, so the token after the end tag (and with
-drafts several more) would be sampled unconstrained, and a token holding both the tag and the answer's
-first characters could not be masked at all. The grammar is exact: llguidance masks every token, the tag
-may be split across tokens or share one with the answer, and the answer is masked from its first byte.
-
-:func:`constraint_after_text` builds that grammar in llguidance's Lark dialect: a *lazy* lexeme for the
-free text (it ends at the first end tag, as the reply's parser reads it; a greedy one would let the text
-run past a first end tag and the "answer" would start inside it), up to :data:`MAX_GAP` whitespace
-characters (models write ``</think>\\n\\n``; unbounded, a model could spend its whole token budget on
-whitespace there, which is why JSON's own whitespace is off too), then the constraint as llguidance itself
-compiled it, nested as ``%json {...}`` or ``%lark {...}``, so JSON keeps its separators and a client's
-grammar keeps its own rule names. The free text allows every token but EOS: a constrained turn cannot end
-before its answer.
+The constraint is applied from the first token by a grammar whose prefix is free text up to the end tag,
+not switched on when the tag is seen: the engine samples a step's tokens before any text is looked at, so
+only the grammar is exact. How the grammar is built: docs/engine.md, "A constraint after free text".
 """
 
 from __future__ import annotations
@@ -35,7 +21,7 @@ def constraint_after_text(kind: str, data: object, *, end: str, opener: str | No
 
     ``opener`` None: the output starts inside the free text (a prompt that opened it). Else the free part
     is optional and, when present, starts with whitespace and ``opener``; without it the output is the
-    constraint alone. Raises :class:`pagedgen.guidance.GuidanceError` if the constraint does not compile.
+    constraint alone. Raises :class:`pagedgen.errors.GuidanceError` if the constraint does not compile.
     """
     answer = _nested(compile_guidance(kind, data).grammar)
     free = f"pagedgen_free[lazy]: /(?s:.*){_lark_regex(end)}/"

@@ -1,29 +1,8 @@
 """What a request asks its output to match, compiled to an llguidance grammar when it is set.
 
-``GuidanceSpec(kind, data)`` is the immutable value ``GeneratorParams.set_guidance`` and
-``TurnOptions.set_guidance`` snapshot. ``kind`` is one of :data:`GUIDANCE_KINDS`:
-
-- ``"json_schema"``: a JSON Schema (a JSON string, or a dict / bool that is serialised);
-- ``"regex"``: a regular expression the whole output must match (Rust ``regex`` syntax, as llguidance);
-- ``"lark_grammar"``: a Lark grammar in llguidance's dialect (``start`` is the root rule).
-
-:func:`compile_guidance` turns the spec into llguidance's grammar text and validates it without a tokenizer,
-so a schema or grammar that does not compile is refused at the call that sets it, with llguidance's own
-message (:class:`GuidanceError`). What depends on the model's tokenizer is checked when the matcher is
-built (:mod:`pagedgen.guidance.matcher`).
-
-JSON output has no free whitespace by default (``whitespace_flexible: false``) and the separators of
-``json.dumps`` (``", "`` and ``": "``): a small model given free whitespace can spend its whole token
-budget on newlines, and forced compact separators pull it away from the JSON it saw in training (on the
-default model compact output was visibly worse and longer in tokens). A schema that carries its own
-``x-guidance`` options gets llguidance's defaults plus those instead (so ``whitespace_flexible: true`` there
-means what llguidance documents).
-
-Every grammar is validated and later matched under :data:`PARSER_LIMITS` (llguidance's ``LLParserLimits``):
-they bound the work of building the lexer and of each token mask, so a constraint that would take seconds
-per mask fails fast with llguidance's reason ("too many expressions constructed", "Too many items")
-instead of stalling the batch it runs in. Compiled specs are memoised in a cache bounded by the bytes of
-their text, not only by their count.
+:func:`compile_guidance` validates a spec without a tokenizer, so a schema or grammar that does not compile
+is refused (:class:`GuidanceError`, llguidance's own message) at the call that sets it, not in a step. The
+kinds, the JSON whitespace defaults and the parser limits: docs/engine.md, "Guidance specs".
 """
 
 from __future__ import annotations
@@ -31,15 +10,18 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import llguidance
 
-from pagedgen.errors import PagedGenError
+from pagedgen.errors import GuidanceError
 from pagedgen.guidance.lru import BoundedLru
 
 GUIDANCE_KINDS = ("json_schema", "regex", "lark_grammar")
-JSON_DEFAULTS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_DEFAULTS: dict[str, bool | str] = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
 MAX_GUIDANCE_CHARS = 1 << 20  # a grammar or schema larger than 1 MiB of text is refused
 COMPILED_SPECS = 128  # compiled specs kept (a service reuses a few schemas a lot)
 COMPILED_SPECS_BYTES = 64 << 20  # ... and at most this many characters of constraint and grammar text
@@ -65,10 +47,6 @@ def parser_limits() -> llguidance.LLParserLimits:
         max_grammar_size=MAX_GRAMMAR_SIZE,
         verbose_errors=False,
     )
-
-
-class GuidanceError(PagedGenError, ValueError):
-    """A guidance kind is unknown or its schema / grammar does not compile; the message says which."""
 
 
 @dataclass(frozen=True, slots=True)

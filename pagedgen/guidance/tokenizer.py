@@ -1,36 +1,25 @@
 """The llguidance view of a model's tokenizer, built once per model and shared by every grammar on it.
 
-llguidance computes masks over token *bytes*, so it needs the whole vocabulary: a real model's
-``tokenizer.json`` text (:meth:`pagedgen.models.tokenizer.Tokenizer.to_json`), or, for a tokenizer without
-one (the synthetic model's), one byte string per token through llguidance's ``TokenizerWrapper``. Building
-the view costs ~0.2 s for a 49k vocabulary, so it is cached per model object (dropped with the model).
-
-Mask computation walks the vocabulary's token trie in "slices" (llguidance's optimisation, never a change
-of the mask): JSON schemas get llguidance's JSON slices (about 2.5x faster masks inside JSON strings on the
-default model), other grammars its general ones; both views share the one vocabulary.
-
-Its vocabulary is the model's logits width (``model.vocab_size``) and its EOS ids are the engine's
-(``model.eos_token_ids``): a grammar that is complete allows exactly those. A model without EOS ids gets
-llguidance's own virtual EOS one past the logits width, which the bitmask apply masks away, so such a model
-can never end a turn by EOS (only its grammar's completion or a limit ends it).
+llguidance masks over token bytes, so it needs the whole vocabulary; building that view costs ~0.2 s, so it
+is cached per model object. Slices, the vocabulary width and EOS: docs/engine.md, "The llguidance tokenizer
+view".
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any
 
 import llguidance
 
-from pagedgen.errors import TokenizerError
-from pagedgen.guidance.spec import GuidanceError
+from pagedgen.core.decoder import DecoderModel, TextTokenizer
+from pagedgen.errors import GuidanceError, TokenizerError
 
 _lock = threading.Lock()
-_by_model: dict[int, tuple[weakref.ref[Any], dict[bool, llguidance.LLTokenizer]]] = {}
+_by_model: dict[int, tuple[weakref.ref[DecoderModel], dict[bool, llguidance.LLTokenizer]]] = {}
 
 
-def guidance_tokenizer(model: Any, json: bool = False) -> llguidance.LLTokenizer:
+def guidance_tokenizer(model: DecoderModel, json: bool = False) -> llguidance.LLTokenizer:
     """The cached llguidance tokenizer of ``model`` (``json``: with JSON slices); :class:`GuidanceError` if
     the model has no tokenizer llguidance can read."""
     key = id(model)
@@ -45,7 +34,7 @@ def guidance_tokenizer(model: Any, json: bool = False) -> llguidance.LLTokenizer
     return views[json]
 
 
-def _build(model: Any) -> llguidance.LLTokenizer:
+def _build(model: DecoderModel) -> llguidance.LLTokenizer:
     n_vocab = int(model.vocab_size)
     eos = [int(e) for e in model.eos_token_ids] or None
     try:
@@ -68,7 +57,7 @@ class _ByteVocab:
     ``decode([t])``; EOS ids are special tokens (never text), so a grammar cannot spell them.
     """
 
-    def __init__(self, tokenizer: Any, n_vocab: int, eos: list[int] | None):
+    def __init__(self, tokenizer: TextTokenizer, n_vocab: int, eos: list[int] | None):
         self._tokenizer = tokenizer
         special = sorted(set(eos or ()))
         self.tokens = [

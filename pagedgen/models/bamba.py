@@ -1,36 +1,10 @@
 """Bamba (IBM) over packed paged steps: Mamba-2 mixer layers mixed with grouped-query attention.
 
-Written like the paper: token embedding -> N x (RMSNorm, mixer, residual, RMSNorm, SwiGLU MLP, residual)
--> final RMSNorm -> LM head. The mixer of most layers is a Mamba-2 block
-
-    z, xBC, dt = in_proj(h)
-    x, B, C = silu(causal_depthwise_conv(xBC))                        (L taps per channel)
-    dt = clamp(softplus(dt + dt_bias), time_step_limit);  A = -exp(A_log)
-    y = selective_scan(x, dt, A, B, C) + D * x                        (pagedgen.ops.mixers.ssm)
-    out_proj(gated_group_rmsnorm(y, silu(z)))
-
-and that of the ``attn_layer_indices`` layers is attention with RoPE on the first ``partial_rotary_factor``
-of each head's dims. Module and parameter names follow HF's ``BambaForCausalLM``, so a state dict loads by
-name.
-
-GraniteMoeHybrid with a dense MLP (``num_local_experts: 0``) is the same network under other names
-(``post_attention_layernorm``, ``shared_mlp.input_linear`` / ``output_linear``, final ``norm``) with Granite's
-multipliers: the embedding is scaled by ``embedding_multiplier``, each mixer and MLP output by
-``residual_multiplier`` before its residual add, the attention scores by ``attention_multiplier`` (instead of
-``head_dim ** -0.5``), and the logits are divided by ``logits_scaling``; its attention has RoPE over the
-whole head (``position_embedding_type: rope``) or none (``nope``, as in Granite 4.0).
-
-State: attention layers keep paged K/V (KV-spec layer ``j`` is the ``j``-th attention layer); each Mamba layer
-keeps two fixed states per request (:class:`~pagedgen.core.fixed_state_spec.FixedStateSpec`):
-
-- ``mamba_conv.<layer>`` (fixed_conv): the convolution's last ``L - 1`` inputs, ``[L - 1, conv_dim]``,
-  oldest first, in the model's dtype (they are activations of that dtype: storing them loses nothing);
-- ``mamba_ssm.<layer>`` (fixed_recurrent): the SSM state ``[heads, head_dim, d_state]``, always float32 (it
-  decays and accumulates every token; see :mod:`pagedgen.ops.mixers.ssm`).
-
-A step reads each row's committed states from ``inputs.fixed.inputs`` and writes the states after its last
-token to ``inputs.fixed.outputs``; the engine publishes them only when the step commits, so chunked prefill
-carries the state from one chunk to the next and a rolled-back step leaves it untouched.
+Written like the paper (embedding, N x (norm, mixer, norm, SwiGLU MLP), norm, head), with HF's
+``BambaForCausalLM`` names so a state dict loads by name; GraniteMoeHybrid with a dense MLP is the same
+network under other names with Granite's multipliers. Attention layers keep paged K/V, each Mamba layer a
+conv and an SSM state that the engine publishes only at commit. The mixer's equations, the Granite mapping
+and the state layout: docs/models.md, "Bamba and GraniteMoeHybrid".
 """
 
 from __future__ import annotations

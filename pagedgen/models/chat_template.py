@@ -1,16 +1,8 @@
 """Render a model's own Jinja chat template in a sandbox, the way transformers does.
 
-The template comes from the checkpoint (untrusted text), so it runs in jinja2's
-``ImmutableSandboxedEnvironment`` (no attribute access to Python internals, no mutation of the messages).
-The environment mirrors transformers' (``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``, a ``tojson``
-that does not escape HTML, ``raise_exception``, ``strftime_now``) so a template renders to the same string.
-
-:func:`render_chat_spans` also says where in the rendered text the client's strings landed, so the
-tokenizer can encode them as text while the template's own markup keeps its special tokens: a message whose
-content writes ``<|im_end|>`` must not close its own turn. It renders twice, once as given and once with each
-selected string replaced by a unique placeholder (private-use characters and a random nonce, which a
-template's ``trim`` or ``tojson`` leaves intact); substituting the strings back into the second rendering must
-give the first exactly, or the template rewrote a client string and the spans cannot be trusted.
+The template is untrusted text from the checkpoint, so it runs in jinja2's immutable sandbox with
+transformers' environment (same string out), and :func:`render_chat_spans` says where the client's strings
+landed so they are encoded as text. The environment and the span check: docs/models.md, "Chat templates".
 """
 
 from __future__ import annotations
@@ -22,9 +14,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING
 
+from pagedgen.core.json_value import JsonValue
 from pagedgen.errors import TokenizerError
+
+if TYPE_CHECKING:
+    import jinja2
 
 
 def _raise_exception(message: str) -> None:
@@ -34,7 +30,7 @@ def _raise_exception(message: str) -> None:
 
 
 def _tojson(
-    value: Any,
+    value: JsonValue,
     ensure_ascii: bool = False,
     indent: int | None = None,
     separators: tuple[str, str] | None = None,
@@ -51,7 +47,7 @@ def _strftime_now(fmt: str) -> str:
 
 
 @lru_cache(maxsize=16)
-def compile_template(source: str) -> Any:
+def compile_template(source: str) -> jinja2.Template:
     """The compiled sandboxed template (cached per source); raises :class:`TokenizerError` on bad syntax."""
     import jinja2
     import jinja2.ext
@@ -71,9 +67,9 @@ def compile_template(source: str) -> Any:
 
 def render_chat(
     source: str,
-    messages: Sequence[Mapping[str, Any]],
+    messages: Sequence[Mapping[str, JsonValue]],
     add_generation_prompt: bool,
-    variables: Mapping[str, Any],
+    variables: Mapping[str, JsonValue],
 ) -> str:
     """The prompt text for ``messages``; the template also sees ``variables`` (special tokens, tools).
 
@@ -108,9 +104,9 @@ class RenderedChat:
 
 def render_chat_spans(
     source: str,
-    messages: Sequence[Mapping[str, Any]],
+    messages: Sequence[Mapping[str, JsonValue]],
     add_generation_prompt: bool,
-    variables: Mapping[str, Any],
+    variables: Mapping[str, JsonValue],
     selected: Callable[[str], bool],
     client_variables: Sequence[str] = (),
 ) -> RenderedChat:
@@ -124,7 +120,7 @@ def render_chat_spans(
     nonce = secrets.token_hex(6)
     originals: list[str] = []
 
-    def mark(value: Any) -> Any:
+    def mark(value: JsonValue) -> JsonValue:
         if isinstance(value, str):
             if not selected(value):
                 return value

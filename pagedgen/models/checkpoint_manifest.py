@@ -1,23 +1,9 @@
 """A checkpoint's decoder state manifest: derived from its config, or overridden by ``pagedgen.json``.
 
-The derived manifest is the legacy one (one dense paged-KV group over every layer) plus the sliding window
-the config declares (:func:`pagedgen.models.config.config_from_hf` reads ``sliding_window``,
-``use_sliding_window``, ``layer_types`` and ``max_window_layers``); for a config with convolution layers
-(LFM2's ``layer_types``) it is a paged group over the attention layers plus a fixed_conv group over the
-convolution layers, and for one with Mamba-2 layers (Bamba's ``attn_layer_indices``) also a fixed_recurrent
-group over those: a Mamba layer keeps both its convolution window and its SSM state, so it belongs to two
-groups. A ``pagedgen.json`` beside the checkpoint
-(in an HF directory; ``<file>.pagedgen.json`` beside a GGUF file) can replace it::
-
-    {"decoder": {"state_groups": [{"kind": "paged_kv", "layers": [0, 1, 2, 3]}],
-                 "sliding_window": {"size": 4096, "layers": [0, 2]}}}
-
-A key the override leaves out keeps the derived value. The manifest is the truth the model follows: its
-windowed layers are the ones the runtime masks and the engine keeps in rings. It must agree with what the
-runtime keeps: every attention layer owns paged K/V, a convolution layer (LFM2) owns a fixed_conv state
-and no K/V, a Mamba layer (Bamba) a fixed_conv and a fixed_recurrent state and no K/V, and where the
-windowed layers also have their own RoPE (Gemma 3's local layers) it cannot move them. The engine decides
-separately what it can serve (:mod:`pagedgen.engine.cache_layout`).
+The manifest is the truth the runtime follows (its windowed layers are the ones masked and kept in rings),
+so it is derived once from the config and may be replaced beside the checkpoint; what the engine can serve
+is decided separately (:mod:`pagedgen.engine.cache_layout`). The derivation and the override's format:
+docs/cache.md, "A checkpoint's manifest".
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
+from pagedgen.core.json_value import JsonValue
 from pagedgen.errors import ModelLoadError, UnsupportedArchitectureError
 
 GELU_TANH = "gelu_pytorch_tanh"  # Gemma's MLP activation (GELU, tanh approximation)
@@ -49,7 +49,7 @@ GEMMA_FAMILIES = ("gemma2", "gemma3_text")
 
 # What an absent key means in each Gemma config (transformers' Gemma2Config / Gemma3TextConfig defaults).
 # ``sliding_window_pattern``: every n-th layer attends fully, the others within the window.
-_GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
+_GEMMA_DEFAULTS: dict[str, dict[str, JsonValue]] = {
     "gemma2": {
         "sliding_window": 4096,
         "sliding_window_pattern": 2,
@@ -301,10 +301,10 @@ class ModelConfig:
         """Longest sequence served: sliding-window layers attend within their window at any length."""
         return self.max_position_embeddings
 
-    def to_hf_dict(self) -> dict[str, Any]:
+    def to_hf_dict(self) -> dict[str, JsonValue]:
         """An HF-style ``config.json`` dict that :func:`config_from_hf` parses back to an equal config."""
         rope_parameters = _rope_dict(self.rope)
-        data: dict[str, Any] = {
+        data: dict[str, JsonValue] = {
             "model_type": self.architecture,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -345,9 +345,9 @@ class ModelConfig:
         return data
 
 
-def _rope_dict(rope: RopeConfig) -> dict[str, Any]:
+def _rope_dict(rope: RopeConfig) -> dict[str, JsonValue]:
     """``rope`` as transformers 5's ``rope_parameters``."""
-    params: dict[str, Any] = {"rope_type": rope.rope_type, "rope_theta": rope.theta}
+    params: dict[str, JsonValue] = {"rope_type": rope.rope_type, "rope_theta": rope.theta}
     if rope.rope_type != "default":
         params["factor"] = rope.factor
     if rope.rope_type == "llama3":
@@ -359,7 +359,7 @@ def _rope_dict(rope: RopeConfig) -> dict[str, Any]:
     return params
 
 
-def resolve_architecture(raw: Mapping[str, Any], source: str) -> str:
+def resolve_architecture(raw: Mapping[str, JsonValue], source: str) -> str:
     """The family key for a config dict; raises :class:`UnsupportedArchitectureError` naming what it found."""
     model_type = raw.get("model_type")
     if model_type in FAMILY_TRAITS:
@@ -375,7 +375,7 @@ def resolve_architecture(raw: Mapping[str, Any], source: str) -> str:
     )
 
 
-def config_from_hf(raw: Mapping[str, Any], source: str) -> ModelConfig:
+def config_from_hf(raw: Mapping[str, JsonValue], source: str) -> ModelConfig:
     """Parse an HF ``config.json`` dict (transformers 4.x or 5.x spelling) into a :class:`ModelConfig`.
 
     Raises :class:`UnsupportedArchitectureError` for a family we do not implement and
@@ -433,7 +433,7 @@ def config_from_hf(raw: Mapping[str, Any], source: str) -> ModelConfig:
         raise ModelLoadError(f"{source}: invalid model config: {exc}") from exc
 
 
-def _require_int(raw: Mapping[str, Any], key: str, source: str) -> int:
+def _require_int(raw: Mapping[str, JsonValue], key: str, source: str) -> int:
     value = raw.get(key)
     if value is None:
         raise ModelLoadError(f"{source}: config field {key!r} is missing")
@@ -442,7 +442,7 @@ def _require_int(raw: Mapping[str, Any], key: str, source: str) -> int:
     return int(value)
 
 
-def _int_tuple(value: Any) -> tuple[int, ...]:
+def _int_tuple(value: object) -> tuple[int, ...]:
     if value is None:
         return ()
     if isinstance(value, int):
@@ -451,7 +451,7 @@ def _int_tuple(value: Any) -> tuple[int, ...]:
 
 
 def _sliding_window(
-    raw: Mapping[str, Any], traits: FamilyTraits, num_layers: int, source: str
+    raw: Mapping[str, JsonValue], traits: FamilyTraits, num_layers: int, source: str
 ) -> tuple[int | None, tuple[int, ...] | None]:
     """``(window, windowed layers)`` from the HF keys, or ``(None, None)`` when every layer attends fully.
 
@@ -485,7 +485,7 @@ def _sliding_window(
     return window, None if len(layers) == num_layers else layers
 
 
-def _rope_from_hf(raw: Mapping[str, Any], source: str) -> RopeConfig:
+def _rope_from_hf(raw: Mapping[str, JsonValue], source: str) -> RopeConfig:
     """RoPE from ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling`` (4.x)."""
     params = dict(raw.get("rope_parameters") or {})
     scaling = raw.get("rope_scaling") or {}
@@ -514,7 +514,7 @@ def _rope_from_hf(raw: Mapping[str, Any], source: str) -> RopeConfig:
         raise ModelLoadError(f"{source}: invalid rope parameters {merged}: {exc}") from exc
 
 
-def _lfm2_fields(raw: Mapping[str, Any], num_layers: int, source: str) -> dict[str, Any]:
+def _lfm2_fields(raw: Mapping[str, JsonValue], num_layers: int, source: str) -> dict[str, JsonValue]:
     """LFM2's own keys: which layers convolve (``layer_types``, else ``full_attn_idxs``), the convolution's
     taps and bias, ``norm_eps``, and the MLP width after its ``block_*`` adjustment (transformers' rule)."""
     layer_types = raw.get("layer_types")
@@ -547,7 +547,7 @@ def _lfm2_fields(raw: Mapping[str, Any], num_layers: int, source: str) -> dict[s
     }
 
 
-def _refuse_multimodal(raw: Mapping[str, Any], source: str) -> None:
+def _refuse_multimodal(raw: Mapping[str, JsonValue], source: str) -> None:
     """Gemma 3's multimodal wrapper (``gemma3``: a ``text_config`` inside, weights under
     ``model.language_model``) is not the text model we run; say so rather than fail on weight names."""
     classes = raw.get("architectures") or ()
@@ -558,7 +558,7 @@ def _refuse_multimodal(raw: Mapping[str, Any], source: str) -> None:
         )
 
 
-def _gemma_defaults(raw: Mapping[str, Any], architecture: str, source: str) -> dict[str, Any]:
+def _gemma_defaults(raw: Mapping[str, JsonValue], architecture: str, source: str) -> dict[str, JsonValue]:
     """``raw`` with transformers' Gemma defaults for absent keys and ``layer_types`` spelled out from the
     family's pattern (every ``sliding_window_pattern``-th layer full, the others sliding) when absent."""
     defaults = _GEMMA_DEFAULTS[architecture]
@@ -581,7 +581,7 @@ def _gemma_defaults(raw: Mapping[str, Any], architecture: str, source: str) -> d
     return full
 
 
-def _gemma_fields(raw: Mapping[str, Any], architecture: str, source: str) -> dict[str, Any]:
+def _gemma_fields(raw: Mapping[str, JsonValue], architecture: str, source: str) -> dict[str, JsonValue]:
     """Gemma's own keys: the query scale, the soft-caps, and (Gemma 3) a RoPE per layer type: transformers
     5's ``rope_parameters`` keyed by ``full_attention`` / ``sliding_attention``, or 4.x's ``rope_theta`` +
     ``rope_scaling`` (global layers) and ``rope_local_base_freq`` (sliding layers)."""
@@ -591,7 +591,7 @@ def _gemma_fields(raw: Mapping[str, Any], architecture: str, source: str) -> dic
             f"{source}: attn_logit_softcapping {attn_softcap!r} is not part of Gemma 3 (transformers "
             "ignores it, llama.cpp refuses it); expected null"
         )
-    fields: dict[str, Any] = {
+    fields: dict[str, JsonValue] = {
         "query_scale": _optional_float(raw, "query_pre_attn_scalar", source),
         "attn_softcap": _optional_float(raw, "attn_logit_softcapping", source),
         "final_softcap": _optional_float(raw, "final_logit_softcapping", source),
@@ -608,7 +608,7 @@ def _gemma_fields(raw: Mapping[str, Any], architecture: str, source: str) -> dic
     return fields
 
 
-def _optional_float(raw: Mapping[str, Any], key: str, source: str) -> float | None:
+def _optional_float(raw: Mapping[str, JsonValue], key: str, source: str) -> float | None:
     value = raw.get(key)
     if value is None:
         return None
@@ -619,7 +619,7 @@ def _optional_float(raw: Mapping[str, Any], key: str, source: str) -> float | No
     return float(value)
 
 
-def _bamba_fields(raw: Mapping[str, Any], num_layers: int, source: str) -> dict[str, Any]:
+def _bamba_fields(raw: Mapping[str, JsonValue], num_layers: int, source: str) -> dict[str, JsonValue]:
     """Bamba's own keys: which layers attend (``attn_layer_indices``; every other layer is a Mamba-2 mixer),
     the mixer's (:func:`_mamba_fields`) and the RoPE fraction (transformers' Bamba default is 0.5)."""
     attention = raw.get("attn_layer_indices") or []
@@ -641,7 +641,9 @@ def _bamba_fields(raw: Mapping[str, Any], num_layers: int, source: str) -> dict[
 _GRANITE_LAYER_TYPES = {"mamba": False, "linear_attention": False, "attention": True, "full_attention": True}
 
 
-def _granite_hybrid_fields(raw: Mapping[str, Any], num_layers: int, source: str) -> dict[str, Any]:
+def _granite_hybrid_fields(
+    raw: Mapping[str, JsonValue], num_layers: int, source: str
+) -> dict[str, JsonValue]:
     """GraniteMoeHybrid's keys, dense-MLP variant only: ``layer_types`` (``mamba`` / ``attention``, or
     transformers 5's ``linear_attention`` / ``full_attention``), the mixer's (:func:`_mamba_fields`), the MLP
     width ``shared_intermediate_size``, Granite's multipliers, and RoPE only when ``position_embedding_type``
@@ -684,8 +686,8 @@ def _granite_hybrid_fields(raw: Mapping[str, Any], num_layers: int, source: str)
 
 
 def _mamba_fields(
-    raw: Mapping[str, Any], attention: list[int], num_layers: int, key: str, source: str
-) -> dict[str, Any]:
+    raw: Mapping[str, JsonValue], attention: list[int], num_layers: int, key: str, source: str
+) -> dict[str, JsonValue]:
     """The Mamba-2 mixer's keys (``mamba_*``, ``time_step_limit``), shared by Bamba and GraniteMoeHybrid;
     every layer outside ``attention`` (named by the config's ``key``) is a mixer.
 
@@ -727,12 +729,12 @@ def _mamba_fields(
     }
 
 
-def _int_field(raw: Mapping[str, Any], key: str, default: int, source: str) -> int:
+def _int_field(raw: Mapping[str, JsonValue], key: str, default: int, source: str) -> int:
     """``raw[key]`` as an int (``default`` when absent); raises :class:`ModelLoadError` naming the key."""
     return default if raw.get(key) is None else _require_int(raw, key, source)
 
 
-def _float_field(raw: Mapping[str, Any], key: str, source: str) -> float:
+def _float_field(raw: Mapping[str, JsonValue], key: str, source: str) -> float:
     """``raw[key]`` as a float, 1.0 when absent or null (Granite's multipliers' default)."""
     value = raw.get(key)
     if value is None:
@@ -742,7 +744,7 @@ def _float_field(raw: Mapping[str, Any], key: str, source: str) -> float:
     return float(value)
 
 
-def _time_step_limit(value: Any, source: str) -> tuple[float, float]:
+def _time_step_limit(value: object, source: str) -> tuple[float, float]:
     """``(low, high)`` from a 2-list (``null``: no clamp); transformers 5 writes an infinite bound as
     ``{"__float__": "Infinity"}``."""
     if value is None:

@@ -1,23 +1,8 @@
 """Gemma 2 and Gemma 3 (text) over packed paged steps: local (sliding-window) and global layers alternating.
 
-Written like the papers: token embedding scaled by sqrt(hidden) -> N x (RMSNorm, attention, RMSNorm,
-residual, RMSNorm, GELU-tanh gated MLP, RMSNorm, residual) -> final RMSNorm -> tied LM head -> optional
-final soft-cap ``cap * tanh(logits / cap)``. Gemma's traits, each as transformers computes it:
-
-* every RMSNorm scales by ``1 + weight``, in float32 (checkpoints store the offset from one);
-* "sandwich" norms: the attention and MLP outputs are normed again before their residual adds;
-* attention scores are scaled by ``query_pre_attn_scalar ** -0.5`` (``config.query_scale``), not by the head
-  size; Gemma 2 soft-caps them (``config.attn_softcap``) before the softmax;
-* the sliding-window layers (``config.windowed_layers``, "local") attend within ``config.sliding_window``;
-  Gemma 3 rotates them with their own RoPE base (``config.local_rope``) while its global layers take the
-  configured scaling (``config.rope``), and normalises each q/k head (``q_norm`` / ``k_norm``) before RoPE.
-
-Module and parameter names follow HF's ``Gemma2ForCausalLM`` / ``Gemma3ForCausalLM``, so a state dict loads
-by name. On float32 CPU activations the norms and the activation run as the native layer ops (the norm's
-``1 + weight`` formed once after loading), so a pure decode step can run every layer in one native call
-(:mod:`pagedgen.ops.layers.decoder_layers`) with the same bits; soft-capped attention (Gemma 2) stays per
-layer. Every layer keeps paged K/V (KV-spec layer ``i`` is decoder layer ``i``); the local layers keep theirs
-in window rings when the engine gives the step rings, as Mistral's do.
+Written like the papers with HF's module names (a state dict loads by name), each Gemma trait as
+transformers computes it; on float32 CPU activations a pure decode runs every layer in one native call with
+the same bits. The traits and the state: docs/models.md, "Gemma 2 and Gemma 3".
 """
 
 from __future__ import annotations

@@ -1,25 +1,9 @@
 """Cache a GGUF file as an HF-style checkpoint directory of dequantised safetensors, keyed by its sha256.
 
-Opening a GGUF file and dequantising it takes seconds (the ``gguf`` reader parses the whole vocabulary in
-Python, the quant blocks are expanded in numpy, the tokenizer is rebuilt); reading back float32 safetensors
-takes a fraction of a second. So the first load writes ``config.json``, ``model.safetensors``,
-``tokenizer.json`` and ``tokenizer_config.json`` into ``<cache root>/gguf-v<N>/<sha256 of the file>/`` and
-every later load reads that directory like any HF checkpoint. ``native.safetensors`` beside them holds the
-2-D weights whose format has a native kernel as their raw blocks (llama.cpp's Q/K permutation undone, each
-layer's fused projections back to back), for ``weights="native"``, which maps it instead of reading it
-(:mod:`pagedgen.models.native_weights`). Building an entry keeps one tensor (or 8 MB of float32 rows) in
-memory at a time and gives the freed heap back afterwards; a file of :data:`CHILD_BUILD_MIN_BYTES` or more
-is built in a child process (:func:`build_entry_in_child`), so the loading process never holds the parsed
-vocabulary and a first load adds what a later one does.
-
-``model.safetensors`` (every tensor as float32, f16/bf16 kept) is what ``weights="float32"`` loads (also
-the fallback without the native kernels), where a native load reads its norms and biases, and what the
-bench's baselines read as an HF checkpoint; so it is part of every entry.
-
-The key is the sha256 of the whole file, streamed (about 0.2 s for the 98 MB default model): a file edited in
-place gets a new entry, and a renamed or copied file reuses the old one. An entry is built in a temporary
-sibling directory and renamed into place, so a reader never sees a half-written entry and two processes
-racing to build the same entry both end with one complete copy.
+Parsing and dequantising a GGUF file takes seconds and reading back safetensors a fraction of one, so the
+first load writes an entry that every later load reads like any HF checkpoint; entries are built atomically
+and keyed by content. What an entry holds and how it is built: docs/models.md, "GGUF files: the cache
+entry".
 """
 
 from __future__ import annotations

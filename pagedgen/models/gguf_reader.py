@@ -1,36 +1,28 @@
 """Read a llama.cpp GGUF file into our config and float32 weights, named like an HF checkpoint.
 
-Built on the ``gguf`` package (``GGUFReader`` parses the header, ``gguf.quants.dequantize`` the blocks). Three
-things llama.cpp does differently from an HF checkpoint are undone here:
-
-* tensor names (``blk.3.attn_q.weight`` is ``model.layers.3.self_attn.q_proj.weight``),
-* the Q/K row permutation its converter applies to the ``llama`` architecture (it reorders each head's rows
-  from HF's "rotate half" layout to interleaved pairs, see :func:`permute_qk`),
-* the config, which lives in ``{arch}.*`` metadata keys instead of a ``config.json``.
-
-LFM2 (llama.cpp's ``lfm2``) has its own name table, a per-layer KV-head array (0 marks a short-convolution
-layer) and its convolution weight squeezed to ``[hidden, L]``; both are mapped back to HF's.
-
-Gemma 2 / 3 (llama.cpp's ``gemma2``, ``gemma3``) name their sandwich norms ``post_attention_norm``,
-``ffn_norm`` (before the MLP) and ``post_ffw_norm``, store every norm weight plus one (its converter folds
-Gemma's ``1 + weight`` into the tensor; we subtract it back), and leave the layer pattern, the query scale
-and Gemma 3's local RoPE base to llama.cpp's per-architecture rules (:func:`_gemma_gguf_config`).
-
-Llama 3.x rope scaling is stored by llama.cpp as a ``rope_freqs`` tensor of per-frequency divisors; we keep
-it as ``model.rotary_emb.freq_factors`` and mark the rope as ``freq_factors``.
+Built on the ``gguf`` package; what llama.cpp does differently from an HF checkpoint (names, the Q/K
+permutation, config keys, per-family layouts) is undone here, so every model family reads one format. The
+list: docs/models.md, "GGUF files: reading".
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pagedgen.core.json_value import JsonValue
 from pagedgen.errors import ModelLoadError, UnsupportedArchitectureError
 from pagedgen.models.config import FULL, GEMMA_FAMILIES, SLIDING, ModelConfig, config_from_hf
+
+if TYPE_CHECKING:
+    import gguf
+
+MetadataGetter = Callable[[str, JsonValue], JsonValue]  # an architecture's ``{arch}.key`` lookup
 
 GGUF_MAGIC = b"GGUF"
 
@@ -116,14 +108,14 @@ class GGUFFile:
     """An opened GGUF file: its path, ``gguf.GGUFReader`` and the decoded scalar/string metadata."""
 
     path: Path
-    reader: Any  # gguf.GGUFReader
-    metadata: dict[str, Any]  # scalar and string fields only; arrays are read on demand
+    reader: gguf.GGUFReader
+    metadata: dict[str, JsonValue]  # scalar and string fields only; arrays are read on demand
 
     @property
     def architecture(self) -> str:
         return str(self.metadata.get("general.architecture", "<missing general.architecture>"))
 
-    def array(self, key: str) -> list[Any] | None:
+    def array(self, key: str) -> list[JsonValue] | None:
         """A metadata array (tokens, merges, token types), decoded to a Python list, or None if absent."""
         field = self.reader.fields.get(key)
         return None if field is None else field.contents()
@@ -166,7 +158,7 @@ def gguf_config(file: GGUFFile) -> ModelConfig:
     arch = file.architecture
     meta = file.metadata
 
-    def get(key: str, default: Any = None) -> Any:
+    def get(key: str, default: JsonValue = None) -> JsonValue:
         return meta.get(f"{arch}.{key}", default)
 
     names = {t.name for t in file.reader.tensors}
@@ -175,7 +167,7 @@ def gguf_config(file: GGUFFile) -> ModelConfig:
     vocab = get("vocab_size")
     if vocab is None and (tokens := file.reader.fields.get("tokenizer.ggml.tokens")) is not None:
         vocab = len(tokens.data)
-    raw: dict[str, Any] = {
+    raw: dict[str, JsonValue] = {
         "model_type": family,
         "vocab_size": vocab,
         "hidden_size": hidden,
@@ -202,7 +194,7 @@ def gguf_config(file: GGUFFile) -> ModelConfig:
     return config_from_hf(raw, str(file.path))
 
 
-def _lfm2_gguf_config(file: GGUFFile, get: Any) -> dict[str, Any]:
+def _lfm2_gguf_config(file: GGUFFile, get: MetadataGetter) -> dict[str, JsonValue]:
     """LFM2's keys, as llama.cpp's converter writes them: a per-layer KV-head array (0 for a convolution
     layer), ``shortconv.l_cache``, and the MLP width already adjusted."""
     kv_heads = file.array(f"{file.architecture}.attention.head_count_kv")
@@ -218,7 +210,9 @@ def _lfm2_gguf_config(file: GGUFFile, get: Any) -> dict[str, Any]:
     }
 
 
-def _gemma_gguf_config(file: GGUFFile, get: Any, raw: dict[str, Any]) -> dict[str, Any]:
+def _gemma_gguf_config(
+    file: GGUFFile, get: MetadataGetter, raw: dict[str, JsonValue]
+) -> dict[str, JsonValue]:
     """Gemma's keys as llama.cpp reads them: the window (Gemma 2: 4096 when absent; Gemma 3: no window when
     absent), the sliding layers from ``attention.sliding_window_pattern`` (a period or one flag per layer)
     or the architecture's period, the soft-caps (absent: transformers' defaults), the query scale by
@@ -226,7 +220,7 @@ def _gemma_gguf_config(file: GGUFFile, get: Any, raw: dict[str, Any]) -> dict[st
     """
     arch = file.architecture
     layers = int(get("block_count") or 0)
-    extra: dict[str, Any] = {"layer_types": _gemma_layer_types(file, arch, layers)}
+    extra: dict[str, JsonValue] = {"layer_types": _gemma_layer_types(file, arch, layers)}
     window = get("attention.sliding_window", 4096 if arch == "gemma2" else None)
     extra.update(sliding_window=window, use_sliding_window=window is not None)
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
@@ -256,7 +250,7 @@ def _gemma_layer_types(file: GGUFFile, arch: str, layers: int) -> list[str]:
     return [SLIDING if flag else FULL for flag in flags]
 
 
-def _gguf_rope(file: GGUFFile, names: set[str]) -> dict[str, Any]:
+def _gguf_rope(file: GGUFFile, names: set[str]) -> dict[str, JsonValue]:
     arch = file.architecture
     meta = file.metadata
     theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))

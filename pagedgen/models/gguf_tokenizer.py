@@ -9,10 +9,16 @@ happens once per file.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING
 
+from pagedgen.core.json_value import JsonValue
 from pagedgen.errors import TokenizerError
 from pagedgen.models.gguf_reader import GGUFFile
+
+if TYPE_CHECKING:
+    from tokenizers.processors import PostProcessor
 
 _ARRAY_KEYS = ("tokens", "scores", "token_type", "merges")
 _SPECIAL_IDS = {
@@ -23,7 +29,7 @@ _SPECIAL_IDS = {
 }
 
 
-def _converter() -> tuple[dict[str, Any], Any]:
+def _converter() -> tuple[dict[str, JsonValue], Callable[..., tuple[dict[str, JsonValue], JsonValue]]]:
     """transformers' GGUF tokenizer mapping and converter (moved between transformers 4.x and 5.x)."""
     try:
         from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
@@ -32,7 +38,7 @@ def _converter() -> tuple[dict[str, Any], Any]:
     return GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
 
-def gguf_tokenizer_files(file: GGUFFile) -> tuple[str, dict[str, Any]] | None:
+def gguf_tokenizer_files(file: GGUFFile) -> tuple[str, dict[str, JsonValue]] | None:
     """``(tokenizer.json text, tokenizer_config dict)``, or None for a file without a vocabulary.
 
     Raises :class:`TokenizerError` if the file has a vocabulary the converter cannot build.
@@ -40,7 +46,7 @@ def gguf_tokenizer_files(file: GGUFFile) -> tuple[str, dict[str, Any]] | None:
     from tokenizers import processors
 
     mapping, convert = _converter()
-    tokenizer_dict: dict[str, Any] = {}
+    tokenizer_dict: dict[str, JsonValue] = {}
     for key, name in mapping["tokenizer"].items():
         full = f"tokenizer.{key}"
         if name in _ARRAY_KEYS:
@@ -61,9 +67,9 @@ def gguf_tokenizer_files(file: GGUFFile) -> tuple[str, dict[str, Any]] | None:
     return backend.to_str(), config
 
 
-def _tokenizer_config(file: GGUFFile, tokens: list[str]) -> dict[str, Any]:
+def _tokenizer_config(file: GGUFFile, tokens: list[str]) -> dict[str, JsonValue]:
     meta = file.metadata
-    config: dict[str, Any] = {
+    config: dict[str, JsonValue] = {
         # llama.cpp adds BOS to a sentencepiece vocabulary unless the file says otherwise.
         "add_bos_token": bool(
             meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama")
@@ -79,7 +85,7 @@ def _tokenizer_config(file: GGUFFile, tokens: list[str]) -> dict[str, Any]:
     return config
 
 
-def _post_processor(processors: Any, config: dict[str, Any], tokens: list[str]) -> Any:
+def _post_processor(processors: ModuleType, config: dict[str, JsonValue], tokens: list[str]) -> PostProcessor:
     """BOS/EOS insertion exactly as the file's ``add_bos_token``/``add_eos_token`` flags say."""
     specials = []
     single, pair = ["$A:0"], ["$A:0", "$B:1"]

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from pagedgen.core.json_value import JsonValue
 from pagedgen.errors import ModelLoadError
 from pagedgen.models.config import ModelConfig, config_from_hf
 
@@ -21,7 +21,7 @@ WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, JsonValue]:
     """A JSON object from ``path``; raises :class:`ModelLoadError` naming the file if missing or invalid."""
     try:
         value = json.loads(path.read_text(encoding="utf-8"))

@@ -1,20 +1,8 @@
 """LFM2 (Liquid AI) over packed paged steps: gated short convolutions mixed with grouped-query attention.
 
-Written like the paper: token embedding -> N x (RMSNorm, operator, residual, RMSNorm, SwiGLU MLP, residual)
--> final RMSNorm -> LM head, where the operator of a ``conv`` layer is a gated short convolution
-
-    B, C, x = in_proj(h);  y = out_proj(C * causal_depthwise_conv(B * x))     (L taps per channel)
-
-and that of a ``full_attention`` layer is attention with per-head RMSNorm of q and k before RoPE. Module and
-parameter names follow HF's ``Lfm2ForCausalLM``, so a state dict loads by name.
-
-State: attention layers keep paged K/V (KV-spec layer ``j`` is the ``j``-th attention layer); each conv layer
-keeps the last ``L - 1`` inputs of its convolution per request, a ``fixed_conv`` state
-(:class:`~pagedgen.core.fixed_state_spec.FixedStateSpec` ``conv.<layer>``, row ``[L - 1, hidden]``, oldest
-first).
-A step reads each row's committed window from ``inputs.fixed.inputs`` and writes the window after its last
-token to ``inputs.fixed.outputs``; the engine publishes it only when the step commits, so chunked prefill
-carries the state from one chunk to the next and a rolled-back step leaves it untouched.
+Written like the paper with HF's ``Lfm2ForCausalLM`` names; attention layers keep paged K/V and each conv
+layer its convolution window as fixed state that the engine publishes only at commit. The operator and the
+state: docs/models.md, "LFM2".
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """Which weights a model keeps in their stored format (``pg.Model(..., weights="native")``), and reading them.
 
-``"native"`` keeps every 2-D weight whose format has a kernel (every GGUF type the reader accepts but F32:
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K, F16, BF16; f16/bf16 safetensors) as a
-:class:`~pagedgen.ops.matmul.qweight.QuantizedWeight`; other tensors (norms, biases) become float32 as before.
-``"float32"`` dequantises everything at load (the behaviour before native weights, and the only one without
-the native kernels).
-
-For a GGUF file the blocks are copied once into its cache entry (:mod:`pagedgen.models.gguf_cache`) as
-``native.safetensors``, beside the dequantised ``model.safetensors``: a warm load maps that file (no GGUF
-parsing, no copy: the weights are views of one read-only ``mmap``, so loading adds about the file's size,
-shared with every process using the entry) and reads from the float32 file only the rest. Each layer's
-fused projections (:data:`FUSED_GROUPS`) lie back to back in it, so stacking them is a view too.
+Weights whose format has a kernel stay as stored (expanded exactly inside the kernels) and are mapped from
+the cache entry rather than copied; everything else becomes float32. The formats and the mapping:
+docs/models.md, "Native weights".
 """
 
 from __future__ import annotations

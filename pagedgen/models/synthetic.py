@@ -1,29 +1,9 @@
 """A synthetic model whose greedy output is a closed formula of tokens it reads back through the block table.
 
-It is the engine's exact oracle (docs/architecture.md, "How we know it is right"). Each forward writes every
-new token id into the K cache through ``slot_mapping``, then reads, for each row, the request's first token,
-the previous token and the current token back *from the cache through the block table*. Its greedy next token
-is::
-
-    next = (first + prev + current + position) % vocab_size        (prev = 0 at position 0)
-
-so a wrong block table, slot mapping, past length or a lost committed block changes the output. The logits
-put a clear maximum on ``next`` and a smaller bump on ``next + 1``, so sampling has something to choose from.
-
-With ``window`` (>= 2) the model has a second, sliding-window layer: tokens are written to both layers, the
-first token is read from layer 0 (full attention) and the previous and current tokens from layer 1, through
-its window ring when the engine keeps one (``inputs.window``). The formula is unchanged, so a wrong ring slot,
-a ring wrapped onto a live position or a lost ring changes the output.
-
-With ``hybrid`` the model also keeps a fixed conv state (one more logical layer, a ``fixed_conv`` group in
-its manifest): a per-request row ``(s0, s1)`` that every token updates,
-
-    s0 += (token + 1) * (position + 1),   s1 += 1              (both mod vocab_size, from zeros)
-
-and the next token adds the state after the current token: ``next = (first + prev + current + position + s0
-+ s1) % vocab_size``. The state enters only through the step's fixed-state bindings, so a lost, doubled or
-misrouted state update (a wrong slot, a rolled-back step that leaked, a chunk that did not carry its state
-to the next) changes the tokens.
+It is the engine's exact oracle (docs/architecture.md, "How we know it is right"): every input it uses comes
+back through the cache (the block table, the window ring with ``window``, the fixed-state bindings with
+``hybrid``), so a wrong table, slot, ring or a leaked state update changes the tokens. The formula and its
+variants: docs/models.md, "The synthetic oracle model".
 """
 
 from __future__ import annotations
@@ -90,6 +70,7 @@ class SyntheticModel:
     hybrid: bool = False  # a fixed conv state too (one more layer, in its manifest's fixed_conv group)
     kv_spec: KVSpec = field(init=False)
     fixed_state_specs: tuple[FixedStateSpec, ...] = field(init=False, default=())
+    state_manifest: StateManifest | None = field(init=False, default=None)  # set with hybrid
 
     def __post_init__(self) -> None:
         if self.vocab_size < 2 or self.vocab_size > 1 << 24:

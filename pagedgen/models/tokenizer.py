@@ -1,28 +1,9 @@
 """Text <-> token ids for a model, its chat template, and streaming detokenisation.
 
-:class:`Tokenizer` reads the HF file format (``tokenizer.json`` through the ``tokenizers`` library, plus
-``tokenizer_config.json`` for the chat template and special tokens) from the model's checkpoint directory;
-a GGUF model's directory is its cache entry, where :mod:`pagedgen.models.gguf_tokenizer` wrote those files.
-
-:class:`IncrementalDetokenizer` turns a growing list of generated ids into text deltas. Decoding one token
-at a time is wrong twice over: a multi-byte UTF-8 character can span tokens (its first token decodes to
-U+FFFD) and some decoders drop or add a leading space depending on what precedes. So the text of a short
-window of recent ids is decoded in context and only what is past the text already emitted is emitted,
-holding back while the window's text ends with U+FFFD. For our :class:`Tokenizer` that is ``tokenizers``'
-own ``DecodeStream`` (one call per token into Rust: the same deltas at a third of the window's cost per
-token, docs/architecture.md); any other tokenizer with ``decode`` gets the same algorithm written out here.
-
-Content is never control: text a client wrote (a completion prompt, a chat message) is encoded with the
-special-token parsing off, so ``<|im_end|>`` in it is ten characters of text, not the end of a turn. Only the
-chat template's own markup yields special tokens: :meth:`Tokenizer.render_chat` locates the client's strings
-in the rendered prompt (:func:`render_chat_spans`) and records the special tokens the template wrote
-around them; :meth:`Tokenizer.encode_chat` encodes the text between those markup tokens as text. The
-opt-in ``parse_special_in_content=True`` restores the old reading (special-token strings anywhere count).
-
-Large inputs are encoded through ``encode_batch_fast``, which releases the GIL: a long prompt tokenized
-in a worker thread then does not stall the event loop or the engine thread. :attr:`Tokenizer.max_token_chars`
-bounds how many characters one token can stand for, so a caller can refuse a text that cannot fit a
-context before tokenizing it (:func:`pagedgen.llm.check_text_fits`).
+:class:`Tokenizer` reads the HF files (through the ``tokenizers`` library) from the model's checkpoint
+directory, :class:`IncrementalDetokenizer` turns growing ids into correct text deltas, and text a client
+wrote is always encoded as text (only the template's markup yields special tokens). Why each works the way
+it does: docs/models.md, "Tokenizer, streaming text and content as text".
 """
 
 from __future__ import annotations
@@ -34,11 +15,16 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
+from pagedgen.core.decoder import TextTokenizer
+from pagedgen.core.json_value import JsonValue
 from pagedgen.errors import ModelLoadError, TokenizerError
 from pagedgen.models.chat_template import RenderedChat, render_chat, render_chat_spans
 from pagedgen.models.hf_loader import read_json
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer as Backend
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -106,12 +92,12 @@ class Tokenizer:
     Raises :class:`TokenizerError` if ``tokenizer.json`` is missing or invalid.
     """
 
-    def __init__(self, model: Any):
+    def __init__(self, model: object):
         directory, config_eos = _tokenizer_source(model)
         self.directory = directory
         self._backend = _load_backend(directory / TOKENIZER_FILE)
         config_path = directory / TOKENIZER_CONFIG_FILE
-        self._config: dict[str, Any] = _read_config(config_path) if config_path.is_file() else {}
+        self._config: dict[str, JsonValue] = _read_config(config_path) if config_path.is_file() else {}
         self.chat_template: str | None = _chat_template(directory, self._config)
         self.special_tokens: dict[str, str] = _special_tokens(self._config)
         self.vocab_size: int = self._backend.get_vocab_size(with_added_tokens=True)
@@ -119,7 +105,9 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = self._eos_ids(config_eos)
         self._cleanup = bool(self._config.get("clean_up_tokenization_spaces", False))
         self._specials = _special_token_pattern(self._backend)
-        self._text_backend: Any = None  # a copy that reads special-token strings as text, made on first use
+        self._text_backend: Backend | None = (
+            None  # a copy that reads special-token strings as text, made on first use
+        )
         self._text_lock = threading.Lock()
         self.max_token_chars: int | None = _max_token_chars(self._backend)
 
@@ -141,7 +129,7 @@ class Tokenizer:
             return backend.encode(text, add_special_tokens=add_special_tokens).ids
         return backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
-    def _text_only(self) -> Any:
+    def _text_only(self) -> Backend:
         """The backend copy that encodes special-token strings as text (a flag on the shared backend would
         race with other threads' encodes)."""
         with self._text_lock:
@@ -171,12 +159,12 @@ class Tokenizer:
 
     def apply_chat_template(
         self,
-        messages: Sequence[Mapping[str, Any]],
+        messages: Sequence[Mapping[str, JsonValue]],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
         *,
         parse_special_in_content: bool = False,
-        **template_vars: Any,
+        **template_vars: JsonValue,
     ) -> str | list[int]:
         """The prompt for ``messages`` as the model's own template writes it (ids if ``tokenize``: the
         client's text encoded as text, see :meth:`encode_chat`).
@@ -197,11 +185,11 @@ class Tokenizer:
 
     def render_chat(
         self,
-        messages: Sequence[Mapping[str, Any]],
+        messages: Sequence[Mapping[str, JsonValue]],
         add_generation_prompt: bool = True,
         *,
         parse_special_in_content: bool = False,
-        **template_vars: Any,
+        **template_vars: JsonValue,
     ) -> ChatPrompt:
         """The rendered prompt with the special tokens the template itself wrote (see :class:`ChatPrompt`).
 
@@ -278,8 +266,10 @@ class IncrementalDetokenizer:
     :class:`TokenizerError` for an id outside the vocabulary, as :meth:`Tokenizer.decode` does.
     """
 
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True, context_ids: Sequence[int] = ()):
-        # Any tokenizer with ``decode(ids, skip_special_tokens)`` works (the synthetic model's too); ours
+    def __init__(
+        self, tokenizer: TextTokenizer, skip_special_tokens: bool = True, context_ids: Sequence[int] = ()
+    ):
+        # Every tokenizer with ``decode(ids, skip_special_tokens)`` works (the synthetic model's too); ours
         # exposes ``decode_raw`` so already streamed text is never rewritten by the space clean-up.
         self._decode = getattr(tokenizer, "decode_raw", tokenizer.decode)
         self._skip = skip_special_tokens
@@ -360,7 +350,7 @@ class _Stream:
         return self._stream.step(self._backend, token)
 
 
-def _tokenizer_source(model: Any) -> tuple[Path, tuple[int, ...]]:
+def _tokenizer_source(model: object) -> tuple[Path, tuple[int, ...]]:
     """The directory holding the tokenizer files and the model config's EOS ids."""
     if isinstance(model, str | os.PathLike):
         from pagedgen.models.checkpoint import resolve_checkpoint
@@ -388,14 +378,14 @@ def _config_eos(directory: Path) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
-def _read_config(path: Path) -> dict[str, Any]:
+def _read_config(path: Path) -> dict[str, JsonValue]:
     try:
         return read_json(path)
     except ModelLoadError as exc:
         raise TokenizerError(str(exc)) from exc
 
 
-def _special_token_pattern(backend: Any) -> _SpecialTokens | None:
+def _special_token_pattern(backend: Backend) -> _SpecialTokens | None:
     """The tokenizer's special tokens as it matches them in text; None when it has none."""
     tokens = [(i, t) for i, t in backend.get_added_tokens_decoder().items() if t.special and t.content]
     if not tokens:
@@ -411,7 +401,7 @@ def _special_token_pattern(backend: Any) -> _SpecialTokens | None:
     )
 
 
-def _max_token_chars(backend: Any) -> int | None:
+def _max_token_chars(backend: Backend) -> int | None:
     """An upper bound on the characters of input one token can stand for; None when there is none.
 
     A token's vocabulary string is at least as long as the text it encodes for byte-level BPE (one symbol per
@@ -433,7 +423,7 @@ def _max_token_chars(backend: Any) -> int | None:
     return max(longest, 1) * factor
 
 
-def _normalizer_factor(normalizer: Any) -> int | None:
+def _normalizer_factor(normalizer: JsonValue) -> int | None:
     """How many input characters one normalized character can stand for; None when unbounded."""
     if normalizer is None:
         return 1
@@ -446,7 +436,7 @@ def _normalizer_factor(normalizer: Any) -> int | None:
     return _NORMALIZED_CHAR_FACTOR
 
 
-def _load_backend(path: Path) -> Any:
+def _load_backend(path: Path) -> Backend:
     from tokenizers import Tokenizer as Backend
 
     if not path.is_file():
@@ -457,7 +447,7 @@ def _load_backend(path: Path) -> Any:
         raise TokenizerError(f"{path}: invalid tokenizer file ({exc})") from exc
 
 
-def _chat_template(directory: Path, config: Mapping[str, Any]) -> str | None:
+def _chat_template(directory: Path, config: Mapping[str, JsonValue]) -> str | None:
     """The template from ``chat_template.jinja``, ``tokenizer_config.json`` or ``chat_template.json``."""
     jinja_file = directory / CHAT_TEMPLATE_FILE
     if jinja_file.is_file():
@@ -471,7 +461,7 @@ def _chat_template(directory: Path, config: Mapping[str, Any]) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def _special_tokens(config: Mapping[str, Any]) -> dict[str, str]:
+def _special_tokens(config: Mapping[str, JsonValue]) -> dict[str, str]:
     tokens = {}
     for name in _SPECIAL_NAMES:
         value = config.get(name)

@@ -1,8 +1,8 @@
 """Sampling: per-request options and random streams, logits processors, the batched sampler, stop strings,
 logprobs. The engine calls :meth:`Sampler.sample` once per step and checkpoints each request's
-:class:`RequestSampler` (and its turn's :class:`StopStringMatcher`) with the step transaction."""
+:class:`RequestSampler` (and its turn's :class:`StopStringMatcher`) with the step transaction. The sampling
+errors live with every other error type in :mod:`pagedgen.errors`."""
 
-from pagedgen.sampling.errors import RowSamplingError, SamplingError, SamplingOptionsError, StopStringError
 from pagedgen.sampling.logprobs import RowLogprobs, compute_logprobs
 from pagedgen.sampling.options import SamplingOptions
 from pagedgen.sampling.sampler import SampledToken, Sampler, SampleRow, inverse_cdf_sample, process_logits
@@ -11,17 +11,13 @@ from pagedgen.sampling.streams import RequestSampler, SamplerCheckpoint, fresh_s
 
 __all__ = [
     "RequestSampler",
-    "RowSamplingError",
     "RowLogprobs",
     "SampleRow",
     "SampledToken",
     "Sampler",
     "SamplerCheckpoint",
-    "SamplingError",
     "SamplingOptions",
-    "SamplingOptionsError",
     "StopCheckpoint",
-    "StopStringError",
     "StopStringMatcher",
     "StopUpdate",
     "compute_logprobs",

@@ -14,8 +14,8 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pagedgen.errors import RowSamplingError
 from pagedgen.guidance.bitmask import TokenMasks
-from pagedgen.sampling.errors import RowSamplingError
 from pagedgen.sampling.sampler import SampledToken, Sampler, SampleRow
 
 

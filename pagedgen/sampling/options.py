@@ -18,7 +18,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pagedgen.sampling.errors import SamplingOptionsError
+from pagedgen.errors import SamplingOptionsError
 
 SEED_MIN = -(1 << 63)
 SEED_MAX = (1 << 64) - 1  # the range torch.manual_seed accepts; reduced mod 2**64 by the stream

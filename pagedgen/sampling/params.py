@@ -16,7 +16,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from pagedgen.sampling.errors import SamplingOptionsError
+from pagedgen.errors import SamplingOptionsError
 from pagedgen.sampling.options import SamplingOptions, check_num_logprobs, check_stop_strings
 
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from pagedgen.core.transfer import upload_values
-from pagedgen.sampling.errors import SamplingError
+from pagedgen.errors import SamplingError
 
 _NEG_INF = -float("inf")
 

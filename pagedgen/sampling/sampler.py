@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from pagedgen.core.transfer import upload_values
+from pagedgen.errors import RowSamplingError, SamplingError
 from pagedgen.guidance.bitmask import TokenMasks, apply_token_bitmask_
-from pagedgen.sampling.errors import RowSamplingError, SamplingError
 from pagedgen.sampling.logprobs import LogprobTensors, logprob_tensors
 from pagedgen.sampling.processors import (
     apply_logit_bias_,

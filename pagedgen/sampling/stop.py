@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pagedgen.sampling.errors import StopStringError
+from pagedgen.errors import StopStringError
 
 _REPLACEMENT = "\ufffd"
 
@@ -139,6 +139,10 @@ class StopStringMatcher:
 
     def checkpoint(self) -> StopCheckpoint:
         return StopCheckpoint(self._identity, self._state)
+
+    def snapshot(self) -> object:
+        """The matcher's state as a comparable value (held tokens, decoded text, whether it finished)."""
+        return self._state
 
     def restore(self, checkpoint: object) -> None:
         """Roll back to ``checkpoint``; raises :class:`StopStringError` (changing nothing) if not ours."""

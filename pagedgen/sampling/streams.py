@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedgen.sampling.errors import SamplingError
+from pagedgen.errors import SamplingError
 from pagedgen.sampling.options import SamplingOptions
 
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)  # splitmix64 increment (golden ratio)
@@ -84,6 +84,10 @@ class RequestSampler:
 
     def checkpoint(self) -> SamplerCheckpoint:
         return SamplerCheckpoint(self._identity, self._draws)
+
+    def snapshot(self) -> tuple[int, int]:
+        """``(seed, draws)``: everything a later draw depends on besides the options."""
+        return self.seed, self._draws
 
     def restore(self, checkpoint: object) -> None:
         """Roll back to ``checkpoint``; raises :class:`SamplingError` (changing nothing) if it is not ours."""

@@ -20,7 +20,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from pagedgen.sampling.errors import SamplingOptionsError
+from pagedgen.errors import SamplingOptionsError
 from pagedgen.sampling.params import SamplingParams, StructuredOutputsParams
 from pagedgen.server.tools import ForcedToolCalls, parameters_schema, required_schema
 

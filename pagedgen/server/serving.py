@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from pagedgen.engine.errors import InvalidArgumentError
+from pagedgen.errors import InvalidArgumentError, SamplingOptionsError
 from pagedgen.llm import (
     TextTokenizer,
     check_prompt_fits,
@@ -26,7 +26,6 @@ from pagedgen.llm import (
     generator_params,
 )
 from pagedgen.models.tokenizer import IncrementalDetokenizer
-from pagedgen.sampling.errors import SamplingOptionsError
 from pagedgen.sampling.logprobs import TokenLogprob
 from pagedgen.sampling.params import SamplingParams
 from pagedgen.server.admission import RETRY_AFTER_S, Admission, Ticket

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pagedgen.sampling.errors import SamplingOptionsError
+from pagedgen.errors import SamplingOptionsError
 
 # A function without parameters takes none: its arguments are exactly "{}".
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}

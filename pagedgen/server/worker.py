@@ -24,9 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING
 
-from pagedgen.engine.errors import EngineClosedError, EngineUnhealthyError
 from pagedgen.engine.events import EngineErrorCode, EngineEventFlags, FinishReason
-from pagedgen.errors import PagedGenError
+from pagedgen.errors import EngineClosedError, EngineUnhealthyError, PagedGenError
 from pagedgen.llm import copy_logprobs, generator_params, is_engine_failure, turn_options
 from pagedgen.sampling.logprobs import TokenLogprob
 from pagedgen.sampling.options import SamplingOptions

@@ -6,15 +6,13 @@ the request's own context (prompt lookup), :mod:`.driver` keeps proposals pendin
 
 from __future__ import annotations
 
-from typing import Any
-
-from pagedgen.spec.driver import DraftDriver, DraftProposer
+from pagedgen.spec.driver import DraftDriver, DraftProposer, DraftVerifier
 from pagedgen.spec.ngram import NgramProposer
 
 SPECULATIVE_METHODS = ("ngram",)
 
 
-def make_driver(engine: Any, method: str | None, num_speculative_tokens: int) -> DraftDriver | None:
+def make_driver(engine: DraftVerifier, method: str | None, num_speculative_tokens: int) -> DraftDriver | None:
     """The driver for ``method`` (None: no speculation). Raises ``ValueError`` for an unknown method, a
     non-positive ``num_speculative_tokens`` or one above ``engine.max_draft_tokens_per_proposal()``."""
     if method is None:

@@ -1,30 +1,52 @@
 """Keeping a proposer's drafts pending for the requests an application drives (above the engine).
 
-The engine verifies whatever drafts a caller sets (``request.set_draft_tokens``); it never proposes. A
-:class:`DraftDriver` is that caller for the helpers (``pg.LLM``, the server): before each ``engine.run`` it
-asks its proposer for every request that is ready for drafts and has none pending. Any object with a
-``propose(tokens) -> list[int]`` method is a proposer, so the n-gram proposer is replaceable.
-
-Drafts pay where a step's cost hardly depends on its rows: a small batch, whose decode is bound by reading
-the weights. In a large batch every verification row costs about as much as a decode row, and the step
-still waits for its slowest request, so ``max_batch`` (default 4) turns proposing off while more requests
-than that are decoding. A rejected proposal costs its verification rows (and takes a pure-decode step off
-the fused decode path), so the driver also backs off per request: after ``m`` proposals in a row of which
-nothing was accepted it skips the next ``min(2 ** (m - 1), max_backoff)`` chances to propose; any accepted
-draft resets it. That keeps workloads whose drafts are rarely right close to their speed without drafts.
+The engine verifies whatever drafts a caller sets and never proposes; a :class:`DraftDriver` is that caller
+for ``pg.LLM`` and the server, with any ``propose(tokens)`` object as its proposer. It proposes only where
+drafts pay (small batches) and backs off per request when they are rejected: docs/engine.md, "The draft
+driver".
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 
 class DraftProposer(Protocol):
     """Proposes draft tokens that continue ``tokens`` (the request's whole logical sequence)."""
 
     def propose(self, tokens: Sequence[int]) -> list[int]: ...
+
+
+class DraftTarget(Protocol):
+    """What the driver reads and sets on a ``pg.Request`` (this package sits below the engine)."""
+
+    @property
+    def id(self) -> int: ...
+
+    @property
+    def tokens(self) -> Sequence[int]: ...
+
+    @property
+    def ready_for_drafts(self) -> bool: ...
+
+    @property
+    def draft_tokens(self) -> Sequence[int]: ...
+
+    @property
+    def drafts_proposed(self) -> int: ...
+
+    @property
+    def drafts_accepted(self) -> int: ...
+
+    def set_draft_tokens(self, draft_tokens: Sequence[int]) -> None: ...
+
+
+class DraftVerifier(Protocol):
+    """What the driver asks of a ``pg.Engine``: how many drafts one proposal may carry."""
+
+    def max_draft_tokens_per_proposal(self) -> int: ...
 
 
 @dataclass(slots=True)
@@ -40,7 +62,9 @@ class _Track:
 class DraftDriver:
     """Sets ``proposer``'s drafts on ready requests before each step; counts what it proposed."""
 
-    def __init__(self, engine: Any, proposer: DraftProposer, max_backoff: int = 16, max_batch: int = 4):
+    def __init__(
+        self, engine: DraftVerifier, proposer: DraftProposer, max_backoff: int = 16, max_batch: int = 4
+    ):
         self.engine = engine
         self.proposer = proposer
         self.max_backoff = max_backoff
@@ -48,7 +72,7 @@ class DraftDriver:
         self.limit = engine.max_draft_tokens_per_proposal()
         self._tracks: dict[int, _Track] = {}
 
-    def propose(self, requests: Iterable[Any]) -> None:
+    def propose(self, requests: Iterable[DraftTarget]) -> None:
         """Give every ready request without a pending proposal the proposer's drafts (owner thread)."""
         if self.limit == 0:
             return
@@ -66,11 +90,11 @@ class DraftDriver:
             if drafts:
                 request.set_draft_tokens(drafts)
 
-    def forget(self, request: Any) -> None:
+    def forget(self, request: DraftTarget) -> None:
         """Drop what the driver tracks for a finished request."""
         self._tracks.pop(request.id, None)
 
-    def _observe(self, request: Any) -> _Track:
+    def _observe(self, request: DraftTarget) -> _Track:
         """Update the back-off from the request's counters since the last look."""
         track = self._tracks.setdefault(request.id, _Track())
         proposed, accepted = request.drafts_proposed, request.drafts_accepted

@@ -8,8 +8,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import pagedgen as pg
-from pagedgen.engine.faults import InjectedFault
-from pagedgen.executor.runner import ExecutionCapacityError, RetryableExecutionError
+from pagedgen.cache import PagedCacheManager
+from pagedgen.engine.faults import FaultInjector
+from pagedgen.engine.parts import CacheWrapper, RunnerWrapper, build_engine_parts
+from pagedgen.engine.scheduler import AGE_LIMIT
+from pagedgen.errors import ExecutionCapacityError, InjectedFault, RetryableExecutionError
+from pagedgen.executor.runner import StepRunner
+from pagedgen.guidance.masks import MASK_BUDGET_S
 from pagedgen.models.synthetic import SyntheticModel, synthetic_greedy
 
 # The recoverable faults a transaction must roll back exactly, one per phase that can fail before commit.
@@ -76,11 +81,32 @@ class SyntheticFamily:
         return expected_greedy(prompt, n, vocab_size, hybrid=self.hybrid)
 
 
-def make_engine(model: Any = None, **config: Any) -> pg.Engine:
-    """An engine with invariant checking on (tests always validate accounting after each step)."""
+def make_engine(
+    model: Any = None,
+    *,
+    faults: FaultInjector | None = None,
+    wrap_runner: RunnerWrapper | None = None,
+    wrap_cache: CacheWrapper | None = None,
+    age_limit: int = AGE_LIMIT,
+    mask_budget_s: float = MASK_BUDGET_S,
+    **config: Any,
+) -> pg.Engine:
+    """An engine with invariant checking on (tests always validate accounting after each step); the
+    keyword-only arguments go to :func:`build_engine_parts` (a test's own fault injector, spies)."""
     config.setdefault("debug_invariants", True)
     config.setdefault("num_blocks", 256)
-    return pg.Engine(model if model is not None else synthetic_model(), pg.EngineConfig(**config))
+    model = model if model is not None else synthetic_model()
+    engine_config = pg.EngineConfig(**config)
+    parts = build_engine_parts(
+        model,
+        engine_config,
+        faults=faults,
+        wrap_runner=wrap_runner,
+        wrap_cache=wrap_cache,
+        age_limit=age_limit,
+        mask_budget_s=mask_budget_s,
+    )
+    return pg.Engine(model, engine_config, parts=parts)
 
 
 def submit(
@@ -167,83 +193,36 @@ def expected_greedy(
 
 
 def engine_snapshot(engine: pg.Engine) -> dict[str, Any]:
-    """Everything committed about an engine's requests, cache and retained events, as comparable values."""
-    requests = {}
-    for rid, s in engine._states.items():
-        matcher = None if s.stop_matcher is None else s.stop_matcher.checkpoint().state
-        requests[rid] = (
-            s.status,
-            tuple(s.tokens),
-            tuple(s.generated),
-            s.processed_len,
-            s.turn_id,
-            s.turn_prompt_tokens,
-            s.turn_generated_tokens,
-            s.finish_reason,
-            s.sampler.draws,
-            matcher,
-            tuple(s.held_logprobs),
-            s.num_pending_events,
-            s.draft_tokens,
-            s.drafts_proposed,
-            s.drafts_accepted,
-            cursor_state(s.cursor),
-        )
-    scheduler = engine._scheduler
-    snap: dict[str, Any] = {
-        "requests": requests,
-        "pending": [event_key(e) for e in engine._pending],
-        "blocks": scheduler.block_counts(),
-        "residents": engine._scheduler.num_resident,
-    }
-    cache = getattr(scheduler, "cache", None)
-    if cache is not None:
-        snap["tables"] = {
-            rid: (tuple(t.blocks), t.committed_slots, tuple(t.window_blocks))
-            for rid, t in cache.tables().items()
-        }
-        snap["free_blocks"] = sorted(cache.pool.free_list())  # FIFO order may differ after a rollback
-        if cache.window_pool is not None:
-            snap["free_window_blocks"] = sorted(cache.window_pool.free_list())
-        if cache.fixed is not None:
-            snap["fixed"] = fixed_snapshot(cache.fixed)
-        if cache.prefix is not None:
-            snap["prefix"] = prefix_snapshot(cache)
-        snap["waiting"] = [s.request_id for s in scheduler.waiting]
-        snap["resident_order"] = [s.request_id for s in scheduler.residents]
-    return snap
+    """Everything committed about an engine's requests, cache and retained events, as comparable values: the
+    engine's and its parts' own ``snapshot()``, so new state is covered without a change here."""
+    return engine.snapshot()
 
 
 def cursor_state(cursor) -> tuple | None:
     """A grammar cursor's observable state: tokens consumed, next-token mask, stopped, poisoned."""
-    if cursor is None:
-        return None
-    return (cursor.num_consumed, cursor.allowed_bitmask(), cursor.complete, cursor.error)
+    return None if cursor is None else cursor.snapshot()
 
 
-def prefix_snapshot(cache) -> dict[str, Any]:
-    """A prefix-caching manager's cache state: the name table, the LRU list with its stamps (eviction order)
-    and every block's reference count."""
-    return {
-        "names": cache.prefix.entries(),
-        "lru": cache.pool.cached_stamps(),
-        "refs": cache.pool.refcounts(),
-    }
+class _EvictionSpy:
+    """A cache manager that records every cached block its reservations evict, then delegates."""
 
+    def __init__(self, cache: PagedCacheManager, evicted: set[int]):
+        self._cache = cache
+        self._evicted = evicted
 
-def spy_evictions(engine: pg.Engine) -> set[int]:
-    """Spy on the cache: the set fills with every cached block a reservation evicts to make room."""
-    evicted: set[int] = set()
-    cache = engine._scheduler.cache
-    reserve = cache.reserve
-
-    def spy(*args, **kwargs):
-        reservation = reserve(*args, **kwargs)
-        evicted.update(block for block, _, _ in reservation.evicted)
+    def reserve(self, *args, **kwargs):
+        reservation = self._cache.reserve(*args, **kwargs)
+        self._evicted.update(block for block, _, _ in reservation.evicted)
         return reservation
 
-    cache.reserve = spy
-    return evicted
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cache, name)
+
+
+def spy_evictions(evicted: set[int]) -> CacheWrapper:
+    """``wrap_cache`` for :func:`make_engine`: ``evicted`` fills with every cached block a reservation
+    evicts to make room."""
+    return lambda cache: _EvictionSpy(cache, evicted)  # type: ignore[return-value]
 
 
 def after_rollback(before: dict[str, Any], evicted: set[int]) -> dict[str, Any]:
@@ -264,31 +243,30 @@ def after_rollback(before: dict[str, Any], evicted: set[int]) -> dict[str, Any]:
     }
 
 
-def record_steps(engine: pg.Engine) -> list[tuple[list[int], list[int]]]:
-    """Spy on the model runner: each executed step's (query lengths, past lengths), in row order."""
-    steps: list[tuple[list[int], list[int]]] = []
-    execute = engine._runner.execute
+class _StepRecorder:
+    """A runner that records each executed step's (query lengths, past lengths), then delegates."""
 
-    def spy(inputs):
-        steps.append((inputs.query_lens.tolist(), inputs.past_lens.tolist()))
-        return execute(inputs)
+    def __init__(self, runner: StepRunner, steps: list[tuple[list[int], list[int]]]):
+        self._runner = runner
+        self._steps = steps
 
-    engine._runner.execute = spy
-    return steps
+    def execute(self, inputs):
+        self._steps.append((inputs.query_lens.tolist(), inputs.past_lens.tolist()))
+        return self._runner.execute(inputs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runner, name)
+
+
+def record_steps(steps: list[tuple[list[int], list[int]]]) -> RunnerWrapper:
+    """``wrap_runner`` for :func:`make_engine`: ``steps`` fills with each executed step's (query lengths,
+    past lengths), in row order."""
+    return lambda runner: _StepRecorder(runner, steps)  # type: ignore[return-value]
 
 
 def fixed_snapshot(pool) -> dict[str, Any]:
-    """A fixed-state pool's committed state: per owner its slot record and visible bytes, and the free slots.
-
-    The active bank index is left out on purpose: moving a row to the other bank without changing its value
-    is a representation change (direct-path normalisation), not a change of committed state.
-    """
-    owners = {}
-    for rid, index in pool.owners().items():
-        slot = pool.slot(index)
-        state = {name: tuple(t.flatten().tolist()) for name, t in pool.state(rid).items()}
-        owners[rid] = (index, slot.allocation_generation, slot.state_generation, slot.committed_tokens, state)
-    return {"owners": owners, "free": pool.free_slots(), "healthy": pool.healthy}
+    """A fixed-state pool's committed state (its own ``snapshot()``)."""
+    return pool.snapshot()
 
 
 # ---- guidance: does a constraint accept a text? -----------------------------------------------------

@@ -63,7 +63,7 @@ def check_greedy_and_slot_returns(case: FamilyCase) -> None:
     assert tokens_of(drain(eng))[request] == case.greedy(prompt, n)
     stats = eng.stats()
     assert (stats.fixed_total_slots, stats.fixed_free_slots) == (4, 3)
-    assert eng._scheduler.cache.fixed.committed_tokens(request.id) == request.processed_length
+    assert eng.parts.cache.fixed.committed_tokens(request.id) == request.processed_length
     request.close()
     stats = eng.stats()
     assert stats.fixed_free_slots == 4 and stats.free_blocks == stats.total_blocks
@@ -75,7 +75,7 @@ def check_greedy_with_flat_window(case: FamilyCase, window: int) -> list[int]:
     prompt, n = ids_of(24, seed=1), 96
     eng = small_engine(case.model)
     request = submit(eng, prompt, n, ignore_eos=True)
-    cache = eng._scheduler.cache
+    cache = eng.parts.cache
     rings, window_free, full_blocks, tokens = [], [], [], []
     buffer = eng.create_event_buffer(16)
     while eng.has_pending_requests():
@@ -105,8 +105,8 @@ def check_mixed_batch(case: FamilyCase, lengths: Sequence[tuple[int, int]]) -> N
         eng = small_engine(case.model)
         request = submit(eng, prompt, n, ignore_eos=True)
         alone.append(tokens_of(drain(eng))[request])
-    eng = small_engine(case.model, max_scheduled_tokens=12)  # chunked, mixed prefill + decode steps
-    steps = record_steps(eng)
+    steps: list = []
+    eng = small_engine(case.model, max_scheduled_tokens=12, wrap_runner=record_steps(steps))  # chunked, mixed
     requests = [submit(eng, p, n, ignore_eos=True) for p, (_, n) in zip(prompts, lengths, strict=True)]
     together = tokens_of(drain(eng))
     assert [together[r] for r in requests] == alone
@@ -120,8 +120,8 @@ def check_chunked_equals_unchunked(case: FamilyCase) -> None:
     prompt = ids_of(50, seed=3)
     outputs = []
     for chunk in (3, None):
-        eng = small_engine(case.model, chunk_size=chunk, max_batch_size=2)
-        steps = record_steps(eng)
+        steps: list = []
+        eng = small_engine(case.model, chunk_size=chunk, max_batch_size=2, wrap_runner=record_steps(steps))
         request = submit(eng, prompt, 20, ignore_eos=True)
         outputs.append(tokens_of(drain(eng))[request])
         assert steps[0][0] == [3 if chunk else 50]
@@ -168,9 +168,10 @@ def check_rollback_at(
     reference, _ = scenario()
     expected = [event_key(e) for e in drain(reference)]
     eng, _ = scenario()
+    faults = eng.parts.faults
     before = engine_snapshot(eng)
     check_before(before)
-    eng._faults.arm(phase, error)
+    faults.arm(phase, error)
     (event,) = eng.run(max_events=64)
     assert event.request is None and event.flags & (
         pg.EngineEventFlags.RETRYABLE | pg.EngineEventFlags.CAPACITY_BLOCKED
@@ -183,7 +184,8 @@ def check_fatal_step(scenario: Scenario, phase: str, pool: tuple[str, str]) -> N
     """A fatal fault at ``phase`` fails every turn and leaves the engine unhealthy; on close every block and
     every unit of the family's second pool (``pool``: its free and total stats fields) returns."""
     eng, requests = scenario()
-    eng._faults.arm(phase)
+    faults = eng.parts.faults
+    faults.arm(phase)
     drain(eng)
     assert not eng.stats().healthy
     assert all(r.status is pg.RequestStatus.TURN_COMPLETE for r in requests)

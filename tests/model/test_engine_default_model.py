@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import pagedgen as pg
+from pagedgen.engine.parts import build_engine_parts
 
 pytestmark = pytest.mark.model
 
@@ -44,10 +45,25 @@ def chat_ids(model, text: str) -> list[int]:
     return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
 
 
-def new_engine(model) -> pg.Engine:
-    return pg.Engine(
-        model, pg.EngineConfig(max_batch_size=16, block_size=16, num_blocks=16 * 8, debug_invariants=True)
-    )
+def new_engine(model, wrap_runner=None) -> pg.Engine:
+    config = pg.EngineConfig(max_batch_size=16, block_size=16, num_blocks=16 * 8, debug_invariants=True)
+    return pg.Engine(model, config, parts=build_engine_parts(model, config, wrap_runner=wrap_runner))
+
+
+class TopLogits:
+    """A runner that keeps the top logits (values, ids) of every step (one row each), then delegates."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.tops: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def execute(self, inputs):
+        logits = self.runner.execute(inputs)  # [1, vocab]
+        self.tops.append(torch.topk(logits[0].float(), TOP))
+        return logits
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
 
 
 def submit(engine: pg.Engine, prompt: list[int]) -> pg.Request:
@@ -61,25 +77,17 @@ def submit(engine: pg.Engine, prompt: list[int]) -> pg.Request:
 
 
 def run_alone(
-    engine: pg.Engine, prompt: list[int]
+    engine: pg.Engine, spy: TopLogits, prompt: list[int]
 ) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]:
-    """The request's tokens alone, and the top logits (values, ids) of every step (one logits row each)."""
-    tops: list[tuple[torch.Tensor, torch.Tensor]] = []
-    execute = engine._runner.execute
-
-    def spy(inputs):
-        logits = execute(inputs)  # [1, vocab]
-        tops.append(torch.topk(logits[0].float(), TOP))
-        return logits
-
-    engine._runner.execute = spy
+    """The request's tokens alone, and the top logits (values, ids) of every step (``spy`` is the engine's
+    runner)."""
+    spy.tops.clear()
     request = submit(engine, prompt)
     tokens = []
     while engine.has_pending_requests():
         tokens += [e.token for e in engine.run(max_events=4) if e.token is not None]
     request.close()
-    engine._runner.execute = execute
-    return tokens, tops
+    return tokens, list(spy.tops)
 
 
 def test_sixteen_chat_requests_arriving_over_time_equal_each_alone(default_model):
@@ -102,10 +110,16 @@ def test_sixteen_chat_requests_arriving_over_time_equal_each_alone(default_model
         request.close()
     assert engine.stats().free_blocks == engine.stats().total_blocks
 
-    alone_engine = new_engine(default_model)
+    spies: list[TopLogits] = []
+
+    def keep_top_logits(runner):
+        spies.append(TopLogits(runner))
+        return spies[0]
+
+    alone_engine = new_engine(default_model, wrap_runner=keep_top_logits)
     diverged = []
     for request, prompt in zip(requests, prompts, strict=True):
-        alone, tops = run_alone(alone_engine, prompt)
+        alone, tops = run_alone(alone_engine, spies[0], prompt)
         got = batched[request.id]
         assert len(alone) == len(got) == NEW_TOKENS
         if got == alone:

@@ -44,7 +44,7 @@ class StepLog:
         self.steps: list[tuple[list[Read], int]] = []  # (reads, sampler calls)
         separate_device_copies(self.reads, monkeypatch)
         mark_device_state(self.reads, engine)
-        step = engine._step
+        step = engine.parts.step
         run = step.run
         calls = [0]
         sample = Sampler.sample
@@ -148,19 +148,26 @@ def test_a_tiny_llama_step_reads_the_device_once_when_it_samples(tiny_llama, pat
     assert engine.stats().drafts_proposed > 0
 
 
+class ReadingRunner:
+    """A runner that reads a host copy (free) and a packed device tensor (a read) before it executes."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def execute(self, inputs):
+        inputs.host.slot_mapping.tolist()  # host copy: free
+        int(inputs.past_lens.max())  # device: a read
+        return self.runner.execute(inputs)
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+
 def test_the_harness_sees_a_host_read_of_device_data(monkeypatch):
     """The counter itself: a read of a packed device tensor or of the model's output is recorded, a read
     of the host copies is not."""
-    engine = make_engine(synthetic_model(), max_batch_size=2)
+    engine = make_engine(synthetic_model(), max_batch_size=2, wrap_runner=ReadingRunner)
     log = StepLog(engine, monkeypatch)
-    original = engine._step._execute
-
-    def reading_execute(txn, inputs):
-        inputs.host.slot_mapping.tolist()  # host copy: free
-        int(inputs.past_lens.max())  # device: a read
-        return original(txn, inputs)
-
-    monkeypatch.setattr(engine._step, "_execute", reading_execute)
     submit(engine, [1, 2, 3], 2)
     drain(engine)
     assert all(reads[0].op == "__int__" for reads, _ in log.steps)

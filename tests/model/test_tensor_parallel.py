@@ -19,9 +19,11 @@ import pytest
 import torch
 
 import pagedgen as pg
-from pagedgen.engine.faults import InjectedFault
+from pagedgen.engine.faults import FaultInjector
+from pagedgen.engine.parts import build_engine_parts
+from pagedgen.errors import ExecutionCapacityError, InjectedFault, RetryableExecutionError
 from pagedgen.executor.inputs import SequenceChunk, pack_step
-from pagedgen.executor.runner import ExecutionCapacityError, ModelRunner, RetryableExecutionError
+from pagedgen.executor.runner import ModelRunner
 from pagedgen.parallel.runner import RankFailedError, TensorParallelRunner
 from pagedgen.parallel.shard import weight_bytes
 from tests.helpers import drain, engine_snapshot, event_key, submit
@@ -192,7 +194,7 @@ def test_a_recoverable_fault_rolls_back_exactly_under_two_ranks(
     requests = scenario(tp_engine, default_model)
     before = engine_snapshot(tp_engine)
     rollbacks = tp_engine.stats().rollbacks
-    tp_engine._faults.arm(phase, error)
+    tp_engine.parts.faults.arm(phase, error)
     events = list(tp_engine.run(max_events=64))
     assert [(e.request, e.flags, e.error_code) for e in events] == [(None, flag, code)]
     assert engine_snapshot(tp_engine) == before
@@ -208,9 +210,12 @@ def test_a_recoverable_fault_rolls_back_exactly_under_two_ranks(
 def test_a_fail_stop_fault_fails_the_same_turns_as_one_rank(default_model, phase):
     outcomes = []
     for world in (1, 2):
-        engine = pg.Engine(default_model, engine_config(world))
+        faults, config = FaultInjector(), engine_config(world)
+        engine = pg.Engine(
+            default_model, config, parts=build_engine_parts(default_model, config, faults=faults)
+        )
         requests = scenario(engine, default_model)
-        engine._faults.arm(phase)
+        faults.arm(phase)
         events = [
             (e.request.id if e.request else None, e.flags, e.error_code) for e in engine.run(max_events=64)
         ]
@@ -227,7 +232,7 @@ def test_a_fail_stop_fault_fails_the_same_turns_as_one_rank(default_model, phase
 
 def test_a_killed_rank_makes_the_engine_unhealthy_not_hung(default_model):
     engine = pg.Engine(default_model, engine_config(2))
-    (pid,) = engine._runner.worker_pids
+    (pid,) = engine.parts.runner.worker_pids
     request = submit(engine, prompt_ids(default_model)[0], 8, max_length=512)
     engine.run(max_events=64)  # a step on both ranks
     os.kill(pid, signal.SIGKILL)

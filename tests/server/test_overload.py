@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from pagedgen.engine.engine import Engine
-from pagedgen.engine.errors import InvalidArgumentError
+from pagedgen.errors import InvalidArgumentError
 from pagedgen.models.synthetic import SyntheticModel
 from tests.server.doubles import (
     NUM_BLOCKS,

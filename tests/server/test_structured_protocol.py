@@ -9,8 +9,8 @@ import jsonschema
 import pydantic
 import pytest
 
-from pagedgen.engine.events import EngineErrorCode, FinishReason
-from pagedgen.sampling.errors import SamplingOptionsError
+from pagedgen.engine.events import FinishReason
+from pagedgen.errors import EngineErrorCode, SamplingOptionsError
 from pagedgen.server.protocol import ChatCompletionRequest, CompletionRequest
 from pagedgen.server.responses import ChatResponses
 from pagedgen.server.tools import NO_PARAMETERS, ForcedToolCalls, parse_required_calls, required_schema

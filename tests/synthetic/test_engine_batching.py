@@ -6,6 +6,7 @@ import torch
 
 import pagedgen as pg
 from pagedgen.engine.config import DEFAULT_CPU_MIXED_STEP_TOKENS, resolve_mixed_step_tokens
+from pagedgen.engine.faults import FaultInjector
 from tests.helpers import (
     VOCAB,
     drain,
@@ -34,8 +35,14 @@ def test_isolated_equals_batched_with_staggered_arrival():
         assert isolated[i] == expected_greedy(prompt, MAX_NEW[i])
 
     # Small blocks, a tight token budget and arrivals every other call: chunked, mixed, ragged steps.
-    engine = make_engine(block_size=4, max_scheduled_tokens=24, max_batch_size=8, num_blocks=96)
-    steps = record_steps(engine)
+    steps: list = []
+    engine = make_engine(
+        block_size=4,
+        max_scheduled_tokens=24,
+        max_batch_size=8,
+        num_blocks=96,
+        wrap_runner=record_steps(steps),
+    )
     buffer = engine.create_event_buffer(4)
     requests: dict[int, pg.Request] = {}
     events: list[pg.EngineEvent] = []
@@ -51,7 +58,7 @@ def test_isolated_equals_batched_with_staggered_arrival():
         assert got[request] == isolated[i], f"request {i}"
     assert any(len(q) > 1 and max(q) > 1 and min(q) == 1 for q, _ in steps), "no mixed prefill+decode step"
     assert all(sum(q) <= 24 for q, _ in steps)
-    assert engine.stats().free_blocks == 96 - sum(engine._scheduler.cache.stats().blocks_per_request.values())
+    assert engine.stats().free_blocks == 96 - sum(engine.parts.cache.stats().blocks_per_request.values())
     for request in requests.values():
         request.close()
     assert engine.stats().free_blocks == 96
@@ -59,8 +66,8 @@ def test_isolated_equals_batched_with_staggered_arrival():
 
 
 def test_chunked_prefill_spans_several_steps_with_zero_event_runs():
-    engine = make_engine(chunk_size=4)
-    steps = record_steps(engine)
+    steps: list = []
+    engine = make_engine(chunk_size=4, wrap_runner=record_steps(steps))
     prompt = list(range(1, 11))
     request = submit(engine, prompt, 3)
     buffer = engine.create_event_buffer(8)
@@ -76,8 +83,8 @@ def test_chunked_prefill_spans_several_steps_with_zero_event_runs():
 
 
 def test_token_budget_alone_chunks_a_prompt():
-    engine = make_engine(max_scheduled_tokens=4)
-    steps = record_steps(engine)
+    steps: list = []
+    engine = make_engine(max_scheduled_tokens=4, wrap_runner=record_steps(steps))
     prompt = list(range(5, 15))
     request = submit(engine, prompt, 2)
     assert tokens_of(drain(engine))[request] == expected_greedy(prompt, 2)
@@ -85,8 +92,8 @@ def test_token_budget_alone_chunks_a_prompt():
 
 
 def test_mixed_step_decodes_first_then_expands_prefills_in_order():
-    engine = make_engine(max_scheduled_tokens=8)
-    steps = record_steps(engine)
+    steps: list = []
+    engine = make_engine(max_scheduled_tokens=8, wrap_runner=record_steps(steps))
     a = submit(engine, [1, 2, 3], 6)
     engine.run(max_events=8)  # A prefilled; it now decodes
     b = submit(engine, list(range(20, 32)), 2)  # 12-token prompt
@@ -105,20 +112,22 @@ def test_mixed_step_decodes_first_then_expands_prefills_in_order():
 
 def test_capacity_one_gives_the_same_events_and_executions_as_a_large_buffer():
     def workload(capacity: int):
-        engine = make_engine(block_size=4, max_scheduled_tokens=16)
+        faults = FaultInjector()
+        engine = make_engine(block_size=4, max_scheduled_tokens=16, faults=faults)
         requests = [submit(engine, p, n) for p, n in zip(PROMPTS[:5], MAX_NEW[:5], strict=True)]
         events = drain(engine, capacity=capacity)
-        return [event_key(e) for e in events], engine._faults.hits[pg_phase("execute")], requests
+        return [event_key(e) for e in events], faults.hits[pg_phase("execute")], requests
 
     big, big_runs, _ = workload(64)
     one, one_runs, _ = workload(1)
     assert one == big
     assert one_runs == big_runs
     # Capacity one: a call either executes one step or drains exactly one retained event.
-    engine = make_engine()
+    faults = FaultInjector()
+    engine = make_engine(faults=faults)
     request = submit(engine, [4, 5, 6], 2)
     other = submit(engine, [7, 8], 2)  # keep the handle: a dropped one is abandoned and reclaimed
-    hits = engine._faults.hits
+    hits = faults.hits
     first = engine.run(max_events=1)
     assert len(first) == 1 and hits[pg_phase("execute")] == 1 and engine.stats().pending_events == 1
     second = engine.run(max_events=1)
@@ -133,8 +142,8 @@ def pg_phase(name: str):
 
 
 def test_multi_turn_continuation_equals_fresh_request_with_concatenated_tokens():
-    engine = make_engine(block_size=4)
-    steps = record_steps(engine)
+    steps: list = []
+    engine = make_engine(block_size=4, wrap_runner=record_steps(steps))
     p1, p2 = [5, 6, 7, 8, 9], [40, 41, 42]
     request = submit(engine, p1, 5)
     g1 = tokens_of(drain(engine))[request]
@@ -161,8 +170,8 @@ def test_continuation_after_eos_prefills_only_new_tokens():
     prompt = [3, 1, 4, 1, 5]
     free_run = expected_greedy(prompt, 8)
     model = pg.SyntheticModel(vocab_size=VOCAB, eos_token_id=free_run[3])
-    engine = make_engine(model)
-    steps = record_steps(engine)
+    steps: list = []
+    engine = make_engine(model, wrap_runner=record_steps(steps))
     request = submit(engine, prompt, 20)
     events = drain(engine)
     assert tokens_of(events)[request] == free_run[:3]
@@ -202,8 +211,10 @@ def test_turn_complete_residents_yield_rows_to_waiting_work():
 def test_a_step_with_a_decode_is_bounded_by_max_mixed_step_tokens():
     """A long prompt beside a running stream is prefilled in chunks interleaved with the stream's tokens;
     alone, it takes the whole max_scheduled_tokens."""
-    engine = make_engine(max_scheduled_tokens=16, max_mixed_step_tokens=6, num_blocks=64)
-    steps = record_steps(engine)
+    steps: list = []
+    engine = make_engine(
+        max_scheduled_tokens=16, max_mixed_step_tokens=6, num_blocks=64, wrap_runner=record_steps(steps)
+    )
     alone = list(range(30, 50))  # 20 tokens, nothing decodes: 16 + 4
     first = submit(engine, alone, 1)
     assert tokens_of(drain(engine))[first] == expected_greedy(alone, 1)
@@ -235,8 +246,14 @@ def test_a_step_with_a_decode_is_bounded_by_max_mixed_step_tokens():
 
 def test_the_mixed_budget_leaves_each_prefill_its_provisional_token():
     """More decodes than the mixed budget: the prefills beside them still advance a token per step."""
-    engine = make_engine(max_scheduled_tokens=16, max_mixed_step_tokens=2, max_batch_size=4, num_blocks=64)
-    steps = record_steps(engine)
+    steps: list = []
+    engine = make_engine(
+        max_scheduled_tokens=16,
+        max_mixed_step_tokens=2,
+        max_batch_size=4,
+        num_blocks=64,
+        wrap_runner=record_steps(steps),
+    )
     streams = [submit(engine, [4, 5], 6), submit(engine, [6, 7], 6)]
     engine.run(max_events=8)  # both prefilled in one step; both decode now
     late = submit(engine, [8, 9, 10, 11], 1)
@@ -256,4 +273,4 @@ def test_the_mixed_budget_defaults_to_the_device():
     assert resolve_mixed_step_tokens(pg.EngineConfig(max_mixed_step_tokens=64), cuda) == 64
     assert resolve_mixed_step_tokens(pg.EngineConfig(max_mixed_step_tokens=4096), cpu) == 2048
     engine = make_engine()  # the synthetic model runs on the CPU
-    assert engine._scheduler.max_mixed_step_tokens == 512
+    assert engine.parts.scheduler.max_mixed_step_tokens == 512

@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pagedgen as pg
-from pagedgen.engine.faults import InjectedFault
-from pagedgen.executor.runner import ExecutionCapacityError, RetryableExecutionError
+from pagedgen.engine.faults import FaultInjector
+from pagedgen.errors import ExecutionCapacityError, InjectedFault, RetryableExecutionError
 from pagedgen.models.synthetic import synthetic_greedy
 from tests import helpers
 from tests.helpers import (
@@ -74,9 +74,9 @@ def reference(prompt: list[int], max_new: int = 0, **kwargs) -> list[tuple]:
 @pytest.mark.parametrize("k", [1, 3, 8])
 @pytest.mark.parametrize("kind", ["correct", "wrong", "partly"])
 def test_drafts_never_change_greedy_tokens(kind, k):
-    engine = make_engine(block_size=4)
+    steps: list = []
+    engine = make_engine(block_size=4, wrap_runner=record_steps(steps))
     request = submit(engine, [3, 4, 5], 40)
-    steps = record_steps(engine)
     policy = {"correct": correct(k), "wrong": wrong(k), "partly": partly(k // 2, k)}[kind]
     events = run_with(engine, {request: policy})
     assert tokens_of(events)[request] == expected_greedy([3, 4, 5], 40)
@@ -101,9 +101,9 @@ def _cut(steps, k: int, j: int) -> int:
 
 def test_rejected_drafts_never_become_visible():
     """Every rejected draft wrote K/V past the committed length; the next step reads its own tokens there."""
-    engine = make_engine(block_size=4)
+    steps: list = []
+    engine = make_engine(block_size=4, wrap_runner=record_steps(steps))
     request = submit(engine, [9, 8], 12)
-    steps = record_steps(engine)
     events = run_with(engine, {request: wrong(5)})
     assert tokens_of(events)[request] == expected_greedy([9, 8], 12)
     # After each decode the committed length grew by one, although five more slots were written.
@@ -188,11 +188,11 @@ def test_stop_string_inside_accepted_drafts_ends_the_turn_there():
 def test_limits_cut_drafts_that_could_never_be_emitted(limit):
     prompt = [3, 4, 5]
     options = {"max_new": 6} if limit == "max_generated_tokens" else {"max_new": 0, "max_session_tokens": 9}
-    engine = make_engine(block_size=4)
+    steps: list = []
+    engine = make_engine(block_size=4, wrap_runner=record_steps(steps))
     request = submit(
         engine, prompt, options["max_new"], max_session_tokens=options.get("max_session_tokens", 0)
     )
-    steps = record_steps(engine)
     events = run_with(engine, {request: correct(8)})
     assert keys(events) == reference(
         prompt, options["max_new"], max_session_tokens=options.get("max_session_tokens", 0)
@@ -236,12 +236,13 @@ def test_one_event_per_token_and_overflow_drains_without_a_step():
 
 
 def test_proposal_waits_for_a_step_that_schedules_its_request():
-    engine = make_engine(block_size=4, max_batch_size=1)
+    faults = FaultInjector()
+    engine = make_engine(block_size=4, max_batch_size=1, faults=faults)
     first = submit(engine, [3, 4, 5], 3)
     engine.run(max_events=64)
     first.set_draft_tokens(truth(first, 1))
     before = engine_snapshot(engine)
-    engine._faults.arm("execute", RetryableExecutionError("transient"))
+    faults.arm("execute", RetryableExecutionError("transient"))
     engine.run(max_events=64)
     assert engine_snapshot(engine) == before  # the rollback restored the proposal exactly
     assert first.draft_tokens == tuple(truth(first, 1))
@@ -250,9 +251,9 @@ def test_proposal_waits_for_a_step_that_schedules_its_request():
 
 
 def test_budget_gives_drafts_only_what_mandatory_decodes_leave():
-    engine = make_engine(block_size=4, max_scheduled_tokens=5)
+    steps: list = []
+    engine = make_engine(block_size=4, max_scheduled_tokens=5, wrap_runner=record_steps(steps))
     requests = [submit(engine, [i, i + 1], 12) for i in range(1, 4)]
-    steps = record_steps(engine)
     events = run_with(engine, {r: correct(4) for r in requests})
     for i, request in enumerate(requests, start=1):
         assert tokens_of(events)[request] == expected_greedy([i, i + 1], 12)
@@ -262,10 +263,10 @@ def test_budget_gives_drafts_only_what_mandatory_decodes_leave():
 
 
 def test_free_blocks_cut_drafts_without_deferring_anyone():
-    engine = make_engine(block_size=4, num_blocks=4)
+    steps: list = []
+    engine = make_engine(block_size=4, num_blocks=4, wrap_runner=record_steps(steps))
     a = submit(engine, [1, 2, 3], 5)  # 8 tokens: 2 blocks each, the whole pool
     b = submit(engine, [4, 5, 6], 5)
-    steps = record_steps(engine)
     events = run_with(engine, {a: correct(6), b: correct(6)})
     assert tokens_of(events)[a] == expected_greedy([1, 2, 3], 5)
     assert tokens_of(events)[b] == expected_greedy([4, 5, 6], 5)
@@ -275,10 +276,12 @@ def test_free_blocks_cut_drafts_without_deferring_anyone():
 
 
 def test_windowed_rings_bound_drafts_by_the_chunk_limit():
-    engine = make_engine(synthetic_model(window=3), block_size=4, chunk_size=4)
+    steps: list = []
+    engine = make_engine(
+        synthetic_model(window=3), block_size=4, chunk_size=4, wrap_runner=record_steps(steps)
+    )
     assert engine.max_draft_tokens_per_proposal() == 3
     request = submit(engine, [3, 4, 5], 30)
-    steps = record_steps(engine)
     events = run_with(engine, {request: partly(2, 3)})
     assert tokens_of(events)[request] == expected_greedy([3, 4, 5], 30)
     assert max(q for qs, _ in steps for q in qs) <= 4 and request.drafts_accepted > 0
@@ -420,10 +423,13 @@ def family(request) -> SyntheticFamily:
     return SyntheticFamily(request.param)
 
 
-def scenario(family: SyntheticFamily) -> tuple[pg.Engine, dict[str, pg.Request], dict[pg.Request, Policy]]:
+def scenario(
+    family: SyntheticFamily, faults: FaultInjector | None = None
+) -> tuple[pg.Engine, dict[str, pg.Request], dict[pg.Request, Policy]]:
     """A greedy decode with correct drafts, one with partly correct drafts, a sampled decode with drafts and
-    stop strings, a partial prefill, a waiting request and an idle resident; every proposal is pending."""
-    engine = family.engine(block_size=4, num_blocks=64, max_scheduled_tokens=16, chunk_size=4)
+    stop strings, a partial prefill, a waiting request and an idle resident; every proposal is pending
+    (``faults``: the engine's injector)."""
+    engine = family.engine(block_size=4, num_blocks=64, max_scheduled_tokens=16, chunk_size=4, faults=faults)
     requests = {
         "done": submit(engine, [1, 2], 1),
         "correct": submit(engine, [3, 4, 5], 12),
@@ -476,9 +482,10 @@ RECOVERABLE = [
     "phase, error, flag", RECOVERABLE, ids=[f"{p}-{type(e).__name__}" for p, e, _ in RECOVERABLE]
 )
 def test_rollback_at_any_phase_restores_the_drafts_and_the_retry_is_exact(family, phase, error, flag):
-    engine, requests, policies = scenario(family)
+    faults = FaultInjector()
+    engine, requests, policies = scenario(family, faults=faults)
     before = engine_snapshot(engine)
-    engine._faults.arm(phase, error)
+    faults.arm(phase, error)
     events = list(engine.run(max_events=64))
     assert [(e.request, e.flags) for e in events] == [(None, flag)]
     assert engine_snapshot(engine) == before  # drafts and draft counters included
@@ -501,8 +508,9 @@ FATAL = [
 
 @pytest.mark.parametrize("phase, code", FATAL, ids=[p for p, _ in FATAL])
 def test_fatal_failure_with_drafts_fails_every_affected_turn(family, phase, code):
-    engine, requests, _ = scenario(family)
-    engine._faults.arm(phase)
+    faults = FaultInjector()
+    engine, requests, _ = scenario(family, faults=faults)
+    faults.arm(phase)
     events = drain(engine, 3)
     finished = {e.request.id for e in events if e.flags & F.TURN_FINISHED}
     executable = {"correct", "partly", "sampled", "prefill", "waiting"}
@@ -527,9 +535,10 @@ def _prompt_reaching(condition, eos_free: bool, eos: int) -> list[int]:
 
 
 def test_failed_rollback_with_drafts_is_fatal(family):
-    engine, requests, _ = scenario(family)
-    engine._faults.arm("execute", RetryableExecutionError("transient"))
-    engine._faults.arm("rollback")
+    faults = FaultInjector()
+    engine, requests, _ = scenario(family, faults=faults)
+    faults.arm("execute", RetryableExecutionError("transient"))
+    faults.arm("rollback")
     events = drain(engine, 3)
     assert all(e.error_code is E.ENGINE_EXECUTION_FAILURE for e in events if e.flags & F.TURN_FINISHED)
     assert not engine.stats().healthy
@@ -538,9 +547,10 @@ def test_failed_rollback_with_drafts_is_fatal(family):
 def test_a_failure_attributed_to_a_drafting_request_fails_it_alone(family):
     """The sampler names the verification rows' request: only its turn fails; the others keep their
     proposals and commit in the next step exactly as they would have."""
-    engine, requests, policies = scenario(family)
+    faults = FaultInjector()
+    engine, requests, policies = scenario(family, faults=faults)
     culprit = requests["correct"]
-    engine._faults.arm("sample", request_id=culprit.id, attributed=True)
+    faults.arm("sample", request_id=culprit.id, attributed=True)
     events = list(engine.run(max_events=64))
     assert [(e.request, e.error_code) for e in events] == [(culprit, E.REQUEST_FAILED)]
     assert culprit.draft_tokens == () and requests["sampled"].draft_tokens

@@ -37,7 +37,7 @@ F = pg.EngineEventFlags
 
 def named_blocks(engine: pg.Engine) -> dict[int, bytes]:
     """Block -> digest of every block the prefix cache names."""
-    return {block: digest for digest, block in engine._scheduler.cache.prefix.entries().items()}
+    return {block: digest for digest, block in engine.parts.cache.prefix.entries().items()}
 
 
 def prompt(i: int, n: int) -> list[int]:
@@ -55,7 +55,7 @@ def test_a_block_filled_only_by_rejected_drafts_is_never_published():
     events += engine.run(buffer)  # the decode at 3 verifies drafts at 4..7, filling block 1: all rejected
     assert (first.drafts_proposed, first.drafts_accepted) == (4, 0)
     assert first.processed_length == 4 and first.sequence_length == 5
-    table = engine._scheduler.cache.block_table(first.id)
+    table = engine.parts.cache.block_table(first.id)
     assert len(table) == 2  # the drafts' block stays with the request, past its committed length
     assert set(named_blocks(engine)) == {table[0]}  # block 0 is full of committed tokens, block 1 is not
     # A request whose prompt is exactly the rejected continuation finds block 0 only, and is exact.
@@ -149,11 +149,11 @@ def test_drafts_use_evictable_cached_blocks_but_never_preempt():
     drain(engine)
     filler.close()
     stats = engine.stats()
-    assert stats.cached_blocks == 3 and engine._scheduler.cache.pool.num_free == 1
+    assert stats.cached_blocks == 3 and engine.parts.cache.pool.num_free == 1
     request = submit(engine, [3, 4, 5], 10)
     buffer = engine.create_event_buffer(64)
     engine.run(buffer)  # prefill: takes the one FREE block
-    assert engine._scheduler.cache.pool.num_free == 0
+    assert engine.parts.cache.pool.num_free == 0
     request.set_draft_tokens(correct(4)(request))  # positions 4..7: block 1, only a cached block is left
     engine.run(buffer)
     assert (request.drafts_proposed, request.drafts_accepted) == (4, 4)

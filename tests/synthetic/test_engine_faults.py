@@ -17,9 +17,9 @@ from __future__ import annotations
 import pytest
 
 import pagedgen as pg
-from pagedgen.engine.faults import InjectedFault
+from pagedgen.engine.faults import FaultInjector
 from pagedgen.engine.outcomes import Phase
-from pagedgen.executor.runner import ExecutionCapacityError, RetryableExecutionError
+from pagedgen.errors import ExecutionCapacityError, InjectedFault, RetryableExecutionError
 from tests.helpers import SyntheticFamily, drain, engine_snapshot, event_key, submit
 
 F = pg.EngineEventFlags
@@ -35,10 +35,12 @@ def family(request) -> SyntheticFamily:
     return SyntheticFamily(*request.param)
 
 
-def scenario(family: SyntheticFamily) -> tuple[pg.Engine, dict[str, pg.Request]]:
+def scenario(
+    family: SyntheticFamily, faults: FaultInjector | None = None
+) -> tuple[pg.Engine, dict[str, pg.Request]]:
     """A decode, a sampled decode with stop strings and logprobs, a partial prefill, a waiting request and an
-    idle turn-complete resident: every kind of state a step touches."""
-    engine = family.engine(block_size=4, num_blocks=64, max_scheduled_tokens=10)
+    idle turn-complete resident: every kind of state a step touches (``faults``: the engine's injector)."""
+    engine = family.engine(block_size=4, num_blocks=64, max_scheduled_tokens=10, faults=faults)
     requests = {
         "done": submit(engine, [1, 2], 1),
         "decode": submit(engine, [3, 4, 5], 8),
@@ -85,9 +87,10 @@ RECOVERABLE = [
     "phase, error, flag, code", RECOVERABLE, ids=[f"{p}-{type(e).__name__}" for p, e, *_ in RECOVERABLE]
 )
 def test_recoverable_failure_rolls_back_to_identical_state(family, phase, error, flag, code):
-    engine, requests = scenario(family)
+    faults = FaultInjector()
+    engine, requests = scenario(family, faults=faults)
     before = engine_snapshot(engine)
-    engine._faults.arm(phase, error)
+    faults.arm(phase, error)
     events = list(engine.run(max_events=64))
     assert [(e.request, e.flags, e.error_code) for e in events] == [(None, flag, code)]
     assert engine_snapshot(engine) == before
@@ -101,9 +104,10 @@ def test_recoverable_failure_rolls_back_to_identical_state(family, phase, error,
 
 
 def test_retried_rollbacks_keep_sampled_streams_exact(family):
-    engine, requests = scenario(family)
+    faults = FaultInjector()
+    engine, requests = scenario(family, faults=faults)
     for phase in ("stage", "validate", "stage"):
-        engine._faults.arm(phase)
+        faults.arm(phase)
         (event,) = engine.run(max_events=64)
         assert event.flags == F.RETRYABLE
         engine.run(max_events=64)  # a successful step in between
@@ -128,10 +132,11 @@ FATAL = [
 
 @pytest.mark.parametrize("phase, error, code", FATAL, ids=[f"{p}-{type(e).__name__}" for p, e, _ in FATAL])
 def test_fatal_failure_fails_every_affected_turn_then_run_raises(family, phase, error, code):
-    engine, requests = scenario(family)
+    faults = FaultInjector()
+    engine, requests = scenario(family, faults=faults)
     affected = {name for name, r in requests.items() if r.status.executable}
     assert affected == {"decode", "sampled", "prefill", "waiting"}
-    engine._faults.arm(phase, error)
+    faults.arm(phase, error)
     events = drain_fatal(engine)
     assert_failed_turns(events, requests, affected, code)
     assert not engine.stats().healthy and not engine.has_pending_requests()
@@ -147,9 +152,10 @@ def test_fatal_failure_fails_every_affected_turn_then_run_raises(family, phase, 
 
 
 def test_failed_rollback_is_fatal(family):
-    engine, requests = scenario(family)
-    engine._faults.arm("execute", RetryableExecutionError("transient"))
-    engine._faults.arm("rollback")
+    faults = FaultInjector()
+    engine, requests = scenario(family, faults=faults)
+    faults.arm("execute", RetryableExecutionError("transient"))
+    faults.arm("rollback")
     events = drain_fatal(engine)
     assert_failed_turns(
         events, requests, {"decode", "sampled", "prefill", "waiting"}, E.ENGINE_EXECUTION_FAILURE
@@ -158,10 +164,11 @@ def test_failed_rollback_is_fatal(family):
 
 
 def test_fatal_failure_with_no_affected_turn_emits_one_engine_event(family):
-    engine = family.engine()
+    faults = FaultInjector()
+    engine = family.engine(faults=faults)
     request = submit(engine, [1, 2], 1)
     drain(engine)
-    engine._faults.arm("plan")
+    faults.arm("plan")
     events = list(engine.run(max_events=4))
     assert [(e.request, e.flags, e.error_code) for e in events] == [
         (None, F.FAILED, E.ENGINE_CONTRACT_FAILURE)
@@ -173,8 +180,9 @@ def test_fatal_failure_with_no_affected_turn_emits_one_engine_event(family):
 
 
 def test_capacity_one_drains_failure_events_before_raising(family):
-    engine, requests = scenario(family)
-    engine._faults.arm("execute")
+    faults = FaultInjector()
+    engine, requests = scenario(family, faults=faults)
+    faults.arm("execute")
     events = []
     while True:
         try:
@@ -189,9 +197,10 @@ def test_capacity_one_drains_failure_events_before_raising(family):
 
 
 def test_planning_memory_error_propagates_and_leaves_the_engine_healthy(family):
-    engine, _ = scenario(family)
+    faults = FaultInjector()
+    engine, _ = scenario(family, faults=faults)
     before = engine_snapshot(engine)
-    engine._faults.arm("plan", MemoryError("planning scratch"))
+    faults.arm("plan", MemoryError("planning scratch"))
     with pytest.raises(MemoryError):
         engine.run(max_events=4)
     assert engine_snapshot(engine) == before and engine.stats().healthy
@@ -200,18 +209,20 @@ def test_planning_memory_error_propagates_and_leaves_the_engine_healthy(family):
 
 
 def test_interrupt_rolls_back_and_propagates(family):
-    engine, _ = scenario(family)
+    faults = FaultInjector()
+    engine, _ = scenario(family, faults=faults)
     before = engine_snapshot(engine)
-    engine._faults.arm("sample", KeyboardInterrupt())
+    faults.arm("sample", KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         engine.run(max_events=4)
     assert engine_snapshot(engine) == before and engine.stats().healthy
 
 
 def test_unknown_fault_phase_is_refused(family):
-    engine = family.engine()
+    faults = FaultInjector()
+    family.engine(faults=faults)
     with pytest.raises(pg.EngineError, match="unknown fault phase"):
-        engine._faults.arm("explode")
+        faults.arm("explode")
     assert set(Phase) >= {Phase.PLAN, Phase.PUBLISH}
 
 

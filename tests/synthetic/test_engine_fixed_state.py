@@ -77,8 +77,8 @@ def test_chunked_prefill_carries_the_state_from_chunk_to_chunk():
     prompt = list(range(3, 40))
     outputs = []
     for chunk in (1, 3, None):
-        engine = hybrid_engine(chunk_size=chunk, max_scheduled_tokens=64)
-        steps = record_steps(engine)
+        steps: list = []
+        engine = hybrid_engine(chunk_size=chunk, max_scheduled_tokens=64, wrap_runner=record_steps(steps))
         request = submit(engine, prompt, 10)
         outputs.append(tokens_of(drain(engine))[request])
         assert steps[0][0] == [chunk or len(prompt)]
@@ -100,12 +100,12 @@ def test_close_and_abandonment_return_the_slot_and_the_next_owner_starts_from_ze
     closed = submit(engine, list(range(20, 30)), 5)
     drain(engine)
     assert engine.stats().fixed_free_slots == 0
-    slot = engine._scheduler.cache.fixed.slot_of(closed.id)
+    slot = engine.parts.cache.fixed.slot_of(closed.id)
     closed.close()
     assert engine.stats().fixed_free_slots == 1
     fresh = submit(engine, [3, 4, 5], 6)
     assert tokens_of(drain(engine))[fresh] == expected([3, 4, 5], 6)
-    assert engine._scheduler.cache.fixed.slot_of(fresh.id) == slot  # the reused slot, stale banks and all
+    assert engine.parts.cache.fixed.slot_of(fresh.id) == slot  # the reused slot, stale banks and all
     del fresh
     gc.collect()
     assert not engine.has_pending_requests()  # reclaims the dropped request
@@ -119,7 +119,7 @@ def test_a_corrupted_slot_changes_the_tokens():
     engine = hybrid_engine()
     request = submit(engine, [1, 2, 3], 2)
     first = tokens_of(drain(engine))[request]
-    pool = engine._scheduler.cache.fixed
+    pool = engine.parts.cache.fixed
     index = pool.slot_of(request.id)
     pool._banks["mix"][pool.slot(index).active, index, 0] += 1  # as if one state update were lost
     request.begin_turn([4], turn_options(request, 3))

@@ -15,8 +15,8 @@ import threading
 import pytest
 
 import pagedgen as pg
-from pagedgen.engine.errors import InvalidArgumentError
-from pagedgen.engine.faults import InjectedFault
+from pagedgen.engine.faults import FaultInjector
+from pagedgen.errors import InjectedFault, InvalidArgumentError
 from tests.helpers import (
     RECOVERABLE,
     RECOVERABLE_IDS,
@@ -331,10 +331,11 @@ def test_cancel_and_close_release_the_cursor():
 # -- failures ---------------------------------------------------------------------------------------------
 
 
-def scenario() -> tuple[pg.Engine, dict[str, pg.Request]]:
+def scenario(faults: FaultInjector | None = None) -> tuple[pg.Engine, dict[str, pg.Request]]:
     """Guided greedy, guided sampled with a stop string, an unguided decode, and a guided chunked prefill
-    (masked only at its last chunk): every kind of guided state a step touches."""
-    engine = make_engine(model(), block_size=4, num_blocks=64, max_scheduled_tokens=12)
+    (masked only at its last chunk): every kind of guided state a step touches (``faults``: the engine's
+    injector)."""
+    engine = make_engine(model(), block_size=4, num_blocks=64, max_scheduled_tokens=12, faults=faults)
     requests = {
         "greedy": guided(engine, [5, 6, 7], "regex", EMAIL),
         "sampled": guided(
@@ -371,11 +372,12 @@ def reference_run() -> dict[int, tuple]:
 @pytest.mark.parametrize("phase, error", RECOVERABLE, ids=RECOVERABLE_IDS)
 @pytest.mark.parametrize("at_step", [0, 2, 5])
 def test_a_rolled_back_step_restores_every_cursor_exactly(phase, error, at_step):
-    engine, requests = scenario()
+    faults = FaultInjector()
+    engine, requests = scenario(faults=faults)
     run_steps(engine, at_step)
     before = engine_snapshot(engine)  # holds each cursor's consumed count, next mask and completeness
     cursors = {name: cursor_state(r._state.cursor) for name, r in requests.items()}
-    engine._faults.arm(phase, error)
+    faults.arm(phase, error)
     (event,) = engine.run(max_events=64)
     assert event.request is None and event.flags & (F.RETRYABLE | F.CAPACITY_BLOCKED)
     assert engine_snapshot(engine) == before
@@ -389,10 +391,11 @@ def test_a_rolled_back_step_restores_every_cursor_exactly(phase, error, at_step)
 
 @pytest.mark.parametrize("phase", ["sample", "stage"])
 def test_a_fault_attributed_to_a_guided_request_fails_only_its_turn(phase):
-    engine, requests = scenario()
+    faults = FaultInjector()
+    engine, requests = scenario(faults=faults)
     reference = reference_run()
     victim = requests["greedy"]
-    engine._faults.arm(phase, InjectedFault("its own"), request_id=victim.id, attributed=True)
+    faults.arm(phase, InjectedFault("its own"), request_id=victim.id, attributed=True)
     events = drain(engine)
     (end,) = finishes_of(events)[victim]
     assert end.flags & F.FAILED and end.error_code is E.REQUEST_FAILED
@@ -409,8 +412,9 @@ FATAL = ["plan", "reserve", "prepare", "commit_request", "commit_cache", "publis
 
 @pytest.mark.parametrize("phase", FATAL)
 def test_a_fail_stop_step_fails_every_guided_turn_and_releases_its_cursor(phase):
-    engine, requests = scenario()
-    engine._faults.arm(phase)
+    faults = FaultInjector()
+    engine, requests = scenario(faults=faults)
+    faults.arm(phase)
     events = []
     while engine.has_pending_requests():
         events += engine.run(max_events=64)
@@ -557,8 +561,8 @@ def test_mask_statistics_count_rows_and_time():
 def slow_mask_run(at_step: int, hold: bool) -> tuple[pg.Engine, dict[str, pg.Request], list[pg.EngineEvent]]:
     """Three guided requests and an unguided one; with ``hold``, the "slow" request's masks wait for a gate
     that is opened only after the run (its mask is never ready in time) from step ``at_step`` on."""
-    engine = make_engine(model(), block_size=4)
-    engine._step.masker.budget_s = 0.2
+    faults = FaultInjector()
+    engine = make_engine(model(), block_size=4, mask_budget_s=0.2, faults=faults)
     requests = {
         "slow": guided(engine, [5, 6, 7], "regex", EMAIL),
         "words": guided(engine, [40, 41], "regex", WORDS),
@@ -570,7 +574,7 @@ def slow_mask_run(at_step: int, hold: bool) -> tuple[pg.Engine, dict[str, pg.Req
         events += engine.run(max_events=64)
     gate = threading.Event()
     if hold:
-        engine._faults.hold_masks(requests["slow"].id, gate)
+        faults.hold_masks(requests["slow"].id, gate)
     try:
         events += drain(engine)
     finally:
@@ -598,7 +602,7 @@ def test_a_mask_past_its_step_budget_fails_that_turn_alone_and_the_batch_steps_o
         ]
     stats = engine.stats()
     assert stats.healthy and stats.rollbacks == 1  # one rolled-back step for the slow row, no loop
-    assert engine._step.masker.abandoned_pools == 1 and slow._state.cursor is None
+    assert engine.parts.step.masker.abandoned_pools == 1 and slow._state.cursor is None
     for request in requests.values():
         request.close()
     drain(engine)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 import pagedgen as pg
-from pagedgen.engine.faults import InjectedFault
-from pagedgen.executor.runner import ExecutionCapacityError, RetryableExecutionError
+from pagedgen.engine.faults import FaultInjector
+from pagedgen.errors import ExecutionCapacityError, InjectedFault, RetryableExecutionError
 from pagedgen.sampling import SamplingOptions
 from tests.helpers import drain, finishes_of, make_engine, submit, tokens_of
 
@@ -77,7 +77,7 @@ def check_outcome(engine, requests, events, reference, failed: set[str], static:
         request.close()
     stats = engine.stats()
     if static:
-        assert not engine.has_pending_requests() and not engine._states
+        assert not engine.has_pending_requests() and not engine.snapshot()["requests"]
     else:
         assert stats.free_blocks == stats.total_blocks and stats.resident_requests == 0
 
@@ -91,9 +91,10 @@ def run_some(engine: pg.Engine, steps: int) -> list[pg.EngineEvent]:
 
 @pytest.mark.parametrize("phase", ["sample", "stage"])
 def test_a_fault_attributed_to_one_request_fails_only_its_turn(reference, phase):
-    engine, requests = start()
+    faults = FaultInjector()
+    engine, requests = start(faults=faults)
     events = run_some(engine, 3)  # "c" is mid-prefill, the others decode
-    engine._faults.arm(phase, times=None, request_id=requests["b"].id, attributed=True)
+    faults.arm(phase, times=None, request_id=requests["b"].id, attributed=True)
     before = engine.stats()
     step = list(engine.run(max_events=64))
     # The step rolled back and published only the failed turn; nothing else moved.
@@ -114,7 +115,7 @@ def test_a_row_the_sampler_refuses_fails_only_its_request(reference):
     defence: the sampler names the row, and only that request fails.
     """
     engine, requests = start()
-    state = engine._states[requests["d"].id]
+    state = requests["d"]._state
     bad = SamplingOptions(do_sample=True, top_k=5, seed=2, logit_bias=((99_999_999, 1.0),))
     state.sampler.options = bad
     events = drain(engine)
@@ -128,9 +129,10 @@ def test_a_row_the_sampler_refuses_fails_only_its_request(reference):
     ids=["retryable", "capacity"],
 )
 def test_an_unattributed_fault_that_recurs_with_one_request_is_isolated(reference, error):
-    engine, requests = start(max_step_retries=3)
+    faults = FaultInjector()
+    engine, requests = start(max_step_retries=3, faults=faults)
     events = run_some(engine, 2)
-    engine._faults.arm("execute", error, times=None, request_id=requests["d"].id)
+    faults.arm("execute", error, times=None, request_id=requests["d"].id)
     events += drain(engine)
     check_outcome(engine, requests, events, reference, failed={"d"})
     # Bounded: 3 tries of the whole batch, then halves of it, never more than retries * (2 * batch - 1).
@@ -138,8 +140,9 @@ def test_an_unattributed_fault_that_recurs_with_one_request_is_isolated(referenc
 
 
 def test_a_fault_that_always_recurs_fails_every_turn_without_spinning():
-    engine, requests = start(max_step_retries=2)
-    engine._faults.arm("execute", RetryableExecutionError("always"), times=None)
+    faults = FaultInjector()
+    engine, requests = start(max_step_retries=2, faults=faults)
+    faults.arm("execute", RetryableExecutionError("always"), times=None)
     events = drain(engine, max_calls=1000)
     finishes = finishes_of(events)
     for request in requests.values():
@@ -154,18 +157,20 @@ def test_a_fault_that_always_recurs_fails_every_turn_without_spinning():
 
 @pytest.mark.parametrize("phase", ["pack", "execute", "sample", "stage", "validate"])
 def test_a_fault_that_clears_within_the_retries_loses_nothing(reference, phase):
-    engine, requests = start(max_step_retries=3)
+    faults = FaultInjector()
+    engine, requests = start(max_step_retries=3, faults=faults)
     events = run_some(engine, 2)
     error = RetryableExecutionError("twice") if phase == "execute" else InjectedFault("twice")
-    engine._faults.arm(phase, error, times=2)
+    faults.arm(phase, error, times=2)
     events += drain(engine)
     check_outcome(engine, requests, events, reference, failed=set())
     assert engine.stats().rollbacks == 2
 
 
 def test_requests_that_arrive_during_isolation_run_afterwards(reference):
-    engine, requests = start(["a", "b"], max_step_retries=1)
-    engine._faults.arm("execute", RetryableExecutionError("with b"), times=None, request_id=requests["b"].id)
+    faults = FaultInjector()
+    engine, requests = start(["a", "b"], max_step_retries=1, faults=faults)
+    faults.arm("execute", RetryableExecutionError("with b"), times=None, request_id=requests["b"].id)
     events = run_some(engine, 1)
     prompt, new, search = REQUESTS["c"]
     requests["c"] = submit(
@@ -176,8 +181,9 @@ def test_requests_that_arrive_during_isolation_run_afterwards(reference):
 
 
 def test_an_isolated_request_can_begin_another_turn():
-    engine, requests = start(["a"], max_step_retries=1)
-    engine._faults.arm("execute", RetryableExecutionError("once more"), times=1, request_id=requests["a"].id)
+    faults = FaultInjector()
+    engine, requests = start(["a"], max_step_retries=1, faults=faults)
+    faults.arm("execute", RetryableExecutionError("once more"), times=1, request_id=requests["a"].id)
     events = drain(engine)
     (finish,) = finishes_of(events)[requests["a"]]
     assert finish.error_code is E.REQUEST_FAILED
@@ -189,17 +195,19 @@ def test_an_isolated_request_can_begin_another_turn():
 
 
 def test_attributed_faults_need_a_request():
-    engine = make_engine()
+    faults = FaultInjector()
+    make_engine(faults=faults)
     with pytest.raises(pg.EngineError, match="request_id"):
-        engine._faults.arm("sample", attributed=True)
+        faults.arm("sample", attributed=True)
     with pytest.raises(pg.EngineError, match="times"):
-        engine._faults.arm("sample", times=0)
+        faults.arm("sample", times=0)
 
 
 def test_the_static_path_isolates_too(reference):
-    engine, requests = start(dynamic_batching=False, max_step_retries=2)
-    engine._faults.arm("execute", RetryableExecutionError("with c"), times=None, request_id=requests["c"].id)
-    state = engine._states[requests["a"].id]
+    faults = FaultInjector()
+    engine, requests = start(dynamic_batching=False, max_step_retries=2, faults=faults)
+    faults.arm("execute", RetryableExecutionError("with c"), times=None, request_id=requests["c"].id)
+    state = requests["a"]._state
     state.sampler.options = SamplingOptions(logit_bias=((10**8, 1.0),))  # forced past validation
     events = drain(engine, max_calls=1000)
     check_outcome(engine, requests, events, reference, failed={"a", "c"}, static=True)

@@ -7,6 +7,7 @@ import gc
 import pytest
 
 import pagedgen as pg
+from pagedgen.engine.faults import FaultInjector
 from pagedgen.models.synthetic import SyntheticTokenizer
 from tests.helpers import (
     VOCAB,
@@ -213,7 +214,7 @@ def test_retained_events_keep_their_request_alive_until_drained():
     del event
     engine.run(buffer)  # resets the buffer: the handle dies and the next boundary reclaims the request
     assert engine.has_pending_requests() and engine.stats().resident_requests == 1
-    assert b_id not in engine._states and a.status is pg.RequestStatus.ACTIVE
+    assert b_id not in engine.snapshot()["requests"] and a.status is pg.RequestStatus.ACTIVE
     assert engine.check_invariants() == []
 
 
@@ -236,10 +237,11 @@ def test_engine_close_releases_everything_and_refuses_work():
 
 
 def test_capacity_zero_is_a_no_op():
-    engine = make_engine()
+    faults = FaultInjector()
+    engine = make_engine(faults=faults)
     submit_kept = submit(engine, [1, 2], 2)
     assert len(engine.run(max_events=0)) == 0
-    assert engine._faults.hits[next(p for p in engine._faults.hits if p.value == "plan")] == 0
+    assert faults.hits[next(p for p in faults.hits if p.value == "plan")] == 0
     assert submit_kept.status is pg.RequestStatus.ASSIGNED
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 
 import pagedgen as pg
-from pagedgen.engine.faults import InjectedFault
+from pagedgen.engine.faults import FaultInjector
 from pagedgen.engine.scheduler import cache_candidates
-from pagedgen.executor.runner import ExecutionCapacityError, RetryableExecutionError
+from pagedgen.errors import ExecutionCapacityError, InjectedFault, RetryableExecutionError
 from tests.helpers import (
     after_rollback,
     drain,
@@ -37,8 +37,8 @@ QUESTIONS = [[100 + i, 7, 8 + i] for i in range(6)]
 
 def run_sequentially(caching: bool, prompts, max_new: int = 6, **config):
     """Each prompt runs to completion before the next is submitted (so later ones can hit the cache)."""
-    engine = make_engine(block_size=4, prefix_caching=caching, **config)
-    steps = record_steps(engine)
+    steps: list = []
+    engine = make_engine(block_size=4, prefix_caching=caching, **config, wrap_runner=record_steps(steps))
     outputs, usages = [], []
     for prompt in prompts:
         request = submit(engine, prompt, max_new)
@@ -143,10 +143,12 @@ def test_prefix_caching_must_be_a_bool():
 # ---- rollback of a step that took cached blocks ----
 
 
-def hit_scenario():
+def hit_scenario(evicted: set[int] | None = None, faults: FaultInjector | None = None):
     """A waiting request whose prefix is cached (so the next step takes cached blocks), in a pool so small
-    that reserving it must also evict cached blocks, beside a decode and a partial prefill."""
-    engine = make_engine(block_size=4, num_blocks=14, max_scheduled_tokens=8)
+    that reserving it must also evict cached blocks, beside a decode and a partial prefill. ``evicted``
+    fills with the cached blocks every reservation evicts."""
+    wrap = None if evicted is None else spy_evictions(evicted)
+    engine = make_engine(block_size=4, num_blocks=14, max_scheduled_tokens=8, wrap_cache=wrap, faults=faults)
     for prompt in ([90 + j for j in range(13)], SYSTEM):
         request = submit(engine, prompt, 2)
         drain(engine)
@@ -170,8 +172,8 @@ def reference_events() -> list[tuple]:
 
 def test_the_scenario_takes_cached_blocks_and_evicts_others():
     engine, requests = hit_scenario()
-    cache = engine._scheduler.cache
-    plan = engine._scheduler.plan()
+    cache = engine.parts.cache
+    plan = engine.parts.scheduler.plan()
     hit_row = next(row for row in plan.rows if row.state is requests["hit"]._state)
     assert hit_row.cached_len == 16
     reservation = cache.reserve(cache_candidates(plan.rows))
@@ -194,10 +196,12 @@ RECOVERABLE = [
     "phase, error, exact", RECOVERABLE, ids=[f"{p}-{type(e).__name__}" for p, e, _ in RECOVERABLE]
 )
 def test_rollback_of_a_step_that_took_cached_blocks(phase, error, exact):
-    engine, requests = hit_scenario()
+    evicted: set[int] = set()
+    faults = FaultInjector()
+    engine, requests = hit_scenario(evicted, faults=faults)
     before = engine_snapshot(engine)
-    evicted = spy_evictions(engine)
-    engine._faults.arm(phase, error)
+    evicted.clear()  # from here on: the rolled-back step's evictions
+    faults.arm(phase, error)
     (event,) = engine.run(max_events=64)
     assert event.request is None and event.flags & (F.RETRYABLE | F.CAPACITY_BLOCKED)
     assert evicted, "the step should have evicted cached blocks"
@@ -224,8 +228,9 @@ def test_rollback_of_a_step_that_took_cached_blocks(phase, error, exact):
 
 @pytest.mark.parametrize("phase", ["plan", "reserve", "prepare", "commit_request", "commit_cache", "publish"])
 def test_fatal_failure_of_a_step_that_took_cached_blocks_returns_every_block(phase):
-    engine, requests = hit_scenario()
-    engine._faults.arm(phase)
+    faults = FaultInjector()
+    engine, requests = hit_scenario(faults=faults)
+    faults.arm(phase)
     while engine.has_pending_requests():
         engine.run(max_events=64)
     assert not engine.stats().healthy
@@ -236,8 +241,8 @@ def test_fatal_failure_of_a_step_that_took_cached_blocks_returns_every_block(pha
 
 
 def test_requests_arriving_together_compute_a_new_shared_prefix_once():
-    engine = make_engine(block_size=4, max_scheduled_tokens=64)
-    steps = record_steps(engine)
+    steps: list = []
+    engine = make_engine(block_size=4, max_scheduled_tokens=64, wrap_runner=record_steps(steps))
     prompts = [SYSTEM + q for q in QUESTIONS[:4]] + [[9, 8, 7, 6, 5]]
     requests = [submit(engine, p, 4) for p in prompts]
     events = drain(engine)

@@ -53,8 +53,21 @@ def run_to_idle(engine: pg.Engine, max_calls: int) -> list[pg.EngineEvent]:
 def test_64_requests_on_32_slots_all_finish_and_evicted_ones_continue_exactly(variant):
     """The issue's scenario: the first 32 finish their turns and stay open; the rest used to wait forever."""
     family, caching = variant
-    engine = family.engine(max_batch_size=32, block_size=4, num_blocks=512, prefix_caching=caching)
-    reference = family.engine(max_batch_size=64, block_size=4, num_blocks=512, prefix_caching=caching)
+    recorded: dict[str, list] = {"engine": [], "reference": []}
+    engine = family.engine(
+        max_batch_size=32,
+        block_size=4,
+        num_blocks=512,
+        prefix_caching=caching,
+        wrap_runner=record_steps(recorded["engine"]),
+    )
+    reference = family.engine(
+        max_batch_size=64,
+        block_size=4,
+        num_blocks=512,
+        prefix_caching=caching,
+        wrap_runner=record_steps(recorded["reference"]),
+    )
     turns = {}
     for eng in (engine, reference):
         requests = [submit(eng, prompt(i, 6 + i % 5), 4) for i in range(64)]
@@ -73,8 +86,8 @@ def test_64_requests_on_32_slots_all_finish_and_evicted_ones_continue_exactly(va
     # Every request continues (the yielded ones lost residency, not their history): same tokens as the
     # engine that never evicted anything.
     outputs = {}
-    for eng, requests in turns.items():
-        steps = record_steps(eng)
+    for (eng, requests), steps in zip(turns.items(), recorded.values(), strict=True):
+        steps.clear()  # from here on: the continuation turns' steps
         for i, r in enumerate(requests):
             r.begin_turn([i % 7 + 1, 2], turn_options(r, 5))
         events = run_to_idle(eng, max_calls=200)
@@ -142,8 +155,7 @@ def test_preemption_keeps_sampled_streams_stop_strings_and_events_exact(variant,
 
 def test_aging_admits_a_large_request_despite_a_stream_of_small_ones(variant):
     family, caching = variant
-    engine = family.engine(max_batch_size=4, block_size=4, num_blocks=8, prefix_caching=caching)
-    engine._scheduler.age_limit = 4
+    engine = family.engine(max_batch_size=4, block_size=4, num_blocks=8, prefix_caching=caching, age_limit=4)
     small = {submit(engine, prompt(i, 3), 6): prompt(i, 3) for i in range(3)}
     big_prompt = prompt(99, 25)
     big = submit(engine, big_prompt, 4)  # 29 tokens: 8 blocks, the whole pool

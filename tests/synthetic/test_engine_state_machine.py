@@ -51,7 +51,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, rule
 
 import pagedgen as pg
-from pagedgen.executor.runner import RetryableExecutionError
+from pagedgen.engine.faults import FaultInjector
+from pagedgen.engine.parts import build_engine_parts
+from pagedgen.errors import RetryableExecutionError
 from pagedgen.guidance import compile_guidance
 from pagedgen.guidance.cursor import GrammarCursor
 from pagedgen.models.synthetic import SyntheticModel, synthetic_greedy
@@ -97,22 +99,24 @@ class EngineMachine(RuleBasedStateMachine):
     def start(self, window, hybrid, num_blocks):
         self.hybrid = hybrid
         self.model = SyntheticModel(vocab_size=VOCAB, eos_token_id=EOS, window=window, hybrid=hybrid)
-        self.engine = pg.Engine(
-            self.model,
-            pg.EngineConfig(
-                max_batch_size=2,
-                max_scheduled_tokens=8,
-                chunk_size=5,
-                block_size=4,
-                # 12: a 40-token session needs 10, so two requests often cannot grow together; 5: sessions are
-                # capped at 20 tokens (5 blocks), so every request fits alone and preemption is common.
-                num_blocks=num_blocks,
-                debug_invariants=True,
-                max_step_retries=MAX_RETRIES,
-            ),
+        self.evicted: set[int] = set()
+        config = pg.EngineConfig(
+            max_batch_size=2,
+            max_scheduled_tokens=8,
+            chunk_size=5,
+            block_size=4,
+            # 12: a 40-token session needs 10, so two requests often cannot grow together; 5: sessions are
+            # capped at 20 tokens (5 blocks), so every request fits alone and preemption is common.
+            num_blocks=num_blocks,
+            debug_invariants=True,
+            max_step_retries=MAX_RETRIES,
         )
+        self.faults = FaultInjector()
+        parts = build_engine_parts(
+            self.model, config, faults=self.faults, wrap_cache=spy_evictions(self.evicted)
+        )
+        self.engine = pg.Engine(self.model, config, parts=parts)
         self.caching = self.engine.stats().prefix_caching
-        self.evicted = spy_evictions(self.engine)
         self.max_session = min(40, num_blocks * 4)
         self.expected: dict[int, Expected] = {}
         self.next_key = 0
@@ -264,7 +268,7 @@ class EngineMachine(RuleBasedStateMachine):
         exp.handle.close()
         exp.closed = True
         exp.open = False
-        assert exp.handle.status is pg.RequestStatus.CLOSED and rid not in self.engine._states
+        assert exp.handle.status is pg.RequestStatus.CLOSED and rid not in self.engine.snapshot()["requests"]
 
     @rule(rid=requests)
     def drop(self, rid):
@@ -343,9 +347,9 @@ class EngineMachine(RuleBasedStateMachine):
         # No local name for the error: its traceback reaches this frame, whose events may name a dropped
         # request (a failed turn), and that cycle would keep the handle alive until a garbage collection.
         self.evicted.clear()
-        self.engine._faults.arm(phase, RetryableExecutionError("transient") if phase == "execute" else None)
+        self.faults.arm(phase, RetryableExecutionError("transient") if phase == "execute" else None)
         events = list(self.engine.run(max_events=16))
-        self.engine._faults.disarm()
+        self.faults.disarm()
         if events and events[0].flags & F.RETRYABLE:
             assert (events[0].request, events[0].error_code) == (None, pg.EngineErrorCode.RETRYABLE_EXECUTION)
             if len(events) == 1:
@@ -429,7 +433,7 @@ class EngineMachine(RuleBasedStateMachine):
         assert self.hybrid is (self.engine.max_draft_tokens_per_proposal() == 0)
         for rid, exp in self.expected.items():
             if not exp.closed and not exp.dropped:
-                assert rid in self.engine._states
+                assert rid in self.engine.snapshot()["requests"]
             waiting_or_done = (pg.RequestStatus.ASSIGNED, pg.RequestStatus.TURN_COMPLETE)
             if exp.handle is not None and exp.handle.status in waiting_or_done:
                 # pending drafts only ever wait for a decode: a finished turn or a preemption dropped them
@@ -445,7 +449,7 @@ class EngineMachine(RuleBasedStateMachine):
                 break
             self.run(16, 1)
         assert not self.engine.has_pending_requests()  # also reclaims the last dropped handles
-        assert not self.engine._states
+        assert not self.engine.snapshot()["requests"]
         stats = self.engine.stats()
         assert stats.free_blocks == stats.total_blocks and stats.resident_requests == 0
         assert stats.window_free_blocks == stats.window_total_blocks

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import pagedgen as pg
+from pagedgen.engine.faults import FaultInjector
 from tests.helpers import drain, expected_greedy, finishes_of, make_engine, submit, tokens_of, turn_options
 
 F = pg.EngineEventFlags
@@ -43,7 +44,7 @@ def test_static_continuation_while_resident_then_refused_after_recycling():
     # New work arrives while every row is turn-complete: the batch is recycled, the old row's cache is gone.
     second = submit(engine, [5, 5], 2, max_session_tokens=16)
     assert tokens_of(drain(engine))[second] == expected_greedy([5, 5], 2)
-    assert not engine._scheduler.is_resident(first._state)
+    assert not engine.parts.scheduler.is_resident(first._state)
     before = (first.tokens, first.status)
     with pytest.raises(pg.EngineError, match="recycled"):
         first.begin_turn([9], turn_options(first, 1))
@@ -77,17 +78,18 @@ def test_static_waiting_requests_run_in_the_next_batch_and_cancel_works():
 
 
 def test_static_unserviceable_and_execution_failures():
-    engine = static_engine(num_blocks=4)
+    faults = FaultInjector()
+    engine = static_engine(num_blocks=4, faults=faults)
     too_big = submit(engine, [1], 2, max_session_tokens=32)  # its row needs 8 blocks of 4
     ok = submit(engine, [2], 2, max_session_tokens=16)
-    engine._faults.arm("execute", pg_retryable())
+    faults.arm("execute", pg_retryable())
     events = list(engine.run(max_events=8))
     assert [(e.request, e.flags, e.error_code) for e in events] == [
         (too_big, F.TURN_FINISHED | F.FAILED, pg.EngineErrorCode.REQUEST_UNSERVICEABLE),
         (None, F.RETRYABLE, pg.EngineErrorCode.RETRYABLE_EXECUTION),
     ]
     assert tokens_of(drain(engine))[ok] == expected_greedy([2], 2)
-    engine._faults.arm("execute")
+    faults.arm("execute")
     ok.begin_turn([3], turn_options(ok, 1))
     events = drain(engine)
     assert [(e.request, e.flags) for e in events] == [(ok, F.TURN_FINISHED | F.FAILED)]
@@ -96,6 +98,6 @@ def test_static_unserviceable_and_execution_failures():
 
 
 def pg_retryable():
-    from pagedgen.executor.runner import RetryableExecutionError
+    from pagedgen.errors import RetryableExecutionError
 
     return RetryableExecutionError("transient")

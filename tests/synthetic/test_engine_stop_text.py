@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 import pagedgen as pg
+from pagedgen.engine.faults import FaultInjector
 from tests.helpers import drain, finishes_of, make_engine, submit, tokens_of
 from tests.pieces import PiecesModel
 
@@ -72,13 +73,14 @@ def test_static_path_carries_the_same_text():
 @pytest.mark.parametrize("phase", ["stage", "validate"])
 def test_rollback_of_the_matching_step_replays_the_same_text(phase):
     """The matcher's state is checkpointed: a retried step matches again and reports the same text."""
-    engine = make_engine(PiecesModel())
+    faults = FaultInjector()
+    engine = make_engine(PiecesModel(), faults=faults)
     request = submit(engine, PROMPT, 10, stop_strings=["Aa"])
     events = []
     for _ in range(3):  # prefill (token 0) and two decodes: "F" "a" "xA" are staged, "xA" held
         events += engine.run(max_events=64)
     assert request.sequence_length == len(PROMPT) + 3 and tokens_of(events)[request] == [38, 65]
-    engine._faults.arm(phase)
+    faults.arm(phase)
     (rolled_back,) = engine.run(max_events=64)
     assert rolled_back.flags == F.RETRYABLE and rolled_back.request is None
     events += drain(engine)

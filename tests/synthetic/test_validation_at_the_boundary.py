@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 import pagedgen as pg
-from pagedgen.sampling import SamplingOptionsError
+from pagedgen.errors import SamplingOptionsError
 from pagedgen.sampling.options import MAX_LOGIT_BIAS, MAX_STOP_STRINGS
 from tests.helpers import drain, engine_snapshot, make_engine, submit, tokens_of
 

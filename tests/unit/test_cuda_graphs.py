@@ -396,7 +396,7 @@ def test_an_engine_on_the_cpu_runs_with_cuda_graphs_on():
     model = SyntheticModel()
     engine = pg.Engine(model, pg.EngineConfig(max_batch_size=4, num_blocks=32, cuda_graphs=True))
     try:
-        assert engine._runner.graphs is None
+        assert engine.parts.runner.graphs is None
     finally:
         engine.close()
 

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
+from pagedgen.errors import GuidanceError
 from pagedgen.guidance import compile_guidance
 from pagedgen.guidance.bitmask import TokenMasks, apply_token_bitmask_, bitmask_words
 from pagedgen.guidance.cursor import GrammarCursor, compiled_matcher
 from pagedgen.guidance.masks import MaskComputer, MaskRow, available_cpus
-from pagedgen.guidance.spec import GuidanceError
 from pagedgen.guidance.tokenizer import guidance_tokenizer
 from pagedgen.models.synthetic import SyntheticModel
 from pagedgen.sampling import RequestSampler, SamplingOptions

@@ -13,11 +13,12 @@ import threading
 
 import pytest
 
+from pagedgen.errors import GuidanceError
 from pagedgen.guidance import compile_guidance, cursor, spec
 from pagedgen.guidance.cursor import GrammarCursor, compiled_matcher
 from pagedgen.guidance.lru import BoundedLru
 from pagedgen.guidance.masks import MaskComputer, MaskRow
-from pagedgen.guidance.spec import GuidanceError, parser_limits
+from pagedgen.guidance.spec import parser_limits
 from pagedgen.guidance.tokenizer import guidance_tokenizer
 from pagedgen.models.synthetic import SyntheticModel
 from tests.helpers import RECURSIVE

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from pagedgen.guidance import GuidanceError, compile_guidance
+from pagedgen.errors import GuidanceError
+from pagedgen.guidance import compile_guidance
 from pagedgen.guidance.spec import MAX_GUIDANCE_CHARS
 from tests.helpers import guidance_accepts
 

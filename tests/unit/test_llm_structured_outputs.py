@@ -11,10 +11,10 @@ import json
 import pytest
 
 import pagedgen as pg
+from pagedgen.errors import SamplingOptionsError
 from pagedgen.guidance import compile_guidance
 from pagedgen.llm import choice_grammar, generator_params, turn_options
 from pagedgen.models.synthetic import SyntheticModel
-from pagedgen.sampling.errors import SamplingOptionsError
 from tests.helpers import guidance_accepts
 
 accepts = guidance_accepts  # does the constraint accept the whole text?

@@ -16,8 +16,7 @@ import pytest
 import pagedgen as pg
 from pagedgen.core.state_manifest import SlidingWindow, StateGroup, StateKind, StateManifest
 from pagedgen.engine.cache_layout import model_manifest, plan_cache_layout
-from pagedgen.engine.errors import UnsupportedStateError
-from pagedgen.errors import ModelLoadError, StateManifestError
+from pagedgen.errors import ModelLoadError, StateManifestError, UnsupportedStateError
 from pagedgen.models.checkpoint_manifest import OVERRIDE_FILE, apply_manifest, derived_manifest, override_path
 from pagedgen.models.config import config_from_hf
 from pagedgen.models.synthetic import SyntheticModel

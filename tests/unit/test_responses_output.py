@@ -4,7 +4,8 @@ whole-turn answer built from a chat message."""
 
 from __future__ import annotations
 
-from pagedgen.engine.events import EngineErrorCode, FinishReason
+from pagedgen.engine.events import FinishReason
+from pagedgen.errors import EngineErrorCode
 from pagedgen.server.responses_api.output import ResponseBuilder
 from pagedgen.server.worker import Finish
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedgen.errors import ExecutionCapacityError
 from pagedgen.executor.inputs import SequenceChunk, pack_step
-from pagedgen.executor.runner import ExecutionCapacityError, ModelRunner
+from pagedgen.executor.runner import ModelRunner
 from pagedgen.models.synthetic import SyntheticModel
 from pagedgen.ops.matmul.gemm import GemmBackend, GemmTable, RowBucket, choose_backend, use_gemm_table
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedgen.sampling import RequestSampler, RowSamplingError, Sampler, SampleRow, SamplingOptions
+from pagedgen.errors import RowSamplingError
+from pagedgen.sampling import RequestSampler, Sampler, SampleRow, SamplingOptions
 from pagedgen.sampling.draft_verification import sample_with_drafts
 
 VOCAB = 6

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from pagedgen.sampling import RequestSampler, RowSamplingError, Sampler, SampleRow, SamplingOptions
+from pagedgen.errors import RowSamplingError
+from pagedgen.sampling import RequestSampler, Sampler, SampleRow, SamplingOptions
 
 VOCAB = 40
 

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from pagedgen.errors import PagedGenError
-from pagedgen.sampling import SamplingOptions, SamplingOptionsError
+from pagedgen.errors import PagedGenError, SamplingOptionsError
+from pagedgen.sampling import SamplingOptions
 from pagedgen.sampling.options import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, SAMPLING_EPS
 
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from pagedgen.sampling import RequestSampler, SampledToken, Sampler, SampleRow, SamplingError, SamplingOptions
+from pagedgen.errors import SamplingError
+from pagedgen.sampling import RequestSampler, SampledToken, Sampler, SampleRow, SamplingOptions
 from pagedgen.sampling.sampler import inverse_cdf_sample, process_logits
 
 VOCAB = 97

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pagedgen.sampling import StopStringError, StopStringMatcher
+from pagedgen.errors import StopStringError
+from pagedgen.sampling import StopStringMatcher
 
 PIECES = ["a", "b", "c", "ab", "ba", "bc", "abc", "\n", "\n\n", "x\n", "", "cab"]
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from pagedgen.sampling import RequestSampler, SamplingError, SamplingOptions, stream_uniforms
+from pagedgen.errors import SamplingError
+from pagedgen.sampling import RequestSampler, SamplingOptions, stream_uniforms
 
 M64 = (1 << 64) - 1
 

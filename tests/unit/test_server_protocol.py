@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedgen.sampling.errors import SamplingOptionsError
+from pagedgen.errors import SamplingOptionsError
 from pagedgen.server.guard import error_body
 from pagedgen.server.protocol import CompletionRequest, surrogate_path
 

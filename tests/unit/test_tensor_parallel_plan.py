@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import pagedgen as pg
-from pagedgen.engine.errors import InvalidArgumentError
+from pagedgen.errors import InvalidArgumentError
 from pagedgen.parallel.comm import backend_for
 from pagedgen.parallel.launch import LocalLauncher
 from pagedgen.parallel.plan import RankShard, TensorParallelError, even_ranges, plan_shards
