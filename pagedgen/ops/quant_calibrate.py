@@ -26,7 +26,8 @@ close to affine in the rows (the kernel: stream the blocks, then its register ti
 GEMM: a larger fixed cost, then MKL's higher rate), so they cross once, and because the paths differ up to
 50x at few rows: one disturbed pass that flipped a single count would cost far more than a near-tie
 misjudged. The crossover is the one whose choices lose least against the faster path at every measured
-count, summed as log ratios (each count weighs the same); the reasons name the counts it overrules.
+count, summed as log ratios (each count weighs the same, none more than a factor of 8, so a single
+disturbed count cannot outweigh the rest); the reasons name the counts it overrules.
 Rows above the crossover, including those above a kind's largest measured count (the head is measured at
 the decode widths only: it never sees more than the sampled rows), take dequantise + GEMM.
 """
@@ -210,6 +211,12 @@ def _settle(gemm: QuantGemm, calls: Sequence[Call]) -> None:
 
 Measured = Sequence[tuple[int, dict[QuantPath, float], float]]  # (rows, seconds per path, flops), ascending
 
+# One count's loss is capped at 8x: on a loaded machine a pass of small calls can land in a scheduler episode
+# and read 100x slower on either path (measured: a Gemma 3 file's 256 x 640 k and v weights, kernel 0.01x at
+# 2 rows between wins at every other count), and uncapped that one count outweighed all the others, which
+# chose dequantise + GEMM even at one row for those weights (and so the per-layer path for every decode step).
+MAX_LOSS = math.log(8.0)
+
 
 def derive_quant_table(timings: Sequence[QuantPassTiming]) -> QuantTable:
     """Per kind, the kernel up to its :func:`crossover` and dequantise + GEMM above (the overrides); for
@@ -279,7 +286,7 @@ def _side(rows: int, limit: int) -> QuantPath:
 def _loss(seconds: dict[QuantPath, float], chosen: QuantPath) -> float:
     if chosen not in seconds:  # the kernel was not measured (no native library): never choose it
         return math.inf
-    return math.log(seconds[chosen] / min(seconds.values()))
+    return min(math.log(seconds[chosen] / min(seconds.values())), MAX_LOSS)
 
 
 def _kernel_up_to(limit: int) -> tuple[QuantBucket, ...]:
