@@ -504,7 +504,7 @@ def test_an_entry_from_before_the_quantized_paths_is_measured_again(tmp_path):
     goes is not read: the method version in the key changed."""
     measure, measure_quant = FakeMeasure(), FakeQuantMeasure()
     key = gemm_tune.calibration_key(_weights(), COUNTS, _quant_weights())
-    assert key["method"] == 2
+    assert key["method"] == 3
     old_key = {k: v for k, v in key.items() if k != "quant_shapes"} | {"method": 1}
     path = gemm_tune.cache_dir() / f"table-{gemm_tune.key_digest(key)}.json"
     path.parent.mkdir(parents=True)

@@ -91,8 +91,11 @@ def test_a_prefill_pass_takes_every_kind_within_the_decode_budget():
         # one disturbed count inside the kernel's range (kernel 1.2x slower at 4) does not split it
         (((1, 1.0, 5.0), (4, 6.0, 5.0), (8, 2.0, 8.0), (64, 9.0, 6.0)), 8),
         (((1, 1.0, 1.0),), 1),  # a tie goes to the kernel
+        # one count disturbed 100x (a scheduler episode) against 3x wins at the others: capped at 8x, it does
+        # not turn the kernel off above one row
+        (((1, 1.0, 3.0), (2, 100.0, 1.0), (4, 1.0, 3.0), (8, 1.0, 3.0), (16, 1.0, 3.0)), 16),
     ],
-    ids=["crosses", "kernel-only", "dequant-only", "one-outlier", "tie"],
+    ids=["crosses", "kernel-only", "dequant-only", "one-outlier", "tie", "one-count-100x"],
 )
 def test_the_crossover_loses_least_against_the_faster_path(pairs, limit):
     assert crossover(_measured(*pairs)) == limit

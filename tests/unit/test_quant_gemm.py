@@ -140,7 +140,9 @@ def test_many_rows_go_tile_by_tile_over_a_large_weight(monkeypatch):
 
 @pytest.mark.parametrize("batch_rows", [16, 32])  # 32: a 32-stream decode step (ten full 3-row tiles and a 2)
 @pytest.mark.parametrize(
-    "qtype", [QType.Q4_1, QType.Q5_0, QType.Q8_0, QType.Q4_K, QType.Q6_K, QType.BF16], ids=lambda q: q.name
+    "qtype",
+    [QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.BF16],
+    ids=lambda q: q.name,
 )
 def test_a_rows_output_bits_do_not_depend_on_the_batch_or_the_thread_count(kernels, qtype, batch_rows):
     k = _in(qtype)
@@ -173,6 +175,28 @@ def test_the_few_row_paths_give_the_whole_row_paths_bits(kernels, qtype):
         for start in range(0, 7 - rows + 1):
             part = slice(start, start + rows)
             assert torch.equal(kernels.gemm(x[part], weight, bias), batch[part])
+
+
+# the formats with a 1-row register path on AVX2 (quant_gemm.c's direct_1x8), besides Q4_0 / Q4_1
+REGISTER_PATHS = [QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q4_K, QType.Q5_K]
+
+
+@pytest.mark.parametrize("qtype", REGISTER_PATHS, ids=lambda q: q.name)
+def test_the_one_row_register_paths_give_the_whole_row_paths_bits_on_every_group_shape(kernels, qtype):
+    """One row against 1-17 weight rows (short groups of 8, whose unused rows alias the first) and over
+    several blocks and super-blocks, zero scales and zero weights included (the sign of a zero product is
+    the expander's): the same bits as the same row inside a 5-row batch (the whole-row path)."""
+    k = 512 if qtype.block_elems == 256 else 160
+    for out in (1, 7, 8, 9, 17):
+        weight = random_weight(qtype, out, k, seed=20 + out)
+        blocks = weight.data.view(out, -1, qtype.block_bytes)
+        blocks[0, 0] = 0  # a block of zeros: zero scales (and mins), zero quants
+        x = torch.randn(5, k, generator=torch.Generator().manual_seed(out))
+        x[:, :32] = -x[:, :32].abs()  # negative activations against zero weights: -0 products
+        batch = kernels.gemm(x, weight, None)
+        assert_matches_float64(batch, x, weight)
+        for row in range(5):
+            assert torch.equal(kernels.gemm(x[row : row + 1], weight, None), batch[row : row + 1])
 
 
 def test_embedding_dequantizes_the_looked_up_rows():

@@ -752,17 +752,221 @@ static void direct_q4_1_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int 
     for (int r = 0; r < 8; ++r) acc[r] = a[r];
 }
 
+#if VW == 8
+/* The 1-row register paths of the other formats (AVX2 only; the AVX-512 build keeps the chunk buffer for
+ * them). Each computes every weight with its expander's own operations on the same integers, so the values
+ * are the expander's bit for bit (the sign of a zero included), and feeds them to the chains of chunk_1x8 in
+ * weight order: the bits are the chunked path's. Rows past nr point at row n (read, never stored). */
+
+/* A little-endian f16 at p, converted and broadcast (two bytes read: the Q6_K scale ends its block). */
+static inline vec f16_bcast(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _mm256_cvtph_ps(_mm_set1_epi16((short)h));
+}
+
+/* 8 bytes at p widened to int32 lanes. */
+static inline __m256i widen8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+
+/* Q5_0, weights widened to int32 lanes: lane j's nibble from its byte, its fifth bit (bit j of the 32-bit qh)
+ * shifted to the sign bit by one variable shift, which picks the block's -16 d or -0 as the FMA's addend:
+ * fma(d, nibble, -16 d) = d * (q - 16) exactly, and fma(d, nibble, -0) = d * nibble with its sign of zero,
+ * the expander's d * (q - 16) in both cases. */
+static void direct_q5_0_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int nr, const float *x, int64_t k,
+                            vec acc[8]) {
+    const uint8_t *rows[8];
+    for (int r = 0; r < 8; ++r) rows[r] = w + (n + (r < nr ? r : 0)) * row_bytes;
+    vec a[8];
+    for (int r = 0; r < 8; ++r) a[r] = vzero();
+    const __m256i low = _mm256_set1_epi32(15);
+    const __m256i up0 = _mm256_setr_epi32(31, 30, 29, 28, 27, 26, 25, 24), eight = _mm256_set1_epi32(8);
+    const __m256i up1 = _mm256_sub_epi32(up0, eight), up2 = _mm256_sub_epi32(up1, eight);
+    const __m256i up3 = _mm256_sub_epi32(up2, eight);
+    const vec minus16 = vset1(-16.f), minus0 = vset1(-0.f);
+    for (int64_t b = 0; b < k / 32; ++b) {
+        const int64_t off = b * 22;
+        const float *xb = x + 32 * b;
+        const vec x0 = vload(xb), x1 = vload(xb + 8), x2 = vload(xb + 16), x3 = vload(xb + 24);
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; ++r) {
+            const uint8_t *block = rows[r] + off;
+            const vec d = f16_bcast(block), nd = _mm256_mul_ps(d, minus16);
+            int32_t bits;
+            memcpy(&bits, block + 2, 4);
+            const __m256i qh = _mm256_set1_epi32(bits);
+            const __m256i q0 = widen8(block + 6), q1 = widen8(block + 14);
+#define Q5_0_ADDEND(up) _mm256_blendv_ps(nd, minus0, _mm256_castsi256_ps(_mm256_sllv_epi32(qh, up)))
+            a[r] = vfma(x0, vfma(d, _mm256_cvtepi32_ps(_mm256_and_si256(q0, low)), Q5_0_ADDEND(up0)), a[r]);
+            a[r] = vfma(x1, vfma(d, _mm256_cvtepi32_ps(_mm256_and_si256(q1, low)), Q5_0_ADDEND(up1)), a[r]);
+            a[r] = vfma(x2, vfma(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(q0, 4)), Q5_0_ADDEND(up2)), a[r]);
+            a[r] = vfma(x3, vfma(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(q1, 4)), Q5_0_ADDEND(up3)), a[r]);
+#undef Q5_0_ADDEND
+        }
+    }
+    for (int r = 0; r < 8; ++r) acc[r] = a[r];
+}
+
+/* Q5_1 in int32 lanes: q = nibble | (bit j of qh) << 4, the fifth bit moved to bit 4 by one variable shift
+ * (of qh << 4 for weights 0-7), then fma(d, q, m) as expand_q5_1. */
+static void direct_q5_1_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int nr, const float *x, int64_t k,
+                            vec acc[8]) {
+    const uint8_t *rows[8];
+    for (int r = 0; r < 8; ++r) rows[r] = w + (n + (r < nr ? r : 0)) * row_bytes;
+    vec a[8];
+    for (int r = 0; r < 8; ++r) a[r] = vzero();
+    const __m256i low = _mm256_set1_epi32(15), fifth = _mm256_set1_epi32(16);
+    const __m256i down0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i down1 = _mm256_add_epi32(down0, _mm256_set1_epi32(4));
+    const __m256i down2 = _mm256_add_epi32(down1, _mm256_set1_epi32(8));
+    const __m256i down3 = _mm256_add_epi32(down2, _mm256_set1_epi32(8));
+    for (int64_t b = 0; b < k / 32; ++b) {
+        const int64_t off = b * 24;
+        const float *xb = x + 32 * b;
+        const vec x0 = vload(xb), x1 = vload(xb + 8), x2 = vload(xb + 16), x3 = vload(xb + 24);
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; ++r) {
+            const uint8_t *block = rows[r] + off;
+            vec d, m;
+            q4_1_scales(block, &d, &m);
+            int32_t bits;
+            memcpy(&bits, block + 4, 4);
+            const __m256i qh = _mm256_set1_epi32(bits), qh4 = _mm256_slli_epi32(qh, 4);
+            const __m256i q0 = widen8(block + 8), q1 = widen8(block + 16);
+#define Q5_1_FIFTH(h, down) _mm256_and_si256(_mm256_srlv_epi32(h, down), fifth)
+            const __m256i v0 = _mm256_or_si256(_mm256_and_si256(q0, low), Q5_1_FIFTH(qh4, down0));
+            const __m256i v1 = _mm256_or_si256(_mm256_and_si256(q1, low), Q5_1_FIFTH(qh, down1));
+            const __m256i v2 = _mm256_or_si256(_mm256_srli_epi32(q0, 4), Q5_1_FIFTH(qh, down2));
+            const __m256i v3 = _mm256_or_si256(_mm256_srli_epi32(q1, 4), Q5_1_FIFTH(qh, down3));
+#undef Q5_1_FIFTH
+            a[r] = vfma(x0, vfma(d, _mm256_cvtepi32_ps(v0), m), a[r]);
+            a[r] = vfma(x1, vfma(d, _mm256_cvtepi32_ps(v1), m), a[r]);
+            a[r] = vfma(x2, vfma(d, _mm256_cvtepi32_ps(v2), m), a[r]);
+            a[r] = vfma(x3, vfma(d, _mm256_cvtepi32_ps(v3), m), a[r]);
+        }
+    }
+    for (int r = 0; r < 8; ++r) acc[r] = a[r];
+}
+
+/* Q4_K / Q5_K: a super-block's 8 sub-block scales d * sc and negated mins -(dmin * mn) (each exact, as the
+ * expanders form them) into sc[8] and mn[8]. The 12 bytes s hold the 6-bit fields as three 32-bit words:
+ * scales 0-3 and mins 0-3 are the low six bits of words 0 and 1, scales 4-7 and mins 4-7 the nibbles of word
+ * 2 with bits 6-7 of words 0 and 1 above them. */
+static inline void k_scales(const uint8_t *block, float *sc, float *mn) {
+    uint32_t s0, s1, s2;
+    memcpy(&s0, block + 4, 4), memcpy(&s1, block + 8, 4), memcpy(&s2, block + 12, 4);
+    const uint32_t six = 0x3f3f3f3fu, nib = 0x0f0f0f0fu, top = 0x30303030u;
+    const uint64_t scales = (uint64_t)(s0 & six) | (uint64_t)((s2 & nib) | ((s0 >> 2) & top)) << 32;
+    const uint64_t mins = (uint64_t)(s1 & six) | (uint64_t)(((s2 >> 4) & nib) | ((s1 >> 2) & top)) << 32;
+    const vec d = f16_bcast(block), ndmin = _mm256_xor_ps(f16_bcast(block + 2), vset1(-0.f));
+    const __m256i sq = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)scales));
+    const __m256i mq = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mins));
+    _mm256_store_ps(sc, _mm256_mul_ps(d, _mm256_cvtepi32_ps(sq)));
+    _mm256_store_ps(mn, _mm256_mul_ps(ndmin, _mm256_cvtepi32_ps(mq)));
+}
+
+/* Q4_K in int32 lanes: each 8 bytes widened once serve two sub-blocks (low nibbles, then high); every weight
+ * is fma(scale, q, -min) as expand_q4_k computes it. */
+static void direct_q4_k_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int nr, const float *x, int64_t k,
+                            vec acc[8]) {
+    const uint8_t *rows[8];
+    for (int r = 0; r < 8; ++r) rows[r] = w + (n + (r < nr ? r : 0)) * row_bytes;
+    vec a[8];
+    for (int r = 0; r < 8; ++r) a[r] = vzero();
+    const __m256i low = _mm256_set1_epi32(15);
+    float sc[8][8] __attribute__((aligned(32))), mn[8][8] __attribute__((aligned(32)));
+    for (int64_t b = 0; b < k / 256; ++b) {
+        const int64_t off = b * 144;
+        for (int r = 0; r < 8; ++r) k_scales(rows[r] + off, sc[r], mn[r]);
+        for (int i = 0; i < 4; ++i) {
+            const float *xb = x + 256 * b + 64 * i;
+#pragma GCC unroll 8
+            for (int r = 0; r < 8; ++r) {
+                const uint8_t *q = rows[r] + off + 16 + 32 * i;
+                const __m256i q0 = widen8(q), q1 = widen8(q + 8), q2 = widen8(q + 16), q3 = widen8(q + 24);
+                vec s = vset1(sc[r][2 * i]), o = vset1(mn[r][2 * i]);
+                a[r] = vfma(vload(xb), vfma(s, _mm256_cvtepi32_ps(_mm256_and_si256(q0, low)), o), a[r]);
+                a[r] = vfma(vload(xb + 8), vfma(s, _mm256_cvtepi32_ps(_mm256_and_si256(q1, low)), o), a[r]);
+                a[r] = vfma(vload(xb + 16), vfma(s, _mm256_cvtepi32_ps(_mm256_and_si256(q2, low)), o), a[r]);
+                a[r] = vfma(vload(xb + 24), vfma(s, _mm256_cvtepi32_ps(_mm256_and_si256(q3, low)), o), a[r]);
+                s = vset1(sc[r][2 * i + 1]), o = vset1(mn[r][2 * i + 1]);
+                a[r] = vfma(vload(xb + 32), vfma(s, _mm256_cvtepi32_ps(_mm256_srli_epi32(q0, 4)), o), a[r]);
+                a[r] = vfma(vload(xb + 40), vfma(s, _mm256_cvtepi32_ps(_mm256_srli_epi32(q1, 4)), o), a[r]);
+                a[r] = vfma(vload(xb + 48), vfma(s, _mm256_cvtepi32_ps(_mm256_srli_epi32(q2, 4)), o), a[r]);
+                a[r] = vfma(vload(xb + 56), vfma(s, _mm256_cvtepi32_ps(_mm256_srli_epi32(q3, 4)), o), a[r]);
+            }
+        }
+    }
+    for (int r = 0; r < 8; ++r) acc[r] = a[r];
+}
+
+/* 16 weights from 16 unsigned bytes, fma(scale, q, offset) as bytes16_u computes them, into one chain (x at
+ * xb). */
+static inline __attribute__((always_inline)) vec fma16_u(__m128i q, vec scale, vec offset, const float *xb, vec a) {
+    a = vfma(vload(xb), vfma(scale, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), offset), a);
+    const __m256i upper = _mm256_cvtepu8_epi32(_mm_srli_si128(q, 8));
+    return vfma(vload(xb + 8), vfma(scale, _mm256_cvtepi32_ps(upper), offset), a);
+}
+
+/* Q5_K, 16 bytes at a time as expand_q5_k forms them (nibbles, bit j of qh moved to bit 4 by a constant
+ * shift), widened from the register. */
+static void direct_q5_k_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int nr, const float *x, int64_t k,
+                            vec acc[8]) {
+    const uint8_t *rows[8];
+    for (int r = 0; r < 8; ++r) rows[r] = w + (n + (r < nr ? r : 0)) * row_bytes;
+    vec a[8];
+    for (int r = 0; r < 8; ++r) a[r] = vzero();
+    const __m128i mask = _mm_set1_epi8(15), fifth = _mm_set1_epi8(0x10);
+    float sc[8][8] __attribute__((aligned(32))), mn[8][8] __attribute__((aligned(32)));
+    for (int64_t b = 0; b < k / 256; ++b) {
+        const int64_t off = b * 176;
+        for (int r = 0; r < 8; ++r) k_scales(rows[r] + off, sc[r], mn[r]);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+            const float *xb = x + 256 * b + 32 * j;
+#pragma GCC unroll 8
+            for (int r = 0; r < 8; ++r) {
+                const uint8_t *qh = rows[r] + off + 16, *q4 = rows[r] + off + 48 + 32 * (j / 2);
+                const vec s = vset1(sc[r][j]), o = vset1(mn[r][j]);
+                for (int l = 0; l < 32; l += 16) {
+                    const __m128i q = _mm_loadu_si128((const __m128i *)(q4 + l));
+                    const __m128i h = _mm_loadu_si128((const __m128i *)(qh + l));
+                    const __m128i nib = _mm_and_si128(j & 1 ? _mm_srli_epi16(q, 4) : q, mask);
+                    const __m128i bit4 = j < 4 ? _mm_slli_epi16(h, 4 - j) : _mm_srli_epi16(h, j - 4);
+                    const __m128i high = _mm_and_si128(bit4, fifth);
+                    a[r] = fma16_u(_mm_or_si128(nib, high), s, o, xb + l, a[r]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < 8; ++r) acc[r] = a[r];
+}
+#endif
+
+/* The register path of qtype at one row, or NULL where the chunk buffer is the faster one. */
+typedef void (*direct_1x8_fn)(const uint8_t *, int64_t, int64_t, int, const float *, int64_t, vec *);
+static direct_1x8_fn direct_1x8(int qtype) {
+    switch (qtype) {
+    case QT_Q4_0: return direct_q4_0_1x8;
+    case QT_Q4_1: return direct_q4_1_1x8;
+#if VW == 8
+    case QT_Q5_0: return direct_q5_0_1x8;
+    case QT_Q5_1: return direct_q5_1_1x8;
+    case QT_Q4_K: return direct_q4_k_1x8;
+    case QT_Q5_K: return direct_q5_k_1x8;
+#endif
+    default: return NULL;
+    }
+}
+
 /* Output rows n .. n + nr - 1 (nr <= group) of every x row (m_rows <= 3; group 8 for one row, else 4). */
 static void group_by_chunks(int qtype, const uint8_t *w, int64_t row_bytes, int64_t elems, int64_t bytes,
                             const float *x, int64_t m_rows, int64_t k, int64_t n, int nr, const float *bias,
                             float *y, int64_t n_out, float *buf) {
     vec acc[12];
     for (int i = 0; i < 12; ++i) acc[i] = vzero();
-    if (m_rows == 1 && (qtype == QT_Q4_0 || qtype == QT_Q4_1)) {
-        if (qtype == QT_Q4_0)
-            direct_q4_0_1x8(w, row_bytes, n, nr, x, k, acc);
-        else
-            direct_q4_1_1x8(w, row_bytes, n, nr, x, k, acc);
+    const direct_1x8_fn direct = m_rows == 1 ? direct_1x8(qtype) : NULL;
+    if (direct != NULL) {
+        direct(w, row_bytes, n, nr, x, k, acc);
         for (int c = 0; c < nr; ++c) y[n + c] = add_bias(vsum(acc[c]), bias, n + c);
         return;
     }

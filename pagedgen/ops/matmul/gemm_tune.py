@@ -68,8 +68,9 @@ from pagedgen.ops.matmul.qweight import QType
 log = logging.getLogger(__name__)
 
 TABLE_ENV = "PAGEDGEN_GEMM_TABLE"
-# Bump when the measurement changes meaning: every cached entry is then re-measured. 2: quantized paths.
-METHOD_VERSION = 2
+# Bump when the measurement changes meaning: every cached entry is then re-measured. 2: quantized paths;
+# 3: the quantized crossover caps each count's loss (quant_calibrate.MAX_LOSS).
+METHOD_VERSION = 3
 FIXED_TABLES = {"torch": TORCH_ONLY, "openblas": OPENBLAS_ONLY, "native": NATIVE_ONLY}
 # What each fixed name means for weights kept in their stored format (module docstring).
 FIXED_QUANT_TABLES = {"torch": DEQUANT_ONLY, "openblas": DEQUANT_ONLY, "native": KERNEL_ONLY}

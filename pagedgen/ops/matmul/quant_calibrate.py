@@ -2,8 +2,8 @@
 
 Why one crossover per kind: where the kernel stops beating dequantise + GEMM differs by format and shape, and
 each path's time is close to affine in the rows, so they cross once; a crossover chosen over every measured
-row count survives the one disturbed pass that a per-count choice would follow. docs/performance.md, "Module
-notes: ops and bench", has the rest.
+row count (each count's loss capped at 8x) survives the one disturbed pass that a per-count choice would
+follow. docs/performance.md, "Module notes: ops and bench", has the rest.
 """
 
 from __future__ import annotations
@@ -184,6 +184,12 @@ def _settle(gemm: QuantGemm, calls: Sequence[Call]) -> None:
 
 Measured = Sequence[tuple[int, dict[QuantPath, float], float]]  # (rows, seconds per path, flops), ascending
 
+# One count's loss is capped at 8x: on a loaded machine a pass of small calls can land in a scheduler episode
+# and read 100x slower on either path (measured: a Gemma 3 file's 256 x 640 k and v weights, kernel 0.01x at
+# 2 rows between wins at every other count), and uncapped that one count outweighed all the others, which
+# chose dequantise + GEMM even at one row for those weights (and so the per-layer path for every decode step).
+MAX_LOSS = math.log(8.0)
+
 
 def derive_quant_table(timings: Sequence[QuantPassTiming]) -> QuantTable:
     """Per kind, the kernel up to its :func:`crossover` and dequantise + GEMM above (the overrides); for
@@ -253,7 +259,7 @@ def _side(rows: int, limit: int) -> QuantPath:
 def _loss(seconds: dict[QuantPath, float], chosen: QuantPath) -> float:
     if chosen not in seconds:  # the kernel was not measured (no native library): never choose it
         return math.inf
-    return math.log(seconds[chosen] / min(seconds.values()))
+    return min(math.log(seconds[chosen] / min(seconds.values())), MAX_LOSS)
 
 
 def _kernel_up_to(limit: int) -> tuple[QuantBucket, ...]:
