@@ -16,7 +16,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from pagedgen.errors import SamplingOptionsError
+from pagedgen.errors import GuidanceError, SamplingOptionsError
 from pagedgen.sampling.options import SamplingOptions, check_num_logprobs, check_stop_strings
 
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
@@ -79,7 +79,7 @@ class StructuredOutputsParams:
             )
         name = given[0]
         self._check_types(name)
-        from pagedgen.guidance import GuidanceError, compile_guidance  # llguidance: only once constrained
+        from pagedgen.guidance import compile_guidance  # llguidance: only once constrained
 
         try:
             compile_guidance(*self.guidance())
