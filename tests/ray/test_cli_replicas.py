@@ -1,6 +1,7 @@
 """``pagedgen serve --replicas 2`` as a subprocess (its own local Ray cluster), answering the ``openai``
 client streaming and not, with the affinity visible in usage and metrics, then ending on SIGTERM after the
-stream in flight has finished (the application's graceful shutdown)."""
+stream in flight has finished, refusing new requests meanwhile with the single server's 503
+``shutting_down`` (the application's graceful shutdown)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,13 @@ VOCAB = 257  # ModelSource("synthetic")'s default
 DRAIN_S = (
     300  # --shutdown-timeout: the stream in flight at SIGTERM must be able to finish on a loaded machine
 )
-DRAINED_TOKENS = 1500  # that stream's length: long enough to be in flight when the drain begins
+DRAINED_TOKENS = 3500  # that stream's length: long enough to be in flight while the drain is checked
+SHUTDOWN_ERROR = {
+    "message": "the server is shutting down",
+    "type": "service_unavailable",
+    "param": None,
+    "code": "shutting_down",
+}
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +70,22 @@ def _wait_healthy(proc: subprocess.Popen, url: str, stderr_path: Path) -> None:
             pass
         time.sleep(0.5)
     raise AssertionError("the replicated server never became healthy")
+
+
+def _assert_draining(url: str) -> None:
+    """Once the ingress drains, ``/health`` and a new request get the single server's 503 (not an answer
+    of Serve's proxy)."""
+    health = httpx.get(url + "/health", timeout=WAIT_S)
+    for _ in range(WAIT_S * 2):  # the signal reaches the ingress through the launcher's drain call
+        if health.status_code == 503:
+            break
+        time.sleep(0.5)
+        health = httpx.get(url + "/health", timeout=WAIT_S)
+    assert health.status_code == 503 and health.json() == {"error": SHUTDOWN_ERROR}
+    body = {"model": "synthetic", "prompt": "too late", "max_tokens": 4}
+    refused = httpx.post(url + "/v1/completions", json=body, timeout=WAIT_S)
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert refused.json() == {"error": SHUTDOWN_ERROR}
 
 
 def _expected(prompt: str, n: int) -> str:
@@ -119,6 +142,7 @@ def test_the_openai_client_through_two_replicas(served):
                 events.append(json.loads(line[6:]))
                 break
         proc.send_signal(signal.SIGTERM)
+        _assert_draining(url)  # while the stream is held open (unread), so still in flight
         rest = [line[6:] for line in lines if line.startswith("data: ")]
     assert rest[-1] == "[DONE]", rest[-3:]
     events += [json.loads(data) for data in rest[:-1]]

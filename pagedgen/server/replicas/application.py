@@ -5,7 +5,9 @@
 ``serve run`` / ``serve deploy`` with a YAML file (``deploy/serve.yaml``) or
 ``serve run pagedgen.server.replicas.application:builder model=default``.
 The ingress deployment builds the FastAPI app with :func:`pagedgen.server.app.create_app` (the single
-server's routes, guard and lifespan) over a :class:`ReplicaSetWorker`; the replica deployment
+server's routes, guard and lifespan) over a :class:`ReplicaSetWorker` and the model's
+:class:`~pagedgen.server.replicas.setup.ModelCard` (no weights); its ``drain`` is the single server's graceful
+shutdown, which ``pagedgen serve --replicas`` calls before deleting the application; the replica deployment
 (:class:`EngineReplica`) runs one engine per replica, routed by :class:`CacheAffinityRouter`.
 """
 
@@ -19,6 +21,7 @@ from ray.serve.handle import DeploymentHandle
 from pagedgen.engine.config import EngineConfig
 from pagedgen.llm import context_length
 from pagedgen.server.app import ServerOptions, create_app
+from pagedgen.server.lifecycle import DELIVERY_GRACE_S, drain
 from pagedgen.server.replicas.client import ReplicaSetWorker
 from pagedgen.server.replicas.metrics import ReplicatedMetrics
 from pagedgen.server.replicas.registry import route_counts
@@ -33,6 +36,33 @@ INGRESS_DEPLOYMENT = "PagedgenIngress"
 # default of 5 would hold requests back at the router instead of batching them).
 REPLICA_MAX_ONGOING = 1024
 STATS_PERIOD_S = 1.0
+# Serve's graceful_shutdown_timeout_s beyond --shutdown-timeout: the ingress's drain has ended every request
+# by then (its wait, then DELIVERY_GRACE_S for the ended responses), so Serve never cuts one off itself.
+SHUTDOWN_MARGIN_S = DELIVERY_GRACE_S + 5.0
+
+
+def ingress_app(
+    replicas: DeploymentHandle, setup: ReplicaSetup, app_name: str
+) -> tuple[ReplicaSetWorker, FastAPI]:
+    """The ingress's worker and the single server's app over it, built from the model's card: the
+    replicas load the weights, the ingress reads only the config and tokenizer files."""
+    card = setup.source.describe()
+    capacity = setup.engine.max_batch_size * setup.max_replicas
+    worker = ReplicaSetWorker(replicas, card, app_name, REPLICA_DEPLOYMENT, capacity)
+    metrics = ReplicatedMetrics(
+        setup.options.model_name,
+        lambda: worker.replica_stats,
+        lambda: route_counts(app_name, REPLICA_DEPLOYMENT),
+    )
+    app = create_app(
+        worker,
+        card.tokenizer,
+        metrics,
+        setup.options,
+        context=context_length(card),
+        vocab_size=card.vocab_size,
+    )
+    return worker, app
 
 
 @serve.ingress()
@@ -40,30 +70,23 @@ class PagedgenIngress:
     """The HTTP entry: the single server's FastAPI app, its engine the replica deployment."""
 
     def __init__(self, replicas: DeploymentHandle, setup: ReplicaSetup, app_name: str):
-        model, tokenizer = setup.source.load()
-        capacity = setup.engine.max_batch_size * setup.max_replicas
-        self.worker = ReplicaSetWorker(replicas, model, app_name, REPLICA_DEPLOYMENT, capacity)
-        metrics = ReplicatedMetrics(
-            setup.options.model_name,
-            lambda: self.worker.replica_stats,
-            lambda: route_counts(app_name, REPLICA_DEPLOYMENT),
-        )
-        self._app = create_app(
-            self.worker,
-            tokenizer,
-            metrics,
-            setup.options,
-            context=context_length(model),
-            vocab_size=model.vocab_size,
-        )
+        self.worker, self._app = ingress_app(replicas, setup, app_name)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return self._app
 
+    async def drain(self, timeout: float) -> None:
+        """The single server's graceful shutdown: refuse new requests at once (503 ``shutting_down``, and
+        ``/health`` says so), wait up to ``timeout`` s for those in flight, then end the rest with the
+        ``shutting_down`` error (an error event in a stream, a 503 otherwise) and give those answers
+        ``DELIVERY_GRACE_S`` to go out. It runs on the event loop that serves the app, as its requests do."""
+        state = self._app.state
+        await drain(state.admission, self.worker.abort, timeout, lambda: False)
+
 
 def build_application(setup: ReplicaSetup, app_name: str = APP_NAME) -> Application:
     """The Serve application of ``setup`` (bind it with ``serve.run(app, name=app_name)``)."""
-    shutdown = setup.options.shutdown_timeout
+    shutdown = setup.options.shutdown_timeout + SHUTDOWN_MARGIN_S
     router = RequestRouterConfig(
         request_router_class=CacheAffinityRouter,
         request_router_kwargs={

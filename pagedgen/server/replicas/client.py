@@ -29,9 +29,9 @@ from dataclasses import fields
 from ray.serve.handle import DeploymentHandle
 
 from pagedgen.llm import SamplingParams
-from pagedgen.models.base import CausalLM
 from pagedgen.server.replicas.messages import ReplicaJob, ReplicaStats, ReplicaTarget
 from pagedgen.server.replicas.registry import live_replicas
+from pagedgen.server.replicas.setup import ModelCard
 from pagedgen.server.worker import SHUTDOWN_MESSAGE, EngineSnapshot, JobError, JobUpdate, Keep, Sink
 
 log = logging.getLogger("pagedgen.server")
@@ -70,7 +70,7 @@ class ReplicaSetWorker:
     ``submit`` and ``cancel`` run on the serving event loop (as the routes call them)."""
 
     def __init__(
-        self, handle: DeploymentHandle, model: CausalLM, app_name: str, deployment: str, max_batch_size: int
+        self, handle: DeploymentHandle, model: ModelCard, app_name: str, deployment: str, max_batch_size: int
     ):
         self._handle = handle
         self._model = model
@@ -91,7 +91,8 @@ class ReplicaSetWorker:
     # ------------------------------------------------------------ the worker interface
 
     @property
-    def model(self) -> CausalLM:
+    def model(self) -> ModelCard:
+        """The model's card (no weights: the replicas hold those), which the parameter checks read."""
         return self._model
 
     @property

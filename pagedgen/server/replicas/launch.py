@@ -2,8 +2,9 @@
 
 Without ``--ray-address`` Ray starts a cluster of this machine; with one (``auto``, or ``HOST:6379`` of a
 running head) the replicas are placed across that cluster's nodes. Serve's proxy listens on
-``host:port``. SIGTERM or SIGINT deletes the application, which Serve shuts down gracefully: each replica
-and the ingress get the ``--shutdown-timeout`` to finish their requests in flight.
+``host:port``. SIGTERM or SIGINT first drains the ingress the way the single server drains (new requests
+503 ``shutting_down``, those in flight get ``--shutdown-timeout``, then end with the ``shutting_down``
+error), then deletes the application, which by then has nothing in flight.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import logging
 import signal
 import threading
 
-from pagedgen.server.replicas.application import APP_NAME, build_application
+from pagedgen.server.lifecycle import DELIVERY_GRACE_S
+from pagedgen.server.replicas.application import APP_NAME, SHUTDOWN_MARGIN_S, build_application
 from pagedgen.server.replicas.setup import ReplicaSetup
 
 log = logging.getLogger("pagedgen.server")
@@ -44,6 +46,18 @@ def start_local_ray(
             ray.shutdown()
 
 
+def drain_ingress(timeout: float, app_name: str = APP_NAME) -> None:
+    """Run the ingress's drain (:meth:`PagedgenIngress.drain`) and wait for it, bounded by the drain's own
+    bounds; an ingress that cannot be reached (it died) is logged and the deletion goes on."""
+    from ray import serve
+
+    bound = timeout + DELIVERY_GRACE_S + SHUTDOWN_MARGIN_S
+    try:
+        serve.get_app_handle(app_name).drain.remote(timeout).result(timeout_s=bound)
+    except Exception as exc:
+        log.warning("the ingress did not drain: %r; deleting the application", exc)
+
+
 def serve_replicas(setup: ReplicaSetup, *, host: str, port: int, ray_address: str | None) -> int:
     """Deploy ``setup`` behind Serve's proxy on ``host:port`` and block until SIGTERM or SIGINT."""
     import ray
@@ -63,6 +77,7 @@ def serve_replicas(setup: ReplicaSetup, *, host: str, port: int, ray_address: st
         log.info("serving %s replicas of %r at http://%s:%d", count, setup.source.name, host, port)
         stop.wait()
         log.info("shutting down: the application drains (up to %.0f s)", setup.options.shutdown_timeout)
+        drain_ingress(setup.options.shutdown_timeout)
         serve.delete(APP_NAME)
         if ray_address is None:
             serve.shutdown()

@@ -1,9 +1,10 @@
 """What every process of a replicated application needs to build its part: the model, the engine, the options.
 
 The ingress and each replica run in their own Ray worker processes (possibly on other machines), so what they
-receive must be small, picklable and complete: a :class:`ModelSource` names the model and each process loads
-it itself, and :class:`ReplicaSetup` carries the engine configuration and server options exactly as
-``pagedgen serve`` builds them for one process.
+receive must be small, picklable and complete: a :class:`ModelSource` names the model and each process reads
+it itself (a replica loads the whole model, the ingress only its :class:`ModelCard`), and
+:class:`ReplicaSetup` carries the engine configuration and server options exactly as ``pagedgen serve``
+builds them for one process.
 """
 
 from __future__ import annotations
@@ -16,12 +17,17 @@ from typing import TYPE_CHECKING
 from ray.serve.config import AutoscalingConfig
 
 from pagedgen.engine.config import EngineConfig
+from pagedgen.errors import TokenizerError
 from pagedgen.models.base import CausalLM
 from pagedgen.models.chat_template import render_chat
 from pagedgen.models.synthetic import SyntheticTokenizer
 from pagedgen.server.app import ServerOptions
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    from pagedgen.llm import TextTokenizer
+    from pagedgen.models.config import ModelConfig
     from pagedgen.models.tokenizer import Tokenizer
 
 SYNTHETIC = "synthetic"  # the weightless synthetic model and its one-character codec (tests, dry runs)
@@ -61,6 +67,63 @@ class ModelSource:
 
         model = Model(self.name, weights=self.weights)
         return model, tokenizer_for(model)
+
+    def describe(self) -> ModelCard:
+        """What the ingress needs of the model, read from its config and tokenizer files: no weights are
+        read or built (a replica loads those with :meth:`load`)."""
+        if self.name == SYNTHETIC:
+            from pagedgen.models.synthetic import SyntheticModel
+
+            model = SyntheticModel(vocab_size=self.vocab_size)  # weightless: nothing to skip
+            tokenizer = (
+                SyntheticTokenizer(self.vocab_size)
+                if self.chat_template is None
+                else SyntheticChatTokenizer(self.vocab_size, self.chat_template)
+            )
+            return ModelCard(model.vocab_size, model.max_context, tuple(model.eos_token_ids), tokenizer)
+        return _describe_checkpoint(self.name)
+
+
+@dataclass(frozen=True, eq=False)  # no slots: guidance caches its tokenizer under a weak reference to it
+class ModelCard:
+    """A model as the serving code sees it apart from the engine: its context length, vocabulary size,
+    end-of-turn ids and tokenizer (with its chat template). The ingress serves the single server's app over
+    this instead of a loaded model, so it holds no weights; the parameter checks that need the model
+    (``GeneratorParams``, a structured-outputs constraint against the tokenizer) read only these four."""
+
+    vocab_size: int
+    max_context: int
+    eos_token_ids: tuple[int, ...]
+    tokenizer: TextTokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class _CheckpointFiles:
+    """What :class:`~pagedgen.models.tokenizer.Tokenizer` reads of a model: where its files are and its
+    config (the EOS ids), without the model."""
+
+    checkpoint_dir: Path
+    config: ModelConfig
+
+
+def _describe_checkpoint(name: str) -> ModelCard:
+    """The card of a checkpoint, read the way :class:`~pagedgen.models.model.Model` reads its config,
+    manifest and tokenizer (the same context length, vocabulary and EOS ids), without its weights."""
+    from pagedgen.models.checkpoint import resolve_checkpoint
+    from pagedgen.models.checkpoint_manifest import apply_manifest, load_manifest
+    from pagedgen.models.hf_loader import read_hf_config
+    from pagedgen.models.tokenizer import Tokenizer
+
+    checkpoint = resolve_checkpoint(name)
+    config = read_hf_config(checkpoint.directory)
+    config = apply_manifest(config, load_manifest(checkpoint.source, config))
+    tokenizer = Tokenizer(_CheckpointFiles(checkpoint.directory, config))
+    try:
+        ids = tokenizer.eos_token_ids
+    except TokenizerError:
+        ids = config.eos_token_ids
+    eos = tuple(i for i in ids if 0 <= i < config.vocab_size)
+    return ModelCard(config.vocab_size, config.max_context, eos, tokenizer)
 
 
 class SyntheticChatTokenizer(SyntheticTokenizer):
