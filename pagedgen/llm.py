@@ -12,7 +12,7 @@ import dataclasses
 import inspect
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from pagedgen.errors import EngineError
 from pagedgen.models.tokenizer import ChatPrompt
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
     from tqdm import tqdm
 
+    from pagedgen.core.json_value import JsonValue
     from pagedgen.engine.config import EngineConfig
     from pagedgen.engine.events import EngineErrorCode, EngineEvent, FinishReason, TokenLogprobs
     from pagedgen.engine.request import GeneratorParams, Request, RequestOptions, TurnOptions
@@ -197,10 +198,10 @@ def encode_prompt(tokenizer: TextTokenizer, text: str, *, parse_special: bool = 
 
 def render_chat_prompt(
     tokenizer: TextTokenizer,
-    messages: Sequence[Mapping[str, Any]],
+    messages: Sequence[Mapping[str, JsonValue]],
     *,
     parse_special_in_content: bool = False,
-    **template_vars: Any,
+    **template_vars: JsonValue,
 ) -> ChatPrompt:
     """The rendered prompt of a conversation (ending with the generation prompt) and its template's markup.
 
@@ -223,7 +224,7 @@ def encode_chat_prompt(tokenizer: TextTokenizer, prompt: ChatPrompt, start: int 
     return tokenizer.encode(prompt.text[start:])
 
 
-def prompt_chars(messages: Sequence[Mapping[str, Any]]) -> int:
+def prompt_chars(messages: Sequence[Mapping[str, JsonValue]]) -> int:
     """Characters of the messages' text contents (what :func:`check_text_fits` bounds; the template only
     adds to them)."""
     total = 0

@@ -16,11 +16,12 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pagedgen.bench.extras import require
 from pagedgen.bench.serve import LatencyStats, chunk_has_text, parse_sse_line, record_dict, send_request
 from pagedgen.bench.workloads import BenchRequest
+from pagedgen.core.json_value import JsonObject
 
 if TYPE_CHECKING:
     import httpx
@@ -50,7 +51,7 @@ class ArrivalSummary:
     stream_tokens_during: int  # stream chunks that arrived inside that window
     errors: tuple[str, ...] = ()
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return record_dict(self)
 
 

@@ -15,11 +15,12 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pagedgen.argtypes import positive_int
 from pagedgen.bench.extras import INSTALL_HINT, MissingBenchExtra, importable, require
 from pagedgen.bench.loaded import BenchModel, BenchTokenizer, LoadedModel
+from pagedgen.core.json_value import JsonObject
 
 if TYPE_CHECKING:
     from pagedgen.bench.throughput import ThroughputResult
@@ -479,7 +480,7 @@ def workloads_from_args(args: argparse.Namespace, default: str) -> list[Workload
     return specs
 
 
-def machine_info(peak_flops: float | None) -> dict[str, Any]:
+def machine_info(peak_flops: float | None) -> JsonObject:
     """What a reader needs to interpret the numbers: CPU and flags, threads, versions, GEMM table, load."""
     import numpy as np
     import torch
@@ -601,12 +602,12 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def device_info(model: BenchModel) -> dict[str, Any]:
+def device_info(model: BenchModel) -> JsonObject:
     """The device, dtype and weights the systems ran with (the GPU's name on CUDA)."""
     import torch
 
     device = torch.device(getattr(model, "device", "cpu"))
-    info: dict[str, Any] = {
+    info: JsonObject = {
         "device": str(device),
         "dtype": str(getattr(model, "dtype", "")).removeprefix("torch."),
         "activations": getattr(model, "activations", "fp32"),
@@ -690,7 +691,7 @@ def _throughput_runs(
     return 0
 
 
-def _llama_bench(directory: Path | None, checkpoint: Path | None, threads: int) -> dict[str, Any]:
+def _llama_bench(directory: Path | None, checkpoint: Path | None, threads: int) -> JsonObject:
     """llama-bench's pp512 / tg128 on the same file and threads (printed), or why it did not run."""
     from pagedgen.bench.llama_cpp import llama_bench
     from pagedgen.bench.records import SystemSkipped
@@ -731,7 +732,7 @@ def _plot_path(explicit: Path | None, json_path: Path | None, purpose: str) -> P
     return json_path.with_suffix(".png")
 
 
-def _print_machine(machine: dict[str, Any]) -> None:
+def _print_machine(machine: JsonObject) -> None:
     peak = machine["gemm_peak_gflops"]
     print(
         f"{machine['cpu']}: {machine['cpus']} CPUs, torch {machine['torch_threads']} threads, OpenBLAS "
@@ -891,7 +892,7 @@ def cmd_gemm(args: argparse.Namespace) -> int:
     return 0
 
 
-def _gemm_shapes(args: argparse.Namespace, config: ModelConfig) -> dict[str, Any]:
+def _gemm_shapes(args: argparse.Namespace, config: ModelConfig) -> JsonObject:
     """Each linear shape alone, DRAM-resident random weights, at ``--rows`` (the per-shape study)."""
     from pagedgen.ops.matmul.gemm_calibrate import (
         available_backends,

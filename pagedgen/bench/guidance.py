@@ -14,8 +14,9 @@ import json
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from pagedgen.core.json_value import JsonObject
 from pagedgen.errors import EngineError
 
 if TYPE_CHECKING:
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from pagedgen.engine.engine import Engine
 
 # Six to eight small records: at least ~90 tokens, so a 64-token run never completes the grammar.
-DEFAULT_SCHEMA: dict[str, Any] = {
+DEFAULT_SCHEMA: JsonObject = {
     "type": "object",
     "properties": {
         "people": {
@@ -80,7 +81,7 @@ class GuidanceComparison:
     def overhead(self) -> float:
         return self.median_step_ms(True) / self.median_step_ms(False) - 1.0
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {
             "batch": self.batch,
             "output_len": self.output_len,
@@ -111,7 +112,7 @@ def run_guidance_batch(
     model: BenchModel,
     prompts: list[list[int]],
     config: EngineConfig,
-    schema: dict[str, Any] | None,
+    schema: JsonObject | None,
     output_len: int,
 ) -> GuidanceRun:
     """Prefill every prompt (untimed), then time each step while the whole batch decodes; ``schema=None``
@@ -182,7 +183,7 @@ def compare_guidance(
     batch: int = 16,
     output_len: int = 64,
     repeats: int = 3,
-    schema: dict[str, Any] | None = None,
+    schema: JsonObject | None = None,
 ) -> GuidanceComparison:
     """Alternate unguided and guided runs of the same batch ``repeats`` times each (after one warm pair)."""
     schema = DEFAULT_SCHEMA if schema is None else schema

@@ -14,10 +14,12 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+from pagedgen.core.json_value import JsonObject
 
 if TYPE_CHECKING:
     from pagedgen.core.kv import PagedKVCache
@@ -61,7 +63,7 @@ class KernelRow:
     def gb_per_s(self) -> float | None:
         return self.bytes_moved / self.seconds / 1e9 if self.seconds > 0 and self.bytes_moved else None
 
-    def to_dict(self, bandwidth: float | None) -> dict[str, Any]:
+    def to_dict(self, bandwidth: float | None) -> JsonObject:
         floor = None if not bandwidth or not self.bytes_moved else self.bytes_moved / bandwidth
         return {
             "group": self.group,
@@ -90,7 +92,7 @@ class KernelProfile:
     def bytes_per_forward(self) -> int:
         return sum(r.bytes_moved for r in self.rows)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         floor = None if not self.bandwidth else self.bytes_per_forward / self.bandwidth
         return {
             "model": self.model,

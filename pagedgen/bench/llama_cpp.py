@@ -22,11 +22,12 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from pagedgen.bench.checkpoints import NO_CHECKPOINT
 from pagedgen.bench.records import SystemRun, SystemSkipped
 from pagedgen.bench.workloads import BenchRequest
+from pagedgen.core.json_value import JsonObject
 
 SERVER = "llama-server"
 BENCH = "llama-bench"
@@ -102,7 +103,7 @@ def server_command(
     ]  # fmt: skip
 
 
-def completion_body(request: BenchRequest) -> dict[str, Any]:
+def completion_body(request: BenchRequest) -> JsonObject:
     """The ``/completion`` request of one bench request: its token ids, greedy, exactly its length."""
     return {
         "prompt": list(request.prompt_ids),
@@ -116,7 +117,7 @@ def completion_body(request: BenchRequest) -> dict[str, Any]:
     }
 
 
-def completion_tokens(reply: dict[str, Any], request: BenchRequest) -> list[int]:
+def completion_tokens(reply: JsonObject, request: BenchRequest) -> list[int]:
     """The generated ids of a ``/completion`` reply; raises ValueError when they are missing or short."""
     tokens = reply.get("tokens")
     if not isinstance(tokens, list):
@@ -130,7 +131,7 @@ def completion_tokens(reply: dict[str, Any], request: BenchRequest) -> list[int]
     return [int(t) for t in tokens]
 
 
-def reply_timings(replies: Sequence[dict[str, Any]]) -> dict[str, float]:
+def reply_timings(replies: Sequence[JsonObject]) -> dict[str, float]:
     """The server's own prompt / generation milliseconds and token counts, summed over the replies."""
     keys = ("prompt_n", "prompt_ms", "predicted_n", "predicted_ms")
     return {k: float(sum(r.get("timings", {}).get(k, 0) for r in replies)) for k in keys}
@@ -153,7 +154,7 @@ class BenchFigure:
     stddev: float
     repetitions: int
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {"tokens_per_s": self.tokens_per_s, "stddev": self.stddev, "repetitions": self.repetitions}
 
 
@@ -174,7 +175,7 @@ def parse_llama_bench(text: str) -> dict[str, BenchFigure]:
     return figures
 
 
-def bench_info(text: str) -> dict[str, Any]:
+def bench_info(text: str) -> JsonObject:
     """What llama-bench says about the build and machine (first test's fields), for the JSON record."""
     entry = json.loads(text)[0]
     keys = ("build_commit", "build_number", "cpu_info", "backends", "model_type", "model_size", "n_threads")
@@ -221,7 +222,7 @@ def _run_tool(command: list[str]) -> str:
 
 def llama_bench(
     directory: Path | None, checkpoint_dir: Path | None, threads: int, repetitions: int = 3
-) -> dict[str, Any]:
+) -> JsonObject:
     """Run llama-bench once (and llama-batched-bench, when present): ``{"figures": {test: {...}}, "info":
     {...}, "command": [...], "batched": {...} or absent}``.
 
@@ -232,7 +233,7 @@ def llama_bench(
     assert tools.bench is not None
     command = bench_command(tools.bench, gguf, threads=threads, repetitions=repetitions)
     text = _run_tool(command)
-    found: dict[str, Any] = {
+    found: JsonObject = {
         "figures": {k: f.to_dict() for k, f in parse_llama_bench(text).items()},
         "info": bench_info(text),
         "command": command,
@@ -288,7 +289,7 @@ class LlamaServer:
         self.close()
         raise RuntimeError(f"llama-server did not become ready within {START_TIMEOUT_S:.0f} s")
 
-    def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+    def complete(self, body: JsonObject) -> JsonObject:
         data = json.dumps(body).encode()
         request = urllib.request.Request(
             self.url + "/completion", data=data, headers={"Content-Type": "application/json"}
@@ -351,7 +352,7 @@ class LlamaCpp:
             replies = list(pool.map(server.complete, [completion_body(r) for r in requests]))
             wall = time.perf_counter() - start
         outputs = [completion_tokens(reply, r) for reply, r in zip(replies, requests, strict=True)]
-        details: dict[str, Any] = {"gguf": str(gguf), "slots": max_batch_size, "threads": self.threads}
+        details: JsonObject = {"gguf": str(gguf), "slots": max_batch_size, "threads": self.threads}
         details["server_timings"] = reply_timings(replies)
         details["server_peak_rss_bytes"] = server.peak_rss_bytes()
         details["command"] = server.command

@@ -11,9 +11,10 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pagedgen.bench.workloads import text_tokens
+from pagedgen.core.json_value import JsonObject
 from pagedgen.errors import EngineError
 
 if TYPE_CHECKING:
@@ -108,7 +109,7 @@ class PrefixRun:
     def ttft_p50(self) -> float:
         return statistics.median(self.ttft_s) if self.ttft_s else float("nan")
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {
             "prefix_caching": self.caching,
             "requests": len(self.ttft_s),
@@ -217,7 +218,7 @@ class PrefixComparison:
     def identical(self) -> bool:
         return self.off.outputs == self.on.outputs
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {
             "workload": self.workload.name,
             "description": self.workload.describe(),

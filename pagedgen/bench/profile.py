@@ -14,6 +14,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pagedgen.core.json_value import JsonObject
 from pagedgen.engine.outcomes import Phase
 
 if TYPE_CHECKING:
@@ -129,7 +130,7 @@ class ProfileSummary:
             return 0.0
         return (sum(self.group_s[g] for g in NON_MODEL_GROUPS) + self.other_s) / self.total_s
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {
             "steps": self.steps,
             "total_s": self.total_s,

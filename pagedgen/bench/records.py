@@ -15,10 +15,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 from pagedgen.bench.cpu import cpu_flags
 from pagedgen.bench.workloads import BenchRequest, workload_totals
+from pagedgen.core.json_value import JsonObject
 
 
 class RunStatus(enum.Enum):
@@ -39,7 +39,7 @@ class SystemRun:
     wall_s: float
     kv_blocks_used: int | None = None  # peak blocks held at once (paged systems)
     kv_blocks_total: int | None = None
-    details: dict[str, Any] = field(default_factory=dict)
+    details: JsonObject = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,9 +98,9 @@ class BenchRecord:
     exact_match_requests: int | None = None
     reference: str | None = None  # the fp32 run the match is against, e.g. "pagedgen fp32"
     cpu_flags: list[str] = field(default_factory=list)  # pagedgen.bench.cpu.RELEVANT flags this CPU has
-    details: dict[str, Any] = field(default_factory=dict)
+    details: JsonObject = field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         record = asdict(self)
         record["status"] = self.status.value
         return record

@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from pagedgen.bench.extras import require
 from pagedgen.bench.records import BenchRecord, RunStatus
+from pagedgen.core.json_value import JsonObject, JsonValue
 
 REQUIRED_KEYS = (
     "workload",
@@ -81,14 +81,14 @@ def markdown_table(records: Sequence[BenchRecord]) -> str:
     return "\n".join(lines)
 
 
-def json_document(records: Sequence[BenchRecord], **sections: Any) -> dict[str, Any]:
+def json_document(records: Sequence[BenchRecord], **sections: JsonValue) -> JsonObject:
     """The JSON payload: every record, plus named extra sections (machine, profiles, command)."""
-    document: dict[str, Any] = dict(sections)
+    document: JsonObject = dict(sections)
     document["records"] = [r.to_dict() for r in records]
     return document
 
 
-def write_json(path: Path, document: dict[str, Any]) -> None:
+def write_json(path: Path, document: JsonObject) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(document, indent=2, sort_keys=False) + "\n")
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from pagedgen.bench.extras import require
 from pagedgen.bench.workloads import BenchRequest
+from pagedgen.core.json_value import JsonObject
 
 if TYPE_CHECKING:
     import httpx
@@ -95,9 +96,9 @@ class LatencyStats:
         return cls(float(ms.mean()), p50, p90, p99, len(seconds), float(ms.max()))
 
 
-def record_dict(record: Any) -> dict[str, Any]:
+def record_dict(record: Any) -> JsonObject:
     """A slotted bench record as JSON-ready values: LatencyStats as dicts, tuples as lists, inf as None."""
-    out: dict[str, Any] = {}
+    out: JsonObject = {}
     for name in record.__slots__:
         value = getattr(record, name)
         if isinstance(value, LatencyStats):
@@ -129,7 +130,7 @@ class ServeSummary:
     errors: tuple[str, ...] = ()
     rejected: int = 0  # answered 429 (admission queue full)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         out = record_dict(self)
         out["request_rate"] = "inf" if math.isinf(self.request_rate) else self.request_rate
         return out
@@ -164,7 +165,7 @@ def summarize(
     )
 
 
-def parse_sse_line(line: str) -> dict[str, Any] | None:
+def parse_sse_line(line: str) -> JsonObject | None:
     """The JSON payload of a ``data: {...}`` SSE line; None for ``[DONE]``, comments and blank lines."""
     if not line.startswith("data:"):
         return None
@@ -174,7 +175,7 @@ def parse_sse_line(line: str) -> dict[str, Any] | None:
     return json.loads(data)
 
 
-def chunk_has_text(payload: dict[str, Any]) -> bool:
+def chunk_has_text(payload: JsonObject) -> bool:
     return any(choice.get("text") for choice in payload.get("choices") or ())
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +23,7 @@ from pagedgen.bench.progress import ProgressLine
 from pagedgen.bench.records import BenchRecord, RunStatus, SystemRun, SystemSkipped, make_record
 from pagedgen.bench.roofline import flop_model_of
 from pagedgen.bench.workloads import BenchRequest, WorkloadSpec, build_workload
+from pagedgen.core.json_value import JsonObject
 from pagedgen.errors import EngineError
 from pagedgen.ops.matmul.gemm_threads import torch_pool
 
@@ -202,8 +203,8 @@ class ThroughputResult:
 
     records: list[BenchRecord] = field(default_factory=list)
     profiles: dict[str, ProfileSummary] = field(default_factory=dict)  # "W1" / "W1@32" -> summary
-    peers: dict[str, Any] = field(default_factory=dict)  # a peer's own figures, e.g. "llama-bench"
-    machine: dict[str, Any] = field(default_factory=dict)
+    peers: JsonObject = field(default_factory=dict)  # a peer's own figures, e.g. "llama-bench"
+    machine: JsonObject = field(default_factory=dict)
 
 
 def warmup_requests(requests: Sequence[BenchRequest]) -> list[BenchRequest]:

@@ -13,13 +13,15 @@ import os
 import sys
 import time
 import traceback
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from pagedgen.core.json_value import JsonObject, JsonValue
 
 if TYPE_CHECKING:
     import vllm
 
 
-def start(message: dict[str, Any]) -> tuple[vllm.LLM, dict[str, Any]]:
+def start(message: JsonObject) -> tuple[vllm.LLM, JsonObject]:
     import vllm
 
     args = {
@@ -47,7 +49,7 @@ def start(message: dict[str, Any]) -> tuple[vllm.LLM, dict[str, Any]]:
     return llm, info
 
 
-def generate(llm: vllm.LLM, requests: list[list[Any]]) -> dict[str, Any]:
+def generate(llm: vllm.LLM, requests: list[list[JsonValue]]) -> JsonObject:
     from vllm import SamplingParams
 
     prompts = [{"prompt_token_ids": [int(t) for t in ids]} for ids, _ in requests]
@@ -69,7 +71,7 @@ def main() -> int:
             if llm is None:
                 try:
                     llm, info = start(message)
-                    reply: dict[str, Any] = {"ready": info}
+                    reply: JsonObject = {"ready": info}
                 except ImportError as exc:
                     reply = {"skipped": f"vllm is not importable by {sys.executable}: {exc}"}
             else:

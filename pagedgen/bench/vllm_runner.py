@@ -16,11 +16,12 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from pagedgen.bench.checkpoints import NO_CHECKPOINT, hf_dir_for_loaders
 from pagedgen.bench.records import SystemRun, SystemSkipped
 from pagedgen.bench.workloads import BenchRequest
+from pagedgen.core.json_value import JsonObject
 
 DRIVER = Path(__file__).with_name("vllm_driver.py")
 THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
@@ -72,10 +73,10 @@ class VllmDriver:
         )
         self.info = self._ask({"model": str(model), "max_num_seqs": max_num_seqs, "enforce_eager": eager})
 
-    def generate(self, requests: Sequence[BenchRequest]) -> dict[str, Any]:
+    def generate(self, requests: Sequence[BenchRequest]) -> JsonObject:
         return self._ask({"requests": [[list(r.prompt_ids), r.output_len] for r in requests]})
 
-    def _ask(self, message: dict[str, Any]) -> dict[str, Any]:
+    def _ask(self, message: JsonObject) -> JsonObject:
         """Send one message, read one reply; raises SystemSkipped or RuntimeError as the driver reports."""
         assert self._process.stdin is not None and self._process.stdout is not None
         try:

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from pagedgen.core.decoder import DecoderModel
 from pagedgen.executor.runner import ModelRunner
 from pagedgen.ops.matmul.gemm_threads import usable_cpus
 from pagedgen.parallel.comm import DEFAULT_TIMEOUT_S, join_group, serve_store
@@ -108,7 +109,7 @@ class TensorParallelRunner:
 
     def __init__(
         self,
-        model: Any,
+        model: DecoderModel,
         world: int,
         num_blocks: int,
         block_size: int,

@@ -57,6 +57,7 @@ from pagedgen.server.worker import SHUTDOWN_MESSAGE, UNAVAILABLE_MESSAGE, AsyncE
 from pagedgen.server.worker_protocol import ServingWorker
 
 if TYPE_CHECKING:
+    from pagedgen.core.json_value import JsonObject
     from pagedgen.engine.config import EngineConfig
     from pagedgen.llm import ServedModel
 
@@ -342,7 +343,7 @@ async def _complete(
     param: str,
     arrived: float,
     request: Request,
-) -> Response | dict[str, Any]:
+) -> Response | JsonObject:
     """One prompt's completion (``param`` names it in errors: ``prompt``, or ``prompt[i]`` of a batch)."""
     if isinstance(prompt, str):
         check_text(server, len(prompt), body.requested_max_tokens, param)
@@ -364,7 +365,7 @@ async def _complete(
 
 async def _complete_batch(
     server: _Server, body: CompletionRequest, prompts: list[str | list[int]], arrived: float, request: Request
-) -> Response | dict[str, Any]:
+) -> Response | JsonObject:
     """A batch of prompts: each its own job (and admission ticket), run together; ``n`` choices per prompt
     in order (prompt 0's first), usage summed. A refused prompt refuses the batch (the others are
     cancelled)."""

@@ -13,7 +13,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pagedgen.server.guard import ApiError
 from pagedgen.server.tool_parsers import (
@@ -29,6 +29,7 @@ from pagedgen.server.tool_parsers.hermes import HERMES
 from pagedgen.server.tools import parameters_schema
 
 if TYPE_CHECKING:
+    from pagedgen.core.json_value import JsonObject, JsonValue
     from pagedgen.llm import TextTokenizer
     from pagedgen.server.protocol import ChatCompletionRequest
 
@@ -61,7 +62,7 @@ class AutoToolCalls:
     system_prompt: str | None  # the fallback prompt, None when the template renders the tools
     keep_special_tokens: bool  # the trigger is a special token: decode the reply with it
 
-    def prompt_messages(self, messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    def prompt_messages(self, messages: Sequence[Mapping[str, JsonValue]]) -> list[JsonObject]:
         """The conversation the template renders: with the fallback prompt in its system message."""
         messages = [dict(message) for message in messages]
         if self.system_prompt is None:
@@ -103,11 +104,11 @@ def auto_tool_calls(
 
 
 def tokenized_messages(
-    messages: list[dict[str, Any]],
-    tools: list[dict[str, Any]] | None,
+    messages: list[JsonObject],
+    tools: list[JsonObject] | None,
     tokenizer: TextTokenizer,
     settings: AutoToolSettings,
-) -> list[dict[str, Any]]:
+) -> list[JsonObject]:
     """The messages ``/tokenize`` renders for a chat with ``tools`` (no ``tool_choice`` there: the chat
     route's default, ``"auto"``), so its count is the chat's ``usage.prompt_tokens``: with the fallback
     prompt where the template has no ``tools`` and automatic calls are on."""
@@ -135,7 +136,7 @@ def _format(settings: AutoToolSettings, template: str, renders: bool) -> ToolCal
     return fmt
 
 
-def fallback_system_prompt(fmt: ToolCallFormat, tools: Sequence[Mapping[str, Any]]) -> str:
+def fallback_system_prompt(fmt: ToolCallFormat, tools: Sequence[Mapping[str, JsonValue]]) -> str:
     """The tools, one JSON object a line, and how to call them, for a template without ``tools``."""
     listing = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
     return f"You may call these functions:\n<tools>\n{listing}\n</tools>\n\n{instructions(fmt)}"

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -40,6 +40,7 @@ from pagedgen.server.worker import Finish, JobUpdate
 from pagedgen.server.worker_protocol import ServingWorker
 
 if TYPE_CHECKING:
+    from pagedgen.core.json_value import JsonObject
     from pagedgen.server.app import _Server
     from pagedgen.server.protocol import RequestBody
 
@@ -140,7 +141,7 @@ async def run_choices(
     arrived: float,
     request: Request,
     ticket: Ticket,
-) -> Response | dict[str, Any]:
+) -> Response | JsonObject:
     """Serve a validated request's ``body.n`` choices (the route's ``_run_job`` for ``n > 1``)."""
     tag = request_id_of(request.scope) or ""
     group = JobGroup.submit(server.client.worker, ids, choice_params(params, body.n), arrived, tag)
@@ -184,7 +185,7 @@ def _usage_finish(finishes: Sequence[Finish]) -> Finish:
     return dataclasses.replace(finishes[0], generated_tokens=sum(f.generated_tokens for f in finishes))
 
 
-def _indexed(payload: dict[str, Any], index: int) -> dict[str, Any]:
+def _indexed(payload: JsonObject, index: int) -> JsonObject:
     for choice in payload["choices"]:
         choice["index"] = index
     return payload
@@ -192,7 +193,7 @@ def _indexed(payload: dict[str, Any], index: int) -> dict[str, Any]:
 
 async def _collect(
     group: JobGroup, texts: list[IncrementalDetokenizer], builders: list[PayloadBuilder]
-) -> tuple[dict[str, Any], list[str]]:
+) -> tuple[JsonObject, list[str]]:
     """The whole response (choices ordered by index) and each choice's engine finish reason."""
     n = group.n
     parts: list[list[str]] = [[] for _ in range(n)]

@@ -7,22 +7,25 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pagedgen.llm import TextTokenizer, encode_chat_prompt
 from pagedgen.models.tokenizer import ChatPrompt
 from pagedgen.server.guard import ApiError
 
+if TYPE_CHECKING:
+    from pagedgen.core.json_value import JsonObject, JsonValue
+
 
 def chat_prompt_ids(
     tokenizer: TextTokenizer,
-    messages: Sequence[Mapping[str, Any]],
-    tools: list[dict[str, Any]] | None,
+    messages: Sequence[Mapping[str, JsonValue]],
+    tools: list[JsonObject] | None,
     parse_special: bool,
     *,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
-    template_kwargs: Mapping[str, Any] | None = None,
+    template_kwargs: Mapping[str, JsonValue] | None = None,
 ) -> list[int]:
     """The prompt ids of a chat (call it off the event loop: templating and tokenizing can be slow); the
     messages' text is encoded as text unless ``parse_special``. A template that fails is a 400 naming
@@ -44,10 +47,10 @@ def chat_prompt_ids(
 
 def _render(
     tokenizer: TextTokenizer,
-    messages: Sequence[Mapping[str, Any]],
+    messages: Sequence[Mapping[str, JsonValue]],
     generation_prompt: bool,
     parse_special: bool,
-    variables: dict[str, Any],
+    variables: JsonObject,
 ) -> ChatPrompt:
     """The rendered prompt; a tokenizer without ``render_chat`` (no special tokens to guard, e.g. the
     synthetic model's) renders with its ``apply_chat_template``."""
@@ -60,7 +63,7 @@ def _render(
     )
 
 
-def _cut_after_final_message(prompt: ChatPrompt, final: Mapping[str, Any]) -> ChatPrompt:
+def _cut_after_final_message(prompt: ChatPrompt, final: Mapping[str, JsonValue]) -> ChatPrompt:
     content = str(final.get("content") or "").strip()
     if not content:
         raise ApiError(
@@ -80,7 +83,7 @@ def _cut_after_final_message(prompt: ChatPrompt, final: Mapping[str, Any]) -> Ch
     return replace(prompt, text=prompt.text[:end], markup=markup)
 
 
-def _check_template_strings(tokenizer: TextTokenizer, variables: Mapping[str, Any]) -> None:
+def _check_template_strings(tokenizer: TextTokenizer, variables: Mapping[str, JsonValue]) -> None:
     """Refuse a string variable holding a special-token string (only a tokenizer that tells text from
     control, ours, can hold one)."""
     encode = getattr(tokenizer, "encode", None)

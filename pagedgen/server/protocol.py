@@ -15,7 +15,7 @@ import re
 import threading
 import uuid
 from collections.abc import Mapping
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -23,6 +23,9 @@ from pydantic_core import PydanticCustomError
 from pagedgen.errors import SamplingOptionsError
 from pagedgen.sampling.params import SamplingParams, StructuredOutputsParams
 from pagedgen.server.tools import ForcedToolCalls, parameters_schema, required_schema
+
+if TYPE_CHECKING:
+    from pagedgen.core.json_value import JsonObject, JsonValue
 
 log = logging.getLogger("pagedgen.server")
 
@@ -161,7 +164,7 @@ class ChatMessage(_Lenient):
     tool_calls: list[ToolCall] | None = None  # an assistant message's calls
     tool_call_id: str | None = None  # a tool message: the call it answers
 
-    def as_template_message(self) -> dict[str, Any]:
+    def as_template_message(self) -> JsonObject:
         """The ``{"role", "content"}`` dict a chat template expects (``developer`` -> ``system``), with
         ``tool_calls`` / ``tool_call_id`` when the message has them (a template may ignore them)."""
         role = "system" if self.role == "developer" else self.role
@@ -171,7 +174,7 @@ class ChatMessage(_Lenient):
             content = self.content
         else:
             content = "".join(part.text for part in self.content)
-        message: dict[str, Any] = {"role": role, "content": content}
+        message: JsonObject = {"role": role, "content": content}
         if self.tool_calls is not None:
             message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
         if self.tool_call_id is not None:
@@ -433,7 +436,7 @@ class ChatTemplateFields(BaseModel):
                 )
         return self
 
-    def template_options(self) -> dict[str, Any]:
+    def template_options(self) -> JsonObject:
         """The keyword arguments of :func:`pagedgen.server.prompting.chat_prompt_ids`."""
         return {
             "add_generation_prompt": self.add_generation_prompt,
@@ -487,7 +490,7 @@ class ChatCompletionRequest(ChatTemplateFields, _SamplingFields):
         self._auto_tool_grammar = grammar
 
     @property
-    def template_tools(self) -> list[dict[str, Any]] | None:
+    def template_tools(self) -> list[JsonObject] | None:
         """The tools the chat template sees: none when ``tool_choice`` is ``"none"`` (they are ignored)."""
         if self.tools is None or self.tool_choice == "none":
             return None
@@ -680,7 +683,7 @@ NAMED_ERRORS = ("lone_surrogate", "field_error")  # validation errors whose mess
 _PYDANTIC_TAG = re.compile(r"[\[\](),-]|^(str|int|float|bool|dict|list|none)$|^[A-Z]")  # a union member's tag
 
 
-def error_param(error: Mapping[str, Any], body: object) -> str | None:
+def error_param(error: Mapping[str, JsonValue], body: object) -> str | None:
     """The body path of a validation error (``messages[0].content``).
 
     pydantic's ``loc`` also names union members (``str``, ``list[TextPart]``) and discriminator values

@@ -13,13 +13,14 @@ import dataclasses
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pagedgen.guidance.prefixed import constraint_after_text
 from pagedgen.sampling.logprobs import TokenLogprob
 from pagedgen.sampling.params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
+    from pagedgen.core.json_value import JsonObject, JsonValue
     from pagedgen.server.responses import ChatResponses
     from pagedgen.server.worker import Finish
 
@@ -45,7 +46,7 @@ class ReasoningParser:
     start_tag: str = "<think>"
     end_tag: str = "</think>"
 
-    def start(self, prompt_tail: str, template_kwargs: Mapping[str, Any]) -> ReasoningStart:
+    def start(self, prompt_tail: str, template_kwargs: Mapping[str, JsonValue]) -> ReasoningStart:
         """Where the reply to a prompt ending in ``prompt_tail`` starts."""
         if self.honours_enable_thinking and template_kwargs.get("enable_thinking") is False:
             return ReasoningStart.NONE
@@ -195,7 +196,9 @@ class ReasoningResponses:
     (``n > 1``) made after it start the same way, each with its own splitter.
     """
 
-    def __init__(self, inner: ChatResponses, parser: ReasoningParser, template_kwargs: Mapping[str, Any]):
+    def __init__(
+        self, inner: ChatResponses, parser: ReasoningParser, template_kwargs: Mapping[str, JsonValue]
+    ):
         self._inner = inner
         self._parser = parser
         self._template_kwargs = dict(template_kwargs)
@@ -227,15 +230,15 @@ class ReasoningResponses:
         other._splitter = ReasoningSplitter(self._parser, self._start)
         return other
 
-    def first_chunk(self) -> dict[str, Any] | None:
+    def first_chunk(self) -> JsonObject | None:
         return self._inner.first_chunk()
 
-    def usage_chunk(self, finish: Finish) -> dict[str, Any]:
+    def usage_chunk(self, finish: Finish) -> JsonObject:
         return self._inner.usage_chunk(finish)
 
     def chunk(
         self, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str | None
-    ) -> dict[str, Any] | None:
+    ) -> JsonObject | None:
         """One stream chunk (None while the piece only holds back text)."""
         delta = self._splitter.feed(text)
         if finish_reason is not None:
@@ -251,7 +254,7 @@ class ReasoningResponses:
 
     def full(
         self, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str, finish: Finish
-    ) -> dict[str, Any]:
+    ) -> JsonObject:
         split = split_reasoning(self._parser, self._start, text)
         response = self._inner.full(split.content, logprobs, finish_reason, finish)
         message = response["choices"][0]["message"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 from pagedgen.sampling.logprobs import TokenLogprob
 from pagedgen.server.auto_tools import AutoToolCalls
@@ -20,11 +20,12 @@ from pagedgen.server.tools import ForcedToolCalls, new_tool_call_id, parse_requi
 from pagedgen.server.worker import Finish
 
 if TYPE_CHECKING:
+    from pagedgen.core.json_value import JsonObject, JsonValue
     from pagedgen.llm import TextTokenizer
     from pagedgen.server.reasoning import ReasoningResponses
 
 # One payload, or (the Responses API's) the list of events one piece of output becomes.
-Payload = dict[str, Any] | list[dict[str, Any]]
+Payload: TypeAlias = "JsonObject | list[JsonObject]"
 
 
 class PayloadBuilder(Protocol):
@@ -50,12 +51,12 @@ class PayloadBuilder(Protocol):
 
     def full(
         self, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str, finish: Finish
-    ) -> dict[str, Any]: ...
+    ) -> JsonObject: ...
 
     def sibling(self) -> PayloadBuilder: ...
 
 
-def usage_dict(finish: Finish) -> dict[str, Any]:
+def usage_dict(finish: Finish) -> JsonObject:
     return {
         "prompt_tokens": finish.prompt_tokens,
         "completion_tokens": finish.generated_tokens,
@@ -89,7 +90,7 @@ class _Builder:
     def _token_text(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _envelope(self, obj: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    def _envelope(self, obj: str, choices: list[JsonObject], **extra: JsonValue) -> JsonObject:
         return {
             "id": self.id,
             "object": obj,
@@ -129,10 +130,10 @@ class ChatResponses(_Builder):
             self.model, self._tokenizer, self.top_n, self.include_usage, self._tools, self._auto
         )
 
-    def first_chunk(self) -> dict[str, Any]:
+    def first_chunk(self) -> JsonObject:
         if self._tools is None:
             return self._chunk({"role": "assistant", "content": ""}, None, None)
-        delta: dict[str, Any] = {"role": "assistant", "content": None}
+        delta: JsonObject = {"role": "assistant", "content": None}
         if self._tools.function is not None:
             call = tool_call(self._call_id, self._tools.function, "")
             delta["tool_calls"] = [{"index": 0, **call}]
@@ -140,7 +141,7 @@ class ChatResponses(_Builder):
 
     def chunk(
         self, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str | None
-    ) -> dict[str, Any] | None:
+    ) -> JsonObject | None:
         """One stream chunk, or None when there is nothing to send yet (a "required" list being held)."""
         entries = self.logprobs(logprobs) if logprobs else None
         if self._parser is not None:
@@ -161,8 +162,8 @@ class ChatResponses(_Builder):
         return self._chunk(delta, entries, reason)
 
     def _auto_chunk(
-        self, parser: ToolCallParser, text: str, entries: dict[str, Any] | None, finish_reason: str | None
-    ) -> dict[str, Any] | None:
+        self, parser: ToolCallParser, text: str, entries: JsonObject | None, finish_reason: str | None
+    ) -> JsonObject | None:
         parsed = parser.feed(text)
         if finish_reason is not None:
             parsed.extend(parser.finish())
@@ -171,19 +172,17 @@ class ChatResponses(_Builder):
             return None  # text held back (a trigger's beginning, whitespace before a call)
         return self._chunk(auto_delta(parsed), entries, finish_reason)
 
-    def _chunk(
-        self, delta: dict[str, Any], logprobs: dict[str, Any] | None, finish_reason: str | None
-    ) -> dict[str, Any]:
+    def _chunk(self, delta: JsonObject, logprobs: JsonObject | None, finish_reason: str | None) -> JsonObject:
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         extra = {"usage": None} if self.include_usage else {}
         return self._envelope("chat.completion.chunk", [choice], **extra)
 
-    def usage_chunk(self, finish: Finish) -> dict[str, Any]:
+    def usage_chunk(self, finish: Finish) -> JsonObject:
         return self._envelope("chat.completion.chunk", [], usage=usage_dict(finish))
 
     def full(
         self, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str, finish: Finish
-    ) -> dict[str, Any]:
+    ) -> JsonObject:
         message, finish_reason = self._message(text, finish_reason)
         choice = {
             "index": 0,
@@ -193,7 +192,7 @@ class ChatResponses(_Builder):
         }
         return self._envelope("chat.completion", [choice], usage=usage_dict(finish))
 
-    def _message(self, text: str, finish_reason: str) -> tuple[dict[str, Any], str]:
+    def _message(self, text: str, finish_reason: str) -> tuple[JsonObject, str]:
         """The assistant message of a whole turn and its finish reason."""
         if self._parser is not None:
             return _auto_message(self._parser, text, finish_reason)
@@ -204,37 +203,37 @@ class ChatResponses(_Builder):
             return {"role": "assistant", "content": None, "tool_calls": [call]}, finish_reason
         return self._required_message(text, finish_reason)
 
-    def _required_message(self, text: str, finish_reason: str) -> tuple[dict[str, Any], str]:
+    def _required_message(self, text: str, finish_reason: str) -> tuple[JsonObject, str]:
         calls = parse_required_calls(text) if finish_reason == "stop" else None
         if calls is None:
             return {"role": "assistant", "content": text, "tool_calls": None}, finish_reason
         tool_calls = [tool_call(new_tool_call_id(), name, arguments) for name, arguments in calls]
         return {"role": "assistant", "content": None, "tool_calls": tool_calls}, "tool_calls"
 
-    def logprobs(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+    def logprobs(self, entries: Sequence[TokenLogprob]) -> JsonObject:
         content = []
         for entry in entries:
             top = [self._alternative(t, lp) for t, lp in entry.top[: self.top_n or 0]]
             content.append({**self._alternative(entry.token_id, entry.logprob), "top_logprobs": top})
         return {"content": content}
 
-    def _alternative(self, token_id: int, logprob: float) -> dict[str, Any]:
+    def _alternative(self, token_id: int, logprob: float) -> JsonObject:
         text = self._token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
-def auto_delta(parsed: ParserDelta) -> dict[str, Any]:
+def auto_delta(parsed: ParserDelta) -> JsonObject:
     """The stream delta of parsed text: ``content`` and OpenAI's tool-call deltas (a call's pieces within
     one chunk merged into one entry)."""
-    delta: dict[str, Any] = {}
+    delta: JsonObject = {}
     if parsed.content:
         delta["content"] = parsed.content
-    entries: list[dict[str, Any]] = []
+    entries: list[JsonObject] = []
     for call in parsed.calls:
         if entries and entries[-1]["index"] == call.index:
             entries[-1]["function"]["arguments"] += call.arguments
             continue
-        entry: dict[str, Any] = {"index": call.index}
+        entry: JsonObject = {"index": call.index}
         if call.id is not None:
             entry.update(
                 id=call.id, type="function", function={"name": call.name, "arguments": call.arguments}
@@ -247,7 +246,7 @@ def auto_delta(parsed: ParserDelta) -> dict[str, Any]:
     return delta
 
 
-def _auto_message(parser: ToolCallParser, text: str, finish_reason: str) -> tuple[dict[str, Any], str]:
+def _auto_message(parser: ToolCallParser, text: str, finish_reason: str) -> tuple[JsonObject, str]:
     parser.feed(text)
     parser.finish()
     if not parser.calls:
@@ -282,10 +281,10 @@ class CompletionResponses(_Builder):
     def _fresh(self) -> CompletionResponses:
         return CompletionResponses(self.model, self._tokenizer, self.top_n, self.include_usage, self._echo)
 
-    def first_chunk(self) -> dict[str, Any] | None:
+    def first_chunk(self) -> JsonObject | None:
         return self.chunk(self._echo, (), None) if self._echo else None
 
-    def chunk(self, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str | None) -> dict[str, Any]:
+    def chunk(self, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str | None) -> JsonObject:
         choice = {
             "index": 0,
             "text": text,
@@ -295,12 +294,12 @@ class CompletionResponses(_Builder):
         extra = {"usage": None} if self.include_usage else {}
         return self._envelope("text_completion", [choice], **extra)
 
-    def usage_chunk(self, finish: Finish) -> dict[str, Any]:
+    def usage_chunk(self, finish: Finish) -> JsonObject:
         return self._envelope("text_completion", [], usage=usage_dict(finish))
 
     def full(
         self, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str, finish: Finish
-    ) -> dict[str, Any]:
+    ) -> JsonObject:
         choice = {
             "index": 0,
             "text": self._echo + text,
@@ -309,7 +308,7 @@ class CompletionResponses(_Builder):
         }
         return self._envelope("text_completion", [choice], usage=usage_dict(finish))
 
-    def logprobs(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+    def logprobs(self, entries: Sequence[TokenLogprob]) -> JsonObject:
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
         for entry in entries:
             text = self._token_text(entry.token_id)

@@ -26,6 +26,7 @@ from pagedgen.server.prompting import chat_prompt_ids
 from pagedgen.server.protocol import DetokenizeRequest, TokenizeRequest
 
 if TYPE_CHECKING:
+    from pagedgen.core.json_value import JsonObject
     from pagedgen.llm import TextTokenizer
 
 T = TypeVar("T")
@@ -44,7 +45,7 @@ class MiscContext:
     auto_tools: AutoToolSettings = AutoToolSettings()  # the chat route's, for a chat sent with tools
 
 
-def model_card(name: str, context: int) -> dict[str, Any]:
+def model_card(name: str, context: int) -> JsonObject:
     return {"id": name, "object": "model", "created": 0, "owned_by": "pagedgen", "max_model_len": context}
 
 
@@ -68,7 +69,7 @@ def add_misc_routes(app: FastAPI, ctx: MiscContext) -> None:
         if body.model is not None:
             check_model(body.model, ctx.model_name)
         ids = await _off_loop(ctx, functools.partial(_tokenize, ctx, body))
-        answer: dict[str, Any] = {"count": len(ids), "max_model_len": ctx.context, "tokens": ids}
+        answer: JsonObject = {"count": len(ids), "max_model_len": ctx.context, "tokens": ids}
         if body.return_token_strs:
             answer["token_strs"] = await _off_loop(ctx, functools.partial(_token_strs, ctx.tokenizer, ids))
         return answer
@@ -106,7 +107,7 @@ def _tokenize(ctx: MiscContext, body: TokenizeRequest) -> list[int]:
 def _encode_text(tokenizer: TextTokenizer, text: str, add_special: bool, parse_special: bool) -> list[int]:
     """As :func:`pagedgen.llm.encode_prompt`, with the sequence tokens optional."""
     parameters = inspect.signature(tokenizer.encode).parameters
-    kwargs: dict[str, Any] = {"parse_special": parse_special} if "parse_special" in parameters else {}
+    kwargs: dict[str, bool] = {"parse_special": parse_special} if "parse_special" in parameters else {}
     if "add_special_tokens" in parameters:
         kwargs["add_special_tokens"] = add_special
     return tokenizer.encode(text, **kwargs)

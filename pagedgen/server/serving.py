@@ -12,7 +12,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -50,6 +50,7 @@ from pagedgen.server.updates import (
 from pagedgen.server.worker import SHUTDOWN_MESSAGE, JobHandle, Keep
 
 if TYPE_CHECKING:
+    from pagedgen.core.json_value import JsonObject, JsonValue
     from pagedgen.server.app import _Server
 
 log = logging.getLogger("pagedgen.server")
@@ -93,10 +94,10 @@ def check_text(
 
 def chat_ids(
     tokenizer: TextTokenizer,
-    messages: list[dict[str, Any]],
-    tools: list[dict[str, Any]] | None,
+    messages: list[JsonObject],
+    tools: list[JsonObject] | None,
     parse_special: bool,
-    **template: Any,
+    **template: JsonValue,
 ) -> list[int]:
     """The prompt ids of a chat (runs in a worker thread: templating and tokenizing can be slow); the
     messages' text is encoded as text unless ``parse_special``.
@@ -129,7 +130,7 @@ async def serve(
     prompt_param: str,
     request: Request,
     keep: Keep | None = None,
-) -> Response | dict[str, Any]:
+) -> Response | JsonObject:
     """Admit the request, check its parameters and tokenize it off the loop, then run its job; the ticket
     is released when the response ends (a stream's own cleanup releases it). ``keep``: the job's
     multi-turn options (the Responses API's, :mod:`pagedgen.server.responses_api`)."""
@@ -137,7 +138,7 @@ async def serve(
         message = f"n={body.n} is more choices than the server runs at once (--max-batch-size "
         raise ApiError(400, message + f"{server.admission.max_running})", param="n")
     ticket = _admit(server.admission, body.n)
-    response: Response | dict[str, Any] | None = None
+    response: Response | JsonObject | None = None
     try:
         params = await _sampling_params(server, body)
         ids = await asyncio.get_running_loop().run_in_executor(server.prepare_pool, prepare)
@@ -204,7 +205,7 @@ async def _run_job(
     request: Request,
     ticket: Ticket,
     keep: Keep | None = None,
-) -> Response | dict[str, Any]:
+) -> Response | JsonObject:
     """Validate the prompt length, submit the job, then stream or collect its output."""
     if not ids:
         raise ApiError(400, "the prompt is empty: at least one input token is required", param=prompt_param)
@@ -249,7 +250,7 @@ def _close_stream(handle: JobHandle, ticket: Ticket, metrics: ServerMetrics) -> 
 
 async def _collect(
     handle: JobHandle, text: IncrementalDetokenizer, builder: PayloadBuilder
-) -> tuple[dict[str, Any], str]:
+) -> tuple[JsonObject, str]:
     """The whole response and the engine's finish reason (the response's may say "tool_calls")."""
     parts: list[str] = []
     logprobs: list[TokenLogprob] = []

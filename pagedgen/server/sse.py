@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+if TYPE_CHECKING:
+    from pagedgen.core.json_value import JsonObject
+
 DONE = b"data: [DONE]\n\n"
 
 
-def sse_event(payload: dict[str, Any] | list[dict[str, Any]]) -> bytes:
+def sse_event(payload: JsonObject | list[JsonObject]) -> bytes:
     """One SSE ``data`` event carrying ``payload`` as compact JSON; a list is one event per payload, each
     named by its ``type`` (``event: response.created``), as the Responses API streams them."""
     if isinstance(payload, list):

@@ -14,12 +14,15 @@ import json
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pagedgen.errors import SamplingOptionsError
 
+if TYPE_CHECKING:
+    from pagedgen.core.json_value import JsonObject, JsonValue
+
 # A function without parameters takes none: its arguments are exactly "{}".
-NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+NO_PARAMETERS: JsonObject = {"type": "object", "properties": {}, "additionalProperties": False}
 _DEFINITION_KEYS = ("$defs", "definitions")  # where a schema keeps the subschemas its "#/..." refs name
 
 
@@ -35,12 +38,14 @@ class ForcedToolCalls:
         return self.function is None
 
 
-def parameters_schema(parameters: Mapping[str, Any] | None) -> dict[str, Any]:
+def parameters_schema(parameters: Mapping[str, JsonValue] | None) -> JsonObject:
     """The schema a function's arguments follow; missing or empty ``parameters`` mean no arguments."""
     return dict(parameters) if parameters else dict(NO_PARAMETERS)
 
 
-def required_schema(tools: Sequence[tuple[str, Mapping[str, Any] | None]], parallel: bool) -> dict[str, Any]:
+def required_schema(
+    tools: Sequence[tuple[str, Mapping[str, JsonValue] | None]], parallel: bool
+) -> JsonObject:
     """The schema of ``tool_choice="required"`` output over ``(name, parameters)`` pairs (vLLM's shape).
 
     Each tool's ``$defs`` / ``definitions`` move to the root, where its ``#/$defs/...`` refs resolve once
@@ -48,7 +53,7 @@ def required_schema(tools: Sequence[tuple[str, Mapping[str, Any] | None]], paral
     (``SamplingOptionsError`` naming the later tool). ``parallel=False`` allows exactly one call.
     """
     branches = []
-    hoisted: dict[str, dict[str, Any]] = {}
+    hoisted: dict[str, JsonObject] = {}
     for index, (name, parameters) in enumerate(tools):
         schema = parameters_schema(parameters)
         for key in _DEFINITION_KEYS:
@@ -72,7 +77,7 @@ def required_schema(tools: Sequence[tuple[str, Mapping[str, Any] | None]], paral
                 "additionalProperties": False,
             }
         )
-    array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": branches}}
+    array: JsonObject = {"type": "array", "minItems": 1, "items": {"anyOf": branches}}
     if not parallel:
         array["maxItems"] = 1
     return {**array, **hoisted}
@@ -100,6 +105,6 @@ def new_tool_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+def tool_call(call_id: str, name: str, arguments: str) -> JsonObject:
     """One entry of ``message.tool_calls``."""
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}

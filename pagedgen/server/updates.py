@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import enum
 from collections.abc import Coroutine, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from fastapi.responses import Response
 from starlette.types import Receive
@@ -24,6 +24,9 @@ from pagedgen.server.guard import ApiError, error_body
 from pagedgen.server.metrics import ServerMetrics
 from pagedgen.server.responses import Payload, PayloadBuilder
 from pagedgen.server.worker import JobError, JobUpdate
+
+if TYPE_CHECKING:
+    from pagedgen.core.json_value import JsonObject
 
 JOB_STATUS = {
     JobError.INVALID: 400,
@@ -105,5 +108,5 @@ async def chunk(
     return await asyncio.to_thread(builder.chunk, text, logprobs, reason)
 
 
-def error_json_body(exc: ApiError) -> dict[str, Any]:
+def error_json_body(exc: ApiError) -> JsonObject:
     return error_body(exc.status, exc.message, exc.param, exc.code)

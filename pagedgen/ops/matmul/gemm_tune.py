@@ -18,11 +18,11 @@ import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
+from pagedgen.core.json_value import JsonObject
 from pagedgen.core.paths import cache_root
 from pagedgen.ops.kernels.cpu_info import cpu_flags, cpu_model
 from pagedgen.ops.kernels.native import native_status
@@ -91,7 +91,7 @@ class Calibration:
     table: GemmTable | None
     reasons: tuple[str, ...]
     source: str
-    key: dict[str, Any] | None = None
+    key: JsonObject | None = None
     timings: tuple[PassTiming, ...] = ()
     quant: QuantTable | None = None
     quant_reasons: tuple[str, ...] = ()
@@ -102,7 +102,7 @@ class Calibration:
         cls,
         timings: Sequence[PassTiming],
         source: str,
-        key: dict[str, Any] | None,
+        key: JsonObject | None,
         quant_timings: Sequence[QuantPassTiming] = (),
     ) -> Calibration:
         return cls(
@@ -116,7 +116,7 @@ class Calibration:
             tuple(quant_timings),
         )
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {
             "key": self.key,
             "table": None if self.table is None else self.table.describe(),
@@ -135,7 +135,7 @@ class Calibration:
         }
 
 
-def timings_from_json(document: dict[str, Any]) -> tuple[tuple[PassTiming, ...], tuple[QuantPassTiming, ...]]:
+def timings_from_json(document: JsonObject) -> tuple[tuple[PassTiming, ...], tuple[QuantPassTiming, ...]]:
     """The fp32 and quantized timings of a cache entry (an entry from before the quantized paths has none of
     the latter); raises ``KeyError``/``ValueError``/``TypeError`` when malformed or empty."""
     timings = tuple(
@@ -164,7 +164,7 @@ def timings_from_json(document: dict[str, Any]) -> tuple[tuple[PassTiming, ...],
 
 def calibration_key(
     weights: Sequence[LinearWeight], counts: RowCounts, quant_weights: Sequence[QuantLinearWeight] = ()
-) -> dict[str, Any]:
+) -> JsonObject:
     """Everything a measured choice depends on (see the module docstring); JSON-serialisable."""
     threads = current_thread_settings()
     native = native_status()
@@ -192,7 +192,7 @@ def calibration_key(
     }
 
 
-def key_digest(key: dict[str, Any]) -> str:
+def key_digest(key: JsonObject) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -200,7 +200,7 @@ def cache_dir() -> Path:
     return cache_root() / "gemm"
 
 
-def load_entry(path: Path, key: dict[str, Any] | None) -> Calibration | None:
+def load_entry(path: Path, key: JsonObject | None) -> Calibration | None:
     """The cached calibration at ``path``; None when missing, unreadable, malformed, or (``key`` given)
     measured under another key or lacking the timings the key's weights call for."""
     try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pagedgen.server.responses_api.wire import (
     FunctionCallItem,
@@ -19,6 +19,10 @@ from pagedgen.server.responses_api.wire import (
     TextFormatJsonObject,
     TextFormatJsonSchema,
 )
+
+if TYPE_CHECKING:
+    from pagedgen.core.json_value import JsonObject
+    from pagedgen.server.responses_api.wire import FunctionTool, InputItem
 
 # Chat-route field names and the Responses names they stand for (the longest prefix first).
 _WIRE_NAMES = (
@@ -37,11 +41,11 @@ class ChatTurn:
     """The chat request of one Responses turn, and the conversation it continues (without the
     instructions), followed by this turn's input: a follow-up's stored conversation adds the output."""
 
-    body: dict[str, Any]
-    conversation: list[dict[str, Any]]
+    body: JsonObject
+    conversation: list[JsonObject]
 
 
-def chat_turn(request: ResponsesRequest, history: Sequence[dict[str, Any]]) -> ChatTurn:
+def chat_turn(request: ResponsesRequest, history: Sequence[JsonObject]) -> ChatTurn:
     """The chat body of a turn: ``instructions`` as a system message (a follow-up's replace the earlier
     ones, which are not carried over), the stored ``history``, then this turn's input items: messages as
     they are (text parts joined), ``function_call`` items as an assistant message's tool calls (consecutive
@@ -49,7 +53,7 @@ def chat_turn(request: ResponsesRequest, history: Sequence[dict[str, Any]]) -> C
     answer when it is in the conversation)."""
     conversation = [*history, *input_messages(request.input, history)]
     system = [{"role": "system", "content": request.instructions}] if request.instructions else []
-    body: dict[str, Any] = {
+    body: JsonObject = {
         "model": request.model,
         "messages": system + conversation,
         "stream": request.stream,
@@ -76,11 +80,11 @@ def chat_turn(request: ResponsesRequest, history: Sequence[dict[str, Any]]) -> C
     return ChatTurn(body, conversation)
 
 
-def tool_function(tool: Any) -> dict[str, Any]:
+def tool_function(tool: FunctionTool) -> JsonObject:
     return tool.model_dump(exclude={"type"}, exclude_none=True)
 
 
-def _response_format(request: ResponsesRequest) -> dict[str, Any] | None:
+def _response_format(request: ResponsesRequest) -> JsonObject | None:
     fmt = request.text_format
     if isinstance(fmt, TextFormatJsonSchema):
         spec = {"name": fmt.name, "schema": fmt.json_schema}
@@ -93,13 +97,11 @@ def _response_format(request: ResponsesRequest) -> dict[str, Any] | None:
     return None
 
 
-def input_messages(
-    items: str | Sequence[Any], history: Sequence[dict[str, Any]] = ()
-) -> list[dict[str, Any]]:
+def input_messages(items: str | Sequence[InputItem], history: Sequence[JsonObject] = ()) -> list[JsonObject]:
     """The chat messages of a turn's input items (in the chat route's wire shape)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
-    messages: list[dict[str, Any]] = []
+    messages: list[JsonObject] = []
     names = {call["id"]: call["function"]["name"] for m in history for call in m.get("tool_calls") or ()}
     for item in items:
         if isinstance(item, MessageItem):

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pagedgen.sampling.logprobs import TokenLogprob
 from pagedgen.server.protocol import new_id
 from pagedgen.server.reasoning import ReasoningResponses
 from pagedgen.server.responses import ChatResponses
 from pagedgen.server.worker import Finish
+
+if TYPE_CHECKING:
+    from pagedgen.core.json_value import JsonObject, JsonValue
 
 
 @dataclass(slots=True)
@@ -28,7 +31,7 @@ class _Item:
     name: str = ""
     open: bool = True
 
-    def payload(self, status: str) -> dict[str, Any]:
+    def payload(self, status: str) -> JsonObject:
         if self.kind == "reasoning":
             content = [_part("reasoning", self.text)] if status != "in_progress" else []
             return {"id": self.id, "type": "reasoning", "status": status, "summary": [], "content": content}
@@ -50,7 +53,7 @@ class _Item:
         }
 
 
-def _part(kind: str, text: str) -> dict[str, Any]:
+def _part(kind: str, text: str) -> JsonObject:
     """A message's ``output_text`` part, or a reasoning item's ``reasoning_text``."""
     if kind == "reasoning":
         return {"type": "reasoning_text", "text": text}
@@ -76,8 +79,8 @@ class ResponseBuilder:
     def __init__(
         self,
         chat: ChatResponses | ReasoningResponses,
-        header: dict[str, Any],
-        on_done: Callable[[dict[str, Any], dict[str, Any]], None],
+        header: JsonObject,
+        on_done: Callable[[JsonObject, JsonObject], None],
     ):
         self._chat = chat
         self._header = header
@@ -99,7 +102,7 @@ class ResponseBuilder:
 
     # ------------------------------------------------------------ the chat route's builder interface
 
-    def first_chunk(self) -> list[dict[str, Any]]:
+    def first_chunk(self) -> list[JsonObject]:
         events = [
             self._event("response.created", response=self._response([], None)),
             self._event("response.in_progress", response=self._response([], None)),
@@ -108,7 +111,7 @@ class ResponseBuilder:
 
     def chunk(
         self, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str | None
-    ) -> list[dict[str, Any]] | None:
+    ) -> list[JsonObject] | None:
         chunk = self._chat.chunk(text, logprobs, finish_reason)
         if chunk is None:
             return None
@@ -122,14 +125,14 @@ class ResponseBuilder:
                 events += self._close(item)
         return events
 
-    def usage_chunk(self, finish: Finish) -> list[dict[str, Any]]:
+    def usage_chunk(self, finish: Finish) -> list[JsonObject]:
         response = self._finished(finish)
         kind = "response.completed" if self._status == "completed" else "response.incomplete"
         return [self._event(kind, response=response)]
 
     def full(
         self, text: str, logprobs: Sequence[TokenLogprob], finish_reason: str, finish: Finish
-    ) -> dict[str, Any]:
+    ) -> JsonObject:
         choice = self._chat.full(text, logprobs, finish_reason, finish)["choices"][0]
         message = choice["message"]
         self._status = _status(choice["finish_reason"])
@@ -149,8 +152,8 @@ class ResponseBuilder:
 
     # ------------------------------------------------------------ translation
 
-    def _delta(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
-        events: list[dict[str, Any]] = []
+    def _delta(self, delta: JsonObject) -> list[JsonObject]:
+        events: list[JsonObject] = []
         for kind, text in (("reasoning", _reasoning(delta)), ("message", delta.get("content"))):
             if text:
                 last = self._items[-1] if self._items else None
@@ -176,7 +179,7 @@ class ResponseBuilder:
                 events.append(self._event(kind, **self._at(item), delta=arguments))
         return events
 
-    def _open(self, kind: str) -> list[dict[str, Any]]:
+    def _open(self, kind: str) -> list[JsonObject]:
         """Close the item being streamed, and open a message or reasoning item (one streams at a time)."""
         events = self._close_open()
         item = _Item(kind, new_id("msg" if kind == "message" else "rs", "_"), len(self._items))
@@ -186,13 +189,13 @@ class ResponseBuilder:
             self._text_event("response.content_part.added", item, part=_part(kind, "")),
         ]
 
-    def _close_open(self) -> list[dict[str, Any]]:
-        events: list[dict[str, Any]] = []
+    def _close_open(self) -> list[JsonObject]:
+        events: list[JsonObject] = []
         for item in self._items:
             events += self._close(item)
         return events
 
-    def _close(self, item: _Item) -> list[dict[str, Any]]:
+    def _close(self, item: _Item) -> list[JsonObject]:
         if not item.open:
             return []
         item.open = False
@@ -211,14 +214,14 @@ class ResponseBuilder:
 
     # ------------------------------------------------------------ payloads
 
-    def _finished(self, finish: Finish) -> dict[str, Any]:
+    def _finished(self, finish: Finish) -> JsonObject:
         status = "incomplete" if self._status == "incomplete" else "completed"
         output = [item.payload(status) for item in self._items]
         response = self._response(output, _usage(self.input_tokens, finish))
         self._on_done(response, self._assistant_message())
         return response
 
-    def _response(self, output: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
+    def _response(self, output: list[JsonObject], usage: JsonObject | None) -> JsonObject:
         incomplete = {"reason": "max_output_tokens"} if self._status == "incomplete" else None
         return {
             **self._header,
@@ -228,7 +231,7 @@ class ResponseBuilder:
             "incomplete_details": incomplete,
         }
 
-    def _assistant_message(self) -> dict[str, Any]:
+    def _assistant_message(self) -> JsonObject:
         """The turn's output as the chat message a follow-up's conversation holds."""
         text = "".join(item.text for item in self._items if item.kind == "message")
         calls = [
@@ -236,28 +239,28 @@ class ResponseBuilder:
             for item in self._items
             if item.kind == "function_call"
         ]
-        message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
+        message: JsonObject = {"role": "assistant", "content": text if text or not calls else None}
         if calls:
             message["tool_calls"] = calls
         return message
 
-    def _event(self, type: str, **fields: Any) -> dict[str, Any]:  # noqa: A002 - the wire's name
+    def _event(self, type: str, **fields: JsonValue) -> JsonObject:  # noqa: A002 - the wire's name
         event = {"type": type, "sequence_number": self._sequence, **fields}
         self._sequence += 1
         return event
 
-    def _at(self, item: _Item) -> dict[str, Any]:
+    def _at(self, item: _Item) -> JsonObject:
         return {"item_id": item.id, "output_index": item.output_index}
 
-    def _item_event(self, kind: str, item: _Item, status: str) -> dict[str, Any]:
+    def _item_event(self, kind: str, item: _Item, status: str) -> JsonObject:
         return self._event(kind, output_index=item.output_index, item=item.payload(status))
 
-    def _text_event(self, kind: str, item: _Item, **fields: Any) -> dict[str, Any]:
+    def _text_event(self, kind: str, item: _Item, **fields: JsonValue) -> JsonObject:
         extra = {"logprobs": []} if kind.startswith("response.output_text") else {}
         return self._event(kind, **self._at(item), content_index=0, **fields, **extra)
 
 
-def _reasoning(message: dict[str, Any]) -> str:
+def _reasoning(message: JsonObject) -> str:
     """The reasoning text of a chat message or delta (``reasoning_content``, or vLLM's newer
     ``reasoning``), when the chat route separates it."""
     return message.get("reasoning_content") or message.get("reasoning") or ""
@@ -267,7 +270,7 @@ def _status(finish_reason: str) -> str:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
-def _usage(input_tokens: int, finish: Finish) -> dict[str, Any]:
+def _usage(input_tokens: int, finish: Finish) -> JsonObject:
     cached = min(max(finish.reused_tokens, finish.cached_prompt_tokens), input_tokens)
     return {
         "input_tokens": input_tokens,

@@ -28,6 +28,7 @@ from pagedgen.server.serving import chat_builder, chat_ids, check_text, plan_aut
 from pagedgen.server.worker import Keep
 
 if TYPE_CHECKING:
+    from pagedgen.core.json_value import JsonObject
     from pagedgen.server.app import _Server
 
 
@@ -53,7 +54,7 @@ def add_responses_routes(app: FastAPI, server: _Server) -> None:
 
 async def _create(
     server: _Server, store: ResponseStore, body: ResponsesRequest, request: Request
-) -> Response | dict[str, Any]:
+) -> Response | JsonObject:
     arrived = time.monotonic()
     check_model(body.model, server.options.model_name)
     if not hasattr(server.tokenizer, "apply_chat_template"):
@@ -73,7 +74,7 @@ async def _create(
         resume=previous.id if previous is not None and previous.kept else None,
     )
 
-    def done(response: dict[str, Any], message: dict[str, Any]) -> None:
+    def done(response: JsonObject, message: JsonObject) -> None:
         if body.store:
             record = StoredResponse(response_id, response, [*turn.conversation, message], kept=True)
             store.put(record)
@@ -110,7 +111,7 @@ async def _create(
             server.client.worker.release(response_id)  # it failed, or its client left: nothing follows it
 
 
-def _chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
+def _chat_request(body: JsonObject) -> ChatCompletionRequest:
     """The chat route's request; a rule of its own that the translated body breaks is a 400 naming the
     Responses field."""
     try:
@@ -125,7 +126,7 @@ def _chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
         raise ApiError(400, wire_message(message, param), param=name) from exc
 
 
-def _header(body: ResponsesRequest, response_id: str, model: str) -> dict[str, Any]:
+def _header(body: ResponsesRequest, response_id: str, model: str) -> JsonObject:
     """The response object's fields that do not change while it is generated."""
     text_format = body.text_format.model_dump(by_alias=True) if body.text_format else {"type": "text"}
     tool_choice = body.tool_choice

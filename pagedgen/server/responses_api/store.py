@@ -13,7 +13,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedgen.core.json_value import JsonObject
 
 DEFAULT_MAX_RESPONSES = 1000
 DEFAULT_MAX_BYTES = 64 << 20
@@ -44,8 +47,8 @@ class StoredResponse:
     """One finished response: ``kept`` when its engine Request may still be open for a follow-up."""
 
     id: str
-    payload: dict[str, Any]
-    conversation: list[dict[str, Any]]
+    payload: JsonObject
+    conversation: list[JsonObject]
     kept: bool
     size: int = 0
     stored_at: float = 0.0

@@ -79,7 +79,7 @@ class ReasoningItem(_Lenient):
     type: Literal["reasoning"]
 
 
-def _item_type(item: Any) -> str:
+def _item_type(item: object) -> str:
     if isinstance(item, dict):
         return str(item.get("type", "message"))
     return str(getattr(item, "type", "message"))

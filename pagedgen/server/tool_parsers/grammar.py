@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pagedgen.guidance.spec import JSON_DEFAULTS
 from pagedgen.server.tool_parsers.base import ToolCallFormat
+
+if TYPE_CHECKING:
+    from pagedgen.core.json_value import JsonObject, JsonValue
 
 FREE_TEXT = r"/(.|\n)*/"
 # A Llama 3 reply that is text: empty, whitespace, or text whose first visible character is not "{".
@@ -22,7 +25,7 @@ NOT_A_CALL = r"/(\s*[^\s{](.|\n)*)?\s*/"
 
 def tool_call_grammar(
     fmt: ToolCallFormat,
-    tools: Sequence[tuple[str, Mapping[str, Any]]],
+    tools: Sequence[tuple[str, Mapping[str, JsonValue]]],
     parallel: bool,
     trigger_token: int | None,
 ) -> str:
@@ -56,7 +59,7 @@ def _literal(text: str) -> str:
     return json.dumps(text) if text else ""
 
 
-def _with_json_options(schema: Mapping[str, Any]) -> dict[str, Any]:
+def _with_json_options(schema: Mapping[str, JsonValue]) -> JsonObject:
     if "x-guidance" in schema:
         return dict(schema)
     return {**schema, "x-guidance": JSON_DEFAULTS}
