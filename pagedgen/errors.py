@@ -188,6 +188,15 @@ class ExecutionCapacityError(PagedGenError, RuntimeError):
     """The model run exceeded available memory: the step is rolled back; the engine stays healthy."""
 
 
+class TensorParallelError(PagedGenError, ValueError):
+    """A model or size that tensor parallelism cannot split (the message names the family or the sizes)."""
+
+
+class RankFailedError(PagedGenError, RuntimeError):
+    """A tensor-parallel rank died, hung past the timeout, failed to start or failed mid-step: the ranks are
+    out of step."""
+
+
 class RequestFailure(Exception):
     """A step failure that belongs to one request's row (its sampler, processors, stop matcher).
 

@@ -26,14 +26,9 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:  # the CLI reads this module's choices without importing torch
     import torch
 
-from pagedgen.errors import PagedGenError
+from pagedgen.errors import RankFailedError as RankFailedError
 
 STOP_TIMEOUT_S = 10.0
-
-
-class RankFailedError(PagedGenError, RuntimeError):
-    """A tensor-parallel rank died, hung past the timeout, failed to start or failed mid-step: the ranks are
-    out of step."""
 
 
 class Launcher(enum.Enum):

@@ -13,11 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedgen.errors import PagedGenError
-
-
-class TensorParallelError(PagedGenError, ValueError):
-    """A model or size that tensor parallelism cannot split (the message names the family or the sizes)."""
+from pagedgen.errors import TensorParallelError as TensorParallelError
 
 
 @dataclass(frozen=True, slots=True)
