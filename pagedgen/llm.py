@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 from pagedgen.errors import EngineError
 from pagedgen.models.tokenizer import ChatPrompt
 from pagedgen.sampling.logprobs import TokenLogprob as TokenLogprob
+from pagedgen.sampling.options import is_int
 from pagedgen.sampling.params import SamplingParams as SamplingParams
 from pagedgen.sampling.params import StructuredOutputsParams as StructuredOutputsParams
 from pagedgen.sampling.params import choice_grammar as choice_grammar
@@ -47,10 +48,6 @@ class TextTokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
 
     def decode(self, ids: Sequence[int], /, skip_special_tokens: bool = True) -> str: ...
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def generator_params(model: ServedModel, params: SamplingParams) -> GeneratorParams:
@@ -324,7 +321,7 @@ class LLM:
         """
         if isinstance(prompts, str):
             prompts = [prompts]
-        elif prompts and _is_int(prompts[0]):
+        elif prompts and is_int(prompts[0]):
             prompts = [list(prompts)]
         params = self._per_prompt(sampling_params, len(prompts))
         for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
