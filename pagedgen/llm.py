@@ -50,7 +50,27 @@ class TextTokenizer(Protocol):
     def decode(self, ids: Sequence[int], /, skip_special_tokens: bool = True) -> str: ...
 
 
-def generator_params(model: ServedModel, params: SamplingParams) -> GeneratorParams:
+class ModelView(Protocol):
+    """What the serving code reads of a model apart from the engine: the parameter checks
+    (:func:`generator_params`, :func:`context_length`, a structured-outputs constraint compiled against the
+    tokenizer) and the app's vocabulary and context limits. ``pg.Model`` and ``pg.SyntheticModel`` have these
+    four, and so does the replicated ingress's ``ModelCard``, which holds no weights; the server is typed
+    against this view, so it takes any of the three."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def max_context(self) -> int: ...
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def tokenizer(self) -> TextTokenizer: ...
+
+
+def generator_params(model: ModelView, params: SamplingParams) -> GeneratorParams:
     """A fresh ``pg.GeneratorParams`` carrying ``params`` (raises if the model refuses one of them).
 
     The structured-outputs constraint is set here too, although each turn sets its own
@@ -131,7 +151,7 @@ def copy_logprobs(token: int, logprobs: TokenLogprobs, top_n: int) -> TokenLogpr
     return TokenLogprob(token, float(logprobs.logprob), tuple(logprobs.top[:top_n]))
 
 
-def context_length(model: ServedModel) -> int:
+def context_length(model: ModelView) -> int:
     """The most tokens (prompt + generated) one request of ``model`` may hold."""
     return int(model.max_context)
 
