@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 from pagedgen.errors import EngineError
 from pagedgen.models.tokenizer import ChatPrompt
 from pagedgen.sampling.logprobs import TokenLogprob as TokenLogprob
+from pagedgen.sampling.options import is_int
 from pagedgen.sampling.params import SamplingParams as SamplingParams
 from pagedgen.sampling.params import StructuredOutputsParams as StructuredOutputsParams
 from pagedgen.sampling.params import choice_grammar as choice_grammar
@@ -49,11 +50,27 @@ class TextTokenizer(Protocol):
     def decode(self, ids: Sequence[int], /, skip_special_tokens: bool = True) -> str: ...
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+class ModelView(Protocol):
+    """What the serving code reads of a model apart from the engine: the parameter checks
+    (:func:`generator_params`, :func:`context_length`, a structured-outputs constraint compiled against the
+    tokenizer) and the app's vocabulary and context limits. ``pg.Model`` and ``pg.SyntheticModel`` have these
+    four, and so does the replicated ingress's ``ModelCard``, which holds no weights; the server is typed
+    against this view, so it takes any of the three."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def max_context(self) -> int: ...
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def tokenizer(self) -> TextTokenizer: ...
 
 
-def generator_params(model: ServedModel, params: SamplingParams) -> GeneratorParams:
+def generator_params(model: ModelView, params: SamplingParams) -> GeneratorParams:
     """A fresh ``pg.GeneratorParams`` carrying ``params`` (raises if the model refuses one of them).
 
     The structured-outputs constraint is set here too, although each turn sets its own
@@ -134,7 +151,7 @@ def copy_logprobs(token: int, logprobs: TokenLogprobs, top_n: int) -> TokenLogpr
     return TokenLogprob(token, float(logprobs.logprob), tuple(logprobs.top[:top_n]))
 
 
-def context_length(model: ServedModel) -> int:
+def context_length(model: ModelView) -> int:
     """The most tokens (prompt + generated) one request of ``model`` may hold."""
     return int(model.max_context)
 
@@ -324,7 +341,7 @@ class LLM:
         """
         if isinstance(prompts, str):
             prompts = [prompts]
-        elif prompts and _is_int(prompts[0]):
+        elif prompts and is_int(prompts[0]):
             prompts = [list(prompts)]
         params = self._per_prompt(sampling_params, len(prompts))
         for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):

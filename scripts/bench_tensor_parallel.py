@@ -86,14 +86,15 @@ def main() -> None:
                 rate = decode_rate(engine, prompt, batch, args.tokens)
                 best[name][batch] = max(best[name].get(batch, 0.0), rate)
     model.runtime.fused_decoder = fused
+    runner = two.parts.runner
     result = {
         "decode_tokens_per_s_best_of": best,
         "rounds": args.rounds,
         "tokens": args.tokens,
         "cpus": cpus,
         "launcher": args.launcher,
-        "weight_bytes": {"T=1": weight_bytes(model.runtime), "T=2 per rank": two._runner.rank_weight_bytes},
-        "kv_heads_rank0": two._runner.kv_cache.keys[0].shape[2],
+        "weight_bytes": {"T=1": weight_bytes(model.runtime), "T=2 per rank": runner.rank_weight_bytes},
+        "kv_heads_rank0": runner.kv_cache.keys[0].shape[2],
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
     }

@@ -1,10 +1,11 @@
 """``--profile``: split each engine step's time into planning, packing, forward, sampling, commit/publish.
 
-The dynamic step enters each phase through its fault-injection seam (``step.faults.check(phase)``, see
-:mod:`pagedgen.engine.faults`). :class:`PhaseClock` stands in that seam, timestamps every phase entry and
-forwards the call to the engine's own injector, so armed faults still fire. A phase lasts until the next
-phase starts; the last one (publish) until ``engine.run`` returns, which also covers draining the events
-into the caller's buffer. Nothing in the engine changes behaviour while profiled.
+The step enters each phase through its fault-injection seam (``parts.faults.check(phase)``, see
+:mod:`pagedgen.engine.faults`). :class:`PhaseClock` fills that seam: the profiled engine is built from
+:meth:`StepProfiler.parts`, whose fault injector is the clock, which timestamps every phase entry and
+forwards the call to a plain injector, so armed faults still fire. A phase lasts until the next phase
+starts; the last one (publish) until ``engine.run`` returns, which also covers draining the events into the
+caller's buffer. Nothing in the engine changes behaviour while profiled.
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagedgen.core.json_value import JsonObject
+from pagedgen.engine.faults import FaultInjector
 from pagedgen.engine.outcomes import Phase
 
 if TYPE_CHECKING:
+    from pagedgen.core.decoder import DecoderModel
+    from pagedgen.engine.config import EngineConfig
     from pagedgen.engine.engine import Engine
     from pagedgen.engine.events import EngineEventBuffer
-    from pagedgen.engine.faults import FaultInjector
+    from pagedgen.engine.parts import EngineParts
 
 PHASE_GROUPS: dict[str, tuple[Phase, ...]] = {
     "planning": (Phase.PLAN, Phase.RESERVE, Phase.CHECKPOINT),
@@ -33,7 +37,7 @@ NON_MODEL_GROUPS = ("planning", "packing", "sampling", "commit_publish")
 
 
 class ProfileUnavailable(RuntimeError):
-    """The engine has no phase seam to time (e.g. a different engine implementation)."""
+    """The engine's phase seam is not this profiler's clock (it was not built from the profiler's parts)."""
 
 
 class PhaseClock:
@@ -74,30 +78,30 @@ def phase_durations(marks: list[tuple[Phase, float]], end: float) -> dict[Phase,
 
 @dataclass(slots=True)
 class StepProfiler:
-    """Attach to an engine, then call :meth:`run` instead of ``engine.run``; :meth:`summary` aggregates."""
+    """Build the engine from :meth:`parts`, then call :meth:`run` instead of ``engine.run``;
+    :meth:`summary` aggregates."""
 
     samples: list[StepSample] = field(default_factory=list)
-    _clock: PhaseClock | None = None
+    clock: PhaseClock = field(default_factory=lambda: PhaseClock(FaultInjector()))
 
-    def attach(self, engine: Engine) -> None:
-        """Put a :class:`PhaseClock` in the engine step's phase seam. Raises :class:`ProfileUnavailable`."""
-        step = getattr(engine, "_step", None)
-        if step is None or not hasattr(step, "faults"):
-            raise ProfileUnavailable("this engine's step has no phase seam ('_step.faults') to time")
-        if not isinstance(step.faults, PhaseClock):
-            step.faults = PhaseClock(step.faults)
-        self._clock = step.faults
+    def parts(self, model: DecoderModel, config: EngineConfig) -> EngineParts:
+        """The parts of the engine to profile (``Engine(model, config, parts=...)``): the usual ones, with
+        this profiler's clock as the fault injector every phase enters through."""
+        from pagedgen.engine.parts import build_engine_parts
+
+        return build_engine_parts(model, config, faults=self.clock)
 
     def run(self, engine: Engine, buffer: EngineEventBuffer) -> EngineEventBuffer:
-        """``engine.run(buffer)``, timed; records a sample when the call executed the model."""
-        if self._clock is None:
-            raise ProfileUnavailable("StepProfiler.run before attach(engine)")
+        """``engine.run(buffer)``, timed; records a sample when the call executed the model. Raises
+        :class:`ProfileUnavailable` for an engine not built from :meth:`parts`."""
+        if getattr(getattr(engine, "parts", None), "faults", None) is not self.clock:
+            raise ProfileUnavailable("StepProfiler.run on an engine not built from StepProfiler.parts")
         resident = engine.stats().resident_requests
-        self._clock.marks.clear()
+        self.clock.marks.clear()
         start = time.perf_counter()
         events = engine.run(buffer)
         end = time.perf_counter()
-        marks = self._clock.marks
+        marks = self.clock.marks
         if any(phase is Phase.EXECUTE for phase, _ in marks):
             phases = phase_durations(marks, end)
             rows = sum(1 for e in events if e.token is not None)

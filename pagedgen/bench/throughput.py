@@ -96,11 +96,9 @@ def run_pagedgen(
     from pagedgen.engine.engine import Engine
     from pagedgen.spec import make_driver
 
-    engine = Engine(model, config)
+    profiler = StepProfiler() if profile else None
+    engine = Engine(model, config, parts=None if profiler is None else profiler.parts(model, config))
     try:
-        profiler = StepProfiler() if profile else None
-        if profiler is not None:
-            profiler.attach(engine)
         drafter = make_driver(engine, speculative, num_speculative_tokens)
         buffer = engine.create_event_buffer(4 * config.max_batch_size + 16)
         start = time.perf_counter()

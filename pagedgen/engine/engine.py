@@ -108,7 +108,6 @@ class Engine:
         self.config = config
         self._parts = parts
         self._layout = parts.layout
-        self._runner = parts.runner
         self._scheduler = parts.scheduler
         self._step = parts.step
         self.num_blocks = parts.num_blocks
@@ -383,7 +382,7 @@ class Engine:
         self._abandoned.clear()
         self._pending.clear()
         self._step.masker.close()
-        self._runner.release()
+        self._parts.runner.release()
         self._closed = True
 
     # -- internals ------------------------------------------------------------------------------------

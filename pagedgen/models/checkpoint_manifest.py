@@ -14,7 +14,7 @@ from pathlib import Path
 from pagedgen.core.state_manifest import SlidingWindow, StateGroup, StateKind, StateManifest
 from pagedgen.errors import ModelLoadError, StateManifestError
 from pagedgen.models.config import ModelConfig
-from pagedgen.models.hf_loader import read_json
+from pagedgen.models.hf_loader import read_hf_config, read_json
 
 OVERRIDE_FILE = "pagedgen.json"
 
@@ -62,6 +62,16 @@ def load_manifest(source: Path, config: ModelConfig) -> StateManifest:
     if unknown or not isinstance(data.get("decoder"), dict):
         raise StateManifestError(f'{path}: expected {{"decoder": {{...}}}}, got keys {sorted(data)}')
     return StateManifest.from_dict(data["decoder"], config.num_layers, str(path), derived.sliding_window)
+
+
+def read_config(directory: Path, source: Path) -> tuple[ModelConfig, StateManifest]:
+    """A checkpoint's config with its manifest applied, and the manifest: ``directory`` holds the HF
+    files, ``source`` is what the caller named (a directory or a ``.gguf`` path; its override file sits
+    beside it). The loaded model and the ingress's card (which reads no weights) both read it here, so
+    they agree on the context length and vocabulary."""
+    config = read_hf_config(directory)
+    manifest = load_manifest(source, config)
+    return apply_manifest(config, manifest), manifest
 
 
 def apply_manifest(config: ModelConfig, manifest: StateManifest) -> ModelConfig:

@@ -22,10 +22,10 @@ from pagedgen.core.state_manifest import StateManifest
 from pagedgen.errors import ModelLoadError, TokenizerError
 from pagedgen.models.bamba import BambaForCausalLM
 from pagedgen.models.checkpoint import Checkpoint, CheckpointKind, resolve_checkpoint
-from pagedgen.models.checkpoint_manifest import apply_manifest, load_manifest
+from pagedgen.models.checkpoint_manifest import read_config
 from pagedgen.models.config import ModelConfig
 from pagedgen.models.gemma import GemmaForCausalLM
-from pagedgen.models.hf_loader import read_hf_config, read_hf_weights
+from pagedgen.models.hf_loader import read_hf_weights
 from pagedgen.models.lfm2 import Lfm2ForCausalLM
 from pagedgen.models.llama import LlamaForCausalLM
 from pagedgen.models.native_weights import (
@@ -34,7 +34,7 @@ from pagedgen.models.native_weights import (
     read_native_entry,
     resolve_weight_format,
 )
-from pagedgen.models.tokenizer import Tokenizer
+from pagedgen.models.tokenizer import Tokenizer, eos_token_ids
 from pagedgen.models.weights import load_weights
 from pagedgen.ops.matmul.qweight import Q8_ACTIVATION_TYPES, QuantizedWeight
 
@@ -157,9 +157,8 @@ class Model:
         self.name = checkpoint.name
 
     def _load(self, checkpoint: Checkpoint) -> tuple[ModelConfig, nn.Module]:
-        config = read_hf_config(checkpoint.directory)
-        self.state_manifest: StateManifest = load_manifest(checkpoint.source, config)
-        config = apply_manifest(config, self.state_manifest)
+        config, manifest = read_config(checkpoint.directory, checkpoint.source)
+        self.state_manifest: StateManifest = manifest
         if self.weights_format is WeightFormat.FLOAT32:
             weights = read_hf_weights(checkpoint.directory, self.device)
         elif checkpoint.kind is CheckpointKind.GGUF:
@@ -206,10 +205,10 @@ class Model:
         A checkpoint without tokenizer files still has the config's EOS ids.
         """
         try:
-            ids = self.tokenizer.eos_token_ids
+            tokenizer: Tokenizer | None = self.tokenizer
         except TokenizerError:
-            ids = self.config.eos_token_ids
-        return tuple(i for i in ids if 0 <= i < self.vocab_size)
+            tokenizer = None
+        return eos_token_ids(self.config, tokenizer)
 
     def __repr__(self) -> str:
         return (

@@ -26,6 +26,8 @@ from pagedgen.models.hf_loader import read_json
 if TYPE_CHECKING:
     from tokenizers import Tokenizer as Backend
 
+    from pagedgen.models.config import ModelConfig
+
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -256,6 +258,15 @@ class Tokenizer:
         candidates += [token for token in END_OF_TURN_TOKENS if token in template]
         ids += [i for i in (self.token_to_id(t) for t in candidates) if i is not None]
         return tuple(dict.fromkeys(ids))
+
+
+def eos_token_ids(config: ModelConfig, tokenizer: Tokenizer | None) -> tuple[int, ...]:
+    """Ids that end a turn of a model with ``config``: the tokenizer's (the config's EOS, its
+    ``eos_token`` and the chat template's end-of-turn tokens), or the config's EOS alone where the
+    checkpoint has no tokenizer files (``None``). Ids outside the vocabulary are dropped. The loaded model
+    and the ingress's card both take their EOS ids from here, so the two never disagree."""
+    ids = config.eos_token_ids if tokenizer is None else tokenizer.eos_token_ids
+    return tuple(i for i in ids if 0 <= i < config.vocab_size)
 
 
 class IncrementalDetokenizer:

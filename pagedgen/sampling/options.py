@@ -35,11 +35,13 @@ MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 100.0
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
+    """Whether ``value`` is an integer (``True`` and ``False`` are not, though Python counts them as ints)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_real(value: object) -> bool:
+def is_real(value: object) -> bool:
+    """Whether ``value`` is a finite number (not a bool, not NaN or an infinity)."""
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -52,7 +54,7 @@ def _fail(name: str, value: object, rule: str, owner: str = "SamplingOptions") -
 
 def check_max_generated_tokens(value: object, owner: str, name: str = "max_generated_tokens") -> None:
     """A turn's token limit: an int >= 0 (0 means only the session limit applies)."""
-    if not (_is_int(value) and value >= 0):
+    if not (is_int(value) and value >= 0):
         raise _fail(name, value, "an int >= 0", owner)
 
 
@@ -71,7 +73,7 @@ def check_stop_strings(value: object, owner: str, name: str = "stop_strings") ->
 
 def check_num_logprobs(value: object, owner: str, name: str = "logprobs") -> None:
     """Top logprobs per token: an int in [0, MAX_LOGPROBS]."""
-    if not (_is_int(value) and 0 <= value <= MAX_LOGPROBS):
+    if not (is_int(value) and 0 <= value <= MAX_LOGPROBS):
         raise _fail(name, value, f"an int in [0, {MAX_LOGPROBS}]", owner)
 
 
@@ -111,7 +113,7 @@ class SamplingOptions:
         self._check_int("top_k", 0, "an int >= 0 (0 disables top-k)")
         self._check_real("top_p", lambda v: 0 < v <= 1, "in (0, 1] (1 disables top-p)")
         self._check_real("min_p", lambda v: 0 <= v <= 1, "in [0, 1] (0 disables min-p)")
-        if self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
+        if self.seed is not None and not (is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
             raise _fail("seed", self.seed, f"None or an int in [{SEED_MIN}, {SEED_MAX}]")
         self._check_real(
             "repetition_penalty",
@@ -127,12 +129,12 @@ class SamplingOptions:
 
     def _check_real(self, name: str, ok: Callable[[float], bool], rule: str) -> None:
         value = getattr(self, name)
-        if not (_is_real(value) and ok(value)):
+        if not (is_real(value) and ok(value)):
             raise _fail(name, value, f"a finite number {rule}")
 
     def _check_int(self, name: str, low: int, rule: str) -> None:
         value = getattr(self, name)
-        if not (_is_int(value) and value >= low):
+        if not (is_int(value) and value >= low):
             raise _fail(name, value, rule)
 
     def _check_logit_bias(self) -> None:
@@ -141,9 +143,9 @@ class SamplingOptions:
         if not isinstance(bias, tuple) or len(bias) > MAX_LOGIT_BIAS:
             raise _fail("logit_bias", bias, rule)
         for pair in bias:
-            if not (isinstance(pair, tuple) and len(pair) == 2 and _is_int(pair[0]) and pair[0] >= 0):
+            if not (isinstance(pair, tuple) and len(pair) == 2 and is_int(pair[0]) and pair[0] >= 0):
                 raise _fail("logit_bias", bias, rule)
-            if not (_is_real(pair[1]) and -100 <= pair[1] <= 100):
+            if not (is_real(pair[1]) and -100 <= pair[1] <= 100):
                 raise _fail("logit_bias", bias, rule)
         if len({token for token, _ in bias}) != len(bias):
             raise _fail("logit_bias", bias, rule)

@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pagedgen.errors import GuidanceError, SamplingOptionsError
-from pagedgen.sampling.options import SamplingOptions, check_num_logprobs, check_stop_strings
+from pagedgen.sampling.options import (
+    SamplingOptions,
+    check_num_logprobs,
+    check_stop_strings,
+    is_int,
+    is_real,
+)
 
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 # SamplingOptions' field names that SamplingParams calls differently.
@@ -26,14 +31,6 @@ _PARAM_NAME = {"min_new_tokens": "min_tokens", "do_sample": "temperature"}
 _NEUTRAL_WHEN_GREEDY = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
 # JSON Schema as a dict, or any other guidance's text.
 GuidanceData = dict[str, object] | str
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def choice_grammar(choices: Sequence[str]) -> str:
@@ -166,7 +163,7 @@ class SamplingParams:
         elif isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
         owner = "SamplingParams"
-        if not (self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens > 0)):
+        if not (self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens > 0)):
             raise SamplingOptionsError(
                 f"SamplingParams.max_tokens must be None or an int >= 1, got {self.max_tokens!r}",
                 "max_tokens",
@@ -197,10 +194,10 @@ class SamplingParams:
     def _given_options(self) -> SamplingOptions:
         """Every field as given (a greedy request's filters too: a bad one is refused all the same)."""
         bias = tuple(self.logit_bias.items()) if self.logit_bias else ()
-        if all(_is_int(token) for token, _ in bias):
+        if all(is_int(token) for token, _ in bias):
             bias = tuple(sorted(bias))
         return SamplingOptions(
-            do_sample=_is_real(self.temperature) and self.temperature > 0,
+            do_sample=is_real(self.temperature) and self.temperature > 0,
             temperature=self.temperature,
             top_k=self.top_k,
             top_p=self.top_p,

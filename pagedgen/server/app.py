@@ -59,7 +59,7 @@ from pagedgen.server.worker_protocol import ServingWorker
 if TYPE_CHECKING:
     from pagedgen.core.json_value import JsonObject
     from pagedgen.engine.config import EngineConfig
-    from pagedgen.llm import ServedModel
+    from pagedgen.llm import ModelView, ServedModel
 
 log = logging.getLogger("pagedgen.server")
 
@@ -150,7 +150,7 @@ class _Server:
     context: int
     vocab_size: int
     admission: Admission
-    model: ServedModel  # for checks that need it off the engine thread (a constraint against its tokenizer)
+    model: ModelView  # for checks that need it off the engine thread (a constraint against its tokenizer)
     prepare_pool: ThreadPoolExecutor  # templating and tokenizing, apart from the streams' per-token work
     auto_tools: AutoToolSettings  # how "auto" tool calls are served (built once from the options)
 

@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedgen.server.admission import RETRY_AFTER_S
+from pagedgen.server.worker import SHUTDOWN_MESSAGE, UNAVAILABLE_MESSAGE
 
 log = logging.getLogger("pagedgen.server")
 
@@ -28,8 +29,6 @@ REQUEST_ID_KEY = "pagedgen.request_id"  # where the guard puts the id in the ASG
 UNGUARDED_PATHS = ("/health", "/metrics")  # answer even when the engine is unhealthy
 DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")  # FastAPI's, behind the key
 KEYED_PATHS = (*DOCS_PATHS, "/tokenize", "/detokenize", "/version")  # behind the key, besides /v1/*
-UNHEALTHY_MESSAGE = "the engine is unhealthy; the server cannot serve requests"
-SHUTDOWN_MESSAGE = "the server is shutting down"
 DEFAULT_BODY_TIMEOUT_S = 30.0
 LOOPBACK_NAME = "localhost"
 _DRAIN_FACTOR = 16  # chunked bodies larger than this many limits are not drained: the connection is dropped
@@ -198,7 +197,7 @@ class GuardMiddleware:
         if path not in UNGUARDED_PATHS and self._draining():
             return ("shutting_down", 503, SHUTDOWN_MESSAGE, "shutting_down")
         if path not in UNGUARDED_PATHS and not self._healthy():
-            return ("unhealthy", 503, UNHEALTHY_MESSAGE, "unhealthy")
+            return ("unhealthy", 503, UNAVAILABLE_MESSAGE, "unhealthy")
         return None
 
     def _too_large(self) -> tuple[str, int, str, str]:

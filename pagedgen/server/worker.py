@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pagedgen.server")
 
+# What a refused or ended request is told (the guard answers its up-front 503s with the same two texts).
 SHUTDOWN_MESSAGE = "the server is shutting down"
 UNAVAILABLE_MESSAGE = "the engine is unhealthy; the server cannot serve requests"  # the cause is only logged
 

@@ -13,8 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from pagedgen.llm import SamplingParams
-from pagedgen.models.base import CausalLM
+from pagedgen.llm import ModelView, SamplingParams
 from pagedgen.server.worker import EngineSnapshot, Keep, Sink
 
 
@@ -24,8 +23,9 @@ class ServingWorker(Protocol):
     last publication; ``start`` and ``shutdown`` run in a thread of the app's lifespan."""
 
     @property
-    def model(self) -> CausalLM:
-        """The served model (its vocabulary and context check parameters off the engine)."""
+    def model(self) -> ModelView:
+        """What the parameter checks read of the served model off the engine (the loaded model itself, or
+        the replicated ingress's card of it)."""
         ...
 
     @property

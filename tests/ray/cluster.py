@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import re
 import socket
+import subprocess
 import time
+from pathlib import Path
 
 import httpx
 import ray
@@ -26,6 +28,13 @@ VOCAB = 95
 NUM_BLOCKS = 256
 MAX_BATCH = 8
 POLLS = 240  # bounded waits for the ingress's next stats poll (each POLL_S / 2 apart)
+# The single server's 503 body once the application drains (what every shutdown test expects).
+SHUTDOWN_ERROR = {
+    "message": "the server is shutting down",
+    "type": "service_unavailable",
+    "param": None,
+    "code": "shutting_down",
+}
 
 
 def engine_config() -> pg.EngineConfig:
@@ -36,6 +45,22 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log_path: Path, wait_s: float, what: str) -> None:
+    """Polls ``url``'s ``/health`` until it answers 200, for at most ``wait_s`` seconds; fails with the
+    tail of ``log_path`` if the served process ``proc`` exits meanwhile, and saying ``what`` never became
+    healthy if the time runs out."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log_path.read_text(errors="replace")[-3000:]
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"{what} never became healthy")
 
 
 class Cluster:

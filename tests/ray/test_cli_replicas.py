@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from pagedgen.models.synthetic import SyntheticTokenizer, synthetic_greedy
-from tests.ray.cluster import free_port, per_replica, routed
+from tests.ray.cluster import SHUTDOWN_ERROR, free_port, per_replica, routed, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]  # this checkout: the subprocess serves its code
 WAIT_S = 600  # the bound of every wait: a Ray cluster and three replicas starting on a loaded 2-core machine
@@ -27,12 +27,6 @@ DRAIN_S = (
     300  # --shutdown-timeout: the stream in flight at SIGTERM must be able to finish on a loaded machine
 )
 DRAINED_TOKENS = 3500  # that stream's length: long enough to be in flight while the drain is checked
-SHUTDOWN_ERROR = {
-    "message": "the server is shutting down",
-    "type": "service_unavailable",
-    "param": None,
-    "code": "shutting_down",
-}
 
 
 @pytest.fixture(scope="module")
@@ -51,25 +45,12 @@ def served(tmp_path_factory):
         proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, env=env, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(proc, url, stderr_path)
+        wait_healthy(proc, url, stderr_path, WAIT_S, "the replicated server")
         yield proc, url
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(WAIT_S)
-
-
-def _wait_healthy(proc: subprocess.Popen, url: str, stderr_path: Path) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, stderr_path.read_text(errors="replace")[-3000:]
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError("the replicated server never became healthy")
 
 
 def _assert_draining(url: str) -> None:

@@ -16,16 +16,10 @@ import httpx
 import pytest
 
 from pagedgen.server.replicas.launch import drain_ingress
-from tests.ray.cluster import Cluster, per_replica, wait_for_metrics
+from tests.ray.cluster import SHUTDOWN_ERROR, Cluster, per_replica, wait_for_metrics
 
 TIMEOUT = httpx.Timeout(600.0)
 LONG = 2000  # tokens: each request runs far longer than the drain takes to begin (both fit one replica)
-SHUTDOWN_ERROR = {
-    "message": "the server is shutting down",
-    "type": "service_unavailable",
-    "param": None,
-    "code": "shutting_down",
-}
 
 
 @pytest.fixture(scope="module")

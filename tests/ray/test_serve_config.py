@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -27,7 +26,7 @@ from ray import serve
 from pagedgen.models.synthetic import synthetic_greedy
 from pagedgen.server.replicas.launch import start_local_ray
 from pagedgen.server.replicas.setup import SyntheticChatTokenizer
-from tests.ray.cluster import free_port
+from tests.ray.cluster import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 600  # the bound of every wait: a cluster, Serve and a replica starting on a loaded 2-core machine
@@ -73,7 +72,7 @@ def served(tmp_path_factory):
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(proc, url, log_path)
+        wait_healthy(proc, url, log_path, WAIT_S, "the application of deploy/serve.yaml")
         yield proc, url
     finally:
         if proc.poll() is None:
@@ -81,19 +80,6 @@ def served(tmp_path_factory):
             proc.wait(WAIT_S)
         serve.shutdown()
         ray.shutdown()
-
-
-def _wait_healthy(proc: subprocess.Popen, url: str, log_path: Path) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, log_path.read_text(errors="replace")[-3000:]
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError("the application of deploy/serve.yaml never became healthy")
 
 
 def _expected(max_tokens: int) -> str:

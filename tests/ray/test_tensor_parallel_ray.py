@@ -89,7 +89,7 @@ def test_two_ranks_through_ray_equal_one_rank_and_close_removes_them(cluster, mo
     one.close()
     assert all(len(tokens) == 16 for tokens in expected)
     engine = pg.Engine(model, engine_config(2, "ray"))
-    launcher = engine._runner.launcher
+    launcher = engine.parts.runner.launcher
     (node,) = ray.nodes()
     assert isinstance(launcher, ray_ranks.RayLauncher) and launcher.host == node["NodeManagerAddress"]
     group_id = launcher.placement_group.id.hex()
@@ -107,9 +107,9 @@ def test_two_ranks_through_ray_equal_one_rank_and_close_removes_them(cluster, mo
 
 def test_a_killed_actor_makes_the_engine_unhealthy_not_hung(cluster, model):
     engine = pg.Engine(model, engine_config(2, "ray"))
-    launcher = engine._runner.launcher
+    launcher = engine.parts.runner.launcher
     group_id = launcher.placement_group.id.hex()
-    (worker,) = engine._runner._workers
+    (worker,) = engine.parts.runner._workers
     request = submit(engine, PROMPTS[0], 8, max_length=128)
     engine.run(max_events=64)  # a step on both ranks
     ray.kill(worker.process.actor, no_restart=True)

@@ -18,7 +18,10 @@ from pagedgen.bench.records import RunStatus, SystemRun, SystemSkipped
 from pagedgen.bench.report import REQUIRED_KEYS
 from pagedgen.bench.throughput import PagedgenOptions, ThroughputResult, bench_workload, run_pagedgen
 from pagedgen.bench.workloads import LengthRange, WorkloadSpec, batches, build_workload
+from pagedgen.engine.engine import Engine
+from pagedgen.engine.events import EngineErrorCode, EngineEventFlags
 from pagedgen.engine.outcomes import Phase
+from pagedgen.engine.request import GeneratorParams, RequestOptions, TurnOptions
 from pagedgen.models.synthetic import SyntheticModel, synthetic_greedy
 
 MODEL = SyntheticModel()
@@ -167,11 +170,47 @@ def test_phase_durations_and_clock_forwarding():
     assert clock.hits == 1 and clock.seen == (3, 4) and [p for p, _ in clock.marks] == [Phase.PLAN]
 
 
-def test_profiler_refuses_an_engine_without_a_phase_seam():
-    with pytest.raises(RuntimeError, match="no phase seam"):
-        StepProfiler().attach(object())
-    with pytest.raises(RuntimeError, match="before attach"):
-        StepProfiler().run(object(), None)
+def test_profiler_times_only_an_engine_built_from_its_parts():
+    profiler = StepProfiler()
+    config = OPTIONS.engine_config()
+    with pytest.raises(RuntimeError, match="not built from StepProfiler.parts"):
+        profiler.run(object(), None)
+    plain = Engine(MODEL, config)
+    try:
+        with pytest.raises(RuntimeError, match="not built from StepProfiler.parts"):
+            profiler.run(plain, plain.create_event_buffer(8))
+    finally:
+        plain.close()
+    parts = profiler.parts(MODEL, config)
+    assert parts.faults is profiler.clock
+    engine = Engine(MODEL, config, parts=parts)
+    try:
+        handle = engine.create_request(GeneratorParams(MODEL), RequestOptions())
+        options = TurnOptions(handle)
+        options.set_max_generated_tokens(3)
+        handle.begin_turn([5, 6, 7], options)
+        events = profiler.run(engine, engine.create_event_buffer(8))
+        assert [e.token for e in events] == synthetic_greedy([5, 6, 7], 1, MODEL.vocab_size)
+        step_phases = [phase for phase, _ in profiler.clock.marks]
+        assert step_phases[:6] == [
+            Phase.PLAN,
+            Phase.RESERVE,
+            Phase.CHECKPOINT,
+            Phase.PACK,
+            Phase.EXECUTE,
+            Phase.SAMPLE,
+        ]
+        assert step_phases[-1] is Phase.PUBLISH
+        assert set(profiler.samples[0].phases) == set(step_phases)
+        engine.parts.faults.arm(Phase.EXECUTE)  # through the clock, to the injector it forwards to
+        (failed,) = profiler.run(engine, engine.create_event_buffer(8))
+        assert (
+            failed.flags & EngineEventFlags.FAILED
+            and failed.error_code is EngineErrorCode.ENGINE_EXECUTION_FAILURE
+        )
+        assert [phase for phase, _ in profiler.clock.marks][-1] is Phase.EXECUTE
+    finally:
+        engine.close()
 
 
 def test_cli_writes_json_markdown_and_chart(tmp_path, capsys):

@@ -8,7 +8,7 @@ import pytest
 
 import pagedgen.models.model as model_module
 from pagedgen.guidance.tokenizer import guidance_tokenizer
-from pagedgen.llm import SamplingParams, context_length, generator_params
+from pagedgen.llm import ModelView, SamplingParams, context_length, generator_params
 from pagedgen.models.model import Model
 from pagedgen.models.synthetic import SyntheticModel, SyntheticTokenizer
 from pagedgen.server.app import ServerOptions
@@ -85,3 +85,15 @@ def test_the_synthetic_card_is_the_synthetic_model_s(no_weights):
     template = "{% for m in messages %}{{ m.content }}|{% endfor %}"
     chat = ModelSource(SYNTHETIC, vocab_size=95, chat_template=template).describe()
     assert chat.tokenizer.apply_chat_template(CHAT, add_generation_prompt=False) == "héllo|"
+
+
+def test_the_card_and_both_models_fill_the_servers_model_view(tiny_gguf):
+    """What the server reads of a model (``ModelView``) the ingress's card has, as the models do."""
+    members = [name for name in ModelView.__dict__ if not name.startswith("_")]
+    assert members == ["vocab_size", "max_context", "eos_token_ids", "tokenizer"]
+    views = [ModelSource(tiny_gguf).describe(), ModelSource(SYNTHETIC).describe()]
+    views += [Model(tiny_gguf, device="cpu"), SyntheticModel()]
+    for view in views:
+        assert isinstance(view.vocab_size, int) and isinstance(view.max_context, int), view
+        assert isinstance(view.eos_token_ids, tuple) and all(isinstance(i, int) for i in view.eos_token_ids)
+        assert view.tokenizer.decode(view.tokenizer.encode("ab")) == "ab", view

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 from ray.serve.config import AutoscalingConfig
 
 from pagedgen.engine.config import EngineConfig
-from pagedgen.errors import TokenizerError
 from pagedgen.models.base import CausalLM
 from pagedgen.models.chat_template import render_chat
 from pagedgen.models.synthetic import SyntheticTokenizer
@@ -107,23 +106,17 @@ class _CheckpointFiles:
 
 
 def _describe_checkpoint(name: str) -> ModelCard:
-    """The card of a checkpoint, read the way :class:`~pagedgen.models.model.Model` reads its config,
-    manifest and tokenizer (the same context length, vocabulary and EOS ids), without its weights."""
+    """The card of a checkpoint, read with the functions :class:`~pagedgen.models.model.Model` reads its
+    config, manifest and EOS ids with (the same context length, vocabulary and EOS ids), without its
+    weights."""
     from pagedgen.models.checkpoint import resolve_checkpoint
-    from pagedgen.models.checkpoint_manifest import apply_manifest, load_manifest
-    from pagedgen.models.hf_loader import read_hf_config
-    from pagedgen.models.tokenizer import Tokenizer
+    from pagedgen.models.checkpoint_manifest import read_config
+    from pagedgen.models.tokenizer import Tokenizer, eos_token_ids
 
     checkpoint = resolve_checkpoint(name)
-    config = read_hf_config(checkpoint.directory)
-    config = apply_manifest(config, load_manifest(checkpoint.source, config))
+    config, _ = read_config(checkpoint.directory, checkpoint.source)
     tokenizer = Tokenizer(_CheckpointFiles(checkpoint.directory, config))
-    try:
-        ids = tokenizer.eos_token_ids
-    except TokenizerError:
-        ids = config.eos_token_ids
-    eos = tuple(i for i in ids if 0 <= i < config.vocab_size)
-    return ModelCard(config.vocab_size, config.max_context, eos, tokenizer)
+    return ModelCard(config.vocab_size, config.max_context, eos_token_ids(config, tokenizer), tokenizer)
 
 
 class SyntheticChatTokenizer(SyntheticTokenizer):
