@@ -572,6 +572,8 @@ static inline void prefetch_ahead(const uint8_t *w, int64_t row_bytes, int64_t n
  * variants interleaved in one process, load 13-17): 32 rows ahead (11.5 KB at k = 576, 30 KB at k = 1536)
  * took 1.07-1.11x the time of 4 KB ahead, and no prefetch 1.33x; 6-12 KB were in between. */
 #define DIRECT_PREFETCH_BYTES 4096
+/* direct_q8_0_1x4 also asks about 16 KB ahead into L2 (see its comment). */
+#define Q8_0_L2_PREFETCH_BYTES 16384
 static inline int64_t prefetch_rows(int qtype, int64_t m_rows, int64_t row_bytes) {
 #if VW == 8
     if (m_rows == 1 && qtype == QT_Q8_0) /* direct_q8_0_1x4 (see q8_0_direct): 4 KB ahead, into L1 */
@@ -963,9 +965,10 @@ static void direct_q5_k_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int 
  * (sign-extended to 32-bit lanes, converted, times the block's d: expand_q8_0's exact product) and fed to
  * the tile's four chains (tile_3x4 at one row) in the same order, so y's bits are the whole-row path's.
  * Saves the expander's stores and the tile's reloads. Rows past nr point at row n (read, never stored).
- * Taken where q8_0_direct says. Its prefetch (prefetch_rows) asks 4 KB ahead into L1: the four rows are
- * read interleaved, 612-680 bytes apart, which the whole-row path's 32-rows-ahead L2 prefetch did not feed
- * (docs/performance.md, "The head at batch 1"). */
+ * Taken where q8_0_direct says. Its rows are prefetched twice: about 16 KB ahead into L2 and 4 KB ahead
+ * into L1 (prefetch_rows). The four rows are read interleaved, 612-680 bytes apart; from DRAM (a 178 MB
+ * head, 1 thread) the L1 prefetch alone left it 1.3-1.4x slower than the whole-row path, 32 rows ahead
+ * into L2 alone 2x, both together 0.77-0.80x (docs/performance.md, "The head at batch 1"). */
 #if VW == 8
 static void direct_q8_0_1x4(const uint8_t *w, int64_t row_bytes, int64_t n, int nr, const float *x, int64_t k,
                             const float *bias, float *y) {
@@ -1069,6 +1072,7 @@ int quant_gemm_f32(const float *x, int64_t m_rows, const uint8_t *w, int64_t row
             prefetch_ahead(w, row_bytes, n, n_out, group, ahead, q8_direct);
 #if VW == 8
             if (q8_direct) {
+                prefetch_ahead(w, row_bytes, n, n_out, group, Q8_0_L2_PREFETCH_BYTES / row_bytes, 0);
                 direct_q8_0_1x4(w, row_bytes, n, nr, x, k, bias, y);
                 continue;
             }
@@ -1115,6 +1119,7 @@ int quant_gemm_rows_f32(const float *x, int64_t m_rows, const uint8_t *w, int64_
         prefetch_ahead(w, row_bytes, n, n_end, group, ahead, q8_direct);
 #if VW == 8
         if (q8_direct) {
+            prefetch_ahead(w, row_bytes, n, n_end, group, Q8_0_L2_PREFETCH_BYTES / row_bytes, 0);
             direct_q8_0_1x4(w, row_bytes, n, nr, x, k, bias, y);
             continue;
         }
