@@ -967,8 +967,9 @@ static void direct_q5_k_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int 
  * Saves the expander's stores and the tile's reloads. Rows past nr point at row n (read, never stored).
  * Taken where q8_0_direct says. Its rows are prefetched twice: about 16 KB ahead into L2 and 4 KB ahead
  * into L1 (prefetch_rows). The four rows are read interleaved, 612-680 bytes apart; from DRAM (a 178 MB
- * head, 1 thread) the L1 prefetch alone left it 1.3-1.4x slower than the whole-row path, 32 rows ahead
- * into L2 alone 2x, both together 0.77-0.80x (docs/performance.md, "The head at batch 1"). */
+ * head, 1 thread, AVX2 EPYC) the L1 prefetch alone took 1.2-1.5x the whole-row path's time, 32 rows ahead
+ * into L2 alone 1.6-2.1x, both together 0.75-0.9x (hot in cache it is 1.6-1.7x as fast; docs/performance.md,
+ * "The head at batch 1"). */
 #if VW == 8
 static void direct_q8_0_1x4(const uint8_t *w, int64_t row_bytes, int64_t n, int nr, const float *x, int64_t k,
                             const float *bias, float *y) {
