@@ -177,13 +177,14 @@ def test_the_few_row_paths_give_the_whole_row_paths_bits(kernels, qtype):
             assert torch.equal(kernels.gemm(x[part], weight, bias), batch[part])
 
 
-# the formats with a 1-row register path on AVX2 (quant_gemm.c's direct_1x8), besides Q4_0 / Q4_1
-REGISTER_PATHS = [QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q4_K, QType.Q5_K]
+# the formats with a 1-row register path on AVX2 (quant_gemm.c's direct_1x8, besides Q4_0 / Q4_1; and Q8_0's
+# direct_q8_0_1x4, groups of 4, the head's path at batch 1)
+REGISTER_PATHS = [QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q4_K, QType.Q5_K, QType.Q8_0]
 
 
 @pytest.mark.parametrize("qtype", REGISTER_PATHS, ids=lambda q: q.name)
 def test_the_one_row_register_paths_give_the_whole_row_paths_bits_on_every_group_shape(kernels, qtype):
-    """One row against 1-17 weight rows (short groups of 8, whose unused rows alias the first) and over
+    """One row against 1-17 weight rows (short groups of 8 or 4, whose unused rows alias the first) and over
     several blocks and super-blocks, zero scales and zero weights included (the sign of a zero product is
     the expander's): the same bits as the same row inside a 5-row batch (the whole-row path)."""
     k = 512 if qtype.block_elems == 256 else 160

@@ -556,11 +556,14 @@ static void rows_times_x(const float *x, int64_t m_rows, const float *buf, int n
  * its loads, so without this a single thread keeps too few cache misses in flight to stream DRAM. */
 #define PREFETCH_ROWS 32
 static inline void prefetch_ahead(const uint8_t *w, int64_t row_bytes, int64_t n, int64_t n_out, int rows,
-                                  int64_t ahead) {
+                                  int64_t ahead, int into_l1) {
     const int64_t first = n + ahead, last = first + rows < n_out ? first + rows : n_out;
     if (first >= last) return;
     const uint8_t *p = w + first * row_bytes, *end = w + last * row_bytes;
-    for (; p < end; p += 64) __builtin_prefetch(p, 0, 1);
+    if (into_l1)
+        for (; p < end; p += 64) __builtin_prefetch(p, 0, 3);
+    else
+        for (; p < end; p += 64) __builtin_prefetch(p, 0, 1);
 }
 
 /* How far ahead prefetch_ahead asks: PREFETCH_ROWS rows, except on the one-row Q4_0 / Q4_1 register path,
@@ -569,9 +572,26 @@ static inline void prefetch_ahead(const uint8_t *w, int64_t row_bytes, int64_t n
  * variants interleaved in one process, load 13-17): 32 rows ahead (11.5 KB at k = 576, 30 KB at k = 1536)
  * took 1.07-1.11x the time of 4 KB ahead, and no prefetch 1.33x; 6-12 KB were in between. */
 #define DIRECT_PREFETCH_BYTES 4096
+/* direct_q8_0_1x4 also asks about 16 KB ahead into L2 (see its comment). */
+#define Q8_0_L2_PREFETCH_BYTES 16384
 static inline int64_t prefetch_rows(int qtype, int64_t m_rows, int64_t row_bytes) {
+#if VW == 8
+    if (m_rows == 1 && qtype == QT_Q8_0) /* direct_q8_0_1x4 (see q8_0_direct): 4 KB ahead, into L1 */
+        return DIRECT_PREFETCH_BYTES / row_bytes > 4 ? DIRECT_PREFETCH_BYTES / row_bytes : 4;
+#endif
     if (m_rows != 1 || (qtype != QT_Q4_0 && qtype != QT_Q4_1)) return PREFETCH_ROWS;
     return DIRECT_PREFETCH_BYTES / row_bytes > 8 ? DIRECT_PREFETCH_BYTES / row_bytes : 8;
+}
+
+/* Whether a call takes direct_q8_0_1x4: Q8_0 at one row on an AVX2 build (AVX-512 keeps the whole-row path:
+ * not measured there). */
+static inline int q8_0_direct(int qtype, int64_t m_rows, int64_t k) {
+#if VW == 8
+    return qtype == QT_Q8_0 && m_rows == 1 && k % 32 == 0;
+#else
+    (void)qtype, (void)m_rows, (void)k;
+    return 0;
+#endif
 }
 
 /* Elements and bytes of one block of qtype (f16/bf16: one value of 2 bytes); 0 for an unknown qtype. */
@@ -643,9 +663,8 @@ static inline __attribute__((always_inline)) void chunk_3x4(const float *x, int6
  * Saves the expander's stores and the reloads. Rows past nr point at row n (read, never stored).
  * Measured (AVX2, 1 thread, a 49152 x 576 matrix streamed from DRAM): Q4_0 4.19 ms direct against 4.69
  * through the chunk buffer. Q4_1 has its own direct path below (1.7x the chunk buffer's speed once its two
- * scales are converted together); Q8_0 (twice the bytes per weight) is slower this way (AVX2 EPYC, 1
- * thread, from DRAM: 20.5 ms against 14.3 on the whole-row path at load 14; 7.5 against 5.0 earlier),
- * so quant_gemm_f32 keeps the whole-row path for Q8_0. */
+ * scales are converted together); Q8_0 has its own four-row register path (direct_q8_0_1x4), which
+ * needs its rows prefetched into L1 to beat the whole-row path from DRAM. */
 #if VW == 16
 static inline vec q4_0_lanes(const uint8_t *block, int h, int j) {
     __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + 2 + j)));
@@ -942,6 +961,41 @@ static void direct_q5_k_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int 
 }
 #endif
 
+/* One x row against four Q8_0 rows in registers (AVX2): each 8 weights are widened straight from memory
+ * (sign-extended to 32-bit lanes, converted, times the block's d: expand_q8_0's exact product) and fed to
+ * the tile's four chains (tile_3x4 at one row) in the same order, so y's bits are the whole-row path's.
+ * Saves the expander's stores and the tile's reloads. Rows past nr point at row n (read, never stored).
+ * Taken where q8_0_direct says. Its rows are prefetched twice: about 16 KB ahead into L2 and 4 KB ahead
+ * into L1 (prefetch_rows). The four rows are read interleaved, 612-680 bytes apart; from DRAM (a 178 MB
+ * head, 1 thread, AVX2 EPYC) the L1 prefetch alone took 1.2-1.5x the whole-row path's time, 32 rows ahead
+ * into L2 alone 1.6-2.1x, both together 0.75-0.9x (hot in cache it is 1.6-1.7x as fast; docs/performance.md,
+ * "The head at batch 1"). */
+#if VW == 8
+static void direct_q8_0_1x4(const uint8_t *w, int64_t row_bytes, int64_t n, int nr, const float *x, int64_t k,
+                            const float *bias, float *y) {
+    const uint8_t *r0 = w + n * row_bytes, *r1 = nr > 1 ? r0 + row_bytes : r0;
+    const uint8_t *r2 = nr > 2 ? r0 + 2 * row_bytes : r0, *r3 = nr > 3 ? r0 + 3 * row_bytes : r0;
+    vec a0 = vzero(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t b = 0; b < k / 32; ++b) {
+        const int64_t off = b * 34;
+        const vec d0 = vset1(f16_at(r0 + off)), d1 = vset1(f16_at(r1 + off));
+        const vec d2 = vset1(f16_at(r2 + off)), d3 = vset1(f16_at(r3 + off));
+        for (int j = 0; j < 32; j += 8) {
+            const vec v = vload(x + 32 * b + j);
+            const int64_t q = off + 2 + j;
+#define Q8_LANES(r) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((r) + q))))
+            a0 = vfma(v, _mm256_mul_ps(d0, Q8_LANES(r0)), a0);
+            a1 = vfma(v, _mm256_mul_ps(d1, Q8_LANES(r1)), a1);
+            a2 = vfma(v, _mm256_mul_ps(d2, Q8_LANES(r2)), a2);
+            a3 = vfma(v, _mm256_mul_ps(d3, Q8_LANES(r3)), a3);
+#undef Q8_LANES
+        }
+    }
+    const vec acc[4] = {a0, a1, a2, a3};
+    for (int c = 0; c < nr; ++c) y[n + c] = add_bias(vsum(acc[c]), bias, n + c);
+}
+#endif
+
 /* The register path of qtype at one row, or NULL where the chunk buffer is the faster one. */
 typedef void (*direct_1x8_fn)(const uint8_t *, int64_t, int64_t, int, const float *, int64_t, vec *);
 static direct_1x8_fn direct_1x8(int qtype) {
@@ -1000,6 +1054,7 @@ int quant_gemm_f32(const float *x, int64_t m_rows, const uint8_t *w, int64_t row
 #ifdef VW
     by_chunks = m_rows <= 3 && k % VW == 0 && CHUNK % elems == 0 && qtype != QT_Q8_0; /* see direct_q4_0_1x8 */
 #endif
+    const int q8_direct = q8_0_direct(qtype, m_rows, k);
     const int group = by_chunks && m_rows == 1 ? 8 : 4;
     const int64_t groups = (n_out + group - 1) / group;
     const int64_t ahead = prefetch_rows(qtype, m_rows, row_bytes);
@@ -1015,7 +1070,14 @@ int quant_gemm_f32(const float *x, int64_t m_rows, const uint8_t *w, int64_t row
             if (buf == NULL) continue;
             const int64_t n = group * g;
             const int nr = n_out - n >= group ? group : (int)(n_out - n);
-            prefetch_ahead(w, row_bytes, n, n_out, group, ahead);
+            prefetch_ahead(w, row_bytes, n, n_out, group, ahead, q8_direct);
+#if VW == 8
+            if (q8_direct) {
+                prefetch_ahead(w, row_bytes, n, n_out, group, Q8_0_L2_PREFETCH_BYTES / row_bytes, 0);
+                direct_q8_0_1x4(w, row_bytes, n, nr, x, k, bias, y);
+                continue;
+            }
+#endif
 #ifdef VW
             if (by_chunks) {
                 group_by_chunks(qtype, w, row_bytes, elems, bytes, x, m_rows, k, n, nr, bias, y, n_out, buf);
@@ -1050,11 +1112,19 @@ int quant_gemm_rows_f32(const float *x, int64_t m_rows, const uint8_t *w, int64_
 #ifdef VW
     by_chunks = m_rows <= 3 && k % VW == 0 && CHUNK % elems == 0 && qtype != QT_Q8_0;
 #endif
+    const int q8_direct = q8_0_direct(qtype, m_rows, k);
     const int group = by_chunks && m_rows == 1 ? 8 : 4;
     const int64_t ahead = prefetch_rows(qtype, m_rows, row_bytes);
     for (int64_t n = n_begin; n < n_end; n += group) {
         const int nr = n_end - n >= group ? group : (int)(n_end - n);
-        prefetch_ahead(w, row_bytes, n, n_end, group, ahead);
+        prefetch_ahead(w, row_bytes, n, n_end, group, ahead, q8_direct);
+#if VW == 8
+        if (q8_direct) {
+            prefetch_ahead(w, row_bytes, n, n_end, group, Q8_0_L2_PREFETCH_BYTES / row_bytes, 0);
+            direct_q8_0_1x4(w, row_bytes, n, nr, x, k, bias, y);
+            continue;
+        }
+#endif
 #ifdef VW
         if (by_chunks) {
             group_by_chunks(qtype, w, row_bytes, elems, bytes, x, m_rows, k, n, nr, bias, y, y_stride, buf);
