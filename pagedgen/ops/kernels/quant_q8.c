@@ -234,41 +234,94 @@ static inline void prefetch_rows(const uint8_t *w, int64_t row_bytes, int64_t fi
         __builtin_prefetch(p, 0, 1);
 }
 
+/* Outputs n .. n + nr - 1 (nr <= 8) of every x row, from the quantised rows (q, dx, sx: m_rows rows of k),
+ * written at y[m * y_stride + n + r] (bias indexed by n + r). An output's operations depend on its own
+ * weight row and x row only, not on where its group of eight starts: any split of the outputs gives the
+ * same bits. */
+static void q8_group(int qtype, const uint8_t *w, int64_t row_bytes, int64_t bytes, int64_t n, int nr,
+                     const int8_t *q, const float *dx, const float *sx, int64_t m_rows, int64_t k,
+                     const float *bias, float *y, int64_t y_stride) {
+    const int64_t nb = k / 32;
+    for (int64_t m = 0; m < m_rows; ++m) {
+        float out[8];
+#ifdef Q8_AVX2
+        group_avx2(qtype, w, row_bytes, bytes, n, nr, q + m * k, dx + m * nb, sx + m * nb, nb, out);
+#else
+        for (int r = 0; r < nr; ++r)
+            out[r] = row_dot_portable(qtype, w + (n + r) * row_bytes, bytes, q + m * k, dx + m * nb, sx + m * nb,
+                                      nb);
+#endif
+        for (int r = 0; r < nr; ++r) y[m * y_stride + n + r] = bias ? out[r] + bias[n + r] : out[r];
+    }
+}
+
+/* The quantised form of m_rows x rows of k in one buffer: the scales dx [m_rows, k / 32], the scaled sums
+ * sx [m_rows, k / 32], then the bytes q [m_rows, k]. */
+typedef struct {
+    int8_t *q;
+    float *dx, *sx;
+} q8_rows;
+
+static q8_rows q8_rows_in(void *buf, int64_t m_rows, int64_t k) {
+    float *scales = buf;
+    const int64_t nb = k / 32;
+    return (q8_rows){(int8_t *)(scales + 2 * m_rows * nb), scales, scales + m_rows * nb};
+}
+
+/* The bytes quant_q8_quantize needs for m_rows rows of k (k a multiple of 32). */
+int64_t quant_q8_buffer_bytes(int64_t m_rows, int64_t k) {
+    return (int64_t)sizeof(float) * 2 * m_rows * (k / 32) + m_rows * k;
+}
+
+/* x [m_rows, k] rounded to 8-bit blocks into buf (quant_q8_buffer_bytes(m_rows, k) bytes, float-aligned):
+ * the rows every quant_gemm_q8_rows call over this x reads. The same code as quant_gemm_q8's own, so the
+ * same bytes. Returns 0, -1 for k not a multiple of 32. */
+int quant_q8_quantize(const float *x, int64_t m_rows, int64_t k, void *buf) {
+    if (k % 32) return -1;
+    const q8_rows r = q8_rows_in(buf, m_rows, k);
+    const int64_t nb = k / 32;
+    for (int64_t m = 0; m < m_rows; ++m) quantize_row(x + m * k, k, r.q + m * k, r.dx + m * nb, r.sx + m * nb);
+    return 0;
+}
+
+/* Outputs n_begin .. n_end - 1 of quant_gemm_q8 on the calling thread alone, from x already quantised into
+ * buf by quant_q8_quantize, written at y[m * y_stride + n] (bias indexed by n too): a slice of the columns
+ * for a caller that splits one GEMM over its own threads (decoder_layers.c). Every output is quant_gemm_q8's
+ * (q8_group), so any split gives its bits. Returns 0, -1 for a qtype without a q8 kernel or k not a
+ * multiple of 32 (checked first: buf NULL with n_begin == n_end only checks). */
+int quant_gemm_q8_rows(const void *buf, int64_t m_rows, const uint8_t *w, int64_t row_bytes, int qtype, int64_t k,
+                       int64_t n_begin, int64_t n_end, const float *bias, float *y, int64_t y_stride) {
+    const int64_t bytes = q8_block_bytes(qtype);
+    if (bytes == 0 || k % 32) return -1;
+    if (n_begin >= n_end) return 0;
+    const q8_rows r = q8_rows_in((void *)buf, m_rows, k);
+    for (int64_t n = n_begin; n < n_end; n += 8) {
+        const int nr = n_end - n >= 8 ? 8 : (int)(n_end - n);
+        prefetch_rows(w, row_bytes, n + Q8_PREFETCH_ROWS, n_end);
+        q8_group(qtype, w, row_bytes, bytes, n, nr, r.q, r.dx, r.sx, m_rows, k, bias, y, y_stride);
+    }
+    return 0;
+}
+
 /* y = x @ W^T (+ bias) with x rounded to 8-bit blocks (see the top). Returns 0, -1 for a qtype without a
  * q8 kernel or k not a multiple of 32, -2 if the quantised rows could not be allocated. */
 int quant_gemm_q8(const float *x, int64_t m_rows, const uint8_t *w, int64_t row_bytes, int qtype, int64_t k,
                   int64_t n_out, const float *bias, float *y, int num_threads) {
-    const int64_t bytes = q8_block_bytes(qtype), nb = k / 32;
+    const int64_t bytes = q8_block_bytes(qtype);
     if (bytes == 0 || k % 32) return -1;
-    int8_t *q = malloc((size_t)(m_rows * k) + 1);
-    float *scales = malloc(sizeof(float) * (size_t)(2 * m_rows * nb) + 1);
-    if (q == NULL || scales == NULL) {
-        free(q);
-        free(scales);
-        return -2;
-    }
-    float *dx = scales, *sx = scales + m_rows * nb;
-    for (int64_t m = 0; m < m_rows; ++m) quantize_row(x + m * k, k, q + m * k, dx + m * nb, sx + m * nb);
+    void *buf = malloc((size_t)quant_q8_buffer_bytes(m_rows, k) + 1);
+    if (buf == NULL) return -2;
+    quant_q8_quantize(x, m_rows, k, buf);
+    const q8_rows r = q8_rows_in(buf, m_rows, k);
     const int64_t groups = (n_out + 7) / 8;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t g = 0; g < groups; ++g) {
         const int64_t n = 8 * g;
         const int nr = n_out - n >= 8 ? 8 : (int)(n_out - n);
         prefetch_rows(w, row_bytes, n + Q8_PREFETCH_ROWS, n_out);
-        for (int64_t m = 0; m < m_rows; ++m) {
-            float out[8];
-#ifdef Q8_AVX2
-            group_avx2(qtype, w, row_bytes, bytes, n, nr, q + m * k, dx + m * nb, sx + m * nb, nb, out);
-#else
-            for (int r = 0; r < nr; ++r)
-                out[r] = row_dot_portable(qtype, w + (n + r) * row_bytes, bytes, q + m * k, dx + m * nb,
-                                          sx + m * nb, nb);
-#endif
-            for (int r = 0; r < nr; ++r) y[m * n_out + n + r] = bias ? out[r] + bias[n + r] : out[r];
-        }
+        q8_group(qtype, w, row_bytes, bytes, n, nr, r.q, r.dx, r.sx, m_rows, k, bias, y, n_out);
     }
-    free(q);
-    free(scales);
+    free(buf);
     return 0;
 }
 
