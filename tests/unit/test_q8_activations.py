@@ -130,7 +130,8 @@ def _weight(qtype: QType, out: int, k: int, seed: int) -> QuantizedWeight:
 @pytest.mark.parametrize("qtype", Q8_TYPES, ids=lambda q: q.name)
 def test_the_q8_kernel_is_the_integer_arithmetic_exactly(library, qtype, rows):
     kernels = QuantKernels(library)
-    for out, k in ((37, 96), (21, 576)):  # 8-row groups with a short last one; several blocks
+    # 8-row groups with a short last one; several blocks; more blocks than Q8_0's by-rows chunk of 32
+    for out, k in ((37, 96), (21, 576), (11, 1088)):
         weight, x = _weight(qtype, out, k, seed=out), _x(rows, k, seed=rows)
         bias = torch.randn(out, generator=torch.Generator().manual_seed(out))
         np.testing.assert_array_equal(kernels.gemm(x, _q8(weight), None).numpy(), reference(x, weight, None))
