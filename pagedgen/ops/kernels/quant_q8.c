@@ -199,7 +199,7 @@ static inline void headers_at(const uint8_t *const rows[8], int64_t offset, int 
  * blocks. By rows (by_rows 1): the integer products of up to Q8_CHUNK blocks row by row first (each row's
  * blocks read in sequence), then reduced and scaled block by block with the headers re-read from L1.
  * Measured from DRAM (1 thread, thread CPU time, AVX2 EPYC at load 9-10): the 49152 x 576 Q8_0 head took
- * 4.6-5.3 ms by rows against 6.9-8.0 interleaved (exact kernel: 5.3-6.6), while a 3072 x 576 Q4_1 layer
+ * 4.6-5.5 ms by rows against 6.9-9.5 interleaved (exact kernel: 5.3-6.6), while a 3072 x 576 Q4_1 layer
  * took 1.13-1.17x as long by rows; so Q8_0 (34-byte blocks) reads by rows and the others interleave. */
 #define Q8_CHUNK 32
 static inline __attribute__((always_inline)) __m256 rows_dot_avx2(const int qtype, const int by_rows,
@@ -212,14 +212,15 @@ static inline __attribute__((always_inline)) __m256 rows_dot_avx2(const int qtyp
     const int64_t chunk = by_rows ? Q8_CHUNK : 1;
     for (int64_t b0 = 0; b0 < nb; b0 += chunk) {
         const int64_t cb = nb - b0 < chunk ? nb - b0 : chunk;
-        if (by_rows)
+        if (by_rows) {
             for (int r = 0; r < 8; ++r)
                 for (int64_t c = 0; c < cb; ++c)
                     lanes[c][r] = block_lanes(qtype, rows[r] + (b0 + c) * bytes,
                                               _mm256_loadu_si256((const __m256i *)(q + 32 * (b0 + c))));
-        else
-            for (int r = 0; r < 8; ++r)
-                lanes[0][r] = block_lanes(qtype, rows[r] + b0 * bytes, _mm256_loadu_si256((const __m256i *)(q + 32 * b0)));
+        } else {
+            const __m256i qv = _mm256_loadu_si256((const __m256i *)(q + 32 * b0));
+            for (int r = 0; r < 8; ++r) lanes[0][r] = block_lanes(qtype, rows[r] + b0 * bytes, qv);
+        }
         for (int64_t c = 0; c < cb; ++c) {
             const int64_t b = b0 + c;
             __m256 dw, mw = _mm256_setzero_ps();
@@ -251,9 +252,7 @@ static void group_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int64_t b
 
 /* Ask for the eight rows Q8_PREFETCH_ROWS ahead (into L2), as quant_gemm.c does: the integer loop computes
  * between its loads and would otherwise keep too few misses in flight to stream a large matrix. */
-#ifndef Q8_PREFETCH_ROWS
 #define Q8_PREFETCH_ROWS 32
-#endif
 static inline void prefetch_rows(const uint8_t *w, int64_t row_bytes, int64_t first, int64_t n_out) {
     const int64_t last = first + 8 < n_out ? first + 8 : n_out;
     if (first >= last) return;
