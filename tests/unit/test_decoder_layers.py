@@ -41,11 +41,12 @@ def need_kernels():
         pytest.skip(native.native_status().detail)
 
 
-def _gguf_model(tmp_path, qtype: str) -> Model:
+def _gguf_model(tmp_path, qtype: str, activations: str = "fp32") -> Model:
     path = tmp_path / f"tiny-{qtype}.gguf"
-    state = random_state(TINY_RAW, seed=5)
-    write_gguf(path, "llama", state, TINY_RAW, qtype=gguf.GGMLQuantizationType[qtype], tokenizer=False)
-    return Model(str(path), device="cpu")
+    if not path.exists():
+        state = random_state(TINY_RAW, seed=5)
+        write_gguf(path, "llama", state, TINY_RAW, qtype=gguf.GGMLQuantizationType[qtype], tokenizer=False)
+    return Model(str(path), device="cpu", activations=activations)
 
 
 def _biased_bf16_model(tmp_path) -> Model:
@@ -93,8 +94,8 @@ def _run(
         torch.set_num_threads(threads)
 
 
-def _assert_same(model: Model, prompts: list[list[int]]) -> None:
-    fused_logits, fused_cache = _run(model, True, prompts)
+def _assert_same(model: Model, prompts: list[list[int]], threads: int | None = None) -> None:
+    fused_logits, fused_cache = _run(model, True, prompts, decode_threads=threads)
     plain_logits, plain_cache = _run(model, False, prompts)
     for got, expected in zip(fused_logits, plain_logits, strict=True):
         assert torch.equal(got, expected)
@@ -326,13 +327,13 @@ MIXES = {
 }
 
 
-def _mixed_model(tmp_path, mix: str, weights: str = "native") -> Model:
+def _mixed_model(tmp_path, mix: str, weights: str = "native", activations: str = "fp32") -> Model:
     path = tmp_path / f"mixed-{mix}.gguf"
     if not path.exists():
         state = random_state(WIDE_RAW, seed=9)
         qtype = formats_by_suffix(MIXES[mix], Q.Q8_0)
         write_gguf(path, "llama", state, WIDE_RAW, qtype=qtype, tokenizer=False)
-    return Model(str(path), device="cpu", weights=weights)
+    return Model(str(path), device="cpu", weights=weights, activations=activations)
 
 
 @pytest.mark.parametrize("batch", [1, 4])
@@ -362,3 +363,46 @@ def test_a_mixed_model_matches_its_dequantised_float32_model(tmp_path, need_kern
     expected, _ = _run(dense, False, PROMPTS[:3])
     for g, e in zip(got, expected, strict=True):
         assert (g - e).abs().max().item() <= 1e-4
+
+
+# ---- activations="q8": the 8-bit-activation kernels on the same one-region path ----
+
+Q8_FLAG = 0x100  # kernels/quant_gemm.c QT_Q8_ACTIVATIONS
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
+def test_a_q8_model_decodes_fused_with_the_per_layer_bits(tmp_path, need_kernels, qtype, batch, threads):
+    """With 8-bit activations every thread rounds each GEMM's x itself and runs its columns of the integer
+    kernel: bit for bit the per-layer path (whole q8 GEMMs over all threads) at 1, 2 and 3 threads (3:
+    uneven column slices, one thread without a kv head), and every decode step takes the fused path."""
+    model = _gguf_model(tmp_path, qtype, activations="q8")
+    c_layer = model.runtime.fused_decoder._c_layers[0]
+    assert all(getattr(c_layer, w).segments[0].qtype & Q8_FLAG for w in ("qkv", "o", "gate_up", "down"))
+    before = decoder_layers.FUSED_STEPS.count
+    _assert_same(model, PROMPTS[:batch], threads)
+    assert decoder_layers.FUSED_STEPS.count - before == 5
+    exact, _ = _run(_gguf_model(tmp_path, qtype), True, PROMPTS[:batch])
+    q8, _ = _run(model, True, PROMPTS[:batch])
+    assert not torch.equal(exact[-1], q8[-1])  # the integer kernels ran
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_q8_model_with_k_quants_mixes_q8_and_exact_segments_in_one_step(
+    tmp_path, need_kernels, batch, threads
+):
+    """A Q4_K_M-like file with activations="q8": q/k/v and gate/up (Q5_0, Q8_0) run the integer kernels,
+    o and down (Q4_K, Q6_K) stay exact, in one fused step; bit for bit the per-layer path."""
+    model = _mixed_model(tmp_path, "q4_k_m-like", activations="q8")
+    c_layer = model.runtime.fused_decoder._c_layers[0]
+    flagged = {
+        name: [bool(s.qtype & Q8_FLAG) for s in w.segments[: w.num_segments]]
+        for name in ("qkv", "o", "gate_up", "down")
+        for w in [getattr(c_layer, name)]
+    }
+    assert flagged == {"qkv": [True, True, True], "o": [False], "gate_up": [True], "down": [False]}
+    before = decoder_layers.FUSED_STEPS.count
+    _assert_same(model, PROMPTS[:batch], threads)
+    assert decoder_layers.FUSED_STEPS.count - before == 5

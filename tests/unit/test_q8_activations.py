@@ -130,11 +130,71 @@ def _weight(qtype: QType, out: int, k: int, seed: int) -> QuantizedWeight:
 @pytest.mark.parametrize("qtype", Q8_TYPES, ids=lambda q: q.name)
 def test_the_q8_kernel_is_the_integer_arithmetic_exactly(library, qtype, rows):
     kernels = QuantKernels(library)
-    for out, k in ((37, 96), (21, 576)):  # 8-row groups with a short last one; several blocks
+    # 8-row groups with a short last one; several blocks; more blocks than Q8_0's by-rows chunk of 32
+    for out, k in ((37, 96), (21, 576), (11, 1088)):
         weight, x = _weight(qtype, out, k, seed=out), _x(rows, k, seed=rows)
         bias = torch.randn(out, generator=torch.Generator().manual_seed(out))
         np.testing.assert_array_equal(kernels.gemm(x, _q8(weight), None).numpy(), reference(x, weight, None))
         np.testing.assert_array_equal(kernels.gemm(x, _q8(weight), bias).numpy(), reference(x, weight, bias))
+
+
+def _column_slices(library: ctypes.CDLL, x: torch.Tensor, weight: QuantizedWeight, bias, cuts) -> np.ndarray:
+    """quant_gemm_q8_rows over the outputs cut at ``cuts``, one call per slice, into one [m, n + 3] buffer
+    (a row stride wider than n); x rounded once by quant_q8_quantize, as decoder_layers.c does."""
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    library.quant_q8_buffer_bytes.restype = i64
+    library.quant_q8_buffer_bytes.argtypes = [i64, i64]
+    library.quant_q8_quantize.argtypes = [p, i64, i64, p]
+    library.quant_gemm_q8_rows.argtypes = [p, i64, p, i64, ctypes.c_int, i64, i64, i64, p, p, i64]
+    m, k = x.shape
+    n = weight.shape[0]
+    buf = np.zeros(library.quant_q8_buffer_bytes(m, k) // 4 + 1, dtype=_F32)
+    assert library.quant_q8_quantize(x.data_ptr(), m, k, buf.ctypes.data) == 0
+    y = np.full((m, n + 3), np.nan, dtype=_F32)
+    bias_ptr = None if bias is None else bias.data_ptr()
+    bounds = [0, *cuts, n]
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        failed = library.quant_gemm_q8_rows(
+            buf.ctypes.data,
+            m,
+            weight.data.data_ptr(),
+            weight.data.shape[1],
+            weight.qtype.ggml_id,
+            k,
+            lo,
+            hi,
+            bias_ptr,
+            y.ctypes.data,
+            n + 3,
+        )
+        assert failed == 0
+    assert np.isnan(y[:, n:]).all()  # nothing written past the slices
+    return y[:, :n]
+
+
+@pytest.mark.parametrize("qtype", Q8_TYPES, ids=lambda q: q.name)
+def test_column_slices_of_the_q8_kernel_have_its_bits(library, qtype):
+    """decoder_layers.c splits each GEMM's outputs over its threads at any row, multiple of 8 or not:
+    every split gives the whole kernel's bits, with and without a bias."""
+    weight, x = _weight(qtype, 37, 96, seed=4), _x(3, 96, seed=4)
+    bias = torch.randn(37, generator=torch.Generator().manual_seed(4))
+    for b in (None, bias):
+        whole = reference(x, weight, b)
+        for cuts in ([], [8, 16, 24, 32], [5, 13], [1, 36]):
+            np.testing.assert_array_equal(_column_slices(library, x, weight, b, cuts), whole)
+
+
+def test_the_q8_slice_entry_refuses_what_has_no_kernel(library):
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    library.quant_gemm_q8_rows.argtypes = [p, i64, p, i64, ctypes.c_int, i64, i64, i64, p, p, i64]
+    library.quant_q8_quantize.argtypes = [p, i64, i64, p]
+    check = library.quant_gemm_q8_rows
+    assert check(None, 1, None, 0, QType.Q4_K.ggml_id, 256, 0, 0, None, None, 0) == -1  # no q8 kernel
+    assert (
+        check(None, 1, None, 0, QType.Q4_1.ggml_id, 48, 0, 0, None, None, 0) == -1
+    )  # k not a multiple of 32
+    assert check(None, 1, None, 0, QType.Q4_1.ggml_id, 64, 0, 0, None, None, 0) == 0
+    assert library.quant_q8_quantize(None, 1, 48, None) == -1
 
 
 @pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q8_0], ids=lambda q: q.name)

@@ -23,10 +23,15 @@
  * adds it for the rows it needs logits of).
  *
  * Segments: a fused matrix (q/k/v, gate/up) is up to three row ranges, each stored in its own format and
- * memory (a Q4_K_M file keeps q/k in one format, v in another). Each segment is one quant_gemm_f32 call
- * into its column range of the output: the very call the per-layer path makes for that part (same weight,
- * same x rows), so the bits are the same. Segments are never merged, even when two are adjacent and alike,
- * so the result does not depend on how the kernel splits a matrix's rows.
+ * memory (a Q4_K_M file keeps q/k in one format, v in another). Each segment's part of a thread's columns is
+ * that segment's quant_gemm_f32 call restricted to those rows: the call the per-layer path makes for that
+ * part (same weight, same x rows), so the bits are the same. Segments are never merged, even when two are
+ * adjacent and alike, so the result does not depend on how the kernel splits a matrix's rows.
+ *
+ * 8-bit activations (activations="q8", quant_q8.c): a segment flagged QT_Q8_ACTIVATIONS runs the integer
+ * kernel's column slice (quant_gemm_q8_rows) on the GEMM's x rounded to 8-bit blocks; each thread rounds
+ * the whole x itself, with the kernel's own code, so every thread reads the bytes quant_gemm_q8 would.
+ * Segments without such a kernel (K-quants, f16, bf16 in a q8 model) stay exact, in the same step.
  *
  * Threads: one OpenMP region for the whole step, not one per kernel. Each thread owns a fixed slice of
  * every GEMM's output columns and a fixed run of kv heads, keeps its own copy of the residual stream and of
@@ -44,8 +49,6 @@
 #include <string.h>
 
 /* The kernels of the sibling sources (one shared library). */
-int quant_gemm_f32(const float *x, int64_t m_rows, const uint8_t *w, int64_t row_bytes, int qtype, int64_t k,
-                   int64_t n_out, const float *bias, float *y, int num_threads);
 void rms_norm_f32(const float *x, int64_t rows, int64_t dim, const float *weight, float eps, float *out,
                   int num_threads);
 void add_rms_norm_f32(float *residual, const float *delta, int64_t rows, int64_t dim, const float *weight,
@@ -54,25 +57,16 @@ void head_rms_norm_f32(float *x, int64_t rows, int64_t heads, int64_t head_dim, 
                        const float *weight, float eps, int num_threads);
 void rotary_f32(float *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t row_stride, const float *cos,
                 const float *sin, int num_threads);
-void silu_mul_f32(const float *gate_up, int64_t rows, int64_t inner, float *out, int num_threads);
 int gated_act_f32(const float *gate, const float *up, int64_t rows, int64_t inner, int64_t row_stride,
                   int activation, float *out, int num_threads);
-int paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
-                               const int32_t *tables, int64_t table_stride, const int32_t *kv_lens,
-                               const int64_t *token_rows, int64_t num_rows, int64_t num_q_heads,
-                               int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                               float *out, int num_threads);
-int paged_decode_window_attention_f32(const float *q, const float *k_cache, const float *v_cache,
-                                      const int32_t *tables, int64_t table_stride, const int32_t *kv_lens,
-                                      const int32_t *kv_starts, const int64_t *token_rows, int64_t num_rows,
-                                      int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
-                                      int64_t block_size, float scale, float *out, int num_threads);
-int write_kv_f32(const float *key, int64_t key_stride, const float *value, int64_t value_stride, int64_t rows,
-                 int64_t row_len, const int64_t *slots, int64_t num_slots, float *k_cache, float *v_cache);
 
 int quant_gemm_rows_f32(const float *x, int64_t m_rows, const uint8_t *w, int64_t row_bytes, int qtype, int64_t k,
                         int64_t n_begin, int64_t n_end, const float *bias, float *y, int64_t y_stride, float *buf);
 int64_t quant_gemm_buffer_floats(int64_t m_rows, int64_t k);
+int64_t quant_q8_buffer_bytes(int64_t m_rows, int64_t k);
+int quant_q8_quantize(const float *x, int64_t m_rows, int64_t k, void *buf);
+int quant_gemm_q8_rows(const void *buf, int64_t m_rows, const uint8_t *w, int64_t row_bytes, int qtype, int64_t k,
+                       int64_t n_begin, int64_t n_end, const float *bias, float *y, int64_t y_stride);
 void paged_decode_heads_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
                             int64_t start, int64_t len, int64_t num_q_heads, int64_t num_kv_heads,
                             int64_t kv_begin, int64_t kv_end, int64_t head_dim, int64_t block_size, float scale,
@@ -138,14 +132,14 @@ typedef struct {
     int64_t block_size;
     float *x;       /* [T, hidden] residual stream, updated in place */
     float *delta;   /* [T, hidden] out: the last layer's output still to add */
-    float *h;       /* [T, hidden] */
+    float *h;       /* [T, hidden] unused (each thread keeps its own) */
     float *qkv;     /* [T, (Hq + 2 Hkv) D] */
-    float *q;       /* [T, Hq D] */
+    float *q;       /* [T, Hq D] unused (attention reads q inside qkv) */
     float *attn;    /* [T, Hq D] */
     float *o;       /* [T, hidden] */
     float *gate_up; /* [T, 2 inner] */
     float *act;     /* [T, inner] */
-    float *scratch; /* [T, widest segment] one segment's product before it is placed (T > 1 only) */
+    float *scratch; /* unused (segments write their columns in place) */
 } decoder_step;
 
 static int slots_inside(const kv_view *view, int64_t tokens) {
@@ -153,97 +147,6 @@ static int slots_inside(const kv_view *view, int64_t tokens) {
         if (view->slots[r] < 0 || view->slots[r] >= view->num_slots) return 0;
     return 1;
 }
-
-/* y [t, n_out] = x [t, k] @ W^T + b, one quant_gemm_f32 call per segment into its columns. One row's
- * columns are contiguous, so for t = 1 a segment writes in place; otherwise through scratch. */
-static int packed_gemm(const float *x, int64_t t, const packed_weight *w, int64_t k, int64_t n_out, float *y,
-                       float *scratch, int num_threads) {
-    if (w->num_segments == 1)
-        return quant_gemm_f32(x, t, w->segments[0].data, w->segments[0].row_bytes, (int)w->segments[0].qtype,
-                              k, n_out, w->bias, y, num_threads);
-    int64_t column = 0;
-    for (int64_t s = 0; s < w->num_segments; ++s) {
-        const weight_segment *seg = &w->segments[s];
-        const float *bias = w->bias ? w->bias + column : NULL;
-        float *out = t == 1 ? y + column : scratch;
-        const int failed =
-            quant_gemm_f32(x, t, seg->data, seg->row_bytes, (int)seg->qtype, k, seg->rows, bias, out, num_threads);
-        if (failed) return failed;
-        if (t > 1)
-            for (int64_t r = 0; r < t; ++r)
-                memcpy(y + r * n_out + column, scratch + r * seg->rows, sizeof(float) * (size_t)seg->rows);
-        column += seg->rows;
-    }
-    return 0;
-}
-
-/* The opt-in 8-bit-activation GEMMs (quant_q8.c) have no column-slice entry: a model with them runs the
- * layers kernel by kernel, each kernel over all threads. */
-static int layers_kernel_by_kernel(const decoder_layer *layers, int64_t num_layers, const decoder_dims *dims,
-                                   const decoder_step *step, int num_threads) {
-    const int64_t t = step->tokens, hidden = dims->hidden, d = dims->head_dim, inner = dims->inner;
-    const int64_t q_width = dims->q_heads * d, kv_width = dims->kv_heads * d;
-    const int64_t qkv_width = q_width + 2 * kv_width;
-    const float eps = dims->eps;
-    for (int64_t l = 0; l < num_layers; ++l) {
-        const decoder_layer *layer = &layers[l];
-        const kv_view *view = layer->windowed ? &step->window : &step->full;
-        const int local = layer->local_rope && step->local_cos != NULL;
-        const float *cos = local ? step->local_cos : step->cos, *sin = local ? step->local_sin : step->sin;
-        if (l == 0)
-            rms_norm_f32(step->x, t, hidden, layer->input_norm, eps, step->h, num_threads);
-        else
-            add_rms_norm_f32(step->x, step->delta, t, hidden, layer->input_norm, eps, step->h, num_threads);
-        int failed = packed_gemm(step->h, t, &layer->qkv, hidden, qkv_width, step->qkv, step->scratch, num_threads);
-        if (failed) return failed;
-        if (layer->q_norm != NULL) {
-            head_rms_norm_f32(step->qkv, t, dims->q_heads, d, qkv_width, layer->q_norm, eps, num_threads);
-            head_rms_norm_f32(step->qkv + q_width, t, dims->kv_heads, d, qkv_width, layer->k_norm, eps,
-                              num_threads);
-        }
-        rotary_f32(step->qkv, t, dims->q_heads, d, qkv_width, cos, sin, num_threads);
-        rotary_f32(step->qkv + q_width, t, dims->kv_heads, d, qkv_width, cos, sin, num_threads);
-        if (write_kv_f32(step->qkv + q_width, qkv_width, step->qkv + q_width + kv_width, qkv_width, t, kv_width,
-                         view->slots, view->num_slots, layer->k_cache, layer->v_cache))
-            return -3;
-        for (int64_t r = 0; r < t; ++r)
-            memcpy(step->q + r * q_width, step->qkv + r * qkv_width, sizeof(float) * (size_t)q_width);
-        failed = view->kv_starts == NULL
-                     ? paged_decode_attention_f32(step->q, layer->k_cache, layer->v_cache, view->tables,
-                                                  view->table_stride, view->kv_lens, step->token_rows, t,
-                                                  dims->q_heads, dims->kv_heads, d, step->block_size, dims->scale,
-                                                  step->attn, num_threads)
-                     : paged_decode_window_attention_f32(step->q, layer->k_cache, layer->v_cache, view->tables,
-                                                         view->table_stride, view->kv_lens, view->kv_starts,
-                                                         step->token_rows, t, dims->q_heads, dims->kv_heads, d,
-                                                         step->block_size, dims->scale, step->attn, num_threads);
-        if (failed) return -2;
-        failed = packed_gemm(step->attn, t, &layer->o, q_width, hidden, step->o, step->scratch, num_threads);
-        if (failed) return failed;
-        const float *attn_out = step->o;
-        if (layer->attn_out_norm != NULL) { /* h is free: the q/k/v product is taken */
-            rms_norm_f32(step->o, t, hidden, layer->attn_out_norm, eps, step->h, num_threads);
-            attn_out = step->h;
-        }
-        float *mlp_in = attn_out == step->h ? step->o : step->h; /* the buffer attn_out is not */
-        add_rms_norm_f32(step->x, attn_out, t, hidden, layer->post_norm, eps, mlp_in, num_threads);
-        failed = packed_gemm(mlp_in, t, &layer->gate_up, hidden, 2 * inner, step->gate_up, step->scratch,
-                             num_threads);
-        if (failed) return failed;
-        if (dims->activation == 0)
-            silu_mul_f32(step->gate_up, t, inner, step->act, num_threads);
-        else
-            gated_act_f32(step->gate_up, step->gate_up + inner, t, inner, 2 * inner, (int)dims->activation,
-                          step->act, num_threads);
-        float *mlp_out = layer->mlp_out_norm != NULL ? step->o : step->delta;
-        failed = packed_gemm(step->act, t, &layer->down, inner, hidden, mlp_out, step->scratch, num_threads);
-        if (failed) return failed;
-        if (layer->mlp_out_norm != NULL)
-            rms_norm_f32(step->o, t, hidden, layer->mlp_out_norm, eps, step->delta, num_threads);
-    }
-    return 0;
-}
-
 
 /* [begin, end) of n items for thread tid of nth, cut at multiples of align. */
 static void share(int64_t n, int64_t align, int tid, int nth, int64_t *begin, int64_t *end) {
@@ -253,17 +156,38 @@ static void share(int64_t n, int64_t align, int tid, int nth, int64_t *begin, in
     *end = e < n ? e : n;
 }
 
+static int has_q8_segment(const packed_weight *w) {
+    for (int64_t s = 0; s < w->num_segments; ++s)
+        if (w->segments[s].qtype & QT_Q8_ACTIVATIONS) return 1;
+    return 0;
+}
+
+/* x [t, k] rounded to 8-bit blocks into buf when some segment of w runs the 8-bit-activation kernels
+ * (quant_q8.c), for packed_columns; NULL when none does. Every thread rounds the whole x into its own
+ * buffer: the same code on the same floats, so the same bytes as quant_gemm_q8's own, and no thread waits
+ * for another's (at batch 1 that is a few thousand values per GEMM, cheaper than a barrier). */
+static const void *quantised_for(const packed_weight *w, const float *x, int64_t t, int64_t k, void *buf) {
+    if (!has_q8_segment(w)) return NULL;
+    quant_q8_quantize(x, t, k, buf);
+    return buf;
+}
+
 /* Output columns c0 .. c1 - 1 of y [t, y_stride] = x [t, k] @ W^T + b on the calling thread: each segment's
- * part of that range is the segment's quant_gemm_f32 restricted to those rows of W (same bits). */
-static void packed_columns(const float *x, int64_t t, const packed_weight *w, int64_t k, int64_t c0, int64_t c1,
-                           float *y, int64_t y_stride, float *buf) {
+ * part of that range is the segment's quant_gemm_f32 restricted to those rows of W (same bits); a segment
+ * with 8-bit activations reads x as quantised_for rounded it (xq). */
+static void packed_columns(const float *x, const void *xq, int64_t t, const packed_weight *w, int64_t k,
+                           int64_t c0, int64_t c1, float *y, int64_t y_stride, float *buf) {
     int64_t column = 0;
     for (int64_t s = 0; s < w->num_segments; ++s) {
         const weight_segment *seg = &w->segments[s];
         const int64_t lo = c0 > column ? c0 : column, hi = c1 < column + seg->rows ? c1 : column + seg->rows;
-        if (lo < hi)
+        const float *bias = w->bias ? w->bias + column : NULL;
+        if (lo < hi && (seg->qtype & QT_Q8_ACTIVATIONS))
+            quant_gemm_q8_rows(xq, t, seg->data, seg->row_bytes, (int)(seg->qtype & ~QT_Q8_ACTIVATIONS), k,
+                               lo - column, hi - column, bias, y + column, y_stride);
+        else if (lo < hi)
             quant_gemm_rows_f32(x, t, seg->data, seg->row_bytes, (int)seg->qtype, k, lo - column, hi - column,
-                                w->bias ? w->bias + column : NULL, y + column, y_stride, buf);
+                                bias, y + column, y_stride, buf);
         column += seg->rows;
     }
 }
@@ -295,6 +219,7 @@ typedef struct {
     float *x, *h, *tmp, *delta; /* [T, hidden] each */
     float *gemm;                /* quant_gemm_buffer_floats(T, widest k) */
     float *scores;              /* [Hq, longest attended length] */
+    void *q8;                   /* quant_q8_buffer_bytes(T, widest k): one GEMM's x rounded to 8 bits */
 } thread_buffers;
 
 /* The attention part of a layer for kv heads g0 .. g1 - 1 of every row: q/k norms, rotary,
@@ -350,12 +275,14 @@ static void layers_on_thread(const decoder_layer *layers, int64_t num_layers, co
             rms_norm_f32(own->x, t, hidden, layer->input_norm, eps, own->h, 1);
         else
             add_rms_norm_f32(own->x, delta, t, hidden, layer->input_norm, eps, own->h, 1);
-        packed_columns(own->h, t, &layer->qkv, hidden, c0, c1, step->qkv, qkv_width, own->gemm);
+        const void *xq = quantised_for(&layer->qkv, own->h, t, hidden, own->q8);
+        packed_columns(own->h, xq, t, &layer->qkv, hidden, c0, c1, step->qkv, qkv_width, own->gemm);
         prefetch_columns(&layer->o, o0, o1);
 #pragma omp barrier
         attention_heads(layer, dims, step, view, cos, sin, g0, g1, own->scores);
 #pragma omp barrier
-        packed_columns(step->attn, t, &layer->o, q_width, o0, o1, step->o, hidden, own->gemm);
+        xq = quantised_for(&layer->o, step->attn, t, q_width, own->q8);
+        packed_columns(step->attn, xq, t, &layer->o, q_width, o0, o1, step->o, hidden, own->gemm);
         prefetch_columns(&layer->gate_up, i0, i1);
         prefetch_columns(&layer->gate_up, inner + i0, inner + i1);
 #pragma omp barrier
@@ -365,8 +292,9 @@ static void layers_on_thread(const decoder_layer *layers, int64_t num_layers, co
             attn_out = own->tmp;
         }
         add_rms_norm_f32(own->x, attn_out, t, hidden, layer->post_norm, eps, own->h, 1);
-        packed_columns(own->h, t, &layer->gate_up, hidden, i0, i1, step->gate_up, 2 * inner, own->gemm);
-        packed_columns(own->h, t, &layer->gate_up, hidden, inner + i0, inner + i1, step->gate_up, 2 * inner,
+        xq = quantised_for(&layer->gate_up, own->h, t, hidden, own->q8);
+        packed_columns(own->h, xq, t, &layer->gate_up, hidden, i0, i1, step->gate_up, 2 * inner, own->gemm);
+        packed_columns(own->h, xq, t, &layer->gate_up, hidden, inner + i0, inner + i1, step->gate_up, 2 * inner,
                        own->gemm);
         if (i0 < i1)
             for (int64_t r = 0; r < t; ++r)
@@ -375,7 +303,8 @@ static void layers_on_thread(const decoder_layer *layers, int64_t num_layers, co
         prefetch_columns(&layer->down, o0, o1);
 #pragma omp barrier
         float *mlp_out = layer->mlp_out_norm != NULL ? step->o : step->delta;
-        packed_columns(step->act, t, &layer->down, inner, o0, o1, mlp_out, hidden, own->gemm);
+        xq = quantised_for(&layer->down, step->act, t, inner, own->q8);
+        packed_columns(step->act, xq, t, &layer->down, inner, o0, o1, mlp_out, hidden, own->gemm);
         if (l + 1 < num_layers) prefetch_columns(&layers[l + 1].qkv, c0, c1);
 #pragma omp barrier
         delta = step->delta;
@@ -396,19 +325,23 @@ static int64_t longest_attended(const kv_view *view, int64_t tokens) {
     return longest;
 }
 
-/* Whether every GEMM of every layer is an exact quant kernel with a known qtype (the column-slice path). */
-static int column_slices_apply(const decoder_layer *layers, int64_t num_layers, int *unknown) {
+/* Whether every segment of every layer's GEMMs has a kernel: an exact quant kernel with a known qtype, or an
+ * 8-bit-activation kernel for its format and in size k (a multiple of 32). */
+static int kernels_known(const decoder_layer *layers, int64_t num_layers, const decoder_dims *dims) {
+    const int64_t q_width = dims->q_heads * dims->head_dim;
     for (int64_t l = 0; l < num_layers; ++l) {
         const packed_weight *ws[4] = {&layers[l].qkv, &layers[l].o, &layers[l].gate_up, &layers[l].down};
+        const int64_t ks[4] = {dims->hidden, q_width, dims->hidden, dims->inner};
         for (int i = 0; i < 4; ++i)
             for (int64_t s = 0; s < ws[i]->num_segments; ++s) {
                 const weight_segment *seg = &ws[i]->segments[s];
-                if (seg->qtype & QT_Q8_ACTIVATIONS) return 0;
-                if (quant_gemm_rows_f32(NULL, 1, seg->data, seg->row_bytes, (int)seg->qtype, 0, 0, 0, NULL, NULL,
-                                        0, NULL)) {
-                    *unknown = 1;
-                    return 0;
-                }
+                const int failed =
+                    seg->qtype & QT_Q8_ACTIVATIONS
+                        ? quant_gemm_q8_rows(NULL, 1, seg->data, seg->row_bytes,
+                                             (int)(seg->qtype & ~QT_Q8_ACTIVATIONS), ks[i], 0, 0, NULL, NULL, 0)
+                        : quant_gemm_rows_f32(NULL, 1, seg->data, seg->row_bytes, (int)seg->qtype, 0, 0, 0, NULL,
+                                              NULL, 0, NULL);
+                if (failed) return 0;
             }
     }
     return 1;
@@ -422,18 +355,16 @@ static int column_slices_apply(const decoder_layer *layers, int64_t num_layers, 
  * columns (gate and up: the same inner columns of both, so it applies the activation to its own slice) and a
  * fixed run of kv heads for attention (rows < threads still use every thread), and keeps its own copy of
  * the residual stream and norm outputs; the threads meet at five barriers per layer instead of the
- * fork and join of every kernel. Every value is computed by the same code as the kernel-by-kernel loop
- * (the GEMM slices by quant_gemm_rows_f32, a head's attention by decode_row), so the output is the same bit
- * for bit, whatever the thread count. */
+ * fork and join of every kernel. Every value is computed by the same code as the per-layer path's kernels
+ * (the GEMM slices by quant_gemm_rows_f32 or quant_gemm_q8_rows, a head's attention by decode_row), so the
+ * output is the same bit for bit, whatever the thread count. */
 int decoder_layers_f32(const decoder_layer *layers, int64_t num_layers, const decoder_dims *dims,
                        const decoder_step *step, int num_threads) {
     const int64_t t = step->tokens, hidden = dims->hidden;
     if (dims->activation != 0 && dims->activation != 1) return -1;
     for (int64_t l = 0; l < num_layers; ++l)
         if (!slots_inside(layers[l].windowed ? &step->window : &step->full, t)) return -3;
-    int unknown = 0;
-    if (!column_slices_apply(layers, num_layers, &unknown))
-        return unknown ? -1 : layers_kernel_by_kernel(layers, num_layers, dims, step, num_threads);
+    if (!kernels_known(layers, num_layers, dims)) return -1;
     int64_t longest = longest_attended(&step->full, t);
     if (step->window.kv_lens != NULL) {
         const int64_t window = longest_attended(&step->window, t);
@@ -442,7 +373,9 @@ int decoder_layers_f32(const decoder_layer *layers, int64_t num_layers, const de
     const int64_t widest_k = dims->inner > hidden ? dims->inner : hidden;
     const int64_t k_max = dims->q_heads * dims->head_dim > widest_k ? dims->q_heads * dims->head_dim : widest_k;
     const size_t state = (size_t)(4 * t * hidden), gemm = (size_t)quant_gemm_buffer_floats(t, k_max);
-    const size_t floats = state + gemm + (size_t)(dims->q_heads * longest);
+    const size_t scores = (size_t)(dims->q_heads * longest);
+    const size_t q8 = (size_t)(quant_q8_buffer_bytes(t, k_max) + 3) / sizeof(float);
+    const size_t floats = state + gemm + scores + q8;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -456,8 +389,8 @@ int decoder_layers_f32(const decoder_layer *layers, int64_t num_layers, const de
 #pragma omp barrier
         if (!failed) {
             const size_t n = (size_t)(t * hidden);
-            const thread_buffers own = {mine, mine + n, mine + 2 * n, mine + 3 * n, mine + state,
-                                        mine + state + gemm};
+            const thread_buffers own = {mine,         mine + n,     mine + 2 * n, mine + 3 * n, mine + state,
+                                        mine + state + gemm, mine + state + gemm + scores};
             layers_on_thread(layers, num_layers, dims, step, &own, omp_get_thread_num(), omp_get_num_threads());
         }
         free(mine);
