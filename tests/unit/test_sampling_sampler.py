@@ -367,3 +367,23 @@ def test_the_host_argmax_leaves_the_logits_and_the_streams_alone():
     rows = [_greedy_row(), _greedy_row()]
     Sampler().sample(x, rows)
     assert torch.equal(x, before) and [row.sampler.draws for row in rows] == [0, 0]
+
+
+@pytest.mark.parametrize(
+    "settings", [{}, {"do_sample": True}, {"do_sample": True, "top_p": 0.8, "top_k": 50, "min_p": 0.01}]
+)
+def test_one_rows_tokens_and_logprobs_do_not_depend_on_torchs_thread_count(settings):
+    """A one-row step samples with torch's pool parked at one thread (``ModelRunner.execute``): over a
+    vocabulary above torch's parallel grain, the tokens and logprobs must be those of two threads."""
+    vocab = 50257
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(11)) * 3
+    results = []
+    for threads in (2, 1):
+        torch.set_num_threads(threads)
+        options = SamplingOptions(seed=5, **settings)
+        sampler = RequestSampler(options)
+        row = SampleRow(sampler, [5, 6, 7], 1, [6, 7], 2, (EOS,), num_logprobs=3)
+        plain = SampleRow(RequestSampler(options), [5, 6, 7], 1, [6, 7], 2, (EOS,))
+        results.append([Sampler().sample(logits, [r])[0] for r in (row, row, plain, plain)])
+    torch.set_num_threads(1)
+    assert results[0] == results[1]
