@@ -52,15 +52,28 @@ def pack_step(
     """Pack per-request chunks into one flat, padding-free model input.
 
     Vectorised with numpy: the only Python loop is over requests (to concatenate their token lists),
-    never over tokens. With ``window`` (the sliding window of the layers that keep rings) every chunk must
-    carry its ``window_ring`` and the step gets :class:`WindowInputs`. Raises ``ValueError`` (building
-    nothing) if there are no chunks, a chunk is empty, its past length is negative, its block table is too
-    short or holds a negative block id, or a chunk would wrap its ring onto positions it still reads.
+    never over tokens; a step of plain decodes takes a shorter path of the same result
+    (:func:`_pack_decodes`). With ``window`` (the sliding window of the layers that keep rings) every
+    chunk must carry its ``window_ring`` and the step gets :class:`WindowInputs`. Raises ``ValueError``
+    (building nothing) if there are no chunks, a chunk is empty, its past length is negative, its block
+    table is too short or holds a negative block id, or a chunk would wrap its ring onto positions it still
+    reads.
     """
     if not chunks:
         raise ValueError("pack_step needs at least one sequence chunk")
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
+    if window is None:
+        decode = _pack_decodes(chunks, block_size, torch.device(device))
+        if decode is not None:
+            return decode
+    return _pack_general(chunks, block_size, device, window)
+
+
+def _pack_general(
+    chunks: Sequence[SequenceChunk], block_size: int, device: torch.device | str, window: int | None
+) -> StepInputs:
+    """:func:`pack_step` for any step (prefills, drafts, rings), vectorised with numpy; it also validates."""
     q_lens = np.fromiter((len(c.tokens) for c in chunks), dtype=np.int64, count=len(chunks))
     if (q_lens <= 0).any():
         raise ValueError("every scheduled request must contribute at least one token")
@@ -155,6 +168,59 @@ def pack_step(
     )
 
 
+def _pack_decodes(
+    chunks: Sequence[SequenceChunk], block_size: int, device: torch.device
+) -> StepInputs | None:
+    """:func:`pack_step` for a step of plain decodes (one token per chunk, one logits row each, no rings),
+    or None when the step is anything else or a chunk is one that :func:`pack_step` refuses.
+
+    Why: at batch 1 the vectorised packing's dozens of numpy calls on one-element arrays cost more than the
+    step's whole bookkeeping; here each field is one short Python list, so the packing is a loop over the
+    rows and one :func:`stage_arrays`. The tensors, dtypes and shapes are those of the general path (the
+    unit tests compare the two); every refusal is left to the general path, so its errors stay the same.
+    """
+    ids, positions, slots, tables = [], [], [], []
+    for c in chunks:
+        tokens, past, table = c.tokens, c.past_len, c.block_table
+        if len(tokens) != 1 or c.all_logits or not c.samples or past < 0 or len(table) <= past // block_size:
+            return None
+        if min(table) < 0:
+            return None
+        ids.append(tokens[0])
+        positions.append(past)
+        slots.append(table[past // block_size] * block_size + past % block_size)
+        tables.append(table)
+    rows = len(chunks)
+    width = max(len(t) for t in tables)
+    padded = [list(t) + [0] * (width - len(t)) if len(t) < width else t for t in tables]
+    fields: dict[str, tuple[np.ndarray, torch.dtype]] = {
+        "input_ids": (np.array(ids, dtype=np.int64), torch.int64),
+        "positions": (np.array(positions, dtype=np.int64), torch.int64),
+        "slot_mapping": (np.array(slots, dtype=np.int64), torch.int64),
+        "logits_rows": (np.arange(rows, dtype=np.int64), torch.int64),
+        "cu_seqlens": (np.arange(rows + 1, dtype=np.int64), torch.int32),
+        "past_lens": (np.array(positions, dtype=np.int64), torch.int32),
+        "block_tables": (np.array(padded, dtype=np.int64).reshape(rows, width), torch.int32),
+    }
+    host, dev = stage_arrays(fields, device)
+    return StepInputs(
+        input_ids=dev["input_ids"],
+        positions=dev["positions"],
+        cu_seqlens=dev["cu_seqlens"],
+        past_lens=dev["past_lens"],
+        block_tables=dev["block_tables"],
+        slot_mapping=dev["slot_mapping"],
+        logits_rows=dev["logits_rows"],
+        max_query_len=1,
+        max_kv_len=max(positions) + 1,
+        min_kv_len=min(positions) + 1,
+        block_size=block_size,
+        window=None,
+        verify_rows=(),
+        host=HostStepInputs(**{name: host[name] for name in HOST_FIELDS}),
+    )
+
+
 HOST_FIELDS = (
     "input_ids",
     "positions",
@@ -164,6 +230,7 @@ HOST_FIELDS = (
     "slot_mapping",
     "logits_rows",
 )
+_NUMPY_DTYPE = {torch.int64: np.int64, torch.int32: np.int32}
 _ALIGN = 8  # every field starts on an 8-byte boundary, so each byte range can be viewed as its dtype
 
 
@@ -192,22 +259,21 @@ def stage_arrays(
         total += -(-nbytes // _ALIGN) * _ALIGN
     staging = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=device.type == "cuda")  # [bytes]
     flat = staging.numpy()
+    host: dict[str, torch.Tensor] = {}
     for name, (array, dtype) in fields.items():
-        np_dtype = np.int64 if dtype == torch.int64 else np.int32
+        np_dtype = _NUMPY_DTYPE[dtype]
         start = offsets[name]
-        flat[start : start + array.size * np.dtype(np_dtype).itemsize].view(np_dtype)[:] = array.ravel()
-    moved = staging if device.type == "cpu" else _to_device(staging, device)
-
-    def views(buffer: torch.Tensor) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, (array, dtype) in fields.items():
-            size = dtype.itemsize
-            start = offsets[name]
-            out[name] = buffer[start : start + array.size * size].view(dtype).view(array.shape)
-        return out
-
-    host = views(staging)
-    return host, host if moved is staging else views(moved)
+        view = flat[start : start + array.size * dtype.itemsize].view(np_dtype)
+        view[:] = array.ravel()
+        host[name] = torch.from_numpy(view.reshape(array.shape))  # shares the staging buffer's memory
+    if device.type == "cpu":
+        return host, host
+    moved = _to_device(staging, device)
+    dev = {}
+    for name, (array, dtype) in fields.items():
+        start = offsets[name]
+        dev[name] = moved[start : start + array.size * dtype.itemsize].view(dtype).view(array.shape)
+    return host, dev
 
 
 def _pack_window(

@@ -29,6 +29,7 @@ from pagedgen.executor.cuda_graphs import (
 from pagedgen.models.llama import Linear
 from pagedgen.ops.kernels.cpu_memory import retain_freed_cpu_memory
 from pagedgen.ops.matmul.gemm import gemm_step
+from pagedgen.ops.matmul.gemm_threads import torch_pool
 from pagedgen.ops.matmul.gemm_tune import adapt_to_model
 from pagedgen.ops.mixers.attention import check_step_slots
 
@@ -68,6 +69,7 @@ class ModelRunner:
         self.runtime = model.runtime
         self.device = torch.device(model.device)
         self.vocab_size = int(model.vocab_size)
+        self._parked_for_sampling = False  # execute parked torch's pool for a one-row step's sampler
         if self.device.type == "cpu":
             # Step temporaries (gathered K/V, activations) are reused instead of re-faulted every step.
             retain_freed_cpu_memory()
@@ -104,6 +106,7 @@ class ModelRunner:
         when the model returns logits of the wrong shape; other model errors propagate unchanged.
         """
         self.check_slots(inputs)
+        self._unpark()
         try:
             logits = None if self.graphs is None else self.graphs.run(inputs)
             if logits is None:
@@ -113,7 +116,19 @@ class ModelRunner:
         expected = (int(inputs.logits_rows.shape[0]), self.vocab_size)
         if tuple(logits.shape) != expected:
             raise RuntimeError(f"model returned logits of shape {tuple(logits.shape)}, expected {expected}")
+        if self.device.type == "cpu" and expected[0] == 1 and not torch_pool.parked:
+            # One logits row: the sampler's vocabulary-wide ops gain nothing from torch's second thread but
+            # its wake-up (milliseconds on a busy machine). The next execute (or release) restores the pool,
+            # so every forward starts with the pool as the previous forward left it.
+            torch_pool.park()
+            self._parked_for_sampling = True
         return logits
+
+    def _unpark(self) -> None:
+        """Undo the park of a one-row step (:meth:`execute`); a no-op otherwise."""
+        if self._parked_for_sampling:
+            torch_pool.restore()
+            self._parked_for_sampling = False
 
     def check_slots(self, inputs: StepInputs) -> None:
         """Refuse a step that would write outside the cache, from its host copies (IndexError, nothing
@@ -135,6 +150,7 @@ class ModelRunner:
         """Drop the KV storage and the graphs (engine teardown); ``execute`` must not be called afterwards."""
         self.kv_cache = None
         self.graphs = None
+        self._unpark()
 
 
 def _graph_capable(model: DecoderModel) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -148,3 +149,71 @@ def test_a_chunk_that_samples_nothing_gets_no_logits_row():
     assert pack_step(chunks[:1], 4).logits_rows.tolist() == []
     with pytest.raises(ValueError, match="samples none"):
         pack_step([SequenceChunk([1, 2], 0, [0], all_logits=True, samples=False)], 4)
+
+
+def _same_inputs(mine, theirs) -> None:
+    """Every tensor (values, dtype, shape), host copy and scalar of two packed steps agree."""
+    for name in ("input_ids", "positions", "cu_seqlens", "past_lens", "block_tables", "slot_mapping"):
+        for a, b in ((getattr(mine, name), getattr(theirs, name)), (getattr(mine.host, name), None)):
+            b = getattr(theirs.host, name) if b is None else b
+            assert a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape) and a.tolist() == b.tolist(), name
+    assert mine.logits_rows.tolist() == theirs.logits_rows.tolist()
+    assert mine.logits_rows.dtype == theirs.logits_rows.dtype
+    scalars = (
+        "max_query_len",
+        "max_kv_len",
+        "min_kv_len",
+        "block_size",
+        "verify_rows",
+        "window",
+        "num_tokens",
+    )
+    assert [getattr(mine, s) for s in scalars] == [getattr(theirs, s) for s in scalars]
+
+
+def test_a_step_of_decodes_packs_exactly_as_the_general_path():
+    """Plain decodes (one token, one logits row each) take the short path; it must build the general
+    path's step, ragged block tables (zero-padded) included."""
+    from pagedgen.executor.inputs import _pack_decodes, _pack_general
+
+    rng = np.random.default_rng(0)
+    for rows in (1, 2, 5, 16):
+        for block_size in (1, 4, 16):
+            chunks = []
+            for _ in range(rows):
+                past = int(rng.integers(0, 60))
+                need = past // block_size + 1
+                table = [int(b) for b in rng.integers(0, 500, need + int(rng.integers(0, 3)))]
+                chunks.append(SequenceChunk([int(rng.integers(0, 1000))], past, table))
+            fast = _pack_decodes(chunks, block_size, torch.device("cpu"))
+            assert fast is not None
+            _same_inputs(fast, _pack_general(chunks, block_size, "cpu", None))
+            _same_inputs(pack_step(chunks, block_size), fast)
+
+
+@pytest.mark.parametrize(
+    "chunk",
+    [
+        SequenceChunk([1, 2], 0, [3]),  # a prefill
+        SequenceChunk([1], 2, [3], all_logits=True),  # a verification row
+        SequenceChunk([1], 2, [3], samples=False),
+        SequenceChunk([1], -1, [3]),  # refused by the general path
+        SequenceChunk([1], 4, [3]),  # table too short
+        SequenceChunk([1], 0, [3, -1]),  # a negative block id
+        SequenceChunk([], 0, [3]),
+    ],
+)
+def test_anything_but_a_plain_decode_is_left_to_the_general_path(chunk):
+    from pagedgen.executor.inputs import _pack_decodes
+
+    assert _pack_decodes([SequenceChunk([7], 0, [1]), chunk], 4, torch.device("cpu")) is None
+
+
+def test_a_decode_step_for_another_device_is_still_one_transfer(monkeypatch):
+    calls = _count_transfers(monkeypatch)
+    chunks = [SequenceChunk([4], 6, [1, 2]), SequenceChunk([5], 0, [3])]
+    inputs = pack_step(chunks, 4, device="meta")
+    assert len(calls) == 1 and inputs.input_ids.device.type == "meta"
+    assert (
+        inputs.host.slot_mapping.tolist() == pack_step(chunks, 4).slot_mapping.tolist() == [10, 12]
+    )  # 2 * 4 + 6 % 4, 3 * 4 + 0

@@ -62,3 +62,40 @@ def test_wrong_logits_shape_is_refused():
     runner = ModelRunner(WrongShapeModel(), num_blocks=8, block_size=16)
     with pytest.raises(RuntimeError, match=r"logits of shape \(5, 257\), expected \(1, 257\)"):
         runner.execute(_step(2))
+
+
+class ThreadsModel(SyntheticModel):
+    """Records torch's thread count as each forward begins."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.threads: list[int] = []
+
+    def forward(self, inputs, kv_cache):
+        self.threads.append(torch.get_num_threads())
+        return super().forward(inputs, kv_cache)
+
+
+@pytest.mark.cpu
+def test_a_one_row_step_leaves_torch_on_one_thread_for_its_sampler_and_the_next_step_gets_them_back():
+    from pagedgen.ops.matmul.gemm_threads import torch_pool
+
+    before = torch.get_num_threads()
+    torch_pool.restore()
+    torch_pool.set_full(2)
+    try:
+        model = ThreadsModel()
+        runner = ModelRunner(model, num_blocks=8, block_size=16)
+        two_rows = pack_step([SequenceChunk([1], 0, [0]), SequenceChunk([2], 0, [1])], block_size=16)
+        runner.execute(two_rows)
+        assert torch.get_num_threads() == 2 and not torch_pool.parked  # two rows: nothing changes
+        runner.execute(_step(3))  # one logits row
+        assert torch.get_num_threads() == 1 and torch_pool.parked
+        runner.execute(two_rows)  # the forward begins as the last forward left the pool
+        assert model.threads == [2, 2, 2] and torch.get_num_threads() == 2
+        runner.execute(_step(3))
+        runner.release()  # the engine's teardown gives the threads back too
+        assert torch.get_num_threads() == 2 and not torch_pool.parked
+    finally:
+        torch_pool.restore()
+        torch_pool.set_full(before)

@@ -310,3 +310,80 @@ def test_inverse_cdf_matches_a_flat_float64_reference() -> None:
         assert torch.equal(got, torch.minimum(want, last_positive)), j
         assert bool((probs.gather(1, got[:, None]) > 0).all())
     assert inverse_cdf_sample(logits[1:3], u[1:3, 1]).tolist() == [999, 299]
+
+
+def _greedy_row(num_logprobs: int = 0) -> SampleRow:
+    return SampleRow(RequestSampler(SamplingOptions()), [5, 6], 1, [6], 1, (EOS,), num_logprobs)
+
+
+def _torch_greedy(x: torch.Tensor) -> tuple[list[int], list[bool]]:
+    """The general path's greedy tokens and bad-row flags (``torch.argmax``, the row max test)."""
+    return x.argmax(dim=-1).tolist(), (~torch.isfinite(x.amax(dim=-1))).tolist()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_the_host_argmax_of_all_greedy_rows_equals_torch_argmax_ties_included(rows):
+    """All-greedy CPU rows without logprobs take numpy's argmax: the same first index of the maximum as
+    ``torch.argmax``, on ties (small integer logits tie a lot), ``-inf`` entries and mixed signs."""
+    gen = torch.Generator().manual_seed(rows)
+    for trial in range(40):
+        x = torch.randint(-3, 4, (rows, VOCAB), generator=gen).float()
+        if trial % 3 == 0:
+            x[torch.rand(rows, VOCAB, generator=gen) < 0.5] = float("-inf")
+            x[:, VOCAB - 1] = -1.0  # every row keeps a finite logit
+        if trial % 3 == 1:
+            x = torch.randn(rows, VOCAB, generator=gen) * 1e-3
+        tokens, bad = _torch_greedy(x)
+        assert not any(bad)
+        out = Sampler().sample(x, [_greedy_row() for _ in range(rows)])
+        assert [t.token for t in out] == tokens
+        assert all(t.logprob is None and t.top_logprobs == () for t in out)
+        general = Sampler().sample(x, [_greedy_row(num_logprobs=1) for _ in range(rows)])  # the torch path
+        assert [t.token for t in general] == tokens
+
+
+@pytest.mark.parametrize("poison", ["nan", "+inf", "all -inf", "nan after +inf"])
+def test_the_host_argmax_refuses_exactly_the_rows_the_general_path_refuses(poison):
+    x = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(7))
+    if poison == "nan":
+        x[2, 10] = float("nan")
+    elif poison == "+inf":
+        x[2, 50] = float("inf")
+    elif poison == "all -inf":
+        x[2] = float("-inf")
+    else:
+        x[2, 5], x[2, 60] = float("inf"), float("nan")
+    x[3, 0] = float("nan")  # a later bad row: the error names the first
+    assert _torch_greedy(x)[1] == [False, False, True, True]
+    for num_logprobs in (0, 1):  # the host path, then the general (torch) one
+        with pytest.raises(SamplingError) as refused:
+            Sampler().sample(x, [_greedy_row(num_logprobs) for _ in range(4)])
+        assert refused.value.row == 2
+
+
+def test_the_host_argmax_leaves_the_logits_and_the_streams_alone():
+    x = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(3))
+    before = x.clone()
+    rows = [_greedy_row(), _greedy_row()]
+    Sampler().sample(x, rows)
+    assert torch.equal(x, before) and [row.sampler.draws for row in rows] == [0, 0]
+
+
+@pytest.mark.parametrize(
+    "settings", [{}, {"do_sample": True}, {"do_sample": True, "top_p": 0.8, "top_k": 50, "min_p": 0.01}]
+)
+def test_one_rows_tokens_and_logprobs_do_not_depend_on_torchs_thread_count(settings):
+    """A one-row step samples with torch's pool parked at one thread (``ModelRunner.execute``): over a
+    vocabulary above torch's parallel grain, the tokens and logprobs must be those of two threads."""
+    vocab = 50257
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(11)) * 3
+    results = []
+    for threads in (2, 1):
+        torch.set_num_threads(threads)
+        options = SamplingOptions(seed=5, **settings)
+        sampler = RequestSampler(options)
+        row = SampleRow(sampler, [5, 6, 7], 1, [6, 7], 2, (EOS,), num_logprobs=3)
+        plain = SampleRow(RequestSampler(options), [5, 6, 7], 1, [6, 7], 2, (EOS,))
+        results.append([Sampler().sample(logits, [r])[0] for r in (row, row, plain, plain)])
+    torch.set_num_threads(1)
+    assert results[0] == results[1]
