@@ -1041,27 +1041,70 @@ static void group_by_chunks(int qtype, const uint8_t *w, int64_t row_bytes, int6
 }
 #endif
 
+/* How quant_gemm_f32 and quant_gemm_rows_f32 compute output rows: one plan and one group routine for both
+ * entries, so a path added to one is in the other, and every output takes the same path (the same bits)
+ * whichever entry computes it. */
+typedef struct {
+    int qtype;
+    int64_t elems, bytes; /* of one block (block_elems) */
+    int by_chunks;        /* the chunk buffer (the 1-row register paths among it) */
+    int q8_direct;        /* direct_q8_0_1x4 */
+    int group;            /* output rows per group: 8 on the 1-row chunked paths, else 4 */
+    int64_t ahead;        /* prefetch distance in rows (prefetch_rows) */
+} gemm_plan;
+
+/* 0 for an unknown qtype. */
+static int plan_gemm(int qtype, const uint8_t *w, int64_t m_rows, int64_t row_bytes, int64_t k, gemm_plan *p) {
+    p->qtype = qtype;
+    p->elems = block_elems(qtype, &p->bytes);
+    if (p->elems == 0 || expand_row(qtype, w, 0, NULL) != 0) return 0;
+    p->by_chunks = 0;
+#ifdef VW
+    p->by_chunks = m_rows <= 3 && k % VW == 0 && CHUNK % p->elems == 0 && qtype != QT_Q8_0; /* see direct_q4_0_1x8 */
+#endif
+    p->q8_direct = q8_0_direct(qtype, m_rows, k);
+    p->group = p->by_chunks && m_rows == 1 ? 8 : 4;
+    p->ahead = prefetch_rows(qtype, m_rows, row_bytes);
+    return 1;
+}
+
+/* Output rows n .. n + nr - 1 (nr <= p->group) of every x row, written at y[r * y_stride + n]; the prefetch
+ * ahead stops at row n_end. buf as quant_gemm_rows_f32's. */
+static inline void gemm_group(const gemm_plan *p, const float *x, int64_t m_rows, const uint8_t *w,
+                              int64_t row_bytes, int64_t k, int64_t n, int nr, int64_t n_end, const float *bias,
+                              float *y, int64_t y_stride, float *buf) {
+    prefetch_ahead(w, row_bytes, n, n_end, p->group, p->ahead, p->q8_direct);
+#if VW == 8
+    if (p->q8_direct) {
+        prefetch_ahead(w, row_bytes, n, n_end, p->group, Q8_0_L2_PREFETCH_BYTES / row_bytes, 0);
+        direct_q8_0_1x4(w, row_bytes, n, nr, x, k, bias, y);
+        return;
+    }
+#endif
+#ifdef VW
+    if (p->by_chunks) {
+        group_by_chunks(p->qtype, w, row_bytes, p->elems, p->bytes, x, m_rows, k, n, nr, bias, y, y_stride, buf);
+        return;
+    }
+#endif
+    for (int r = 0; r < nr; ++r) expand_row(p->qtype, w + (n + r) * row_bytes, k, buf + r * k);
+    rows_times_x(x, m_rows, buf, nr, k, bias, y, y_stride, n);
+}
+
 /* y = x @ dequant(w).T (+ bias). Returns 0, -1 for an unknown qtype, -2 if a thread's buffer could not be
  * allocated (y is then incomplete). A qtype with QT_Q8_ACTIVATIONS set runs quant_gemm_q8 instead. */
 int quant_gemm_f32(const float *x, int64_t m_rows, const uint8_t *w, int64_t row_bytes, int qtype, int64_t k,
                    int64_t n_out, const float *bias, float *y, int num_threads) {
     if (qtype & QT_Q8_ACTIVATIONS)
         return quant_gemm_q8(x, m_rows, w, row_bytes, qtype & ~QT_Q8_ACTIVATIONS, k, n_out, bias, y, num_threads);
-    int64_t bytes;
-    const int64_t elems = block_elems(qtype, &bytes);
-    if (elems == 0 || expand_row(qtype, w, 0, NULL) != 0) return -1;
-    int by_chunks = 0;
-#ifdef VW
-    by_chunks = m_rows <= 3 && k % VW == 0 && CHUNK % elems == 0 && qtype != QT_Q8_0; /* see direct_q4_0_1x8 */
-#endif
-    const int q8_direct = q8_0_direct(qtype, m_rows, k);
-    const int group = by_chunks && m_rows == 1 ? 8 : 4;
+    gemm_plan plan;
+    if (!plan_gemm(qtype, w, m_rows, row_bytes, k, &plan)) return -1;
+    const int group = plan.group;
     const int64_t groups = (n_out + group - 1) / group;
-    const int64_t ahead = prefetch_rows(qtype, m_rows, row_bytes);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        const size_t floats = by_chunks ? (size_t)GROUP_MAX * CHUNK : (size_t)(4 * k);
+        const size_t floats = plan.by_chunks ? (size_t)GROUP_MAX * CHUNK : (size_t)(4 * k);
         float *buf = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
         if (buf == NULL) failed = 1;
         else memset(buf, 0, floats * sizeof(float)); /* rows past a short group's end are read, never stored */
@@ -1070,22 +1113,7 @@ int quant_gemm_f32(const float *x, int64_t m_rows, const uint8_t *w, int64_t row
             if (buf == NULL) continue;
             const int64_t n = group * g;
             const int nr = n_out - n >= group ? group : (int)(n_out - n);
-            prefetch_ahead(w, row_bytes, n, n_out, group, ahead, q8_direct);
-#if VW == 8
-            if (q8_direct) {
-                prefetch_ahead(w, row_bytes, n, n_out, group, Q8_0_L2_PREFETCH_BYTES / row_bytes, 0);
-                direct_q8_0_1x4(w, row_bytes, n, nr, x, k, bias, y);
-                continue;
-            }
-#endif
-#ifdef VW
-            if (by_chunks) {
-                group_by_chunks(qtype, w, row_bytes, elems, bytes, x, m_rows, k, n, nr, bias, y, n_out, buf);
-                continue;
-            }
-#endif
-            for (int r = 0; r < nr; ++r) expand_row(qtype, w + (n + r) * row_bytes, k, buf + r * k);
-            rows_times_x(x, m_rows, buf, nr, k, bias, y, n_out, n);
+            gemm_group(&plan, x, m_rows, w, row_bytes, k, n, nr, n_out, bias, y, n_out, buf);
         }
         free(buf);
     }
@@ -1105,34 +1133,11 @@ int64_t quant_gemm_buffer_floats(int64_t m_rows, int64_t k) {
  * Returns 0, -1 for an unknown qtype. */
 int quant_gemm_rows_f32(const float *x, int64_t m_rows, const uint8_t *w, int64_t row_bytes, int qtype, int64_t k,
                         int64_t n_begin, int64_t n_end, const float *bias, float *y, int64_t y_stride, float *buf) {
-    int64_t bytes;
-    const int64_t elems = block_elems(qtype, &bytes);
-    if (elems == 0 || expand_row(qtype, w, 0, NULL) != 0) return -1;
-    int by_chunks = 0;
-#ifdef VW
-    by_chunks = m_rows <= 3 && k % VW == 0 && CHUNK % elems == 0 && qtype != QT_Q8_0;
-#endif
-    const int q8_direct = q8_0_direct(qtype, m_rows, k);
-    const int group = by_chunks && m_rows == 1 ? 8 : 4;
-    const int64_t ahead = prefetch_rows(qtype, m_rows, row_bytes);
-    for (int64_t n = n_begin; n < n_end; n += group) {
-        const int nr = n_end - n >= group ? group : (int)(n_end - n);
-        prefetch_ahead(w, row_bytes, n, n_end, group, ahead, q8_direct);
-#if VW == 8
-        if (q8_direct) {
-            prefetch_ahead(w, row_bytes, n, n_end, group, Q8_0_L2_PREFETCH_BYTES / row_bytes, 0);
-            direct_q8_0_1x4(w, row_bytes, n, nr, x, k, bias, y);
-            continue;
-        }
-#endif
-#ifdef VW
-        if (by_chunks) {
-            group_by_chunks(qtype, w, row_bytes, elems, bytes, x, m_rows, k, n, nr, bias, y, y_stride, buf);
-            continue;
-        }
-#endif
-        for (int r = 0; r < nr; ++r) expand_row(qtype, w + (n + r) * row_bytes, k, buf + r * k);
-        rows_times_x(x, m_rows, buf, nr, k, bias, y, y_stride, n);
+    gemm_plan plan;
+    if (!plan_gemm(qtype, w, m_rows, row_bytes, k, &plan)) return -1;
+    for (int64_t n = n_begin; n < n_end; n += plan.group) {
+        const int nr = n_end - n >= plan.group ? plan.group : (int)(n_end - n);
+        gemm_group(&plan, x, m_rows, w, row_bytes, k, n, nr, n_end, bias, y, y_stride, buf);
     }
     return 0;
 }
