@@ -146,25 +146,15 @@ def _pack_general(
             first_pos=dev["window_first_pos"],
             slot_mapping=dev["window_slot_mapping"],
         )
-    return StepInputs(
-        input_ids=dev["input_ids"],
-        positions=dev["positions"],
-        cu_seqlens=dev["cu_seqlens"],
-        past_lens=dev["past_lens"],
-        block_tables=dev["block_tables"],
-        slot_mapping=dev["slot_mapping"],
-        logits_rows=dev["logits_rows"],
+    return _step_inputs(
+        host,
+        dev,
         max_query_len=int(q_lens.max()),
         max_kv_len=int(kv_lens.max()),
         min_kv_len=int(kv_lens.min()),
         block_size=block_size,
         window=window_inputs,
         verify_rows=tuple(int(i) for i in np.flatnonzero(want_all)),
-        host=HostStepInputs(
-            **{name: host[name] for name in HOST_FIELDS},
-            window_first_pos=host.get("window_first_pos"),
-            window_slot_mapping=host.get("window_slot_mapping"),
-        ),
     )
 
 
@@ -203,6 +193,30 @@ def _pack_decodes(
         "block_tables": (np.array(padded, dtype=np.int64).reshape(rows, width), torch.int32),
     }
     host, dev = stage_arrays(fields, device)
+    return _step_inputs(
+        host,
+        dev,
+        max_query_len=1,
+        max_kv_len=max(positions) + 1,
+        min_kv_len=min(positions) + 1,
+        block_size=block_size,
+        window=None,
+        verify_rows=(),
+    )
+
+
+def _step_inputs(
+    host: dict[str, torch.Tensor],
+    dev: dict[str, torch.Tensor],
+    *,
+    max_query_len: int,
+    max_kv_len: int,
+    min_kv_len: int,
+    block_size: int,
+    window: WindowInputs | None,
+    verify_rows: tuple[int, ...],
+) -> StepInputs:
+    """The step from :func:`stage_arrays`'s host and device views (both packing paths end here)."""
     return StepInputs(
         input_ids=dev["input_ids"],
         positions=dev["positions"],
@@ -211,13 +225,17 @@ def _pack_decodes(
         block_tables=dev["block_tables"],
         slot_mapping=dev["slot_mapping"],
         logits_rows=dev["logits_rows"],
-        max_query_len=1,
-        max_kv_len=max(positions) + 1,
-        min_kv_len=min(positions) + 1,
+        max_query_len=max_query_len,
+        max_kv_len=max_kv_len,
+        min_kv_len=min_kv_len,
         block_size=block_size,
-        window=None,
-        verify_rows=(),
-        host=HostStepInputs(**{name: host[name] for name in HOST_FIELDS}),
+        window=window,
+        verify_rows=verify_rows,
+        host=HostStepInputs(
+            **{name: host[name] for name in HOST_FIELDS},
+            window_first_pos=host.get("window_first_pos"),
+            window_slot_mapping=host.get("window_slot_mapping"),
+        ),
     )
 
 
