@@ -132,14 +132,11 @@ typedef struct {
     int64_t block_size;
     float *x;       /* [T, hidden] residual stream, updated in place */
     float *delta;   /* [T, hidden] out: the last layer's output still to add */
-    float *h;       /* [T, hidden] unused (each thread keeps its own) */
     float *qkv;     /* [T, (Hq + 2 Hkv) D] */
-    float *q;       /* [T, Hq D] unused (attention reads q inside qkv) */
     float *attn;    /* [T, Hq D] */
     float *o;       /* [T, hidden] */
     float *gate_up; /* [T, 2 inner] */
     float *act;     /* [T, inner] */
-    float *scratch; /* unused (segments write their columns in place) */
 } decoder_step;
 
 static int slots_inside(const kv_view *view, int64_t tokens) {

@@ -102,7 +102,7 @@ class _Step(ctypes.Structure):
         ("window", _KVView),
         ("token_rows", _P),
         ("block_size", _I64),
-        *((name, _P) for name in ("x", "delta", "h", "qkv", "q", "attn", "o", "gate_up", "act", "scratch")),
+        *((name, _P) for name in ("x", "delta", "qkv", "attn", "o", "gate_up", "act")),
     ]
 
 
@@ -223,7 +223,6 @@ class FusedDecoder:
             c.windowed, c.local_rope = int(w.windowed), int(w.local_rope)
         self._windowed = any(w.windowed for w in layers)
         self._local_rope = any(w.local_rope for w in layers)
-        self._scratch_width = max(w.shape[0] for lw in layers for w in (*lw.qkv, *lw.gate_up))
         # one weight per (format, shape): the quant kernel's use is decided per format and shape
         every = (w for lw in layers for w in (*lw.qkv, lw.o, *lw.gate_up, lw.down))
         self._distinct = tuple({(w.qtype, w.shape): w for w in every}.values())
@@ -334,10 +333,9 @@ class FusedDecoder:
         def buffer(width: int) -> torch.Tensor:
             return torch.empty(tokens, width, dtype=torch.float32)
 
-        delta, h, o = buffer(dims.hidden), buffer(dims.hidden), buffer(dims.hidden)
-        qkv, q, attn = buffer(q_width + 2 * kv_width), buffer(q_width), buffer(q_width)
+        delta, o = buffer(dims.hidden), buffer(dims.hidden)
+        qkv, attn = buffer(q_width + 2 * kv_width), buffer(q_width)
         gate_up, act = buffer(2 * dims.inner), buffer(dims.inner)
-        scratch = buffer(self._scratch_width if tokens > 1 else 0)
         step = _Step(
             tokens,
             cos.data_ptr(),
@@ -348,7 +346,7 @@ class FusedDecoder:
             window,
             plan.decode_token_rows.data_ptr(),
             keys[0].shape[1],
-            *(t.data_ptr() for t in (x, delta, h, qkv, q, attn, o, gate_up, act, scratch)),
+            *(t.data_ptr() for t in (x, delta, qkv, attn, o, gate_up, act)),
         )
         torch_pool.restore()
         failed = self._fn(self._c_layers, len(self._c_layers), self._c_dims, step, torch.get_num_threads())
