@@ -960,6 +960,62 @@ static void direct_q5_k_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int 
 }
 #endif
 
+#if VW == 8
+/* Q6_K in registers: each 16 weights formed from their low nibbles and two high bits exactly as expand_q6_k
+ * forms them (minus 32, times the exact d * scale), widened from the register and fed to the chains in
+ * weight order. A super-block's 16 scales of the eight rows are formed first, as the expander forms them. */
+static void direct_q6_k_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int nr, const float *x, int64_t k,
+                            const ahead_window *ahead, vec acc[8]) {
+    const uint8_t *rows[8];
+    for (int r = 0; r < 8; ++r) rows[r] = w + (n + (r < nr ? r : 0)) * row_bytes;
+    vec a[8];
+    for (int r = 0; r < 8; ++r) a[r] = vzero();
+    const __m128i low = _mm_set1_epi8(15), high = _mm_set1_epi8(0x30), bias = _mm_set1_epi8(32);
+    float scale[8][16] __attribute__((aligned(32)));
+    for (int64_t b = 0; b < k / 256; ++b) {
+        const int64_t off = b * 210;
+        for (int r = 0; r < 8; ++r) {
+            const int8_t *sc = (const int8_t *)(rows[r] + off + 192);
+            const float d = f16_at(rows[r] + off + 208);
+            for (int i = 0; i < 16; ++i) scale[r][i] = d * (float)sc[i];
+        }
+        for (int half = 0; half < 2; ++half) {
+            ask_step(ahead, 2 * b + half);
+            const float *xb = x + 256 * b + 128 * half;
+#pragma GCC unroll 8
+            for (int r = 0; r < 8; ++r) {
+                const uint8_t *ql = rows[r] + off + 64 * half, *qh = rows[r] + off + 128 + 32 * half;
+#define Q6_LOAD(p) _mm_loadu_si128((const __m128i *)(p))
+                const __m128i a0 = Q6_LOAD(ql), a1 = Q6_LOAD(ql + 16), c0 = Q6_LOAD(ql + 32), c1 = Q6_LOAD(ql + 48);
+                const __m128i h0 = Q6_LOAD(qh), h1 = Q6_LOAD(qh + 16);
+#undef Q6_LOAD
+                /* weights 16 i .. 16 i + 15 of the half: expand_q6_k's q1 (l = 0, 16), q2, q3, q4 */
+                const __m128i q[8] = {
+                    _mm_or_si128(_mm_and_si128(a0, low), _mm_and_si128(_mm_slli_epi16(h0, 4), high)),
+                    _mm_or_si128(_mm_and_si128(a1, low), _mm_and_si128(_mm_slli_epi16(h1, 4), high)),
+                    _mm_or_si128(_mm_and_si128(c0, low), _mm_and_si128(_mm_slli_epi16(h0, 2), high)),
+                    _mm_or_si128(_mm_and_si128(c1, low), _mm_and_si128(_mm_slli_epi16(h1, 2), high)),
+                    _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a0, 4), low), _mm_and_si128(h0, high)),
+                    _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a1, 4), low), _mm_and_si128(h1, high)),
+                    _mm_or_si128(_mm_and_si128(_mm_srli_epi16(c0, 4), low), _mm_and_si128(_mm_srli_epi16(h0, 2), high)),
+                    _mm_or_si128(_mm_and_si128(_mm_srli_epi16(c1, 4), low), _mm_and_si128(_mm_srli_epi16(h1, 2), high)),
+                };
+                const float *s = scale[r] + 8 * half;
+                for (int i = 0; i < 8; ++i) {
+                    const vec sv = vset1(s[i]);
+                    const __m128i v = _mm_sub_epi8(q[i], bias);
+                    const vec w0 = _mm256_mul_ps(sv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)));
+                    const vec w1 = _mm256_mul_ps(sv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))));
+                    a[r] = vfma(vload(xb + 16 * i), w0, a[r]);
+                    a[r] = vfma(vload(xb + 16 * i + 8), w1, a[r]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < 8; ++r) acc[r] = a[r];
+}
+#endif
+
 /* One x row against four Q8_0 rows in registers (AVX2): each 8 weights are widened straight from memory
  * (sign-extended to 32-bit lanes, converted, times the block's d: expand_q8_0's exact product) and fed to
  * the tile's four chains (tile_3x4 at one row) in the same order, so y's bits are the whole-row path's.
@@ -1008,6 +1064,7 @@ static direct_1x8_fn direct_1x8(int qtype) {
     case QT_Q5_1: return direct_q5_1_1x8;
     case QT_Q4_K: return direct_q4_k_1x8;
     case QT_Q5_K: return direct_q5_k_1x8;
+    case QT_Q6_K: return direct_q6_k_1x8;
 #endif
     default: return NULL;
     }
@@ -1061,7 +1118,8 @@ typedef struct {
 static int64_t group_steps(const gemm_plan *p, int64_t m_rows, int64_t k) {
     if (p->q8_direct) return k / 32;
 #ifdef VW
-    if (p->by_chunks && m_rows == 1 && direct_1x8(p->qtype) != NULL) return p->qtype == QT_Q4_K ? k / 64 : k / 32;
+    if (p->by_chunks && m_rows == 1 && direct_1x8(p->qtype) != NULL)
+        return p->qtype == QT_Q4_K ? k / 64 : p->qtype == QT_Q6_K ? k / 128 : k / 32;
     if (p->by_chunks) return (k + CHUNK - 1) / CHUNK;
 #endif
     (void)m_rows, (void)k;
