@@ -7,7 +7,9 @@ back to the per-layer loop.
 
 from __future__ import annotations
 
+import ctypes
 import json
+import sys
 
 import gguf
 import numpy as np
@@ -130,6 +132,35 @@ def test_the_fused_step_has_the_per_layer_bits_at_any_thread_count(tmp_path, nee
         fused_cache.keys + fused_cache.values, plain_cache.keys + plain_cache.values, strict=True
     ):
         assert torch.equal(got, expected)
+
+
+@pytest.fixture
+def sleeping_barrier(need_kernels):
+    """The step's barrier set to sleep at once (no spinning); yields its count of waits that slept."""
+    library = native.native_library()
+    spin, naps = library.decoder_barrier_spin, library.decoder_barrier_naps
+    spin.argtypes, spin.restype = [ctypes.c_int64], None
+    naps.argtypes, naps.restype = [], ctypes.c_int64
+    spin(0)
+    try:
+        yield naps
+    finally:
+        spin(-1)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sleeping barrier is Linux's futex")
+@pytest.mark.parametrize("threads", [2, 3, 5])
+def test_the_fused_step_has_the_per_layer_bits_when_its_threads_sleep_at_every_barrier(
+    tmp_path, sleeping_barrier, threads
+):
+    """A thread that waits too long at one of the step's barriers sleeps until the last one arrives (so that
+    a busy core does not cost a scheduler slice per barrier). With no spinning at all every wait takes that
+    path, and with more threads than cores (5) threads are also descheduled in between: the results are
+    still the per-layer loop's bits, and the waits did sleep."""
+    model = _gguf_model(tmp_path, "Q4_1")
+    before = sleeping_barrier()
+    _assert_same(model, PROMPTS[:2], threads)
+    assert sleeping_barrier() > before
 
 
 def test_biases_are_added_as_the_per_layer_loop_adds_them(tmp_path, need_kernels):

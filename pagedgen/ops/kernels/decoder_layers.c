@@ -36,7 +36,8 @@
  * Threads: one OpenMP region for the whole step, not one per kernel. Each thread owns a fixed slice of
  * every GEMM's output columns and a fixed run of kv heads, keeps its own copy of the residual stream and of
  * each norm's output, and the threads meet at five barriers per layer, where a product feeds the next
- * (decoder_layers_f32, at the end). At batch 1 that also puts both threads on attention, and on norms and
+ * (decoder_layers_f32, at the end; step_barrier.h: a wait spins briefly, then sleeps, so that a core taken
+ * by another process does not cost a scheduler slice per barrier). At batch 1 that also puts both threads on attention, and on norms and
  * activations no thread waits for. Every value is still computed by the per-layer path's code, so the
  * bits do not depend on the split or the thread count.
  *
@@ -47,6 +48,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "step_barrier.h"
 
 /* The kernels of the sibling sources (one shared library). */
 void rms_norm_f32(const float *x, int64_t rows, int64_t dim, const float *weight, float eps, float *out,
@@ -252,7 +255,8 @@ static void attention_heads(const decoder_layer *layer, const decoder_dims *dims
 /* One thread's part of every layer; the threads meet only where a product feeds the next (five barriers
  * per layer: after q/k/v, attention, o, gate/up with the activation, down). */
 static void layers_on_thread(const decoder_layer *layers, int64_t num_layers, const decoder_dims *dims,
-                             const decoder_step *step, const thread_buffers *own, int tid, int nth) {
+                             const decoder_step *step, const thread_buffers *own, step_barrier *meet, int tid,
+                             int nth) {
     const int64_t t = step->tokens, hidden = dims->hidden, d = dims->head_dim, inner = dims->inner;
     const int64_t q_width = dims->q_heads * d, kv_width = dims->kv_heads * d, qkv_width = q_width + 2 * kv_width;
     const float eps = dims->eps;
@@ -275,14 +279,14 @@ static void layers_on_thread(const decoder_layer *layers, int64_t num_layers, co
         const void *xq = quantised_for(&layer->qkv, own->h, t, hidden, own->q8);
         packed_columns(own->h, xq, t, &layer->qkv, hidden, c0, c1, step->qkv, qkv_width, own->gemm);
         prefetch_columns(&layer->o, o0, o1);
-#pragma omp barrier
+        step_barrier_wait(meet);
         attention_heads(layer, dims, step, view, cos, sin, g0, g1, own->scores);
-#pragma omp barrier
+        step_barrier_wait(meet);
         xq = quantised_for(&layer->o, step->attn, t, q_width, own->q8);
         packed_columns(step->attn, xq, t, &layer->o, q_width, o0, o1, step->o, hidden, own->gemm);
         prefetch_columns(&layer->gate_up, i0, i1);
         prefetch_columns(&layer->gate_up, inner + i0, inner + i1);
-#pragma omp barrier
+        step_barrier_wait(meet);
         const float *attn_out = step->o;
         if (layer->attn_out_norm != NULL) {
             rms_norm_f32(step->o, t, hidden, layer->attn_out_norm, eps, own->tmp, 1);
@@ -298,12 +302,12 @@ static void layers_on_thread(const decoder_layer *layers, int64_t num_layers, co
                 gated_act_f32(step->gate_up + r * 2 * inner + i0, step->gate_up + r * 2 * inner + inner + i0, 1,
                               i1 - i0, 2 * inner, (int)dims->activation, step->act + r * inner + i0, 1);
         prefetch_columns(&layer->down, o0, o1);
-#pragma omp barrier
+        step_barrier_wait(meet);
         float *mlp_out = layer->mlp_out_norm != NULL ? step->o : step->delta;
         xq = quantised_for(&layer->down, step->act, t, inner, own->q8);
         packed_columns(step->act, xq, t, &layer->down, inner, o0, o1, mlp_out, hidden, own->gemm);
         if (l + 1 < num_layers) prefetch_columns(&layers[l + 1].qkv, c0, c1);
-#pragma omp barrier
+        step_barrier_wait(meet);
         delta = step->delta;
         if (layer->mlp_out_norm != NULL) {
             rms_norm_f32(step->o, t, hidden, layer->mlp_out_norm, eps, own->delta, 1);
@@ -355,6 +359,8 @@ static int kernels_known(const decoder_layer *layers, int64_t num_layers, const 
  * fork and join of every kernel. Every value is computed by the same code as the per-layer path's kernels
  * (the GEMM slices by quant_gemm_rows_f32 or quant_gemm_q8_rows, a head's attention by decode_row), so the
  * output is the same bit for bit, whatever the thread count. */
+static int64_t barrier_spin_ns = SPIN_NS, barrier_naps = 0;
+
 int decoder_layers_f32(const decoder_layer *layers, int64_t num_layers, const decoder_dims *dims,
                        const decoder_step *step, int num_threads) {
     const int64_t t = step->tokens, hidden = dims->hidden;
@@ -374,8 +380,10 @@ int decoder_layers_f32(const decoder_layer *layers, int64_t num_layers, const de
     const size_t q8 = (size_t)(quant_q8_buffer_bytes(t, k_max) + 3) / sizeof(float);
     const size_t floats = state + gemm + scores + q8;
     int failed = 0;
+    step_barrier meet;
 #pragma omp parallel num_threads(num_threads)
     {
+        if (omp_get_thread_num() == 0) step_barrier_init(&meet, omp_get_num_threads(), barrier_spin_ns);
         float *mine = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
         if (mine == NULL) {
 #pragma omp atomic write
@@ -388,9 +396,17 @@ int decoder_layers_f32(const decoder_layer *layers, int64_t num_layers, const de
             const size_t n = (size_t)(t * hidden);
             const thread_buffers own = {mine,         mine + n,     mine + 2 * n, mine + 3 * n, mine + state,
                                         mine + state + gemm, mine + state + gemm + scores};
-            layers_on_thread(layers, num_layers, dims, step, &own, omp_get_thread_num(), omp_get_num_threads());
+            layers_on_thread(layers, num_layers, dims, step, &own, &meet, omp_get_thread_num(),
+                             omp_get_num_threads());
         }
         free(mine);
     }
+    __atomic_fetch_add(&barrier_naps, (int64_t)meet.naps, __ATOMIC_RELAXED);
     return failed ? -2 : 0;
 }
+
+/* How long the step's threads spin at a barrier before they sleep (step_barrier.h; negative: the default),
+ * and how many of their waits have stopped spinning so far: for the tests, which set 0 to take the sleeping
+ * path at every barrier. Not for use while a step runs. */
+void decoder_barrier_spin(int64_t spin_ns) { barrier_spin_ns = spin_ns < 0 ? SPIN_NS : spin_ns; }
+int64_t decoder_barrier_naps(void) { return __atomic_load_n(&barrier_naps, __ATOMIC_RELAXED); }

@@ -40,7 +40,7 @@ SOURCES = tuple(
         "decoder_layers.c",
     )
 )
-HEADERS = (KERNELS / "vec_math.h", KERNELS / "half.h")
+HEADERS = (KERNELS / "vec_math.h", KERNELS / "half.h", KERNELS / "prefetch.h", KERNELS / "step_barrier.h")
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
 _POINTER = ctypes.c_void_p
 _I64 = ctypes.c_int64

@@ -33,6 +33,7 @@
 #endif
 
 #include "half.h"
+#include "prefetch.h"
 
 enum {
     QT_F16 = 1,
@@ -556,31 +557,23 @@ static void rows_times_x(const float *x, int64_t m_rows, const float *buf, int n
  * its loads, so without this a single thread keeps too few cache misses in flight to stream DRAM. */
 #define PREFETCH_ROWS 32
 static inline void prefetch_ahead(const uint8_t *w, int64_t row_bytes, int64_t n, int64_t n_out, int rows,
-                                  int64_t ahead, int into_l1) {
+                                  int64_t ahead) {
     const int64_t first = n + ahead, last = first + rows < n_out ? first + rows : n_out;
     if (first >= last) return;
     const uint8_t *p = w + first * row_bytes, *end = w + last * row_bytes;
-    if (into_l1)
-        for (; p < end; p += 64) __builtin_prefetch(p, 0, 3);
-    else
-        for (; p < end; p += 64) __builtin_prefetch(p, 0, 1);
+    for (; p < end; p += 64) __builtin_prefetch(p, 0, 1);
 }
 
-/* How far ahead prefetch_ahead asks: PREFETCH_ROWS rows, except on the one-row Q4_0 / Q4_1 register path,
- * which asks about DIRECT_PREFETCH_BYTES ahead whatever the row length (at least one group of 8 rows).
- * Measured there (AVX2 EPYC, 1 thread, the default model's four layer shapes from DRAM, thread CPU time,
- * variants interleaved in one process, load 13-17): 32 rows ahead (11.5 KB at k = 576, 30 KB at k = 1536)
- * took 1.07-1.11x the time of 4 KB ahead, and no prefetch 1.33x; 6-12 KB were in between. */
+/* How far ahead the rows are asked for: PREFETCH_ROWS rows, except on the one-row register paths, which ask
+ * about DIRECT_PREFETCH_BYTES ahead whatever the row length (at least one group). Measured on Q4_1 (AVX2
+ * EPYC, 1 thread, the default model's four layer shapes from DRAM, load 13-17): 32 rows ahead (11.5 KB at
+ * k = 576, 30 KB at k = 1536) took 1.07-1.11x the time of 4 KB ahead, and no prefetch 1.33x; 6-12 KB were
+ * in between. With the window spread over the loop (ahead_window), 2 KB and 8 KB ahead were within 5% of
+ * 4 KB on Q4_1, and 4 KB was as fast as 32 rows or faster on Q5_0, Q5_1, Q4_K and Q5_K (0.92-1.02x). */
 #define DIRECT_PREFETCH_BYTES 4096
-/* direct_q8_0_1x4 also asks about 16 KB ahead into L2 (see its comment). */
-#define Q8_0_L2_PREFETCH_BYTES 16384
-static inline int64_t prefetch_rows(int qtype, int64_t m_rows, int64_t row_bytes) {
-#if VW == 8
-    if (m_rows == 1 && qtype == QT_Q8_0) /* direct_q8_0_1x4 (see q8_0_direct): 4 KB ahead, into L1 */
-        return DIRECT_PREFETCH_BYTES / row_bytes > 4 ? DIRECT_PREFETCH_BYTES / row_bytes : 4;
-#endif
-    if (m_rows != 1 || (qtype != QT_Q4_0 && qtype != QT_Q4_1)) return PREFETCH_ROWS;
-    return DIRECT_PREFETCH_BYTES / row_bytes > 8 ? DIRECT_PREFETCH_BYTES / row_bytes : 8;
+static inline int64_t prefetch_rows(int register_path, int group, int64_t row_bytes) {
+    if (!register_path) return PREFETCH_ROWS;
+    return DIRECT_PREFETCH_BYTES / row_bytes > group ? DIRECT_PREFETCH_BYTES / row_bytes : group;
 }
 
 /* Whether a call takes direct_q8_0_1x4: Q8_0 at one row on an AVX2 build (AVX-512 keeps the whole-row path:
@@ -684,11 +677,12 @@ static inline vec q4_0_lanes(const uint8_t *block, int h, int j) {
 /* Weights 16 h + j .. 16 h + j + VW - 1 of each 32-block: byte j's low nibble is weight j, its high
  * nibble weight j + 16. */
 static void direct_q4_0_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int nr, const float *x, int64_t k,
-                            vec acc[8]) {
+                            const ahead_window *ahead, vec acc[8]) {
     const uint8_t *rows[8];
     for (int r = 0; r < 8; ++r) rows[r] = w + (n + (r < nr ? r : 0)) * row_bytes;
     vec a0 = vzero(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     for (int64_t b = 0; b < k / 32; ++b) {
+        ask_step(ahead, b);
         const int64_t off = b * 18;
         for (int h = 0; h < 2; ++h)
             for (int j = 0; j < 16; j += VW) {
@@ -731,12 +725,13 @@ static inline void q4_1_scales(const uint8_t *block, vec *d, vec *m) {
  * nibble is weight j, its high nibble weight j + 16), and/shift, convert, two FMAs per VW weights; no
  * stores. Rows past nr point at row n (read, never stored). */
 static void direct_q4_1_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int nr, const float *x, int64_t k,
-                            vec acc[8]) {
+                            const ahead_window *ahead, vec acc[8]) {
     const uint8_t *rows[8];
     for (int r = 0; r < 8; ++r) rows[r] = w + (n + (r < nr ? r : 0)) * row_bytes;
     vec a[8];
     for (int r = 0; r < 8; ++r) a[r] = vzero();
     for (int64_t b = 0; b < k / 32; ++b) {
+        ask_step(ahead, b);
         const int64_t off = b * 20;
         const float *xb = x + 32 * b;
 #if VW == 16
@@ -792,7 +787,7 @@ static inline __m256i widen8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm
  * fma(d, nibble, -16 d) = d * (q - 16) exactly, and fma(d, nibble, -0) = d * nibble with its sign of zero,
  * the expander's d * (q - 16) in both cases. */
 static void direct_q5_0_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int nr, const float *x, int64_t k,
-                            vec acc[8]) {
+                            const ahead_window *ahead, vec acc[8]) {
     const uint8_t *rows[8];
     for (int r = 0; r < 8; ++r) rows[r] = w + (n + (r < nr ? r : 0)) * row_bytes;
     vec a[8];
@@ -803,6 +798,7 @@ static void direct_q5_0_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int 
     const __m256i up3 = _mm256_sub_epi32(up2, eight);
     const vec minus16 = vset1(-16.f), minus0 = vset1(-0.f);
     for (int64_t b = 0; b < k / 32; ++b) {
+        ask_step(ahead, b);
         const int64_t off = b * 22;
         const float *xb = x + 32 * b;
         const vec x0 = vload(xb), x1 = vload(xb + 8), x2 = vload(xb + 16), x3 = vload(xb + 24);
@@ -828,7 +824,7 @@ static void direct_q5_0_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int 
 /* Q5_1 in int32 lanes: q = nibble | (bit j of qh) << 4, the fifth bit moved to bit 4 by one variable shift
  * (of qh << 4 for weights 0-7), then fma(d, q, m) as expand_q5_1. */
 static void direct_q5_1_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int nr, const float *x, int64_t k,
-                            vec acc[8]) {
+                            const ahead_window *ahead, vec acc[8]) {
     const uint8_t *rows[8];
     for (int r = 0; r < 8; ++r) rows[r] = w + (n + (r < nr ? r : 0)) * row_bytes;
     vec a[8];
@@ -839,6 +835,7 @@ static void direct_q5_1_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int 
     const __m256i down2 = _mm256_add_epi32(down1, _mm256_set1_epi32(8));
     const __m256i down3 = _mm256_add_epi32(down2, _mm256_set1_epi32(8));
     for (int64_t b = 0; b < k / 32; ++b) {
+        ask_step(ahead, b);
         const int64_t off = b * 24;
         const float *xb = x + 32 * b;
         const vec x0 = vload(xb), x1 = vload(xb + 8), x2 = vload(xb + 16), x3 = vload(xb + 24);
@@ -886,7 +883,7 @@ static inline void k_scales(const uint8_t *block, float *sc, float *mn) {
 /* Q4_K in int32 lanes: each 8 bytes widened once serve two sub-blocks (low nibbles, then high); every weight
  * is fma(scale, q, -min) as expand_q4_k computes it. */
 static void direct_q4_k_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int nr, const float *x, int64_t k,
-                            vec acc[8]) {
+                            const ahead_window *ahead, vec acc[8]) {
     const uint8_t *rows[8];
     for (int r = 0; r < 8; ++r) rows[r] = w + (n + (r < nr ? r : 0)) * row_bytes;
     vec a[8];
@@ -897,6 +894,7 @@ static void direct_q4_k_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int 
         const int64_t off = b * 144;
         for (int r = 0; r < 8; ++r) k_scales(rows[r] + off, sc[r], mn[r]);
         for (int i = 0; i < 4; ++i) {
+            ask_step(ahead, 4 * b + i);
             const float *xb = x + 256 * b + 64 * i;
 #pragma GCC unroll 8
             for (int r = 0; r < 8; ++r) {
@@ -929,7 +927,7 @@ static inline __attribute__((always_inline)) vec fma16_u(__m128i q, vec scale, v
 /* Q5_K, 16 bytes at a time as expand_q5_k forms them (nibbles, bit j of qh moved to bit 4 by a constant
  * shift), widened from the register. */
 static void direct_q5_k_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int nr, const float *x, int64_t k,
-                            vec acc[8]) {
+                            const ahead_window *ahead, vec acc[8]) {
     const uint8_t *rows[8];
     for (int r = 0; r < 8; ++r) rows[r] = w + (n + (r < nr ? r : 0)) * row_bytes;
     vec a[8];
@@ -941,6 +939,7 @@ static void direct_q5_k_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int 
         for (int r = 0; r < 8; ++r) k_scales(rows[r] + off, sc[r], mn[r]);
 #pragma GCC unroll 8
         for (int j = 0; j < 8; ++j) {
+            ask_step(ahead, 8 * b + j);
             const float *xb = x + 256 * b + 32 * j;
 #pragma GCC unroll 8
             for (int r = 0; r < 8; ++r) {
@@ -961,22 +960,79 @@ static void direct_q5_k_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int 
 }
 #endif
 
+#if VW == 8
+/* Q6_K in registers: each 16 weights formed from their low nibbles and two high bits exactly as expand_q6_k
+ * forms them (minus 32, times the exact d * scale), widened from the register and fed to the chains in
+ * weight order. A super-block's 16 scales of the eight rows are formed first, as the expander forms them. */
+static void direct_q6_k_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int nr, const float *x, int64_t k,
+                            const ahead_window *ahead, vec acc[8]) {
+    const uint8_t *rows[8];
+    for (int r = 0; r < 8; ++r) rows[r] = w + (n + (r < nr ? r : 0)) * row_bytes;
+    vec a[8];
+    for (int r = 0; r < 8; ++r) a[r] = vzero();
+    const __m128i low = _mm_set1_epi8(15), high = _mm_set1_epi8(0x30), bias = _mm_set1_epi8(32);
+    float scale[8][16] __attribute__((aligned(32)));
+    for (int64_t b = 0; b < k / 256; ++b) {
+        const int64_t off = b * 210;
+        for (int r = 0; r < 8; ++r) {
+            const int8_t *sc = (const int8_t *)(rows[r] + off + 192);
+            const float d = f16_at(rows[r] + off + 208);
+            for (int i = 0; i < 16; ++i) scale[r][i] = d * (float)sc[i];
+        }
+        for (int half = 0; half < 2; ++half) {
+            ask_step(ahead, 2 * b + half);
+            const float *xb = x + 256 * b + 128 * half;
+#pragma GCC unroll 8
+            for (int r = 0; r < 8; ++r) {
+                const uint8_t *ql = rows[r] + off + 64 * half, *qh = rows[r] + off + 128 + 32 * half;
+#define Q6_LOAD(p) _mm_loadu_si128((const __m128i *)(p))
+                const __m128i a0 = Q6_LOAD(ql), a1 = Q6_LOAD(ql + 16), c0 = Q6_LOAD(ql + 32), c1 = Q6_LOAD(ql + 48);
+                const __m128i h0 = Q6_LOAD(qh), h1 = Q6_LOAD(qh + 16);
+#undef Q6_LOAD
+                /* weights 16 i .. 16 i + 15 of the half: expand_q6_k's q1 (l = 0, 16), q2, q3, q4 */
+                const __m128i q[8] = {
+                    _mm_or_si128(_mm_and_si128(a0, low), _mm_and_si128(_mm_slli_epi16(h0, 4), high)),
+                    _mm_or_si128(_mm_and_si128(a1, low), _mm_and_si128(_mm_slli_epi16(h1, 4), high)),
+                    _mm_or_si128(_mm_and_si128(c0, low), _mm_and_si128(_mm_slli_epi16(h0, 2), high)),
+                    _mm_or_si128(_mm_and_si128(c1, low), _mm_and_si128(_mm_slli_epi16(h1, 2), high)),
+                    _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a0, 4), low), _mm_and_si128(h0, high)),
+                    _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a1, 4), low), _mm_and_si128(h1, high)),
+                    _mm_or_si128(_mm_and_si128(_mm_srli_epi16(c0, 4), low), _mm_and_si128(_mm_srli_epi16(h0, 2), high)),
+                    _mm_or_si128(_mm_and_si128(_mm_srli_epi16(c1, 4), low), _mm_and_si128(_mm_srli_epi16(h1, 2), high)),
+                };
+                const float *s = scale[r] + 8 * half;
+                for (int i = 0; i < 8; ++i) {
+                    const vec sv = vset1(s[i]);
+                    const __m128i v = _mm_sub_epi8(q[i], bias);
+                    const vec w0 = _mm256_mul_ps(sv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)));
+                    const vec w1 = _mm256_mul_ps(sv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))));
+                    a[r] = vfma(vload(xb + 16 * i), w0, a[r]);
+                    a[r] = vfma(vload(xb + 16 * i + 8), w1, a[r]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < 8; ++r) acc[r] = a[r];
+}
+#endif
+
 /* One x row against four Q8_0 rows in registers (AVX2): each 8 weights are widened straight from memory
  * (sign-extended to 32-bit lanes, converted, times the block's d: expand_q8_0's exact product) and fed to
  * the tile's four chains (tile_3x4 at one row) in the same order, so y's bits are the whole-row path's.
  * Saves the expander's stores and the tile's reloads. Rows past nr point at row n (read, never stored).
- * Taken where q8_0_direct says. Its rows are prefetched twice: about 16 KB ahead into L2 and 4 KB ahead
- * into L1 (prefetch_rows). The four rows are read interleaved, 612-680 bytes apart; from DRAM (a 178 MB
- * head, 1 thread, AVX2 EPYC) the L1 prefetch alone took 1.2-1.5x the whole-row path's time, 32 rows ahead
- * into L2 alone 1.6-2.1x, both together 0.75-0.9x (hot in cache it is 1.6-1.7x as fast; docs/performance.md,
- * "The head at batch 1"). */
+ * Taken where q8_0_direct says. The four rows are read interleaved, 612-680 bytes apart. Asked for as a
+ * burst before each group, the rows needed two bursts to beat the whole-row path from DRAM (4 KB ahead into
+ * L1 and 16 KB ahead into L2: 0.75-0.9x its time on a 178 MB head, docs/performance.md, "The head at batch
+ * 1"); spread over the blocks (ahead_window), 4 KB ahead alone took 0.75-0.85x the time of those two bursts
+ * (49152 x 576, 1 thread). */
 #if VW == 8
 static void direct_q8_0_1x4(const uint8_t *w, int64_t row_bytes, int64_t n, int nr, const float *x, int64_t k,
-                            const float *bias, float *y) {
+                            const ahead_window *ahead, const float *bias, float *y) {
     const uint8_t *r0 = w + n * row_bytes, *r1 = nr > 1 ? r0 + row_bytes : r0;
     const uint8_t *r2 = nr > 2 ? r0 + 2 * row_bytes : r0, *r3 = nr > 3 ? r0 + 3 * row_bytes : r0;
     vec a0 = vzero(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t b = 0; b < k / 32; ++b) {
+        ask_step(ahead, b);
         const int64_t off = b * 34;
         const vec d0 = vset1(f16_at(r0 + off)), d1 = vset1(f16_at(r1 + off));
         const vec d2 = vset1(f16_at(r2 + off)), d3 = vset1(f16_at(r3 + off));
@@ -997,7 +1053,8 @@ static void direct_q8_0_1x4(const uint8_t *w, int64_t row_bytes, int64_t n, int 
 #endif
 
 /* The register path of qtype at one row, or NULL where the chunk buffer is the faster one. */
-typedef void (*direct_1x8_fn)(const uint8_t *, int64_t, int64_t, int, const float *, int64_t, vec *);
+typedef void (*direct_1x8_fn)(const uint8_t *, int64_t, int64_t, int, const float *, int64_t,
+                              const ahead_window *, vec *);
 static direct_1x8_fn direct_1x8(int qtype) {
     switch (qtype) {
     case QT_Q4_0: return direct_q4_0_1x8;
@@ -1007,6 +1064,7 @@ static direct_1x8_fn direct_1x8(int qtype) {
     case QT_Q5_1: return direct_q5_1_1x8;
     case QT_Q4_K: return direct_q4_k_1x8;
     case QT_Q5_K: return direct_q5_k_1x8;
+    case QT_Q6_K: return direct_q6_k_1x8;
 #endif
     default: return NULL;
     }
@@ -1015,16 +1073,17 @@ static direct_1x8_fn direct_1x8(int qtype) {
 /* Output rows n .. n + nr - 1 (nr <= group) of every x row (m_rows <= 3; group 8 for one row, else 4). */
 static void group_by_chunks(int qtype, const uint8_t *w, int64_t row_bytes, int64_t elems, int64_t bytes,
                             const float *x, int64_t m_rows, int64_t k, int64_t n, int nr, const float *bias,
-                            float *y, int64_t n_out, float *buf) {
+                            float *y, int64_t n_out, float *buf, const ahead_window *ahead) {
     vec acc[12];
     for (int i = 0; i < 12; ++i) acc[i] = vzero();
     const direct_1x8_fn direct = m_rows == 1 ? direct_1x8(qtype) : NULL;
     if (direct != NULL) {
-        direct(w, row_bytes, n, nr, x, k, acc);
+        direct(w, row_bytes, n, nr, x, k, ahead, acc);
         for (int c = 0; c < nr; ++c) y[n + c] = add_bias(vsum(acc[c]), bias, n + c);
         return;
     }
     for (int64_t c0 = 0; c0 < k; c0 += CHUNK) {
+        ask_step(ahead, c0 / CHUNK);
         const int64_t len = k - c0 < CHUNK ? k - c0 : CHUNK;
         for (int r = 0; r < nr; ++r)
             expand_row(qtype, w + (n + r) * row_bytes + c0 / elems * bytes, len, buf + r * CHUNK);
@@ -1051,7 +1110,21 @@ typedef struct {
     int q8_direct;        /* direct_q8_0_1x4 */
     int group;            /* output rows per group: 8 on the 1-row chunked paths, else 4 */
     int64_t ahead;        /* prefetch distance in rows (prefetch_rows) */
+    int64_t steps;        /* loop steps of a group that ask for the rows ahead (ahead_window); 0: one burst */
 } gemm_plan;
+
+/* How many steps a group's loop takes, for ahead_window: the blocks of the one-row register paths (Q4_K: its
+ * 64-weight pairs of sub-blocks), the chunks of the chunk buffer; 0 on the whole-row path (one burst). */
+static int64_t group_steps(const gemm_plan *p, int64_t m_rows, int64_t k) {
+    if (p->q8_direct) return k / 32;
+#ifdef VW
+    if (p->by_chunks && m_rows == 1 && direct_1x8(p->qtype) != NULL)
+        return p->qtype == QT_Q4_K ? k / 64 : p->qtype == QT_Q6_K ? k / 128 : k / 32;
+    if (p->by_chunks) return (k + CHUNK - 1) / CHUNK;
+#endif
+    (void)m_rows, (void)k;
+    return 0;
+}
 
 /* 0 for an unknown qtype. */
 static int plan_gemm(int qtype, const uint8_t *w, int64_t m_rows, int64_t row_bytes, int64_t k, gemm_plan *p) {
@@ -1064,7 +1137,12 @@ static int plan_gemm(int qtype, const uint8_t *w, int64_t m_rows, int64_t row_by
 #endif
     p->q8_direct = q8_0_direct(qtype, m_rows, k);
     p->group = p->by_chunks && m_rows == 1 ? 8 : 4;
-    p->ahead = prefetch_rows(qtype, m_rows, row_bytes);
+    int register_path = p->q8_direct;
+#ifdef VW
+    register_path = register_path || (p->by_chunks && m_rows == 1 && direct_1x8(qtype) != NULL);
+#endif
+    p->ahead = prefetch_rows(register_path, p->group, row_bytes);
+    p->steps = group_steps(p, m_rows, k);
     return 1;
 }
 
@@ -1073,17 +1151,20 @@ static int plan_gemm(int qtype, const uint8_t *w, int64_t m_rows, int64_t row_by
 static inline void gemm_group(const gemm_plan *p, const float *x, int64_t m_rows, const uint8_t *w,
                               int64_t row_bytes, int64_t k, int64_t n, int nr, int64_t n_end, const float *bias,
                               float *y, int64_t y_stride, float *buf) {
-    prefetch_ahead(w, row_bytes, n, n_end, p->group, p->ahead, p->q8_direct);
+    if (p->steps == 0) prefetch_ahead(w, row_bytes, n, n_end, p->group, p->ahead);
+#ifdef VW
+    const ahead_window ahead = window_ahead(w, row_bytes, n, n_end, p->group, p->ahead, p->steps);
+#endif
 #if VW == 8
     if (p->q8_direct) {
-        prefetch_ahead(w, row_bytes, n, n_end, p->group, Q8_0_L2_PREFETCH_BYTES / row_bytes, 0);
-        direct_q8_0_1x4(w, row_bytes, n, nr, x, k, bias, y);
+        direct_q8_0_1x4(w, row_bytes, n, nr, x, k, &ahead, bias, y);
         return;
     }
 #endif
 #ifdef VW
     if (p->by_chunks) {
-        group_by_chunks(p->qtype, w, row_bytes, p->elems, p->bytes, x, m_rows, k, n, nr, bias, y, y_stride, buf);
+        group_by_chunks(p->qtype, w, row_bytes, p->elems, p->bytes, x, m_rows, k, n, nr, bias, y, y_stride, buf,
+                        &ahead);
         return;
     }
 #endif

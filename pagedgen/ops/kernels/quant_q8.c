@@ -38,6 +38,7 @@
 #include <string.h>
 
 #include "half.h"
+#include "prefetch.h"
 
 #if defined(__AVX2__) && defined(__F16C__)
 #include <immintrin.h>
@@ -205,7 +206,8 @@ static inline void headers_at(const uint8_t *const rows[8], int64_t offset, int 
 static inline __attribute__((always_inline)) __m256 rows_dot_avx2(const int qtype, const int by_rows,
                                                                   const uint8_t *const rows[8], int64_t bytes,
                                                                   const int8_t *q, const float *dx,
-                                                                  const float *sx, int64_t nb) {
+                                                                  const float *sx, int64_t nb,
+                                                                  const ahead_window *ahead) {
     const int affine = qtype == Q8_Q4_1 || qtype == Q8_Q5_1;
     __m256 acc = _mm256_setzero_ps();
     __m256i lanes[Q8_CHUNK][8];
@@ -213,11 +215,14 @@ static inline __attribute__((always_inline)) __m256 rows_dot_avx2(const int qtyp
     for (int64_t b0 = 0; b0 < nb; b0 += chunk) {
         const int64_t cb = nb - b0 < chunk ? nb - b0 : chunk;
         if (by_rows) {
-            for (int r = 0; r < 8; ++r)
+            for (int r = 0; r < 8; ++r) {
+                ask_step(ahead, 8 * (b0 / chunk) + r);
                 for (int64_t c = 0; c < cb; ++c)
                     lanes[c][r] = block_lanes(qtype, rows[r] + (b0 + c) * bytes,
                                               _mm256_loadu_si256((const __m256i *)(q + 32 * (b0 + c))));
+            }
         } else {
+            ask_step(ahead, b0);
             const __m256i qv = _mm256_loadu_si256((const __m256i *)(q + 32 * b0));
             for (int r = 0; r < 8; ++r) lanes[0][r] = block_lanes(qtype, rows[r] + b0 * bytes, qv);
         }
@@ -234,44 +239,62 @@ static inline __attribute__((always_inline)) __m256 rows_dot_avx2(const int qtyp
     return acc;
 }
 
+/* The steps of rows_dot_avx2's loop, for its ahead_window: blocks when interleaved, rows of each chunk by
+ * rows (Q8_0). */
+static inline int64_t steps_of(int qtype, int64_t nb) {
+    return qtype == Q8_Q8_0 ? 8 * ((nb + Q8_CHUNK - 1) / Q8_CHUNK) : nb;
+}
+
 static void group_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int64_t bytes, int64_t n, int nr,
-                       const int8_t *q, const float *dx, const float *sx, int64_t nb, float out[8]) {
+                       const int8_t *q, const float *dx, const float *sx, int64_t nb, const ahead_window *ahead,
+                       float out[8]) {
     const uint8_t *rows[8];
     for (int r = 0; r < 8; ++r) rows[r] = w + (n + (r < nr ? r : 0)) * row_bytes;
     __m256 acc;
     switch (qtype) {
-    case Q8_Q4_0: acc = rows_dot_avx2(Q8_Q4_0, 0, rows, bytes, q, dx, sx, nb); break;
-    case Q8_Q4_1: acc = rows_dot_avx2(Q8_Q4_1, 0, rows, bytes, q, dx, sx, nb); break;
-    case Q8_Q5_0: acc = rows_dot_avx2(Q8_Q5_0, 0, rows, bytes, q, dx, sx, nb); break;
-    case Q8_Q5_1: acc = rows_dot_avx2(Q8_Q5_1, 0, rows, bytes, q, dx, sx, nb); break;
-    default: acc = rows_dot_avx2(Q8_Q8_0, 1, rows, bytes, q, dx, sx, nb); break;
+    case Q8_Q4_0: acc = rows_dot_avx2(Q8_Q4_0, 0, rows, bytes, q, dx, sx, nb, ahead); break;
+    case Q8_Q4_1: acc = rows_dot_avx2(Q8_Q4_1, 0, rows, bytes, q, dx, sx, nb, ahead); break;
+    case Q8_Q5_0: acc = rows_dot_avx2(Q8_Q5_0, 0, rows, bytes, q, dx, sx, nb, ahead); break;
+    case Q8_Q5_1: acc = rows_dot_avx2(Q8_Q5_1, 0, rows, bytes, q, dx, sx, nb, ahead); break;
+    default: acc = rows_dot_avx2(Q8_Q8_0, 1, rows, bytes, q, dx, sx, nb, ahead); break;
     }
     _mm256_storeu_ps(out, acc);
 }
 #endif
 
-/* Ask for the eight rows Q8_PREFETCH_ROWS ahead (into L2), as quant_gemm.c does: the integer loop computes
- * between its loads and would otherwise keep too few misses in flight to stream a large matrix. */
+/* The eight rows Q8_PREFETCH_ROWS ahead are asked for while a group computes (prefetch.h: spread over the
+ * first x row's loop with AVX2, one burst before the group in the portable build). */
+#ifndef Q8_PREFETCH_ROWS
 #define Q8_PREFETCH_ROWS 32
+#endif
+#ifndef Q8_AVX2
 static inline void prefetch_rows(const uint8_t *w, int64_t row_bytes, int64_t first, int64_t n_out) {
     const int64_t last = first + 8 < n_out ? first + 8 : n_out;
     if (first >= last) return;
     for (const uint8_t *p = w + first * row_bytes, *end = w + last * row_bytes; p < end; p += 64)
         __builtin_prefetch(p, 0, 1);
 }
+#endif
 
 /* Outputs n .. n + nr - 1 (nr <= 8) of every x row, from the quantised rows (q, dx, sx: m_rows rows of k),
- * written at y[m * y_stride + n + r] (bias indexed by n + r). An output's operations depend on its own
- * weight row and x row only, not on where its group of eight starts: any split of the outputs gives the
- * same bits. */
+ * written at y[m * y_stride + n + r] (bias indexed by n + r); the rows ahead are asked for up to row n_end.
+ * An output's operations depend on its own weight row and x row only, not on where its group of eight
+ * starts: any split of the outputs gives the same bits. */
 static void q8_group(int qtype, const uint8_t *w, int64_t row_bytes, int64_t bytes, int64_t n, int nr,
-                     const int8_t *q, const float *dx, const float *sx, int64_t m_rows, int64_t k,
+                     int64_t n_end, const int8_t *q, const float *dx, const float *sx, int64_t m_rows, int64_t k,
                      const float *bias, float *y, int64_t y_stride) {
     const int64_t nb = k / 32;
+#ifdef Q8_AVX2
+    const ahead_window ahead = window_ahead(w, row_bytes, n, n_end, 8, Q8_PREFETCH_ROWS, steps_of(qtype, nb));
+    const ahead_window none = {NULL, 0, 0};
+#else
+    prefetch_rows(w, row_bytes, n + Q8_PREFETCH_ROWS, n_end);
+#endif
     for (int64_t m = 0; m < m_rows; ++m) {
         float out[8];
 #ifdef Q8_AVX2
-        group_avx2(qtype, w, row_bytes, bytes, n, nr, q + m * k, dx + m * nb, sx + m * nb, nb, out);
+        group_avx2(qtype, w, row_bytes, bytes, n, nr, q + m * k, dx + m * nb, sx + m * nb, nb,
+                   m == 0 ? &ahead : &none, out);
 #else
         for (int r = 0; r < nr; ++r)
             out[r] = row_dot_portable(qtype, w + (n + r) * row_bytes, bytes, q + m * k, dx + m * nb, sx + m * nb,
@@ -323,8 +346,7 @@ int quant_gemm_q8_rows(const void *buf, int64_t m_rows, const uint8_t *w, int64_
     const q8_rows r = q8_rows_in((void *)buf, m_rows, k);
     for (int64_t n = n_begin; n < n_end; n += 8) {
         const int nr = n_end - n >= 8 ? 8 : (int)(n_end - n);
-        prefetch_rows(w, row_bytes, n + Q8_PREFETCH_ROWS, n_end);
-        q8_group(qtype, w, row_bytes, bytes, n, nr, r.q, r.dx, r.sx, m_rows, k, bias, y, y_stride);
+        q8_group(qtype, w, row_bytes, bytes, n, nr, n_end, r.q, r.dx, r.sx, m_rows, k, bias, y, y_stride);
     }
     return 0;
 }
@@ -344,8 +366,7 @@ int quant_gemm_q8(const float *x, int64_t m_rows, const uint8_t *w, int64_t row_
     for (int64_t g = 0; g < groups; ++g) {
         const int64_t n = 8 * g;
         const int nr = n_out - n >= 8 ? 8 : (int)(n_out - n);
-        prefetch_rows(w, row_bytes, n + Q8_PREFETCH_ROWS, n_out);
-        q8_group(qtype, w, row_bytes, bytes, n, nr, r.q, r.dx, r.sx, m_rows, k, bias, y, n_out);
+        q8_group(qtype, w, row_bytes, bytes, n, nr, n_out, r.q, r.dx, r.sx, m_rows, k, bias, y, n_out);
     }
     free(buf);
     return 0;
