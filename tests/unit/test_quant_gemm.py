@@ -179,7 +179,16 @@ def test_the_few_row_paths_give_the_whole_row_paths_bits(kernels, qtype):
 
 # the formats with a 1-row register path on AVX2 (quant_gemm.c's direct_1x8, besides Q4_0 / Q4_1; and Q8_0's
 # direct_q8_0_1x4, groups of 4, the head's path at batch 1)
-REGISTER_PATHS = [QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q8_0]
+REGISTER_PATHS = [
+    QType.Q4_0,
+    QType.Q4_1,
+    QType.Q5_0,
+    QType.Q5_1,
+    QType.Q4_K,
+    QType.Q5_K,
+    QType.Q6_K,
+    QType.Q8_0,
+]
 
 
 @pytest.mark.parametrize("qtype", REGISTER_PATHS, ids=lambda q: q.name)
