@@ -252,5 +252,5 @@ class GemmaForCausalLM(TiedHead, nn.Module):
                 else:
                     x, delta = layer(x, delta, rope, inputs, plan, k_cache, v_cache)
         rows = inputs.logits_rows
-        x = model.norm(x[rows] + delta[rows])  # [R, hidden]
+        _, x = model.norm.add_forward(x[rows], delta[rows])  # [R, hidden]: one native add + norm
         return soft_cap(self._head(x), self.config.final_softcap).float()  # [R, vocab]

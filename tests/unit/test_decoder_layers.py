@@ -8,6 +8,7 @@ back to the per-layer loop.
 from __future__ import annotations
 
 import json
+import threading
 
 import gguf
 import numpy as np
@@ -130,6 +131,38 @@ def test_the_fused_step_has_the_per_layer_bits_at_any_thread_count(tmp_path, nee
         fused_cache.keys + fused_cache.values, plain_cache.keys + plain_cache.values, strict=True
     ):
         assert torch.equal(got, expected)
+
+
+def test_reused_buffers_and_cache_pointers_keep_every_step_exact(tmp_path, need_kernels, monkeypatch):
+    """The decoder keeps its working buffers (per thread, up to SCRATCH_ROWS rows) and the cache pointers of
+    its last call: steps that change the cache, the batch and the thread, or exceed SCRATCH_ROWS (2 here),
+    still give the per-layer loop's bits."""
+    monkeypatch.setattr(decoder_layers, "SCRATCH_ROWS", 2)
+    model = _gguf_model(tmp_path, "Q4_1")
+    plain = {batch: _run(model, False, PROMPTS[:batch]) for batch in (1, 4)}
+
+    def check(batch: int) -> None:
+        logits, cache = _run(model, True, PROMPTS[:batch])  # a new cache each run
+        want_logits, want_cache = plain[batch]
+        assert all(torch.equal(a, b) for a, b in zip(logits, want_logits, strict=True))
+        got, want = cache.keys + cache.values, want_cache.keys + want_cache.values
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+    for batch in (1, 4, 1, 1, 4):
+        check(batch)
+    errors: list[BaseException] = []
+
+    def in_thread() -> None:  # a thread of its own: its own buffers
+        try:
+            check(1)
+        except BaseException as error:  # noqa: BLE001 - reported to the test's thread
+            errors.append(error)
+
+    thread = threading.Thread(target=in_thread)
+    thread.start()
+    thread.join()
+    assert errors == []
+    check(1)
 
 
 def test_biases_are_added_as_the_per_layer_loop_adds_them(tmp_path, need_kernels):
