@@ -329,6 +329,31 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim, device)
 
 
+def logits_rows_of(
+    x: torch.Tensor, delta: torch.Tensor, inputs: StepInputs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream ``x`` and the last layer's unadded ``delta`` at the step's logits rows, for the
+    final add + norm (which may add into the first in place).
+
+    When the host copy of the rows is every token in order (a decode step: one row per request) and both
+    are contiguous, the gather would copy them unchanged: ``x`` itself (the forward's own, no longer needed)
+    and ``delta`` are returned. Otherwise the gathered copies, as before. Either way the norm sees the same
+    values in the same layout, so the logits' bits do not depend on which
+    (``tests/unit/test_decoder_layers.py``).
+    """
+    host, tokens = inputs.host, x.shape[0]
+    if (
+        host is not None
+        and host.logits_rows.shape[0] == tokens
+        and x.is_contiguous()
+        and delta.is_contiguous()
+        and host.logits_rows.tolist() == list(range(tokens))
+    ):
+        return x, delta
+    rows = inputs.logits_rows
+    return x[rows], delta[rows]
+
+
 def _segments(fused: Linear | None, parts: list[Linear]) -> tuple | None:
     """A fused matrix as its segments: the fused weight, or the parts as stored (different formats)."""
     weights = (fused.weight,) if fused is not None else tuple(p.weight for p in parts)
@@ -489,6 +514,5 @@ class LlamaForCausalLM(TiedHead, nn.Module):
             ):
                 layer_plan = window_plan if layer.windowed else plan
                 x, delta = layer(x, delta, rope, inputs, layer_plan, k_cache, v_cache)
-        rows = inputs.logits_rows
-        _, x = self.model.norm.add_forward(x[rows], delta[rows])  # [R, hidden]: one native add + norm
+        _, x = self.model.norm.add_forward(*logits_rows_of(x, delta, inputs))  # [R, hidden]: one native call
         return self._head(x).float()  # [R, vocab]

@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import pagedgen.models.llama as llama
 import pagedgen.ops.layers.decoder_layers as decoder_layers
 import pagedgen.ops.matmul.quant_gemm as quant_gemm
 from pagedgen.core.kv import PagedKVCache
@@ -163,6 +164,30 @@ def test_reused_buffers_and_cache_pointers_keep_every_step_exact(tmp_path, need_
     thread.join()
     assert errors == []
     check(1)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_decode_step_norms_its_rows_in_place_with_the_gathered_rows_bits(
+    tmp_path, need_kernels, monkeypatch, fused
+):
+    """A decode step's logits rows are every token in order: the final add + norm takes the stream itself
+    instead of gathered copies, with the same logits as gathering (prefill steps still gather)."""
+    model = _gguf_model(tmp_path, "Q8_0")
+    taken, original = [], llama.logits_rows_of
+
+    def gathered(x, delta, inputs):
+        taken.append(original(x, delta, inputs)[0] is x)
+        rows = inputs.logits_rows
+        return x[rows], delta[rows]
+
+    for batch in (1, 4):
+        want, want_cache = _run(model, fused, PROMPTS[:batch])
+        with monkeypatch.context() as patch:
+            patch.setattr(llama, "logits_rows_of", gathered)
+            got, got_cache = _run(model, fused, PROMPTS[:batch])
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        assert taken == [False] + [True] * (len(want) - 1)  # the prefill gathers, each decode step does not
+        taken.clear()
 
 
 def test_biases_are_added_as_the_per_layer_loop_adds_them(tmp_path, need_kernels):
