@@ -22,6 +22,7 @@ from pagedgen.models.llama import (
     TiedHead,
     decoder_dims,
     fused_layer_parts,
+    logits_rows_of,
 )
 from pagedgen.ops.layers.decoder_layers import FusedDecoder, LayerWeights
 from pagedgen.ops.layers.layer_ops import Activation, add_rms_norm, gated_activation, rms_norm
@@ -251,6 +252,5 @@ class GemmaForCausalLM(TiedHead, nn.Module):
                     x, delta = layer(x, delta, local_rope, inputs, window_plan, k_cache, v_cache)
                 else:
                     x, delta = layer(x, delta, rope, inputs, plan, k_cache, v_cache)
-        rows = inputs.logits_rows
-        x = model.norm(x[rows] + delta[rows])  # [R, hidden]
+        _, x = model.norm.add_forward(*logits_rows_of(x, delta, inputs))  # [R, hidden]: one native call
         return soft_cap(self._head(x), self.config.final_softcap).float()  # [R, vocab]

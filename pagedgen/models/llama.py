@@ -162,15 +162,28 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, rope: RopeConfig, head_dim: int, device: torch.device):
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(rope, head_dim, device), persistent=False)
+        inv_freq = rope_inv_freq(rope, head_dim, device)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # [head_dim]: the frequencies twice, as the rotate-half tables repeat them (see forward)
+        self.register_buffer("inv_freq_twice", torch.cat((inv_freq, inv_freq)), persistent=False)
         self.freq_factors = (
             _param(head_dim // 2, dtype=torch.float32) if rope.rope_type == "freq_factors" else None
         )
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = self.inv_freq if self.freq_factors is None else self.inv_freq / self.freq_factors
-        freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, head_dim / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
+        """``(cos, sin)`` ``[T, head_dim]`` in ``dtype``.
+
+        The angles are ``position * inv_freq`` with the frequencies repeated over the two halves. Each is one
+        float32 product whichever way the table is laid out, so multiplying by the repeated frequencies at
+        once gives the bits of the half table concatenated with itself, in one torch op instead of two
+        (``tests/unit/test_rotary_tables.py``); ``cos``/``sin`` then run over the same ``[T, head_dim]``.
+        """
+        if self.freq_factors is None:
+            inv_freq = self.inv_freq_twice
+        else:
+            half = self.inv_freq / self.freq_factors
+            inv_freq = torch.cat((half, half))
+        emb = positions.float()[:, None] * inv_freq[None, :]  # [T, head_dim]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -314,6 +327,31 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim, device)
+
+
+def logits_rows_of(
+    x: torch.Tensor, delta: torch.Tensor, inputs: StepInputs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream ``x`` and the last layer's unadded ``delta`` at the step's logits rows, for the
+    final add + norm (which may add into the first in place).
+
+    When the host copy of the rows is every token in order (a decode step: one row per request) and both
+    are contiguous, the gather would copy them unchanged: ``x`` itself (the forward's own, no longer needed)
+    and ``delta`` are returned. Otherwise the gathered copies, as before. Either way the norm sees the same
+    values in the same layout, so the logits' bits do not depend on which
+    (``tests/unit/test_decoder_layers.py``).
+    """
+    host, tokens = inputs.host, x.shape[0]
+    if (
+        host is not None
+        and host.logits_rows.shape[0] == tokens
+        and x.is_contiguous()
+        and delta.is_contiguous()
+        and host.logits_rows.tolist() == list(range(tokens))
+    ):
+        return x, delta
+    rows = inputs.logits_rows
+    return x[rows], delta[rows]
 
 
 def _segments(fused: Linear | None, parts: list[Linear]) -> tuple | None:
@@ -476,6 +514,5 @@ class LlamaForCausalLM(TiedHead, nn.Module):
             ):
                 layer_plan = window_plan if layer.windowed else plan
                 x, delta = layer(x, delta, rope, inputs, layer_plan, k_cache, v_cache)
-        rows = inputs.logits_rows
-        x = self.model.norm(x[rows] + delta[rows])  # [R, hidden]
+        _, x = self.model.norm.add_forward(*logits_rows_of(x, delta, inputs))  # [R, hidden]: one native call
         return self._head(x).float()  # [R, vocab]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import json
 import sys
+import threading
 
 import gguf
 import numpy as np
@@ -17,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import pagedgen.models.llama as llama
 import pagedgen.ops.layers.decoder_layers as decoder_layers
 import pagedgen.ops.matmul.quant_gemm as quant_gemm
 from pagedgen.core.kv import PagedKVCache
@@ -161,6 +163,62 @@ def test_the_fused_step_has_the_per_layer_bits_when_its_threads_sleep_at_every_b
     before = sleeping_barrier()
     _assert_same(model, PROMPTS[:2], threads)
     assert sleeping_barrier() > before
+
+
+def test_reused_buffers_and_cache_pointers_keep_every_step_exact(tmp_path, need_kernels, monkeypatch):
+    """The decoder keeps its working buffers (per thread, up to SCRATCH_ROWS rows) and the cache pointers of
+    its last call: steps that change the cache, the batch and the thread, or exceed SCRATCH_ROWS (2 here),
+    still give the per-layer loop's bits."""
+    monkeypatch.setattr(decoder_layers, "SCRATCH_ROWS", 2)
+    model = _gguf_model(tmp_path, "Q4_1")
+    plain = {batch: _run(model, False, PROMPTS[:batch]) for batch in (1, 4)}
+
+    def check(batch: int) -> None:
+        logits, cache = _run(model, True, PROMPTS[:batch])  # a new cache each run
+        want_logits, want_cache = plain[batch]
+        assert all(torch.equal(a, b) for a, b in zip(logits, want_logits, strict=True))
+        got, want = cache.keys + cache.values, want_cache.keys + want_cache.values
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+    for batch in (1, 4, 1, 1, 4):
+        check(batch)
+    errors: list[BaseException] = []
+
+    def in_thread() -> None:  # a thread of its own: its own buffers
+        try:
+            check(1)
+        except BaseException as error:  # noqa: BLE001 - reported to the test's thread
+            errors.append(error)
+
+    thread = threading.Thread(target=in_thread)
+    thread.start()
+    thread.join()
+    assert errors == []
+    check(1)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_decode_step_norms_its_rows_in_place_with_the_gathered_rows_bits(
+    tmp_path, need_kernels, monkeypatch, fused
+):
+    """A decode step's logits rows are every token in order: the final add + norm takes the stream itself
+    instead of gathered copies, with the same logits as gathering (prefill steps still gather)."""
+    model = _gguf_model(tmp_path, "Q8_0")
+    taken, original = [], llama.logits_rows_of
+
+    def gathered(x, delta, inputs):
+        taken.append(original(x, delta, inputs)[0] is x)
+        rows = inputs.logits_rows
+        return x[rows], delta[rows]
+
+    for batch in (1, 4):
+        want, want_cache = _run(model, fused, PROMPTS[:batch])
+        with monkeypatch.context() as patch:
+            patch.setattr(llama, "logits_rows_of", gathered)
+            got, got_cache = _run(model, fused, PROMPTS[:batch])
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        assert taken == [False] + [True] * (len(want) - 1)  # the prefill gathers, each decode step does not
+        taken.clear()
 
 
 def test_biases_are_added_as_the_per_layer_loop_adds_them(tmp_path, need_kernels):

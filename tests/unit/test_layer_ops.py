@@ -59,6 +59,19 @@ def test_add_rms_norm_returns_the_sum_and_its_norm(path, rows):
     assert torch.allclose(normed, rms_norm_reference(expected_sum, w, 1e-5), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dim", [37, 64, 576, 640, 2048])
+@pytest.mark.parametrize("rows", [[0], [2, 0], list(range(70))])  # 70: the kernels' multi-threaded branch
+def test_the_fused_add_and_norm_of_gathered_rows_has_the_add_then_norm_bits(path, rows, dim):
+    """The models' final norm of the logits rows, ``add_rms_norm(x[rows], delta[rows])``, gives the bits of
+    the add followed by ``rms_norm`` it replaced, on the native kernels and on the torch fallback."""
+    gen = torch.Generator().manual_seed(dim + len(rows))
+    x, delta = torch.randn(80, dim, generator=gen) * 4, torch.randn(80, dim, generator=gen)
+    w, index = torch.randn(dim, generator=gen), torch.tensor(rows)
+    summed, normed = add_rms_norm(x[index], delta[index], w, 1e-6)
+    want = x[index] + delta[index]
+    assert torch.equal(summed, want) and torch.equal(normed, rms_norm(want, w, 1e-6))
+
+
 def test_rotary_in_place_on_a_view_into_a_fused_projection(path):
     """q and k are strided views into one [T, q + k + v] product; only their elements change."""
     tokens, d = 6, 64

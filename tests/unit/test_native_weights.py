@@ -196,8 +196,10 @@ def test_a_mixed_file_keeps_every_quantized_tensor_as_its_bytes_and_no_float32_c
     spans = [(w.data.data_ptr(), w.data.data_ptr() + w.nbytes) for w in quantized.values()]
     assert _unique_bytes(spans) == quantized_in_file == 884_104  # each block once, nothing else
     assert len({w.data.untyped_storage().data_ptr() for w in quantized.values()}) == 1  # one file mapping
-    # The only float32 tensors are the file's F32 ones (norms) and the rotary table computed at build.
-    persistent = {name for name in floats if not name.endswith("rotary_emb.inv_freq")}
+    # The only float32 tensors are the file's F32 ones (norms) and the rotary frequencies computed at build
+    # (the half table and the same repeated over both halves).
+    rotary = ("rotary_emb.inv_freq", "rotary_emb.inv_freq_twice")
+    persistent = {name for name in floats if not name.endswith(rotary)}
     assert len(persistent) == len(float_in_file) == 5
     assert sum(floats[n].numel() for n in persistent) == sum(
         int(t.n_elements) for t in tensors if t.name in float_in_file

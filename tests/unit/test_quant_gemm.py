@@ -219,6 +219,19 @@ def test_embedding_dequantizes_the_looked_up_rows():
         embedding(torch.tensor([50]), weight)
 
 
+@pytest.mark.parametrize("count", [1, 64, 65, 300])  # up to 64 ids are read as a list, more by reductions
+def test_a_looked_up_id_outside_the_vocabulary_is_refused_on_either_check(count):
+    weight = random_weight(QType.Q8_0, 50, 64, seed=6)
+    ids = torch.arange(count) % 50
+    assert torch.equal(embedding(ids, weight), torch.from_numpy(reference(weight))[ids])
+    for bad in (50, -1):
+        wrong = ids.clone()
+        wrong[count // 2] = bad
+        with pytest.raises(IndexError, match="outside"):
+            embedding(wrong, weight)
+    assert embedding(torch.tensor([], dtype=torch.int64), weight).shape == (0, 64)
+
+
 def test_dequantize_without_the_kernels_uses_gguf(monkeypatch):
     import pagedgen.ops.matmul.quant_gemm as quant_gemm_module
 

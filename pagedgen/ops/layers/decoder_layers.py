@@ -12,6 +12,7 @@ the rest.
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ from pagedgen.ops.mixers.attention import AttentionPlan
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 MAX_SEGMENTS = 3  # of one fused matrix (kernels/decoder_layers.c)
+SCRATCH_ROWS = 16  # steps of up to this many rows reuse one set of working buffers (FusedDecoder._scratch)
 
 
 @dataclass
@@ -226,6 +228,26 @@ class FusedDecoder:
         # one weight per (format, shape): the quant kernel's use is decided per format and shape
         every = (w for lw in layers for w in (*lw.qkv, lw.o, *lw.gate_up, lw.down))
         self._distinct = tuple({(w.qtype, w.shape): w for w in every}.values())
+        self._caches: tuple[int, ...] = ()  # the k/v cache pointers last written into _c_layers
+        self._local = threading.local()  # each calling thread's scratch buffers (see _scratch)
+
+    def _scratch(self, tokens: int) -> tuple[torch.Tensor, ...]:
+        """The working buffers a step of ``tokens`` rows passes between a layer's kernels (q/k/v, attention,
+        o, gate/up, activation products): written before they are read in every layer, never returned, so
+        one set is kept for steps of up to ``SCRATCH_ROWS`` rows (where the allocations are a visible part
+        of the host time) and reused while the row count stays; larger steps allocate their own, so no
+        large buffer outlives its step. Per thread: two engines stepping one model from two threads
+        (ctypes lets go of the GIL during the call) never share them."""
+        buffers = getattr(self._local, "buffers", None)
+        if buffers is not None and buffers[0].shape[0] == tokens:
+            return buffers
+        dims = self._dims
+        q_width, kv_width = dims.q_heads * dims.head_dim, dims.kv_heads * dims.head_dim
+        widths = (q_width + 2 * kv_width, q_width, dims.hidden, 2 * dims.inner, dims.inner)
+        buffers = tuple(torch.empty(tokens, width, dtype=torch.float32) for width in widths)
+        if tokens <= SCRATCH_ROWS:
+            self._local.buffers = buffers
+        return buffers
 
     def _cache_of(self, keys: Sequence[torch.Tensor], windowed: bool) -> torch.Tensor:
         """A cache of the full-attention (or sliding-window) layers; the first layer's when none is."""
@@ -310,8 +332,11 @@ class FusedDecoder:
         dims, tokens = self._dims, inputs.num_tokens
         if len(keys) != len(self._c_layers) or len(values) != len(self._c_layers):
             raise ValueError(f"the fused decoder has {len(self._c_layers)} layers, the cache {len(keys)}")
-        for c, k, v in zip(self._c_layers, keys, values, strict=True):
-            c.k_cache, c.v_cache = k.data_ptr(), v.data_ptr()
+        caches = tuple(k.data_ptr() for k in keys) + tuple(v.data_ptr() for v in values)
+        if caches != self._caches:  # the layers' cache pointers, rewritten only when the caches moved
+            for c, k, v in zip(self._c_layers, keys, values, strict=True):
+                c.k_cache, c.v_cache = k.data_ptr(), v.data_ptr()
+            self._caches = caches
         x = x.contiguous()
         cos, sin = (t.contiguous() for t in rope)
         slots = inputs.slot_mapping.to(torch.int64).contiguous()
@@ -328,14 +353,8 @@ class FusedDecoder:
             if local_rope is None:
                 raise ValueError("the model has layers with their own RoPE: run() needs their local_rope")
             local_cos, local_sin = (t.contiguous() for t in local_rope)
-        q_width, kv_width = dims.q_heads * dims.head_dim, dims.kv_heads * dims.head_dim
-
-        def buffer(width: int) -> torch.Tensor:
-            return torch.empty(tokens, width, dtype=torch.float32)
-
-        delta, o = buffer(dims.hidden), buffer(dims.hidden)
-        qkv, attn = buffer(q_width + 2 * kv_width), buffer(q_width)
-        gate_up, act = buffer(2 * dims.inner), buffer(dims.inner)
+        delta = torch.empty(tokens, dims.hidden, dtype=torch.float32)  # returned: the caller's
+        qkv, attn, o, gate_up, act = self._scratch(tokens)
         step = _Step(
             tokens,
             cos.data_ptr(),

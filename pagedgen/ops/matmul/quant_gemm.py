@@ -145,6 +145,17 @@ def quant_gemm(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | No
     return kernels.gemm(x, weight, bias)
 
 
+def _out_of_range(rows: torch.Tensor, count: int) -> bool:
+    """Whether an id of ``rows`` (int64, on the CPU when it is short) lies outside ``[0, count)``.
+
+    A few ids (a decode step's embedding lookup) are read as one list: two torch reductions and two
+    scalar reads cost about 10x more than the list at one or a few ids."""
+    if rows.numel() <= 64 and rows.device.type == "cpu":
+        ids = rows.tolist()
+        return bool(ids) and (min(ids) < 0 or max(ids) >= count)
+    return bool(rows.numel()) and (int(rows.min()) < 0 or int(rows.max()) >= count)
+
+
 def dequantize(weight: QuantizedWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 ``[out, in]`` (or only ``rows``, int64 ``[n]``), bit-identical to ``gguf.quants.dequantize``.
 
@@ -152,7 +163,7 @@ def dequantize(weight: QuantizedWeight, rows: torch.Tensor | None = None) -> tor
     """
     if rows is not None:
         rows = rows.to(torch.int64).contiguous()
-        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= weight.shape[0]):
+        if _out_of_range(rows, weight.shape[0]):
             raise IndexError(f"dequantize: row ids {rows.tolist()} outside [0, {weight.shape[0]})")
     kernels = quant_kernels()
     if kernels is not None:

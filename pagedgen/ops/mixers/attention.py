@@ -287,11 +287,24 @@ def plan_attention(
 
     Host traffic: the step's lengths are read once (:func:`_host_lengths`) and the plan's index tensors
     written once (:func:`_upload`); every other list is host arithmetic. A pure decode step without host
-    copies (a CUDA graph's static inputs) is planned by :func:`_plan_static_decode` with neither.
+    copies (a CUDA graph's static inputs) is planned by :func:`_plan_static_decode` with neither, and a
+    plain CPU decode step on the native kernel by :func:`_plan_plain_decode` from its own tensors.
     """
     device = k_cache.device
     if _static_decode(inputs, window):
         return _plan_static_decode(inputs, k_cache, use_native, window)
+    if use_native and window is None and _plain_decode(inputs) and device.type == "cpu":
+        plan = _plan_plain_decode(inputs, k_cache)
+        if plan is not None:
+            return plan
+    return _plan_general(inputs, k_cache, use_native, window)
+
+
+def _plan_general(
+    inputs: StepInputs, k_cache: torch.Tensor, use_native: bool, window: int | None
+) -> AttentionPlan:
+    """Any step with host copies (or read from its tensors once): decodes, drafts, prefills, windows."""
+    device = k_cache.device
     host = _host_lengths(inputs, window)
     q_lens, cu, past = host.q_lens, host.cu, host.past
     view = _full_view(inputs) if window is None else _window_view(inputs, window, host)
@@ -341,6 +354,46 @@ def plan_attention(
         decode_starts=None if starts is None else starts_t.to(torch.int32),
         window=window,
         triton=triton,
+    )
+
+
+def _plain_decode(inputs: StepInputs) -> bool:
+    """Whether every row of a packed step (host copies present) sends exactly one token and verifies no
+    draft: then decode entry ``i`` is token row ``i`` and the step has no prefill rows."""
+    return (
+        inputs.host is not None
+        and inputs.max_query_len == 1
+        and inputs.num_tokens == inputs.num_seqs
+        and not inputs.verify_rows
+    )
+
+
+def _plan_plain_decode(inputs: StepInputs, k_cache: torch.Tensor) -> AttentionPlan | None:
+    """The full-attention plan of a plain CPU decode step on the native kernel, built from the step's own
+    tensors; ``None`` when the native kernel does not serve it (the general path then plans it).
+
+    Why: at batch 1 the general path's host lists, upload, ``index_select`` and prefill scan cost about
+    0.3 ms a step (docs/performance.md, "Host cost at batch 1, second pass") to produce what a plain decode
+    step already holds: entry ``i`` is token row ``i``, its table is the step's row ``i`` and its key count
+    ``past_lens[i] + 1``. Every field equals the general path's (``tests/unit/test_attention_plan.py``);
+    the tables may share the step's memory instead of being a copy (the plan only reads them).
+    """
+    if triton_selected(k_cache.device):
+        return None
+    kernel = decode_kernel()
+    if kernel is None or not inputs.num_seqs or not kernel.supports(k_cache, k_cache, k_cache):
+        return None
+    assert inputs.host is not None  # _plain_decode
+    return AttentionPlan(
+        block_size=inputs.block_size,
+        decode_token_rows=torch.arange(inputs.num_seqs, dtype=torch.long),
+        decode_tables=inputs.block_tables.to(torch.int32).contiguous(),
+        decode_kv_lens=(inputs.past_lens + 1).to(torch.int32),
+        decode_buckets=None,
+        prefill=[],
+        kernel=kernel,
+        slot_mapping=inputs.slot_mapping,
+        host_slot_mapping=inputs.host.slot_mapping,
     )
 
 
