@@ -180,6 +180,9 @@ def module_roles(runtime: nn.Module, context: int) -> dict[nn.Module, ModuleRole
     return roles
 
 
+AddNorm = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # a norm's add_forward
+
+
 class ModuleClock:
     """Forward hooks timing every role module: inclusive times, children subtracted into exclusive ones."""
 
@@ -204,14 +207,34 @@ class ModuleClock:
     @contextmanager
     def attached(self) -> Iterator[None]:
         handles = []
+        adds = [m for m, role in self.roles.items() if role.group == "norms" and hasattr(m, "add_forward")]
         for module in self.roles:
             handles.append(module.register_forward_pre_hook(self._pre))
             handles.append(module.register_forward_hook(self._post))
+        for module in adds:
+            module.add_forward = self._top_level_add(module, module.add_forward)
         try:
             yield
         finally:
             for handle in handles:
                 handle.remove()
+            for module in adds:
+                del module.add_forward  # the instance attribute shadowed the method
+
+    def _top_level_add(self, module: nn.Module, add: AddNorm) -> AddNorm:
+        """``add`` (a norm's fused add + norm) timed as the norm's own call when it is called outside every
+        role module: the final add + norm, which the forward calls directly rather than through the module's
+        hooks. Inside a decoder layer it stays that layer's own time, as before."""
+
+        def timed(residual: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            if self._stack:
+                return add(residual, delta)
+            self._pre(module, ())
+            out = add(residual, delta)
+            self._post(module, (), out)
+            return out
+
+        return timed
 
     def reset(self) -> None:
         self._stack.clear()
