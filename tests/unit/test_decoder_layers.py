@@ -123,13 +123,105 @@ def test_fused_decode_equals_the_per_layer_loop(tmp_path, need_kernels, qtype, b
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_the_fused_step_has_the_per_layer_bits_at_any_thread_count(tmp_path, need_kernels, threads, batch):
-    """The fused step splits every GEMM's columns and the kv heads over its threads (3 threads: uneven column
-    slices and a thread without a kv head; 2 kv heads here): every split gives the per-layer loop's bits."""
+    """The fused step splits every GEMM's columns over its threads, and attention by kv heads (batch 1; 3
+    threads: a thread without a kv head, 2 kv heads here) or by rows (batch 4): every split gives the
+    per-layer loop's bits."""
     model = _gguf_model(tmp_path, "Q4_1")
     fused_logits, fused_cache = _run(model, True, PROMPTS[:batch], decode_threads=threads)
     plain_logits, plain_cache = _run(model, False, PROMPTS[:batch])
     for got, expected in zip(fused_logits, plain_logits, strict=True):
         assert torch.equal(got, expected)
+    for got, expected in zip(
+        fused_cache.keys + fused_cache.values, plain_cache.keys + plain_cache.values, strict=True
+    ):
+        assert torch.equal(got, expected)
+
+
+def _attention_share(tables: list[list[int]], kv_lens: list[int], kv_heads: int, threads: int):
+    """The fused step's attention split: ``(first row, end row, first kv head, end kv head)`` per thread."""
+    library = native.native_library()
+    share = library.decoder_attention_share
+    share.restype = None
+    table = np.ascontiguousarray(tables, dtype=np.int32)
+    lens = np.ascontiguousarray(kv_lens, dtype=np.int32)
+    out = np.zeros(4 * threads, dtype=np.int64)
+    share(
+        ctypes.c_void_p(table.ctypes.data),
+        ctypes.c_int64(table.shape[1]),
+        ctypes.c_void_p(lens.ctypes.data),
+        ctypes.c_int64(len(kv_lens)),
+        ctypes.c_int64(kv_heads),
+        ctypes.c_int(threads),
+        ctypes.c_void_p(out.ctypes.data),
+    )
+    return [tuple(int(v) for v in out[4 * i : 4 * i + 4]) for i in range(threads)]
+
+
+@pytest.mark.parametrize(
+    ("tables", "kv_lens", "threads", "expected"),
+    [
+        # four sequences of equal length: two whole rows each, every kv head
+        ([[0], [1], [2], [3]], [9, 9, 9, 9], 2, [(0, 2, 0, 3), (2, 4, 0, 3)]),
+        # balanced by the keys attended (plus 32 per row): the long row alone; each row goes where most of
+        # it falls (4 rows over 3 threads)
+        ([[0], [1], [2], [3]], [1000, 10, 10, 10], 2, [(0, 1, 0, 3), (1, 4, 0, 3)]),
+        # drafts of three sequences (3, 4 and 3 rows, each with its sequence's table): the halfway row lies
+        # inside the second sequence, whose rows all stay on the first thread
+        (
+            [[5, 6]] * 3 + [[7, 8]] * 4 + [[9, 4]] * 3,
+            [6, 7, 8, 6, 7, 8, 9, 6, 7, 8],
+            2,
+            [(0, 7, 0, 3), (7, 10, 0, 3)],
+        ),
+        ([[0], [1], [2], [3]], [9, 9, 9, 9], 3, [(0, 1, 0, 3), (1, 3, 0, 3), (3, 4, 0, 3)]),
+        # fewer rows than threads, or one sequence's drafts: every row, a run of kv heads
+        ([[0]], [9], 2, [(0, 1, 0, 1), (0, 1, 1, 3)]),
+        ([[3, 1]] * 5, [5, 6, 7, 8, 9], 2, [(0, 5, 0, 1), (0, 5, 1, 3)]),
+        ([[0], [1], [2], [3]], [9, 9, 9, 9], 1, [(0, 4, 0, 3)]),
+    ],
+)
+def test_attention_takes_whole_sequences_balanced_by_their_keys(
+    need_kernels, tables, kv_lens, threads, expected
+):
+    """With rows enough, each thread attends whole rows (its own cache blocks), never splitting one
+    sequence's rows (a draft row reads the keys its sequence's earlier rows wrote in the same step);
+    otherwise every thread takes a run of kv heads of every row."""
+    assert _attention_share(tables, kv_lens, 3, threads) == expected
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_draft_rows_of_several_sequences_decode_fused_with_the_per_layer_bits(
+    tmp_path, need_kernels, threads
+):
+    """A verification step of three sequences (3, 4 and 2 draft rows) is one fused step whose attention
+    keeps each sequence on one thread: its logits and K/V equal the per-layer loop's."""
+    model = _gguf_model(tmp_path, "Q4_1")
+    runtime, kept, default_threads = model.runtime, model.runtime.fused_decoder, torch.get_num_threads()
+    prompts, drafts = PROMPTS[:3], [[5, 6, 7], [8, 9, 10, 11], [12, 13]]
+    tables = [list(range(12 * i, 12 * i + 12)) for i in range(len(prompts))]
+    results = []
+    try:
+        for fused in (True, False):
+            runtime.fused_decoder = kept if fused else None
+            cache = PagedKVCache(model.kv_spec, num_blocks=64, block_size=BLOCK)
+            prefill = [SequenceChunk(p, 0, t) for p, t in zip(prompts, tables, strict=True)]
+            runtime.forward(pack_step(prefill, block_size=BLOCK), cache)
+            torch.set_num_threads(threads)
+            chunks = [
+                SequenceChunk(d, len(p), t, all_logits=True)
+                for p, d, t in zip(prompts, drafts, tables, strict=True)
+            ]
+            before = decoder_layers.FUSED_STEPS.count
+            logits = runtime.forward(pack_step(chunks, block_size=BLOCK), cache)
+            assert decoder_layers.FUSED_STEPS.count - before == (1 if fused else 0)
+            torch.set_num_threads(default_threads)
+            results.append((logits, cache))
+    finally:
+        runtime.fused_decoder = kept
+        torch.set_num_threads(default_threads)
+    (fused_logits, fused_cache), (plain_logits, plain_cache) = results
+    assert fused_logits.shape[0] == sum(len(d) for d in drafts)
+    assert torch.equal(fused_logits, plain_logits)
     for got, expected in zip(
         fused_cache.keys + fused_cache.values, plain_cache.keys + plain_cache.values, strict=True
     ):

@@ -126,9 +126,11 @@ def _weight(qtype: QType, out: int, k: int, seed: int) -> QuantizedWeight:
     return weight
 
 
-@pytest.mark.parametrize("rows", [1, 2, 9])
+@pytest.mark.parametrize("rows", [1, 2, 9, 70])
 @pytest.mark.parametrize("qtype", Q8_TYPES, ids=lambda q: q.name)
 def test_the_q8_kernel_is_the_integer_arithmetic_exactly(library, qtype, rows):
+    """One row takes the one-row kernel, more rows the many-row one (each block widened once for all of
+    them; 70 rows: two passes of at most 64), and each equals the integer reference bit for bit."""
     kernels = QuantKernels(library)
     # 8-row groups with a short last one; several blocks; more blocks than Q8_0's by-rows chunk of 32
     for out, k in ((37, 96), (21, 576), (11, 1088)):

@@ -34,7 +34,8 @@
  * Segments without such a kernel (K-quants, f16, bf16 in a q8 model) stay exact, in the same step.
  *
  * Threads: one OpenMP region for the whole step, not one per kernel. Each thread owns a fixed slice of
- * every GEMM's output columns and a fixed run of kv heads, keeps its own copy of the residual stream and of
+ * every GEMM's output columns and a fixed part of attention (whole sequences when there are rows enough,
+ * else a run of kv heads of every row: attention_share), keeps its own copy of the residual stream and of
  * each norm's output, and the threads meet at five barriers per layer, where a product feeds the next
  * (decoder_layers_f32, at the end; step_barrier.h: a wait spins briefly, then sleeps, so that a core taken
  * by another process does not cost a scheduler slice per barrier). At batch 1 that also puts both threads on attention, and on norms and
@@ -222,17 +223,17 @@ typedef struct {
     void *q8;                   /* quant_q8_buffer_bytes(T, widest k): one GEMM's x rounded to 8 bits */
 } thread_buffers;
 
-/* The attention part of a layer for kv heads g0 .. g1 - 1 of every row: q/k norms, rotary,
- * the K/V write and attention of those heads. One thread owns a kv head for all rows, so the keys a row
- * attends (its own, and those of earlier rows of its sequence in this step: draft verification) were
- * written by that thread before it reads them. */
-static void attention_heads(const decoder_layer *layer, const decoder_dims *dims, const decoder_step *step,
-                            const kv_view *view, const float *cos, const float *sin, int64_t g0, int64_t g1,
-                            float *scores) {
-    const int64_t t = step->tokens, d = dims->head_dim, groups = dims->q_heads / dims->kv_heads;
+/* The attention part of a layer for rows r0 .. r1 - 1 and kv heads g0 .. g1 - 1 of each: q/k norms,
+ * rotary, the K/V write, then attention. Every key a row attends from this step (its own, and those of
+ * earlier rows of its sequence: draft verification) is written by the same call before it is read, since
+ * a call owns either a kv head for all rows or (attention_share) whole sequences. */
+static void attention_part(const decoder_layer *layer, const decoder_dims *dims, const decoder_step *step,
+                           const kv_view *view, const float *cos, const float *sin, int64_t r0, int64_t r1,
+                           int64_t g0, int64_t g1, float *scores) {
+    const int64_t d = dims->head_dim, groups = dims->q_heads / dims->kv_heads;
     const int64_t q_width = dims->q_heads * d, kv_width = dims->kv_heads * d, qkv_width = q_width + 2 * kv_width;
     if (g0 >= g1) return;
-    for (int64_t r = 0; r < t; ++r) {
+    for (int64_t r = r0; r < r1; ++r) {
         float *row = step->qkv + r * qkv_width, *q = row + g0 * groups * d, *k = row + q_width + g0 * d;
         const int64_t heads = (g1 - g0) * groups, kv = g1 - g0;
         if (layer->q_norm != NULL) {
@@ -245,11 +246,59 @@ static void attention_heads(const decoder_layer *layer, const decoder_dims *dims
         memcpy(layer->k_cache + slot * kv_width + g0 * d, k, sizeof(float) * (size_t)(kv * d));
         memcpy(layer->v_cache + slot * kv_width + g0 * d, k + kv_width, sizeof(float) * (size_t)(kv * d));
     }
-    for (int64_t r = 0; r < t; ++r)
+    for (int64_t r = r0; r < r1; ++r)
         paged_decode_heads_f32(step->qkv + step->token_rows[r] * qkv_width, layer->k_cache, layer->v_cache,
                                view->tables + r * view->table_stride, view->kv_starts ? view->kv_starts[r] : 0,
                                view->kv_lens[r], dims->q_heads, dims->kv_heads, g0, g1, d, step->block_size,
                                dims->scale, scores, step->attn + step->token_rows[r] * q_width);
+}
+
+/* Whether rows r - 1 and r may be one sequence's (draft verification): a sequence's rows are consecutive
+ * and carry copies of one block table, while two sequences' tables differ at least at the block each
+ * writes this step. Equal tables of two sequences would only keep them on one thread. */
+static int same_sequence(const kv_view *view, int64_t r) {
+    const int32_t *a = view->tables + (r - 1) * view->table_stride, *b = a + view->table_stride;
+    return memcmp(a, b, sizeof(int32_t) * (size_t)view->table_stride) == 0;
+}
+
+/* Where part i of nth of the rows begins: at the row boundary nearest i / nth of the step's work (each row
+ * its keys plus ROW_COST, for the writes and the q/k work; a row goes to the part holding most of it), moved
+ * on past the rows of the sequence it would split. */
+#define ROW_COST 32
+static int64_t rows_boundary(const kv_view *view, int64_t tokens, int64_t total, int i, int nth) {
+    if (i == 0) return 0;
+    if (i == nth) return tokens;
+    const int64_t target = total * i / nth;
+    int64_t b = 0, before = 0;
+    while (b < tokens && 2 * before + view->kv_lens[b] + ROW_COST <= 2 * target)
+        before += view->kv_lens[b++] + ROW_COST;
+    while (b > 0 && b < tokens && same_sequence(view, b)) ++b;
+    return b;
+}
+
+/* Which rows and kv heads of attention thread tid takes. With at least as many rows as threads, whole
+ * rows, balanced by the keys they attend: each thread then reads its own rows' cache blocks (split by kv
+ * heads, the threads read the same cache lines, since a position's heads are adjacent, and a 1-kv-head
+ * model used one thread). With fewer rows, or when keeping sequences whole would leave a thread without
+ * rows, every row and a run of kv heads. Every head of a row is computed by the same code either way, so
+ * the bits do not depend on the split. */
+static void attention_share(const kv_view *view, int64_t tokens, int64_t kv_heads, int tid, int nth, int64_t *r0,
+                            int64_t *r1, int64_t *g0, int64_t *g1) {
+    if (nth > 1 && tokens >= nth) {
+        int64_t total = 0;
+        for (int64_t r = 0; r < tokens; ++r) total += view->kv_lens[r] + ROW_COST;
+        int every_part_has_rows = 1;
+        for (int i = 0; i < nth && every_part_has_rows; ++i)
+            every_part_has_rows = rows_boundary(view, tokens, total, i, nth) <
+                                  rows_boundary(view, tokens, total, i + 1, nth);
+        if (every_part_has_rows) {
+            *r0 = rows_boundary(view, tokens, total, tid, nth), *r1 = rows_boundary(view, tokens, total, tid + 1, nth);
+            *g0 = 0, *g1 = kv_heads;
+            return;
+        }
+    }
+    *r0 = 0, *r1 = tokens;
+    share(kv_heads, 1, tid, nth, g0, g1);
 }
 
 /* One thread's part of every layer; the threads meet only where a product feeds the next (five barriers
@@ -260,9 +309,9 @@ static void layers_on_thread(const decoder_layer *layers, int64_t num_layers, co
     const int64_t t = step->tokens, hidden = dims->hidden, d = dims->head_dim, inner = dims->inner;
     const int64_t q_width = dims->q_heads * d, kv_width = dims->kv_heads * d, qkv_width = q_width + 2 * kv_width;
     const float eps = dims->eps;
-    int64_t c0, c1, g0, g1, o0, o1, i0, i1;
+    int64_t c0, c1, a0, a1, g0, g1, o0, o1, i0, i1;
     share(qkv_width, 8, tid, nth, &c0, &c1);
-    share(dims->kv_heads, 1, tid, nth, &g0, &g1);
+    attention_share(&step->full, t, dims->kv_heads, tid, nth, &a0, &a1, &g0, &g1);
     share(hidden, 8, tid, nth, &o0, &o1);
     share(inner, 16, tid, nth, &i0, &i1);
     const float *delta = NULL; /* the previous layer's output (shared, or this thread's normed copy) */
@@ -280,7 +329,7 @@ static void layers_on_thread(const decoder_layer *layers, int64_t num_layers, co
         packed_columns(own->h, xq, t, &layer->qkv, hidden, c0, c1, step->qkv, qkv_width, own->gemm);
         prefetch_columns(&layer->o, o0, o1);
         step_barrier_wait(meet);
-        attention_heads(layer, dims, step, view, cos, sin, g0, g1, own->scores);
+        attention_part(layer, dims, step, view, cos, sin, a0, a1, g0, g1, own->scores);
         step_barrier_wait(meet);
         xq = quantised_for(&layer->o, step->attn, t, q_width, own->q8);
         packed_columns(step->attn, xq, t, &layer->o, q_width, o0, o1, step->o, hidden, own->gemm);
@@ -354,7 +403,8 @@ static int kernels_known(const decoder_layer *layers, int64_t num_layers, const 
  *
  * Threads: one parallel region for the whole step. Each thread owns a fixed slice of every GEMM's output
  * columns (gate and up: the same inner columns of both, so it applies the activation to its own slice) and a
- * fixed run of kv heads for attention (rows < threads still use every thread), and keeps its own copy of
+ * fixed part of attention (attention_share: whole sequences, or with rows < threads a run of kv heads of
+ * every row, so every thread still works), and keeps its own copy of
  * the residual stream and norm outputs; the threads meet at five barriers per layer instead of the
  * fork and join of every kernel. Every value is computed by the same code as the per-layer path's kernels
  * (the GEMM slices by quant_gemm_rows_f32 or quant_gemm_q8_rows, a head's attention by decode_row), so the
@@ -410,3 +460,13 @@ int decoder_layers_f32(const decoder_layer *layers, int64_t num_layers, const de
  * path at every barrier. Not for use while a step runs. */
 void decoder_barrier_spin(int64_t spin_ns) { barrier_spin_ns = spin_ns < 0 ? SPIN_NS : spin_ns; }
 int64_t decoder_barrier_naps(void) { return __atomic_load_n(&barrier_naps, __ATOMIC_RELAXED); }
+
+/* attention_share for every thread of nth, for the tests: out[4 i .. 4 i + 3] = thread i's first row, end
+ * row, first kv head and end kv head, for a step of `tokens` rows with these tables and key counts. */
+void decoder_attention_share(const int32_t *tables, int64_t table_stride, const int32_t *kv_lens, int64_t tokens,
+                             int64_t kv_heads, int nth, int64_t *out) {
+    const kv_view view = {NULL, 0, tables, table_stride, kv_lens, NULL};
+    for (int i = 0; i < nth; ++i)
+        attention_share(&view, tokens, kv_heads, i, nth, out + 4 * i, out + 4 * i + 1, out + 4 * i + 2,
+                        out + 4 * i + 3);
+}

@@ -342,34 +342,49 @@ static void expand_q5_k(const uint8_t *row, int64_t k, float *out) {
     }
 }
 
+/* A Q6_K super-block's 16 scales d * sc[i] (d an f16 at byte 208, sc 16 int8 at byte 192): formed here for
+ * both expand_q6_k and direct_q6_k_1x8, so the two read the same values. */
+static inline void q6_k_scales(const uint8_t *block, float scale[16]) {
+    const int8_t *sc = (const int8_t *)(block + 192);
+    const float d = f16_at(block + 208);
+    for (int i = 0; i < 16; ++i) scale[i] = d * (float)sc[i];
+}
+
+#ifdef VW
+/* Sixteen Q6_K weights of quarter i (0-3) of a half, minus 32, as bytes: the low (i < 2) or high nibbles of
+ * ql with bits 2 i and 2 i + 1 of qh above them. The caller passes ql[l ..] for quarters 0 and 2 and
+ * ql[l + 32 ..] for 1 and 3 (expand_q6_k's q1 .. q4). Shared by the expander and the register path. */
+static inline __attribute__((always_inline)) __m128i q6_k_quarter(__m128i ql, __m128i qh, const int i) {
+    const __m128i low = _mm_set1_epi8(15), high = _mm_set1_epi8(0x30);
+    const __m128i nib = _mm_and_si128(i < 2 ? ql : _mm_srli_epi16(ql, 4), low);
+    const __m128i top = i == 0   ? _mm_slli_epi16(qh, 4)
+                        : i == 1 ? _mm_slli_epi16(qh, 2)
+                        : i == 2 ? qh
+                                 : _mm_srli_epi16(qh, 2);
+    return _mm_sub_epi8(_mm_or_si128(nib, _mm_and_si128(top, high)), _mm_set1_epi8(32));
+}
+#endif
+
 /* Q6_K: each half of a super-block (128 weights) takes 64 bytes of low nibbles and 32 bytes of 2-bit highs;
  * output l, l + 32, l + 64, l + 96 of the half share ql[l], ql[l + 32] and qh[l] (gguf-py's reshapes, which
  * are llama.cpp's dequantize_row_q6_K). Written as four 32-wide loops the compiler vectorises. */
 static void expand_q6_k(const uint8_t *row, int64_t k, float *out) {
     for (int64_t b = 0; b < k / 256; ++b, row += 210) {
         const uint8_t *ql = row, *qh = row + 128;
-        const int8_t *sc = (const int8_t *)(row + 192);
-        const float d = f16_at(row + 208);
         float scale[16];
-        for (int i = 0; i < 16; ++i) scale[i] = d * (float)sc[i];
+        q6_k_scales(row, scale);
         for (int half = 0; half < 2; ++half, ql += 64, qh += 32, out += 128) {
             const float *s = scale + 8 * half;
 #ifdef VW
-            const __m128i low = _mm_set1_epi8(15), high = _mm_set1_epi8(0x30), bias = _mm_set1_epi8(32);
             for (int l = 0; l < 32; l += 16) {
                 const __m128i a = _mm_loadu_si128((const __m128i *)(ql + l));
                 const __m128i c = _mm_loadu_si128((const __m128i *)(ql + l + 32));
                 const __m128i h = _mm_loadu_si128((const __m128i *)(qh + l));
-                const __m128i q1 = _mm_or_si128(_mm_and_si128(a, low), _mm_and_si128(_mm_slli_epi16(h, 4), high));
-                const __m128i q2 = _mm_or_si128(_mm_and_si128(c, low), _mm_and_si128(_mm_slli_epi16(h, 2), high));
-                const __m128i q3 = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), low), _mm_and_si128(h, high));
-                const __m128i q4 =
-                    _mm_or_si128(_mm_and_si128(_mm_srli_epi16(c, 4), low), _mm_and_si128(_mm_srli_epi16(h, 2), high));
                 const int is = l / 16;
-                bytes16_i(_mm_sub_epi8(q1, bias), vset1(s[is]), out + l);
-                bytes16_i(_mm_sub_epi8(q2, bias), vset1(s[is + 2]), out + l + 32);
-                bytes16_i(_mm_sub_epi8(q3, bias), vset1(s[is + 4]), out + l + 64);
-                bytes16_i(_mm_sub_epi8(q4, bias), vset1(s[is + 6]), out + l + 96);
+                bytes16_i(q6_k_quarter(a, h, 0), vset1(s[is]), out + l);
+                bytes16_i(q6_k_quarter(c, h, 1), vset1(s[is + 2]), out + l + 32);
+                bytes16_i(q6_k_quarter(a, h, 2), vset1(s[is + 4]), out + l + 64);
+                bytes16_i(q6_k_quarter(c, h, 3), vset1(s[is + 6]), out + l + 96);
             }
             continue;
 #endif
@@ -970,15 +985,10 @@ static void direct_q6_k_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int 
     for (int r = 0; r < 8; ++r) rows[r] = w + (n + (r < nr ? r : 0)) * row_bytes;
     vec a[8];
     for (int r = 0; r < 8; ++r) a[r] = vzero();
-    const __m128i low = _mm_set1_epi8(15), high = _mm_set1_epi8(0x30), bias = _mm_set1_epi8(32);
     float scale[8][16] __attribute__((aligned(32)));
     for (int64_t b = 0; b < k / 256; ++b) {
         const int64_t off = b * 210;
-        for (int r = 0; r < 8; ++r) {
-            const int8_t *sc = (const int8_t *)(rows[r] + off + 192);
-            const float d = f16_at(rows[r] + off + 208);
-            for (int i = 0; i < 16; ++i) scale[r][i] = d * (float)sc[i];
-        }
+        for (int r = 0; r < 8; ++r) q6_k_scales(rows[r] + off, scale[r]);
         for (int half = 0; half < 2; ++half) {
             ask_step(ahead, 2 * b + half);
             const float *xb = x + 256 * b + 128 * half;
@@ -991,19 +1001,14 @@ static void direct_q6_k_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int 
 #undef Q6_LOAD
                 /* weights 16 i .. 16 i + 15 of the half: expand_q6_k's q1 (l = 0, 16), q2, q3, q4 */
                 const __m128i q[8] = {
-                    _mm_or_si128(_mm_and_si128(a0, low), _mm_and_si128(_mm_slli_epi16(h0, 4), high)),
-                    _mm_or_si128(_mm_and_si128(a1, low), _mm_and_si128(_mm_slli_epi16(h1, 4), high)),
-                    _mm_or_si128(_mm_and_si128(c0, low), _mm_and_si128(_mm_slli_epi16(h0, 2), high)),
-                    _mm_or_si128(_mm_and_si128(c1, low), _mm_and_si128(_mm_slli_epi16(h1, 2), high)),
-                    _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a0, 4), low), _mm_and_si128(h0, high)),
-                    _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a1, 4), low), _mm_and_si128(h1, high)),
-                    _mm_or_si128(_mm_and_si128(_mm_srli_epi16(c0, 4), low), _mm_and_si128(_mm_srli_epi16(h0, 2), high)),
-                    _mm_or_si128(_mm_and_si128(_mm_srli_epi16(c1, 4), low), _mm_and_si128(_mm_srli_epi16(h1, 2), high)),
+                    q6_k_quarter(a0, h0, 0), q6_k_quarter(a1, h1, 0), q6_k_quarter(c0, h0, 1),
+                    q6_k_quarter(c1, h1, 1), q6_k_quarter(a0, h0, 2), q6_k_quarter(a1, h1, 2),
+                    q6_k_quarter(c0, h0, 3), q6_k_quarter(c1, h1, 3),
                 };
                 const float *s = scale[r] + 8 * half;
                 for (int i = 0; i < 8; ++i) {
                     const vec sv = vset1(s[i]);
-                    const __m128i v = _mm_sub_epi8(q[i], bias);
+                    const __m128i v = q[i];
                     const vec w0 = _mm256_mul_ps(sv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)));
                     const vec w1 = _mm256_mul_ps(sv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))));
                     a[r] = vfma(vload(xb + 16 * i), w0, a[r]);
@@ -1108,6 +1113,7 @@ typedef struct {
     int64_t elems, bytes; /* of one block (block_elems) */
     int by_chunks;        /* the chunk buffer (the 1-row register paths among it) */
     int q8_direct;        /* direct_q8_0_1x4 */
+    int register_path;    /* a one-row register path: direct_q8_0_1x4 or direct_1x8's kernel */
     int group;            /* output rows per group: 8 on the 1-row chunked paths, else 4 */
     int64_t ahead;        /* prefetch distance in rows (prefetch_rows) */
     int64_t steps;        /* loop steps of a group that ask for the rows ahead (ahead_window); 0: one burst */
@@ -1115,14 +1121,14 @@ typedef struct {
 
 /* How many steps a group's loop takes, for ahead_window: the blocks of the one-row register paths (Q4_K: its
  * 64-weight pairs of sub-blocks), the chunks of the chunk buffer; 0 on the whole-row path (one burst). */
-static int64_t group_steps(const gemm_plan *p, int64_t m_rows, int64_t k) {
+static int64_t group_steps(const gemm_plan *p, int64_t k) {
     if (p->q8_direct) return k / 32;
 #ifdef VW
-    if (p->by_chunks && m_rows == 1 && direct_1x8(p->qtype) != NULL)
+    if (p->register_path)
         return p->qtype == QT_Q4_K ? k / 64 : p->qtype == QT_Q6_K ? k / 128 : k / 32;
     if (p->by_chunks) return (k + CHUNK - 1) / CHUNK;
 #endif
-    (void)m_rows, (void)k;
+    (void)k;
     return 0;
 }
 
@@ -1137,12 +1143,12 @@ static int plan_gemm(int qtype, const uint8_t *w, int64_t m_rows, int64_t row_by
 #endif
     p->q8_direct = q8_0_direct(qtype, m_rows, k);
     p->group = p->by_chunks && m_rows == 1 ? 8 : 4;
-    int register_path = p->q8_direct;
+    p->register_path = p->q8_direct;
 #ifdef VW
-    register_path = register_path || (p->by_chunks && m_rows == 1 && direct_1x8(qtype) != NULL);
+    p->register_path = p->register_path || (p->by_chunks && m_rows == 1 && direct_1x8(qtype) != NULL);
 #endif
-    p->ahead = prefetch_rows(register_path, p->group, row_bytes);
-    p->steps = group_steps(p, m_rows, k);
+    p->ahead = prefetch_rows(p->register_path, p->group, row_bytes);
+    p->steps = group_steps(p, k);
     return 1;
 }
 

@@ -47,6 +47,11 @@
 
 enum { Q8_Q4_0 = 2, Q8_Q4_1 = 3, Q8_Q5_0 = 6, Q8_Q5_1 = 7, Q8_Q8_0 = 8 };
 
+/* Rows ahead of a group that are asked for while it computes (q8_group). */
+#ifndef Q8_PREFETCH_ROWS
+#define Q8_PREFETCH_ROWS 32
+#endif
+
 /* Block bytes of a format with a q8 kernel; 0 for any other. */
 static int64_t q8_block_bytes(int qtype) {
     switch (qtype) {
@@ -260,13 +265,88 @@ static void group_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int64_t b
     }
     _mm256_storeu_ps(out, acc);
 }
+/* Eight weight rows against several quantised x rows (q, dx, sx: x rows 0 .. m_rows - 1), into acc[m] (lane r:
+ * weight row r). Each weight block is widened to bytes (and, for the signed formats, to its magnitudes) and
+ * its headers converted once per Q8_MANY_BLOCKS blocks for every x row, where a call of rows_dot_avx2 per x
+ * row does it again for each: at 32 rows that repeated work made the q8 path slower than the exact tile.
+ * Each output's operations are rows_dot_avx2's, in its order (the blocks in order into one accumulator per
+ * x row), so the bits are the same. */
+#define Q8_MANY_BLOCKS 8
+#define Q8_MANY_ROWS 64 /* x rows per pass of group_many_avx2 (their accumulators on the stack) */
+static inline __attribute__((always_inline)) void many_rows_dot_avx2(const int qtype,
+                                                                     const uint8_t *const rows[8],
+                                                                     int64_t bytes, const int8_t *q,
+                                                                     const float *dx, const float *sx,
+                                                                     int64_t m_rows, int64_t k, int64_t nb,
+                                                                     const ahead_window *ahead, __m256 *acc) {
+    const int affine = qtype == Q8_Q4_1 || qtype == Q8_Q5_1;
+    __m256i mag[Q8_MANY_BLOCKS][8], sgn[Q8_MANY_BLOCKS][8];
+    __m256 dw[Q8_MANY_BLOCKS], mw[Q8_MANY_BLOCKS];
+    for (int64_t m = 0; m < m_rows; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += Q8_MANY_BLOCKS) {
+        const int64_t cb = nb - b0 < Q8_MANY_BLOCKS ? nb - b0 : Q8_MANY_BLOCKS;
+        for (int64_t c = 0; c < cb; ++c) {
+            ask_step(ahead, b0 + c);
+            for (int r = 0; r < 8; ++r) {
+                const __m256i w = block_bytes(qtype, rows[r] + (b0 + c) * bytes);
+                mag[c][r] = affine ? w : _mm256_sign_epi8(w, w), sgn[c][r] = w;
+            }
+            mw[c] = _mm256_setzero_ps();
+            headers_at(rows, (b0 + c) * bytes, affine, &dw[c], &mw[c]);
+        }
+        for (int64_t m = 0; m < m_rows; ++m) {
+            __m256 a = acc[m];
+            for (int64_t c = 0; c < cb; ++c) {
+                const int64_t b = b0 + c;
+                const __m256i qv = _mm256_loadu_si256((const __m256i *)(q + m * k + 32 * b));
+                __m256i lanes[8];
+                for (int r = 0; r < 8; ++r)
+                    lanes[r] = dot_lanes(mag[c][r], affine ? qv : _mm256_sign_epi8(qv, sgn[c][r]));
+                const __m256 scale = _mm256_mul_ps(dw[c], _mm256_set1_ps(dx[m * nb + b]));
+                __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(sum_each(lanes)), scale);
+                if (affine) t = _mm256_add_ps(t, _mm256_mul_ps(mw[c], _mm256_set1_ps(sx[m * nb + b])));
+                a = _mm256_add_ps(a, t);
+            }
+            acc[m] = a;
+        }
+    }
+}
+
+/* q8_group's outputs for m_rows > 1 x rows, Q8_MANY_ROWS x rows per pass (the rows ahead asked for along
+ * the first pass). */
+static void group_many_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int64_t bytes, int64_t n, int nr,
+                            int64_t n_end, const int8_t *q, const float *dx, const float *sx, int64_t m_rows,
+                            int64_t k, const float *bias, float *y, int64_t y_stride) {
+    const uint8_t *rows[8];
+    for (int r = 0; r < 8; ++r) rows[r] = w + (n + (r < nr ? r : 0)) * row_bytes;
+    const int64_t nb = k / 32;
+    const ahead_window ahead = window_ahead(w, row_bytes, n, n_end, 8, Q8_PREFETCH_ROWS, nb);
+    const ahead_window none = {NULL, 0, 0};
+    for (int64_t m0 = 0; m0 < m_rows; m0 += Q8_MANY_ROWS) {
+        const int64_t mr = m_rows - m0 < Q8_MANY_ROWS ? m_rows - m0 : Q8_MANY_ROWS;
+        const int8_t *qm = q + m0 * k;
+        const float *dxm = dx + m0 * nb, *sxm = sx + m0 * nb;
+        const ahead_window *asked = m0 == 0 ? &ahead : &none;
+        __m256 acc[Q8_MANY_ROWS];
+        switch (qtype) {
+        case Q8_Q4_0: many_rows_dot_avx2(Q8_Q4_0, rows, bytes, qm, dxm, sxm, mr, k, nb, asked, acc); break;
+        case Q8_Q4_1: many_rows_dot_avx2(Q8_Q4_1, rows, bytes, qm, dxm, sxm, mr, k, nb, asked, acc); break;
+        case Q8_Q5_0: many_rows_dot_avx2(Q8_Q5_0, rows, bytes, qm, dxm, sxm, mr, k, nb, asked, acc); break;
+        case Q8_Q5_1: many_rows_dot_avx2(Q8_Q5_1, rows, bytes, qm, dxm, sxm, mr, k, nb, asked, acc); break;
+        default: many_rows_dot_avx2(Q8_Q8_0, rows, bytes, qm, dxm, sxm, mr, k, nb, asked, acc); break;
+        }
+        for (int64_t m = 0; m < mr; ++m) {
+            float out[8];
+            _mm256_storeu_ps(out, acc[m]);
+            for (int r = 0; r < nr; ++r) y[(m0 + m) * y_stride + n + r] = bias ? out[r] + bias[n + r] : out[r];
+        }
+    }
+}
 #endif
 
-/* The eight rows Q8_PREFETCH_ROWS ahead are asked for while a group computes (prefetch.h: spread over the
+
+/* The eight rows Q8_PREFETCH_ROWS (below) ahead are asked for while a group computes (prefetch.h: spread over the
  * first x row's loop with AVX2, one burst before the group in the portable build). */
-#ifndef Q8_PREFETCH_ROWS
-#define Q8_PREFETCH_ROWS 32
-#endif
 #ifndef Q8_AVX2
 static inline void prefetch_rows(const uint8_t *w, int64_t row_bytes, int64_t first, int64_t n_out) {
     const int64_t last = first + 8 < n_out ? first + 8 : n_out;
@@ -285,6 +365,10 @@ static void q8_group(int qtype, const uint8_t *w, int64_t row_bytes, int64_t byt
                      const float *bias, float *y, int64_t y_stride) {
     const int64_t nb = k / 32;
 #ifdef Q8_AVX2
+    if (m_rows > 1) {
+        group_many_avx2(qtype, w, row_bytes, bytes, n, nr, n_end, q, dx, sx, m_rows, k, bias, y, y_stride);
+        return;
+    }
     const ahead_window ahead = window_ahead(w, row_bytes, n, n_end, 8, Q8_PREFETCH_ROWS, steps_of(qtype, nb));
     const ahead_window none = {NULL, 0, 0};
 #else

@@ -172,7 +172,7 @@ class AttentionPlan:
     decode_tables: torch.Tensor  # [Bd, W] int32, contiguous
     decode_kv_lens: torch.Tensor  # [Bd] int32, keys through the row's query, counted from its table start
     decode_buckets: list[DecodeBucket] | None  # the pure-torch decode path (None when ``kernel`` is set,
-    # except in a static decode plan, :func:`_plan_static_decode`, which always has its one device bucket)
+    # except in a static decode plan, :func:`_plan_one_token_rows`, which always has its one device bucket)
     prefill: list[PrefillRow]
     kernel: DecodeKernel | None
     slot_mapping: torch.Tensor | None = None  # [T] int64 where this plan's layers write (None: inputs')
@@ -287,12 +287,12 @@ def plan_attention(
 
     Host traffic: the step's lengths are read once (:func:`_host_lengths`) and the plan's index tensors
     written once (:func:`_upload`); every other list is host arithmetic. A pure decode step without host
-    copies (a CUDA graph's static inputs) is planned by :func:`_plan_static_decode` with neither, and a
+    copies (a CUDA graph's static inputs) is planned by :func:`_plan_one_token_rows` with neither, and a
     plain CPU decode step on the native kernel by :func:`_plan_plain_decode` from its own tensors.
     """
     device = k_cache.device
     if _static_decode(inputs, window):
-        return _plan_static_decode(inputs, k_cache, use_native, window)
+        return _plan_one_token_rows(inputs, k_cache, use_native, window, host=False)
     if use_native and window is None and _plain_decode(inputs) and device.type == "cpu":
         plan = _plan_plain_decode(inputs, k_cache)
         if plan is not None:
@@ -378,29 +378,17 @@ def _plan_plain_decode(inputs: StepInputs, k_cache: torch.Tensor) -> AttentionPl
     ``past_lens[i] + 1``. Every field equals the general path's (``tests/unit/test_attention_plan.py``);
     the tables may share the step's memory instead of being a copy (the plan only reads them).
     """
-    if triton_selected(k_cache.device):
-        return None
-    kernel = decode_kernel()
-    if kernel is None or not inputs.num_seqs or not kernel.supports(k_cache, k_cache, k_cache):
+    if triton_selected(k_cache.device) or not inputs.num_seqs:
         return None
     assert inputs.host is not None  # _plain_decode
-    return AttentionPlan(
-        block_size=inputs.block_size,
-        decode_token_rows=torch.arange(inputs.num_seqs, dtype=torch.long),
-        decode_tables=inputs.block_tables.to(torch.int32).contiguous(),
-        decode_kv_lens=(inputs.past_lens + 1).to(torch.int32),
-        decode_buckets=None,
-        prefill=[],
-        kernel=kernel,
-        slot_mapping=inputs.slot_mapping,
-        host_slot_mapping=inputs.host.slot_mapping,
-    )
+    plan = _plan_one_token_rows(inputs, k_cache, use_native=True, window=None, host=True)
+    return plan if plan.kernel is not None else None
 
 
 def _static_decode(inputs: StepInputs, window: int | None) -> bool:
     """Whether the step is a pure decode step with no host copies, known from shapes and static metadata:
     a captured CUDA graph's static inputs (``pagedgen.executor.cuda_graphs``), planned by
-    :func:`_plan_static_decode` without reading a device value."""
+    :func:`_plan_one_token_rows` without reading a device value."""
     return (
         inputs.host is None
         and inputs.max_query_len == 1
@@ -410,10 +398,13 @@ def _static_decode(inputs: StepInputs, window: int | None) -> bool:
     )
 
 
-def _plan_static_decode(
-    inputs: StepInputs, k_cache: torch.Tensor, use_native: bool, window: int | None
+def _plan_one_token_rows(
+    inputs: StepInputs, k_cache: torch.Tensor, use_native: bool, window: int | None, *, host: bool
 ) -> AttentionPlan:
-    """The plan of a pure decode step built from shapes, static metadata and device tensor ops only.
+    """The plan of a pure decode step built from shapes, static metadata and device tensor ops only: the
+    static decode plan (``host=False``), and with ``host=True`` the plain CPU decode plan
+    (:func:`_plan_plain_decode`), which keeps the step's host slots and builds no torch bucket (only the
+    native kernel serves it).
 
     Why: a captured CUDA graph's static inputs carry no host copies; reading their lengths (``.tolist()``)
     would synchronise, which capture refuses, and per-step index lists uploaded from the host would be baked
@@ -464,11 +455,13 @@ def _plan_static_decode(
         decode_kv_lens=rel_lens,
         # The torch path's one bucket (the table's full width, masked on the device); also the fallback
         # when the native kernel cannot take the call's tensors (soft-capping), which would read lengths.
-        decode_buckets=None if use_triton else [_device_bucket(token_rows, tables, rel_lens, starts, bs)],
+        decode_buckets=None
+        if use_triton or host
+        else [_device_bucket(token_rows, tables, rel_lens, starts, bs)],
         prefill=[],
         kernel=kernel,
         slot_mapping=inputs.slot_mapping,
-        host_slot_mapping=None,
+        host_slot_mapping=inputs.host.slot_mapping if host and inputs.host is not None else None,
         decode_starts=starts,
         window=window,
         triton=triton,
