@@ -370,15 +370,14 @@ static void q8_group(int qtype, const uint8_t *w, int64_t row_bytes, int64_t byt
         return;
     }
     const ahead_window ahead = window_ahead(w, row_bytes, n, n_end, 8, Q8_PREFETCH_ROWS, steps_of(qtype, nb));
-    const ahead_window none = {NULL, 0, 0};
 #else
     prefetch_rows(w, row_bytes, n + Q8_PREFETCH_ROWS, n_end);
 #endif
     for (int64_t m = 0; m < m_rows; ++m) {
         float out[8];
 #ifdef Q8_AVX2
-        group_avx2(qtype, w, row_bytes, bytes, n, nr, q + m * k, dx + m * nb, sx + m * nb, nb,
-                   m == 0 ? &ahead : &none, out);
+        group_avx2(qtype, w, row_bytes, bytes, n, nr, q + m * k, dx + m * nb, sx + m * nb, nb, &ahead,
+                   out); /* one x row here: more take group_many_avx2 */
 #else
         for (int r = 0; r < nr; ++r)
             out[r] = row_dot_portable(qtype, w + (n + r) * row_bytes, bytes, q + m * k, dx + m * nb, sx + m * nb,
