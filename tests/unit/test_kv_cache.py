@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -58,3 +60,25 @@ def test_windowed_layers_get_the_window_pools_tensors_when_they_keep_rings():
 def test_kv_spec_refuses_an_inconsistent_window(window, layers, message):
     with pytest.raises(ValueError, match=message):
         KVSpec(num_layers=3, num_kv_heads=1, head_dim=2, window_size=window, window_layers=layers)
+
+
+def _vm_flags_of(address: int) -> list[str]:
+    """The VmFlags of the mapping holding ``address`` in /proc/self/smaps."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            low, high = (int(part, 16) for part in head.split("-"))
+            inside = low <= address < high
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_zeroed_tensor_pages_are_advised_against_huge_pages():
+    """A first write to a block must fault in its own 4 KiB pages, not the 2 MiB around it (which cost the
+    first 32-prompt prefill of a 270M model 7 of its 12.7 s): the mapping carries MADV_NOHUGEPAGE."""
+    t = zeroed_tensor((4096, 16, 1, 256), torch.float32, "cpu")  # 64 MiB
+    assert "nh" in _vm_flags_of(t.data_ptr())
+    t[4000, 3] = 2.0
+    assert float(t.sum()) == 2.0 * 256

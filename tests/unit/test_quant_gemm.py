@@ -177,7 +177,7 @@ def test_the_few_row_paths_give_the_whole_row_paths_bits(kernels, qtype):
             assert torch.equal(kernels.gemm(x[part], weight, bias), batch[part])
 
 
-# the formats with a 1-row register path on AVX2 (quant_gemm.c's direct_1x8, besides Q4_0 / Q4_1; and Q8_0's
+# the formats with a 1-row register path on AVX2 and AVX-512 (quant_gemm.c's direct_1x8; and Q8_0's
 # direct_q8_0_1x4, groups of 4, the head's path at batch 1)
 REGISTER_PATHS = [
     QType.Q4_0,

@@ -591,10 +591,9 @@ static inline int64_t prefetch_rows(int register_path, int group, int64_t row_by
     return DIRECT_PREFETCH_BYTES / row_bytes > group ? DIRECT_PREFETCH_BYTES / row_bytes : group;
 }
 
-/* Whether a call takes direct_q8_0_1x4: Q8_0 at one row on an AVX2 build (AVX-512 keeps the whole-row path:
- * not measured there). */
+/* Whether a call takes direct_q8_0_1x4: Q8_0 at one row on a vector build. */
 static inline int q8_0_direct(int qtype, int64_t m_rows, int64_t k) {
-#if VW == 8
+#ifdef VW
     return qtype == QT_Q8_0 && m_rows == 1 && k % 32 == 0;
 #else
     (void)qtype, (void)m_rows, (void)k;
@@ -781,21 +780,30 @@ static void direct_q4_1_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int 
     for (int r = 0; r < 8; ++r) acc[r] = a[r];
 }
 
-#if VW == 8
-/* The 1-row register paths of the other formats (AVX2 only; the AVX-512 build keeps the chunk buffer for
- * them). Each computes every weight with its expander's own operations on the same integers, so the values
- * are the expander's bit for bit (the sign of a zero included), and feeds them to the chains of chunk_1x8 in
- * weight order: the bits are the chunked path's. Rows past nr point at row n (read, never stored). */
+/* The 1-row register paths of the other formats, at the build's width (AVX2: 8 lanes, AVX-512: 16). Each
+ * computes every weight with its expander's own operations on the same integers, so the values are the
+ * expander's bit for bit (the sign of a zero included), and feeds them to the chains of chunk_1x8 in weight
+ * order: the bits are the chunked path's. Rows past nr point at row n (read, never stored). The AVX-512
+ * bodies hold a 32-weight block in two vectors where AVX2 takes four, and pick a Q5 block's fifth bits with
+ * mask registers (its 32-bit qh is the two 16-lane masks) where AVX2 shifts them into sign bits. */
 
-/* A little-endian f16 at p, converted and broadcast (two bytes read: the Q6_K scale ends its block). */
-static inline vec f16_bcast(const uint8_t *p) {
+/* A little-endian f16 at p, converted and broadcast to 8 lanes (two bytes read: the Q6_K scale ends its
+ * block). */
+static inline __m256 f16_bcast8(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
     return _mm256_cvtph_ps(_mm_set1_epi16((short)h));
 }
 
+#if VW == 16
+/* 16 bytes at p widened to int32 lanes. */
+static inline __m512i widen16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+#else
+static inline vec f16_bcast(const uint8_t *p) { return f16_bcast8(p); }
+
 /* 8 bytes at p widened to int32 lanes. */
 static inline __m256i widen8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+#endif
 
 /* Q5_0, weights widened to int32 lanes: lane j's nibble from its byte, its fifth bit (bit j of the 32-bit qh)
  * shifted to the sign bit by one variable shift, which picks the block's -16 d or -0 as the FMA's addend:
@@ -807,11 +815,31 @@ static void direct_q5_0_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int 
     for (int r = 0; r < 8; ++r) rows[r] = w + (n + (r < nr ? r : 0)) * row_bytes;
     vec a[8];
     for (int r = 0; r < 8; ++r) a[r] = vzero();
+    const vec minus16 = vset1(-16.f), minus0 = vset1(-0.f);
+#if VW == 16
+    const __m512i low = _mm512_set1_epi32(15);
+    for (int64_t b = 0; b < k / 32; ++b) {
+        ask_step(ahead, b);
+        const int64_t off = b * 22;
+        const vec x0 = vload(x + 32 * b), x1 = vload(x + 32 * b + 16);
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; ++r) {
+            const uint8_t *block = rows[r] + off;
+            const vec d = vset1(f16_at(block)), nd = _mm512_mul_ps(d, minus16);
+            uint32_t bits;
+            memcpy(&bits, block + 2, 4);
+            const __m512i q = widen16(block + 6);
+            const vec add0 = _mm512_mask_blend_ps((__mmask16)bits, nd, minus0);
+            const vec add1 = _mm512_mask_blend_ps((__mmask16)(bits >> 16), nd, minus0);
+            a[r] = vfma(x0, vfma(d, _mm512_cvtepi32_ps(_mm512_and_si512(q, low)), add0), a[r]);
+            a[r] = vfma(x1, vfma(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), add1), a[r]);
+        }
+    }
+#else
     const __m256i low = _mm256_set1_epi32(15);
     const __m256i up0 = _mm256_setr_epi32(31, 30, 29, 28, 27, 26, 25, 24), eight = _mm256_set1_epi32(8);
     const __m256i up1 = _mm256_sub_epi32(up0, eight), up2 = _mm256_sub_epi32(up1, eight);
     const __m256i up3 = _mm256_sub_epi32(up2, eight);
-    const vec minus16 = vset1(-16.f), minus0 = vset1(-0.f);
     for (int64_t b = 0; b < k / 32; ++b) {
         ask_step(ahead, b);
         const int64_t off = b * 22;
@@ -833,6 +861,7 @@ static void direct_q5_0_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int 
 #undef Q5_0_ADDEND
         }
     }
+#endif
     for (int r = 0; r < 8; ++r) acc[r] = a[r];
 }
 
@@ -844,6 +873,28 @@ static void direct_q5_1_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int 
     for (int r = 0; r < 8; ++r) rows[r] = w + (n + (r < nr ? r : 0)) * row_bytes;
     vec a[8];
     for (int r = 0; r < 8; ++r) a[r] = vzero();
+#if VW == 16
+    const __m512i low = _mm512_set1_epi32(15), fifth = _mm512_set1_epi32(16);
+    for (int64_t b = 0; b < k / 32; ++b) {
+        ask_step(ahead, b);
+        const int64_t off = b * 24;
+        const vec x0 = vload(x + 32 * b), x1 = vload(x + 32 * b + 16);
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; ++r) {
+            const uint8_t *block = rows[r] + off;
+            vec d, m;
+            q4_1_scales(block, &d, &m);
+            uint32_t bits;
+            memcpy(&bits, block + 4, 4);
+            const __m512i q = widen16(block + 8);
+            const __m512i nib0 = _mm512_and_si512(q, low), nib1 = _mm512_srli_epi32(q, 4);
+            const __m512i v0 = _mm512_mask_or_epi32(nib0, (__mmask16)bits, nib0, fifth);
+            const __m512i v1 = _mm512_mask_or_epi32(nib1, (__mmask16)(bits >> 16), nib1, fifth);
+            a[r] = vfma(x0, vfma(d, _mm512_cvtepi32_ps(v0), m), a[r]);
+            a[r] = vfma(x1, vfma(d, _mm512_cvtepi32_ps(v1), m), a[r]);
+        }
+    }
+#else
     const __m256i low = _mm256_set1_epi32(15), fifth = _mm256_set1_epi32(16);
     const __m256i down0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256i down1 = _mm256_add_epi32(down0, _mm256_set1_epi32(4));
@@ -875,6 +926,7 @@ static void direct_q5_1_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int 
             a[r] = vfma(x3, vfma(d, _mm256_cvtepi32_ps(v3), m), a[r]);
         }
     }
+#endif
     for (int r = 0; r < 8; ++r) acc[r] = a[r];
 }
 
@@ -888,7 +940,7 @@ static inline void k_scales(const uint8_t *block, float *sc, float *mn) {
     const uint32_t six = 0x3f3f3f3fu, nib = 0x0f0f0f0fu, top = 0x30303030u;
     const uint64_t scales = (uint64_t)(s0 & six) | (uint64_t)((s2 & nib) | ((s0 >> 2) & top)) << 32;
     const uint64_t mins = (uint64_t)(s1 & six) | (uint64_t)(((s2 >> 4) & nib) | ((s1 >> 2) & top)) << 32;
-    const vec d = f16_bcast(block), ndmin = _mm256_xor_ps(f16_bcast(block + 2), vset1(-0.f));
+    const __m256 d = f16_bcast8(block), ndmin = _mm256_xor_ps(f16_bcast8(block + 2), _mm256_set1_ps(-0.f));
     const __m256i sq = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)scales));
     const __m256i mq = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mins));
     _mm256_store_ps(sc, _mm256_mul_ps(d, _mm256_cvtepi32_ps(sq)));
@@ -903,7 +955,11 @@ static void direct_q4_k_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int 
     for (int r = 0; r < 8; ++r) rows[r] = w + (n + (r < nr ? r : 0)) * row_bytes;
     vec a[8];
     for (int r = 0; r < 8; ++r) a[r] = vzero();
+#if VW == 16
+    const __m512i low = _mm512_set1_epi32(15);
+#else
     const __m256i low = _mm256_set1_epi32(15);
+#endif
     float sc[8][8] __attribute__((aligned(32))), mn[8][8] __attribute__((aligned(32)));
     for (int64_t b = 0; b < k / 256; ++b) {
         const int64_t off = b * 144;
@@ -914,6 +970,15 @@ static void direct_q4_k_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int 
 #pragma GCC unroll 8
             for (int r = 0; r < 8; ++r) {
                 const uint8_t *q = rows[r] + off + 16 + 32 * i;
+#if VW == 16
+                const __m512i q0 = widen16(q), q1 = widen16(q + 16);
+                vec s = vset1(sc[r][2 * i]), o = vset1(mn[r][2 * i]);
+                a[r] = vfma(vload(xb), vfma(s, _mm512_cvtepi32_ps(_mm512_and_si512(q0, low)), o), a[r]);
+                a[r] = vfma(vload(xb + 16), vfma(s, _mm512_cvtepi32_ps(_mm512_and_si512(q1, low)), o), a[r]);
+                s = vset1(sc[r][2 * i + 1]), o = vset1(mn[r][2 * i + 1]);
+                a[r] = vfma(vload(xb + 32), vfma(s, _mm512_cvtepi32_ps(_mm512_srli_epi32(q0, 4)), o), a[r]);
+                a[r] = vfma(vload(xb + 48), vfma(s, _mm512_cvtepi32_ps(_mm512_srli_epi32(q1, 4)), o), a[r]);
+#else
                 const __m256i q0 = widen8(q), q1 = widen8(q + 8), q2 = widen8(q + 16), q3 = widen8(q + 24);
                 vec s = vset1(sc[r][2 * i]), o = vset1(mn[r][2 * i]);
                 a[r] = vfma(vload(xb), vfma(s, _mm256_cvtepi32_ps(_mm256_and_si256(q0, low)), o), a[r]);
@@ -925,6 +990,7 @@ static void direct_q4_k_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int 
                 a[r] = vfma(vload(xb + 40), vfma(s, _mm256_cvtepi32_ps(_mm256_srli_epi32(q1, 4)), o), a[r]);
                 a[r] = vfma(vload(xb + 48), vfma(s, _mm256_cvtepi32_ps(_mm256_srli_epi32(q2, 4)), o), a[r]);
                 a[r] = vfma(vload(xb + 56), vfma(s, _mm256_cvtepi32_ps(_mm256_srli_epi32(q3, 4)), o), a[r]);
+#endif
             }
         }
     }
@@ -934,9 +1000,24 @@ static void direct_q4_k_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int 
 /* 16 weights from 16 unsigned bytes, fma(scale, q, offset) as bytes16_u computes them, into one chain (x at
  * xb). */
 static inline __attribute__((always_inline)) vec fma16_u(__m128i q, vec scale, vec offset, const float *xb, vec a) {
+#if VW == 16
+    return vfma(vload(xb), vfma(scale, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)), offset), a);
+#else
     a = vfma(vload(xb), vfma(scale, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), offset), a);
     const __m256i upper = _mm256_cvtepu8_epi32(_mm_srli_si128(q, 8));
     return vfma(vload(xb + 8), vfma(scale, _mm256_cvtepi32_ps(upper), offset), a);
+#endif
+}
+
+/* 16 weights from 16 signed bytes, scale * q as bytes16_i computes them, into one chain (x at xb). */
+static inline __attribute__((always_inline)) vec mul16_i(__m128i q, vec scale, const float *xb, vec a) {
+#if VW == 16
+    return vfma(vload(xb), _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))), a);
+#else
+    const vec w0 = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+    const vec w1 = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))));
+    return vfma(vload(xb + 8), w1, vfma(vload(xb), w0, a));
+#endif
 }
 
 /* Q5_K, 16 bytes at a time as expand_q5_k forms them (nibbles, bit j of qh moved to bit 4 by a constant
@@ -973,9 +1054,7 @@ static void direct_q5_k_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int 
     }
     for (int r = 0; r < 8; ++r) acc[r] = a[r];
 }
-#endif
 
-#if VW == 8
 /* Q6_K in registers: each 16 weights formed from their low nibbles and two high bits exactly as expand_q6_k
  * forms them (minus 32, times the exact d * scale), widened from the register and fed to the chains in
  * weight order. A super-block's 16 scales of the eight rows are formed first, as the expander forms them. */
@@ -1006,22 +1085,14 @@ static void direct_q6_k_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int 
                     q6_k_quarter(c0, h0, 3), q6_k_quarter(c1, h1, 3),
                 };
                 const float *s = scale[r] + 8 * half;
-                for (int i = 0; i < 8; ++i) {
-                    const vec sv = vset1(s[i]);
-                    const __m128i v = q[i];
-                    const vec w0 = _mm256_mul_ps(sv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)));
-                    const vec w1 = _mm256_mul_ps(sv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))));
-                    a[r] = vfma(vload(xb + 16 * i), w0, a[r]);
-                    a[r] = vfma(vload(xb + 16 * i + 8), w1, a[r]);
-                }
+                for (int i = 0; i < 8; ++i) a[r] = mul16_i(q[i], vset1(s[i]), xb + 16 * i, a[r]);
             }
         }
     }
     for (int r = 0; r < 8; ++r) acc[r] = a[r];
 }
-#endif
 
-/* One x row against four Q8_0 rows in registers (AVX2): each 8 weights are widened straight from memory
+/* One x row against four Q8_0 rows in registers: each VW weights are widened straight from memory
  * (sign-extended to 32-bit lanes, converted, times the block's d: expand_q8_0's exact product) and fed to
  * the tile's four chains (tile_3x4 at one row) in the same order, so y's bits are the whole-row path's.
  * Saves the expander's stores and the tile's reloads. Rows past nr point at row n (read, never stored).
@@ -1030,7 +1101,16 @@ static void direct_q6_k_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int 
  * L1 and 16 KB ahead into L2: 0.75-0.9x its time on a 178 MB head, docs/performance.md, "The head at batch
  * 1"); spread over the blocks (ahead_window), 4 KB ahead alone took 0.75-0.85x the time of those two bursts
  * (49152 x 576, 1 thread). */
-#if VW == 8
+
+/* VW weights of a Q8_0 block from byte j of its quants: d * q as expand_q8_0 computes them. */
+static inline vec q8_0_lanes(const uint8_t *q, vec d) {
+#if VW == 16
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))));
+#else
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q))));
+#endif
+}
+
 static void direct_q8_0_1x4(const uint8_t *w, int64_t row_bytes, int64_t n, int nr, const float *x, int64_t k,
                             const ahead_window *ahead, const float *bias, float *y) {
     const uint8_t *r0 = w + n * row_bytes, *r1 = nr > 1 ? r0 + row_bytes : r0;
@@ -1041,21 +1121,18 @@ static void direct_q8_0_1x4(const uint8_t *w, int64_t row_bytes, int64_t n, int 
         const int64_t off = b * 34;
         const vec d0 = vset1(f16_at(r0 + off)), d1 = vset1(f16_at(r1 + off));
         const vec d2 = vset1(f16_at(r2 + off)), d3 = vset1(f16_at(r3 + off));
-        for (int j = 0; j < 32; j += 8) {
+        for (int j = 0; j < 32; j += VW) {
             const vec v = vload(x + 32 * b + j);
             const int64_t q = off + 2 + j;
-#define Q8_LANES(r) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((r) + q))))
-            a0 = vfma(v, _mm256_mul_ps(d0, Q8_LANES(r0)), a0);
-            a1 = vfma(v, _mm256_mul_ps(d1, Q8_LANES(r1)), a1);
-            a2 = vfma(v, _mm256_mul_ps(d2, Q8_LANES(r2)), a2);
-            a3 = vfma(v, _mm256_mul_ps(d3, Q8_LANES(r3)), a3);
-#undef Q8_LANES
+            a0 = vfma(v, q8_0_lanes(r0 + q, d0), a0);
+            a1 = vfma(v, q8_0_lanes(r1 + q, d1), a1);
+            a2 = vfma(v, q8_0_lanes(r2 + q, d2), a2);
+            a3 = vfma(v, q8_0_lanes(r3 + q, d3), a3);
         }
     }
     const vec acc[4] = {a0, a1, a2, a3};
     for (int c = 0; c < nr; ++c) y[n + c] = add_bias(vsum(acc[c]), bias, n + c);
 }
-#endif
 
 /* The register path of qtype at one row, or NULL where the chunk buffer is the faster one. */
 typedef void (*direct_1x8_fn)(const uint8_t *, int64_t, int64_t, int, const float *, int64_t,
@@ -1064,13 +1141,11 @@ static direct_1x8_fn direct_1x8(int qtype) {
     switch (qtype) {
     case QT_Q4_0: return direct_q4_0_1x8;
     case QT_Q4_1: return direct_q4_1_1x8;
-#if VW == 8
     case QT_Q5_0: return direct_q5_0_1x8;
     case QT_Q5_1: return direct_q5_1_1x8;
     case QT_Q4_K: return direct_q4_k_1x8;
     case QT_Q5_K: return direct_q5_k_1x8;
     case QT_Q6_K: return direct_q6_k_1x8;
-#endif
     default: return NULL;
     }
 }
@@ -1161,7 +1236,7 @@ static inline void gemm_group(const gemm_plan *p, const float *x, int64_t m_rows
 #ifdef VW
     const ahead_window ahead = window_ahead(w, row_bytes, n, n_end, p->group, p->ahead, p->steps);
 #endif
-#if VW == 8
+#ifdef VW
     if (p->q8_direct) {
         direct_q8_0_1x4(w, row_bytes, n, nr, x, k, &ahead, bias, y);
         return;
