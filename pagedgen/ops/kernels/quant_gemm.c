@@ -799,8 +799,6 @@ static inline __m256 f16_bcast8(const uint8_t *p) {
 /* 16 bytes at p widened to int32 lanes. */
 static inline __m512i widen16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 #else
-static inline vec f16_bcast(const uint8_t *p) { return f16_bcast8(p); }
-
 /* 8 bytes at p widened to int32 lanes. */
 static inline __m256i widen8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
 #endif
@@ -848,7 +846,7 @@ static void direct_q5_0_1x8(const uint8_t *w, int64_t row_bytes, int64_t n, int 
 #pragma GCC unroll 8
         for (int r = 0; r < 8; ++r) {
             const uint8_t *block = rows[r] + off;
-            const vec d = f16_bcast(block), nd = _mm256_mul_ps(d, minus16);
+            const vec d = f16_bcast8(block), nd = _mm256_mul_ps(d, minus16);
             int32_t bits;
             memcpy(&bits, block + 2, 4);
             const __m256i qh = _mm256_set1_epi32(bits);
