@@ -43,6 +43,9 @@
 #if defined(__AVX2__) && defined(__F16C__)
 #include <immintrin.h>
 #define Q8_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define Q8_AVX512 1 /* the one-row body at 512 bits (group_avx512) */
+#endif
 #endif
 
 enum { Q8_Q4_0 = 2, Q8_Q4_1 = 3, Q8_Q5_0 = 6, Q8_Q5_1 = 7, Q8_Q8_0 = 8 };
@@ -74,8 +77,9 @@ static inline int round_half_away(float v) {
     return t;
 }
 
-/* One x row of k values -> k int8 q, k / 32 scales dx and scaled sums sx (see the top). */
-static void quantize_row(const float *x, int64_t k, int8_t *q, float *dx, float *sx) {
+/* One x row of k values -> k int8 q, k / 32 scales dx, scaled sums sx (see the top) and the blocks' integer
+ * sums qsum (sum_j q_j, for the unsigned-byte dot products of the AVX-512 path). */
+static void quantize_row(const float *x, int64_t k, int8_t *q, float *dx, float *sx, int32_t *qsum) {
     for (int64_t b = 0; b < k / 32; ++b, x += 32, q += 32) {
         float amax = 0.f;
         for (int j = 0; j < 32; ++j) {
@@ -90,6 +94,7 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *dx, float 
         }
         dx[b] = f16_to_f32(f32_to_f16(d));
         sx[b] = f16_to_f32(f32_to_f16((float)sum * d));
+        qsum[b] = sum;
     }
 }
 
@@ -198,6 +203,7 @@ static inline void headers_at(const uint8_t *const rows[8], int64_t offset, int 
     if (affine) *m = _mm256_cvtph_ps(_mm256_extracti128_si256(packed, 1));
 }
 
+#ifndef Q8_AVX512
 /* Eight weight rows (lane r: row rows[r]) against one quantised x row: the portable arithmetic with the
  * rows in lanes, so each lane's operations are row_dot_portable's, in its order.
  *
@@ -265,6 +271,7 @@ static void group_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int64_t b
     }
     _mm256_storeu_ps(out, acc);
 }
+#endif /* the one-row body of AVX2 builds without AVX-512 VNNI */
 /* Eight weight rows against several quantised x rows (q, dx, sx: x rows 0 .. m_rows - 1), into acc[m] (lane r:
  * weight row r). Each weight block is widened to bytes (and, for the signed formats, to its magnitudes) and
  * its headers converted once per Q8_MANY_BLOCKS blocks for every x row, where a call of rows_dot_avx2 per x
@@ -345,6 +352,178 @@ static void group_many_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int6
 #endif
 
 
+/* The quantised form of m_rows x rows of k in one buffer: the scales dx [m_rows, k / 32], the scaled sums
+ * sx [m_rows, k / 32], the integer sums qsum [m_rows, k / 32], then the bytes q [m_rows, k]. */
+typedef struct {
+    int8_t *q;
+    float *dx, *sx;
+    int32_t *qsum;
+} q8_rows;
+
+static q8_rows q8_rows_in(void *buf, int64_t m_rows, int64_t k) {
+    float *scales = buf;
+    const int64_t nb = k / 32;
+    return (q8_rows){(int8_t *)(scales + 3 * m_rows * nb), scales, scales + m_rows * nb,
+                     (int32_t *)(scales + 2 * m_rows * nb)};
+}
+
+#ifdef Q8_AVX512
+/* The one-row body at 512 bits: two blocks of a weight row against 64 activation bytes per dpbusd, where
+ * the AVX2 body takes one block per 256-bit dpbusd after flipping signs. Each block's integers go in as
+ * unsigned bytes (Q8_0's q + 128, Q4_0's and Q5_0's q before their offset of 8 or 16, Q4_1's and Q5_1's q
+ * as stored), so no sign trick is needed, and the offset comes back out in integers: sum_j (u_j - o) q_j =
+ * sum_j u_j q_j - o * qsum, the same int32 as the portable sum. The two blocks' eight lanes per row are
+ * reduced for eight rows at once (three unpack-and-add levels and one lane shuffle), and from there each
+ * block's float operations are rows_dot_avx2's in its order: the same bits. */
+
+/* p's 16 (32) bytes, or zeros when the block is not there (the odd last block of a row: nothing past the
+ * row is read). */
+static inline __m128i bytes16(const uint8_t *p, int there) {
+    return there ? _mm_loadu_si128((const __m128i *)p) : _mm_setzero_si128();
+}
+static inline __m256i bytes32(const uint8_t *p, int there) {
+    return there ? _mm256_loadu_si256((const __m256i *)p) : _mm256_setzero_si256();
+}
+static inline uint64_t bits32(const uint8_t *p, int there) {
+    uint32_t v = 0;
+    if (there) memcpy(&v, p, 4);
+    return v;
+}
+
+/* log2 of the offset o the unsigned bytes of pair_bytes carry over the block's integers (0: none). */
+static inline int offset_bits(const int qtype) {
+    return qtype == Q8_Q8_0 ? 7 : qtype == Q8_Q5_0 ? 4 : qtype == Q8_Q4_0 ? 3 : 0;
+}
+
+/* Blocks b (at block) and b + 1 (block + bytes; zeros unless two) of one weight row as 64 unsigned bytes in
+ * weight order. Nibbles: the two blocks' 16 bytes go to lanes [b, b, b + 1, b + 1], the second of each pair
+ * shifted down by 4, then masked to 4 bits; a Q5 block's 32 fifth bits are the mask of an add of 16. */
+static inline __attribute__((always_inline)) __m512i pair_bytes(const int qtype, const uint8_t *block,
+                                                                int64_t bytes, const int two) {
+    if (qtype == Q8_Q8_0) {
+        const __m256i first = _mm256_loadu_si256((const __m256i *)(block + 2));
+        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(first), bytes32(block + bytes + 2, two), 1);
+        return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80));
+    }
+    const int five = qtype == Q8_Q5_0 || qtype == Q8_Q5_1, affine = qtype == Q8_Q4_1 || qtype == Q8_Q5_1;
+    const int64_t qh = affine ? 4 : 2, qs = qh + (five ? 4 : 0);
+    const __m256i pair = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(block + qs))), bytes16(block + bytes + qs, two), 1);
+    __m512i v = _mm512_shuffle_i64x2(_mm512_castsi256_si512(pair), _mm512_castsi256_si512(pair), 0x50);
+    v = _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xFF00FF00u, v, 4), _mm512_set1_epi8(15));
+    if (five) {
+        const uint64_t bits = bits32(block + qh, 1) | bits32(block + bytes + qh, two) << 32;
+        v = _mm512_mask_add_epi8(v, _cvtu64_mask64(bits), v, _mm512_set1_epi8(16));
+    }
+    return v;
+}
+
+/* v[r]: lanes 0-7 block b of row r, lanes 8-15 block b + 1 -> lane r: row r's sum over block b, lane
+ * 8 + r: over block b + 1. */
+static inline __m512i pair_sums(const __m512i v[8]) {
+    __m512i t[4];
+    for (int i = 0; i < 4; ++i)
+        t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
+                                _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+    /* each 128-bit lane: the four rows' sums over that lane's four int32 */
+    const __m512i u0 = _mm512_add_epi32(_mm512_unpacklo_epi64(t[0], t[1]), _mm512_unpackhi_epi64(t[0], t[1]));
+    const __m512i u1 = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2], t[3]), _mm512_unpackhi_epi64(t[2], t[3]));
+    /* [b rows 0-3, b + 1 rows 0-3, b rows 4-7, b + 1 rows 4-7] */
+    const __m512i both = _mm512_add_epi32(_mm512_shuffle_i64x2(u0, u1, 0x88), _mm512_shuffle_i64x2(u0, u1, 0xDD));
+    return _mm512_shuffle_i64x2(both, both, 0xD8);
+}
+
+/* Lanes 0-7 v[0], lanes 8-15 v[1] (v[0] alone unless two). */
+static inline __m512 pair_bcast(const float *v, const int two) {
+    const __m512d first = _mm512_castps_pd(_mm512_set1_ps(v[0]));
+    return _mm512_castpd_ps(_mm512_insertf64x4(first, _mm256_castps_pd(_mm256_set1_ps(two ? v[1] : 0.f)), 1));
+}
+
+/* The first four bytes of block b of the eight rows (lanes 0-7) and of block b + 1 (lanes 8-15; zeros
+ * unless two): their f16 d, and m after it for an affine format. Vector loads of four bytes and unpacks:
+ * a gather took longer here. */
+static inline __attribute__((always_inline)) __m512i header_words(const uint8_t *const rows[8], int64_t offset,
+                                                                 int64_t bytes, const int two) {
+    __m128i w[16];
+    for (int r = 0; r < 8; ++r) {
+        w[r] = _mm_loadu_si32(rows[r] + offset);
+        w[8 + r] = two ? _mm_loadu_si32(rows[r] + offset + bytes) : _mm_setzero_si128();
+    }
+    __m128i p[8], quad[4];
+    for (int i = 0; i < 8; ++i) p[i] = _mm_unpacklo_epi32(w[2 * i], w[2 * i + 1]);
+    for (int i = 0; i < 4; ++i) quad[i] = _mm_unpacklo_epi64(p[2 * i], p[2 * i + 1]);
+    const __m256i lo = _mm256_inserti128_si256(_mm256_castsi128_si256(quad[0]), quad[1], 1);
+    const __m256i hi = _mm256_inserti128_si256(_mm256_castsi128_si256(quad[2]), quad[3], 1);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+/* Blocks b and b + 1 (b alone unless two) of the eight rows into acc, rows_dot_avx2's float steps per
+ * block with both blocks in one vector (lane r block b, lane 8 + r block b + 1), then added to acc block
+ * by block. */
+static inline __attribute__((always_inline)) __m256 pair_step(const int qtype, const int two,
+                                                              const uint8_t *const rows[8], int64_t bytes,
+                                                              const int8_t *q, const float *dx, const float *sx,
+                                                              const int32_t *qsum, int64_t b, __m256 acc) {
+    const int affine = qtype == Q8_Q4_1 || qtype == Q8_Q5_1;
+    const int shift = offset_bits(qtype);
+    const __m512i qv = two ? _mm512_loadu_si512((const void *)(q + 32 * b))
+                           : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(q + 32 * b)));
+    __m512i v[8];
+    for (int r = 0; r < 8; ++r)
+        v[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), pair_bytes(qtype, rows[r] + b * bytes, bytes, two), qv);
+    __m512i isum = pair_sums(v);
+    if (shift) { /* minus o * qsum, block by block */
+        const __m256i next = _mm256_set1_epi32(two ? qsum[b + 1] : 0);
+        const __m512i sums = _mm512_inserti64x4(_mm512_set1_epi32(qsum[b]), next, 1);
+        isum = _mm512_sub_epi32(isum, _mm512_slli_epi32(sums, (unsigned)shift));
+    }
+    const __m512i words = header_words(rows, b * bytes, bytes, two);
+    const __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
+    __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, pair_bcast(dx + b, two)));
+    if (affine) {
+        const __m512 mw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16)));
+        t = _mm512_add_ps(t, _mm512_mul_ps(mw, pair_bcast(sx + b, two)));
+    }
+    acc = _mm256_add_ps(acc, _mm512_castps512_ps256(t));
+    if (two) acc = _mm256_add_ps(acc, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1)));
+    return acc;
+}
+
+static inline __attribute__((always_inline)) __m256 rows_dot_avx512(const int qtype, const uint8_t *const rows[8],
+                                                                    int64_t bytes, const int8_t *q,
+                                                                    const float *dx, const float *sx,
+                                                                    const int32_t *qsum, int64_t nb,
+                                                                    const ahead_window *ahead) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        ask_step(ahead, b / 2);
+        acc = pair_step(qtype, 1, rows, bytes, q, dx, sx, qsum, b, acc);
+    }
+    if (b < nb) {
+        ask_step(ahead, b / 2);
+        acc = pair_step(qtype, 0, rows, bytes, q, dx, sx, qsum, b, acc);
+    }
+    return acc;
+}
+
+static void group_avx512(int qtype, const uint8_t *w, int64_t row_bytes, int64_t bytes, int64_t n, int nr,
+                         const int8_t *q, const float *dx, const float *sx, const int32_t *qsum, int64_t nb,
+                         const ahead_window *ahead, float out[8]) {
+    const uint8_t *rows[8];
+    for (int r = 0; r < 8; ++r) rows[r] = w + (n + (r < nr ? r : 0)) * row_bytes;
+    __m256 acc;
+    switch (qtype) {
+    case Q8_Q4_0: acc = rows_dot_avx512(Q8_Q4_0, rows, bytes, q, dx, sx, qsum, nb, ahead); break;
+    case Q8_Q4_1: acc = rows_dot_avx512(Q8_Q4_1, rows, bytes, q, dx, sx, qsum, nb, ahead); break;
+    case Q8_Q5_0: acc = rows_dot_avx512(Q8_Q5_0, rows, bytes, q, dx, sx, qsum, nb, ahead); break;
+    case Q8_Q5_1: acc = rows_dot_avx512(Q8_Q5_1, rows, bytes, q, dx, sx, qsum, nb, ahead); break;
+    default: acc = rows_dot_avx512(Q8_Q8_0, rows, bytes, q, dx, sx, qsum, nb, ahead); break;
+    }
+    _mm256_storeu_ps(out, acc);
+}
+#endif
+
 /* The eight rows Q8_PREFETCH_ROWS (below) ahead are asked for while a group computes (prefetch.h: spread over the
  * first x row's loop with AVX2, one burst before the group in the portable build). */
 #ifndef Q8_AVX2
@@ -356,26 +535,35 @@ static inline void prefetch_rows(const uint8_t *w, int64_t row_bytes, int64_t fi
 }
 #endif
 
-/* Outputs n .. n + nr - 1 (nr <= 8) of every x row, from the quantised rows (q, dx, sx: m_rows rows of k),
+/* Outputs n .. n + nr - 1 (nr <= 8) of every x row, from the quantised rows (xq: m_rows rows of k),
  * written at y[m * y_stride + n + r] (bias indexed by n + r); the rows ahead are asked for up to row n_end.
  * An output's operations depend on its own weight row and x row only, not on where its group of eight
  * starts: any split of the outputs gives the same bits. */
 static void q8_group(int qtype, const uint8_t *w, int64_t row_bytes, int64_t bytes, int64_t n, int nr,
-                     int64_t n_end, const int8_t *q, const float *dx, const float *sx, int64_t m_rows, int64_t k,
-                     const float *bias, float *y, int64_t y_stride) {
+                     int64_t n_end, const q8_rows *xq, int64_t m_rows, int64_t k, const float *bias, float *y,
+                     int64_t y_stride) {
     const int64_t nb = k / 32;
+    const int8_t *q = xq->q;
+    const float *dx = xq->dx, *sx = xq->sx;
 #ifdef Q8_AVX2
     if (m_rows > 1) {
         group_many_avx2(qtype, w, row_bytes, bytes, n, nr, n_end, q, dx, sx, m_rows, k, bias, y, y_stride);
         return;
     }
+#ifdef Q8_AVX512
+    const ahead_window ahead = window_ahead(w, row_bytes, n, n_end, 8, Q8_PREFETCH_ROWS, (nb + 1) / 2);
+#else
     const ahead_window ahead = window_ahead(w, row_bytes, n, n_end, 8, Q8_PREFETCH_ROWS, steps_of(qtype, nb));
+#endif
 #else
     prefetch_rows(w, row_bytes, n + Q8_PREFETCH_ROWS, n_end);
 #endif
     for (int64_t m = 0; m < m_rows; ++m) {
         float out[8];
-#ifdef Q8_AVX2
+#if defined(Q8_AVX512)
+        group_avx512(qtype, w, row_bytes, bytes, n, nr, q + m * k, dx + m * nb, sx + m * nb, xq->qsum + m * nb, nb,
+                     &ahead, out); /* one x row here: more take group_many_avx2 */
+#elif defined(Q8_AVX2)
         group_avx2(qtype, w, row_bytes, bytes, n, nr, q + m * k, dx + m * nb, sx + m * nb, nb, &ahead,
                    out); /* one x row here: more take group_many_avx2 */
 #else
@@ -387,22 +575,9 @@ static void q8_group(int qtype, const uint8_t *w, int64_t row_bytes, int64_t byt
     }
 }
 
-/* The quantised form of m_rows x rows of k in one buffer: the scales dx [m_rows, k / 32], the scaled sums
- * sx [m_rows, k / 32], then the bytes q [m_rows, k]. */
-typedef struct {
-    int8_t *q;
-    float *dx, *sx;
-} q8_rows;
-
-static q8_rows q8_rows_in(void *buf, int64_t m_rows, int64_t k) {
-    float *scales = buf;
-    const int64_t nb = k / 32;
-    return (q8_rows){(int8_t *)(scales + 2 * m_rows * nb), scales, scales + m_rows * nb};
-}
-
 /* The bytes quant_q8_quantize needs for m_rows rows of k (k a multiple of 32). */
 int64_t quant_q8_buffer_bytes(int64_t m_rows, int64_t k) {
-    return (int64_t)sizeof(float) * 2 * m_rows * (k / 32) + m_rows * k;
+    return (int64_t)sizeof(float) * 3 * m_rows * (k / 32) + m_rows * k;
 }
 
 /* x [m_rows, k] rounded to 8-bit blocks into buf (quant_q8_buffer_bytes(m_rows, k) bytes, float-aligned):
@@ -412,7 +587,8 @@ int quant_q8_quantize(const float *x, int64_t m_rows, int64_t k, void *buf) {
     if (k % 32) return -1;
     const q8_rows r = q8_rows_in(buf, m_rows, k);
     const int64_t nb = k / 32;
-    for (int64_t m = 0; m < m_rows; ++m) quantize_row(x + m * k, k, r.q + m * k, r.dx + m * nb, r.sx + m * nb);
+    for (int64_t m = 0; m < m_rows; ++m)
+        quantize_row(x + m * k, k, r.q + m * k, r.dx + m * nb, r.sx + m * nb, r.qsum + m * nb);
     return 0;
 }
 
@@ -429,7 +605,7 @@ int quant_gemm_q8_rows(const void *buf, int64_t m_rows, const uint8_t *w, int64_
     const q8_rows r = q8_rows_in((void *)buf, m_rows, k);
     for (int64_t n = n_begin; n < n_end; n += 8) {
         const int nr = n_end - n >= 8 ? 8 : (int)(n_end - n);
-        q8_group(qtype, w, row_bytes, bytes, n, nr, n_end, r.q, r.dx, r.sx, m_rows, k, bias, y, y_stride);
+        q8_group(qtype, w, row_bytes, bytes, n, nr, n_end, &r, m_rows, k, bias, y, y_stride);
     }
     return 0;
 }
@@ -449,7 +625,7 @@ int quant_gemm_q8(const float *x, int64_t m_rows, const uint8_t *w, int64_t row_
     for (int64_t g = 0; g < groups; ++g) {
         const int64_t n = 8 * g;
         const int nr = n_out - n >= 8 ? 8 : (int)(n_out - n);
-        q8_group(qtype, w, row_bytes, bytes, n, nr, n_out, r.q, r.dx, r.sx, m_rows, k, bias, y, n_out);
+        q8_group(qtype, w, row_bytes, bytes, n, nr, n_out, &r, m_rows, k, bias, y, n_out);
     }
     free(buf);
     return 0;
@@ -458,9 +634,12 @@ int quant_gemm_q8(const float *x, int64_t m_rows, const uint8_t *w, int64_t row_
 /* Whether qtype has a q8 kernel (for the Python side's refusal). */
 int quant_q8_supports(int qtype) { return q8_block_bytes(qtype) != 0; }
 
-/* The instruction set the integer dot products use: 0 portable, 1 AVX2 maddubs, 2 VNNI dpbusd. */
+/* The instruction set the integer dot products use: 0 portable, 1 AVX2 maddubs, 2 VNNI dpbusd at 256 bits,
+ * 3 the same with the one-row body at 512 bits (AVX-512 VNNI). */
 int quant_q8_variant(void) {
-#if defined(Q8_AVX2) && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
+#if defined(Q8_AVX512)
+    return 3;
+#elif defined(Q8_AVX2) && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
     return 2;
 #elif defined(Q8_AVX2)
     return 1;
