@@ -134,11 +134,12 @@ def _weight(qtype: QType, out: int, k: int, seed: int) -> QuantizedWeight:
     return weight
 
 
-@pytest.mark.parametrize("rows", [1, 2, 9, 70])
+@pytest.mark.parametrize("rows", [1, 2, 9, 70, 140])
 @pytest.mark.parametrize("qtype", Q8_TYPES, ids=lambda q: q.name)
 def test_the_q8_kernel_is_the_integer_arithmetic_exactly(library, qtype, rows):
-    """One row takes the one-row kernel, more rows the many-row one (each block widened once for all of
-    them; 70 rows: two passes of at most 64), and each equals the integer reference bit for bit."""
+    """One row takes the one-row kernel, more rows a many-row one (each block widened once for all of
+    them; AVX2: 70 rows are two passes of at most 64; AVX-512: from 8 rows on, x rows in panels of 16, a
+    short last one, 140 rows two passes of at most 128), and each equals the integer reference bit for bit."""
     kernels = QuantKernels(library)
     # 8-row groups with a short last one; several blocks; more blocks than Q8_0's by-rows chunk of 32
     for out, k in ((37, 96), (21, 576), (11, 1088)):
@@ -182,12 +183,12 @@ def _column_slices(library: ctypes.CDLL, x: torch.Tensor, weight: QuantizedWeigh
     return y[:, :n]
 
 
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, 20])
 @pytest.mark.parametrize("qtype", Q8_TYPES, ids=lambda q: q.name)
 def test_column_slices_of_the_q8_kernel_have_its_bits(library, qtype, rows):
     """decoder_layers.c splits each GEMM's outputs over its threads at any row, multiple of 8 or not:
     every split gives the whole kernel's bits, with and without a bias (one x row: the one-row body, its
-    odd last block too; three: the many-row one)."""
+    odd last block too; three: the many-row one; 20: AVX-512's panels, a short second one)."""
     weight, x = _weight(qtype, 37, 96, seed=4), _x(rows, 96, seed=4)
     bias = torch.randn(37, generator=torch.Generator().manual_seed(4))
     for b in (None, bias):

@@ -44,7 +44,10 @@
 #include <immintrin.h>
 #define Q8_AVX2 1
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
-#define Q8_AVX512 1 /* the one-row body at 512 bits (group_avx512) */
+#define Q8_AVX512 1 /* the one-row body at 512 bits (group_avx512), the panels from 8 x rows on */
+#ifndef Q8_PANEL_MIN_ROWS
+#define Q8_PANEL_MIN_ROWS 8
+#endif
 #endif
 #endif
 
@@ -353,19 +356,67 @@ static void group_many_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int6
 
 
 /* The quantised form of m_rows x rows of k in one buffer: the scales dx [m_rows, k / 32], the scaled sums
- * sx [m_rows, k / 32], the integer sums qsum [m_rows, k / 32], then the bytes q [m_rows, k]. */
+ * sx [m_rows, k / 32], the integer sums qsum [m_rows, k / 32], the bytes q [m_rows, k]; then, in AVX-512
+ * builds, the same rows as panels of Q8_PANEL (below) for the many-row body: for panel p, block b and
+ * 4-byte group g, the 16 rows' 4 bytes side by side (pq, each q + 128 as an unsigned byte; rows past m_rows
+ * zero), and the 16 rows' dx and sx per block (pdx, psx [panels, k / 32, 16]). */
+#define Q8_PANEL 16
 typedef struct {
     int8_t *q;
     float *dx, *sx;
     int32_t *qsum;
+    uint8_t *pq;
+    float *pdx, *psx;
 } q8_rows;
 
+#ifdef Q8_AVX512
+static int64_t panels_of(int64_t m_rows) { return (m_rows + Q8_PANEL - 1) / Q8_PANEL; }
+#endif
+
+/* The buffer's layout; with panels, pq starts at a 64-byte boundary (the buffer holds 64 bytes more). */
 static q8_rows q8_rows_in(void *buf, int64_t m_rows, int64_t k) {
     float *scales = buf;
     const int64_t nb = k / 32;
-    return (q8_rows){(int8_t *)(scales + 3 * m_rows * nb), scales, scales + m_rows * nb,
-                     (int32_t *)(scales + 2 * m_rows * nb)};
+    q8_rows r = {(int8_t *)(scales + 3 * m_rows * nb), scales, scales + m_rows * nb,
+                 (int32_t *)(scales + 2 * m_rows * nb), NULL, NULL, NULL};
+#ifdef Q8_AVX512
+    const uintptr_t end = (uintptr_t)(r.q + m_rows * k);
+    r.pq = (uint8_t *)((end + 63) / 64 * 64);
+    r.pdx = (float *)(r.pq + panels_of(m_rows) * Q8_PANEL * k);
+    r.psx = r.pdx + panels_of(m_rows) * nb * Q8_PANEL;
+#endif
+    return r;
 }
+
+/* The bytes quant_q8_quantize needs for m_rows rows of k (k a multiple of 32). */
+int64_t quant_q8_buffer_bytes(int64_t m_rows, int64_t k) {
+    const int64_t rows = (int64_t)sizeof(float) * 3 * m_rows * (k / 32) + m_rows * k;
+#ifdef Q8_AVX512
+    const int64_t panels = panels_of(m_rows) * Q8_PANEL;
+    return rows + 64 + panels * k + (int64_t)sizeof(float) * 2 * panels * (k / 32);
+#else
+    return rows;
+#endif
+}
+
+#ifdef Q8_AVX512
+/* The panels of the rows already quantised in r (see q8_rows). */
+static void fill_panels(const q8_rows *r, int64_t m_rows, int64_t k) {
+    const int64_t nb = k / 32, panels = panels_of(m_rows);
+    memset(r->pq, 0, (size_t)(panels * Q8_PANEL * k));
+    memset(r->pdx, 0, sizeof(float) * (size_t)(2 * panels * nb * Q8_PANEL));
+    for (int64_t m = 0; m < m_rows; ++m) {
+        const int64_t p = m / Q8_PANEL, lane = m % Q8_PANEL;
+        uint8_t *panel = r->pq + p * Q8_PANEL * k;
+        for (int64_t j = 0; j < k; j += 4) /* group j / 4: bytes at (j / 4) * 64 + lane * 4 */
+            for (int i = 0; i < 4; ++i) panel[(j / 4) * 64 + lane * 4 + i] = (uint8_t)(r->q[m * k + j + i] ^ 0x80);
+        for (int64_t b = 0; b < nb; ++b) {
+            r->pdx[(p * nb + b) * Q8_PANEL + lane] = r->dx[m * nb + b];
+            r->psx[(p * nb + b) * Q8_PANEL + lane] = r->sx[m * nb + b];
+        }
+    }
+}
+#endif
 
 #ifdef Q8_AVX512
 /* The one-row body at 512 bits: two blocks of a weight row against 64 activation bytes per dpbusd, where
@@ -522,6 +573,132 @@ static void group_avx512(int qtype, const uint8_t *w, int64_t row_bytes, int64_t
     }
     _mm256_storeu_ps(out, acc);
 }
+/* The many-row body at 512 bits: x rows in lanes. For 16 x rows (a panel) and one weight block, each of
+ * the block's eight 4-byte groups is one dpbusd of the panel's group (16 rows' 4 bytes, q + 128) by the
+ * group's 4 weight bytes broadcast to every lane (the signed integers, widened once per block for all the
+ * panels), so a block's int32 sum lands in each row's own lane with no reduction across lanes, and the
+ * + 128 comes back out as 128 * sum_j w_j. The float steps per lane are the one-row bodies' (scale = dw *
+ * dx, t = isum * scale [+ mw * sx], acc + t in block order), so every output has their bits. */
+#define Q8_PANEL_CHUNK 32 /* blocks of the eight rows widened at a time (8 KB of bytes) */
+#define Q8_PANEL_PASS 8   /* panels per pass: 128 x rows, their accumulators on the stack */
+
+/* The eight rows' blocks b0 .. b0 + cb - 1 as signed bytes in weight order (wb), with each block's
+ * 128 * sum_j w_j (wsum) and its scales (dw, mw) as floats. */
+typedef struct {
+    int8_t wb[Q8_PANEL_CHUNK][8][32];
+    int32_t wsum[Q8_PANEL_CHUNK][8];
+    float dw[Q8_PANEL_CHUNK][8], mw[Q8_PANEL_CHUNK][8];
+} panel_weights;
+
+static inline __attribute__((always_inline)) __m256i signed_block(const int qtype, const uint8_t *block) {
+    if (qtype == Q8_Q8_0) return _mm256_loadu_si256((const __m256i *)(block + 2));
+    const int five = qtype == Q8_Q5_0 || qtype == Q8_Q5_1, affine = qtype == Q8_Q4_1 || qtype == Q8_Q5_1;
+    const int64_t qh = affine ? 4 : 2, qs = qh + (five ? 4 : 0);
+    const __m128i nib = _mm_loadu_si128((const __m128i *)(block + qs)), low = _mm_set1_epi8(15);
+    __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(nib, low)),
+                                        _mm_and_si128(_mm_srli_epi16(nib, 4), low), 1);
+    if (five) v = _mm256_mask_add_epi8(v, (__mmask32)bits32(block + qh, 1), v, _mm256_set1_epi8(16));
+    if (!affine) v = _mm256_sub_epi8(v, _mm256_set1_epi8(five ? 16 : 8));
+    return v;
+}
+
+static inline __attribute__((always_inline)) void widen_panel_weights(const int qtype,
+                                                                     const uint8_t *const rows[8],
+                                                                     int64_t bytes, int64_t b0, int64_t cb,
+                                                                     const ahead_window *ahead,
+                                                                     panel_weights *pw) {
+    const int affine = qtype == Q8_Q4_1 || qtype == Q8_Q5_1;
+    for (int64_t c = 0; c < cb; ++c) {
+        ask_step(ahead, b0 + c);
+        for (int r = 0; r < 8; ++r) {
+            const uint8_t *block = rows[r] + (b0 + c) * bytes;
+            const __m256i v = signed_block(qtype, block);
+            _mm256_storeu_si256((__m256i *)pw->wb[c][r], v);
+            /* sum of the 32 signed bytes: their + 128 summed 8 at a time by sad, less 32 * 128 */
+            const __m256i sad = _mm256_sad_epu8(_mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)),
+                                                _mm256_setzero_si256());
+            const __m128i half = _mm_add_epi64(_mm256_castsi256_si128(sad), _mm256_extracti128_si256(sad, 1));
+            const int64_t sum = _mm_cvtsi128_si64(_mm_add_epi64(half, _mm_unpackhi_epi64(half, half)));
+            pw->wsum[c][r] = 128 * (int32_t)(sum - 32 * 128);
+            pw->dw[c][r] = f16_at(block);
+            pw->mw[c][r] = affine ? f16_at(block + 2) : 0.f;
+        }
+    }
+}
+
+/* The eight rows against panels p0 .. p1 - 1 over blocks b0 .. b0 + cb - 1, into acc[p - p0][r]. */
+static inline __attribute__((always_inline)) void panel_blocks(const int affine, const panel_weights *pw,
+                                                              const q8_rows *xq, int64_t k, int64_t p0,
+                                                              int64_t p1, int64_t b0, int64_t cb,
+                                                              __m512 acc[][8]) {
+    const int64_t nb = k / 32;
+    for (int64_t p = p0; p < p1; ++p) {
+        const uint8_t *panel = xq->pq + p * Q8_PANEL * k;
+        for (int64_t c = 0; c < cb; ++c) {
+            const int64_t b = b0 + c;
+            __m512i qv[8];
+            for (int g = 0; g < 8; ++g) qv[g] = _mm512_load_si512((const void *)(panel + (8 * b + g) * 64));
+            const __m512 dx = _mm512_loadu_ps(xq->pdx + (p * nb + b) * Q8_PANEL);
+            const __m512 sx = _mm512_loadu_ps(xq->psx + (p * nb + b) * Q8_PANEL);
+            for (int r = 0; r < 8; ++r) {
+                const int8_t *wb = pw->wb[c][r];
+                __m512i isum = _mm512_setzero_si512();
+                for (int g = 0; g < 8; ++g) /* the 4 bytes broadcast by the load (a move through a GPR: 15% slower) */
+                    isum = _mm512_dpbusd_epi32(isum, qv[g], _mm512_broadcastd_epi32(_mm_loadu_si32(wb + 4 * g)));
+                isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(pw->wsum[c][r]));
+                const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(pw->dw[c][r]), dx);
+                __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), scale);
+                if (affine) t = _mm512_add_ps(t, _mm512_mul_ps(_mm512_set1_ps(pw->mw[c][r]), sx));
+                acc[p - p0][r] = _mm512_add_ps(acc[p - p0][r], t);
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void panels_dot_avx512(const int qtype, const uint8_t *const rows[8],
+                                                                    int64_t bytes, int nr, int64_t n,
+                                                                    const q8_rows *xq, int64_t m_rows, int64_t k,
+                                                                    const ahead_window *ahead, const float *bias,
+                                                                    float *y, int64_t y_stride) {
+    const int affine = qtype == Q8_Q4_1 || qtype == Q8_Q5_1;
+    const int64_t nb = k / 32, panels = panels_of(m_rows);
+    const ahead_window none = {NULL, 0, 0};
+    panel_weights pw;
+    for (int64_t p0 = 0; p0 < panels; p0 += Q8_PANEL_PASS) {
+        const int64_t p1 = panels - p0 < Q8_PANEL_PASS ? panels : p0 + Q8_PANEL_PASS;
+        __m512 acc[Q8_PANEL_PASS][8];
+        for (int64_t p = 0; p < p1 - p0; ++p)
+            for (int r = 0; r < 8; ++r) acc[p][r] = _mm512_setzero_ps();
+        for (int64_t b0 = 0; b0 < nb; b0 += Q8_PANEL_CHUNK) {
+            const int64_t cb = nb - b0 < Q8_PANEL_CHUNK ? nb - b0 : Q8_PANEL_CHUNK;
+            widen_panel_weights(qtype, rows, bytes, b0, cb, p0 == 0 ? ahead : &none, &pw);
+            panel_blocks(affine, &pw, xq, k, p0, p1, b0, cb, acc);
+        }
+        for (int64_t p = p0; p < p1; ++p)
+            for (int r = 0; r < nr; ++r) {
+                float out[Q8_PANEL];
+                _mm512_storeu_ps(out, acc[p - p0][r]);
+                for (int64_t m = p * Q8_PANEL; m < m_rows && m < (p + 1) * Q8_PANEL; ++m)
+                    y[m * y_stride + n + r] = bias ? out[m % Q8_PANEL] + bias[n + r] : out[m % Q8_PANEL];
+            }
+    }
+}
+
+/* q8_group's outputs for m_rows >= Q8_PANEL_MIN_ROWS x rows, from the panels. */
+static void group_panels_avx512(int qtype, const uint8_t *w, int64_t row_bytes, int64_t bytes, int64_t n, int nr,
+                                int64_t n_end, const q8_rows *xq, int64_t m_rows, int64_t k, const float *bias,
+                                float *y, int64_t y_stride) {
+    const uint8_t *rows[8];
+    for (int r = 0; r < 8; ++r) rows[r] = w + (n + (r < nr ? r : 0)) * row_bytes;
+    const ahead_window ahead = window_ahead(w, row_bytes, n, n_end, 8, Q8_PREFETCH_ROWS, k / 32);
+    switch (qtype) {
+    case Q8_Q4_0: panels_dot_avx512(Q8_Q4_0, rows, bytes, nr, n, xq, m_rows, k, &ahead, bias, y, y_stride); break;
+    case Q8_Q4_1: panels_dot_avx512(Q8_Q4_1, rows, bytes, nr, n, xq, m_rows, k, &ahead, bias, y, y_stride); break;
+    case Q8_Q5_0: panels_dot_avx512(Q8_Q5_0, rows, bytes, nr, n, xq, m_rows, k, &ahead, bias, y, y_stride); break;
+    case Q8_Q5_1: panels_dot_avx512(Q8_Q5_1, rows, bytes, nr, n, xq, m_rows, k, &ahead, bias, y, y_stride); break;
+    default: panels_dot_avx512(Q8_Q8_0, rows, bytes, nr, n, xq, m_rows, k, &ahead, bias, y, y_stride); break;
+    }
+}
 #endif
 
 /* The eight rows Q8_PREFETCH_ROWS (below) ahead are asked for while a group computes (prefetch.h: spread over the
@@ -545,6 +722,12 @@ static void q8_group(int qtype, const uint8_t *w, int64_t row_bytes, int64_t byt
     const int64_t nb = k / 32;
     const int8_t *q = xq->q;
     const float *dx = xq->dx, *sx = xq->sx;
+#ifdef Q8_AVX512
+    if (m_rows >= Q8_PANEL_MIN_ROWS) {
+        group_panels_avx512(qtype, w, row_bytes, bytes, n, nr, n_end, xq, m_rows, k, bias, y, y_stride);
+        return;
+    }
+#endif
 #ifdef Q8_AVX2
     if (m_rows > 1) {
         group_many_avx2(qtype, w, row_bytes, bytes, n, nr, n_end, q, dx, sx, m_rows, k, bias, y, y_stride);
@@ -575,11 +758,6 @@ static void q8_group(int qtype, const uint8_t *w, int64_t row_bytes, int64_t byt
     }
 }
 
-/* The bytes quant_q8_quantize needs for m_rows rows of k (k a multiple of 32). */
-int64_t quant_q8_buffer_bytes(int64_t m_rows, int64_t k) {
-    return (int64_t)sizeof(float) * 3 * m_rows * (k / 32) + m_rows * k;
-}
-
 /* x [m_rows, k] rounded to 8-bit blocks into buf (quant_q8_buffer_bytes(m_rows, k) bytes, float-aligned):
  * the rows every quant_gemm_q8_rows call over this x reads. The same code as quant_gemm_q8's own, so the
  * same bytes. Returns 0, -1 for k not a multiple of 32. */
@@ -589,6 +767,9 @@ int quant_q8_quantize(const float *x, int64_t m_rows, int64_t k, void *buf) {
     const int64_t nb = k / 32;
     for (int64_t m = 0; m < m_rows; ++m)
         quantize_row(x + m * k, k, r.q + m * k, r.dx + m * nb, r.sx + m * nb, r.qsum + m * nb);
+#ifdef Q8_AVX512
+    if (m_rows >= Q8_PANEL_MIN_ROWS) fill_panels(&r, m_rows, k);
+#endif
     return 0;
 }
 
