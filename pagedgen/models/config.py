@@ -336,13 +336,19 @@ class ModelConfig:
             )
         if self.architecture in GEMMA_FAMILIES:
             data.update(
-                query_pre_attn_scalar=self.query_scale,
+                query_pre_attn_scalar=_hf_int(self.query_scale),
                 attn_logit_softcapping=self.attn_softcap,
                 final_logit_softcapping=self.final_softcap,
             )
             if self.local_rope is not None:
                 data["rope_parameters"] = {FULL: rope_parameters, SLIDING: _rope_dict(self.local_rope)}
         return data
+
+
+def _hf_int(value: float | None) -> JsonValue:
+    """An integral ``value`` as the int transformers' config classes declare (their strict validation
+    refuses ``256.0`` for an ``int`` field); others as they are."""
+    return int(value) if value is not None and float(value).is_integer() else value
 
 
 def _rope_dict(rope: RopeConfig) -> dict[str, JsonValue]:

@@ -43,8 +43,9 @@ from pagedgen.ops.matmul.qweight import NATIVE_GGUF_TYPES, QuantizedWeight
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 3  # bump when the entry layout or the dequantisation changes (2: native.safetensors; 3: its
-# fused projections back to back, Q2_K/Q3_K/Q5_x kept as blocks)
+CACHE_FORMAT = 4  # bump when the entry layout or the dequantisation changes (2: native.safetensors; 3: its
+# fused projections back to back, Q2_K/Q3_K/Q5_x kept as blocks; 4: config.json's query_pre_attn_scalar an
+# int, as transformers' config classes require)
 _HASH_CHUNK = 1 << 22
 CHUNK_BYTES = 8 << 20  # float32 bytes of one chunk of rows written to model.safetensors
 # Files this large are built in a child process (:func:`build_entry_in_child`); smaller ones (test files,

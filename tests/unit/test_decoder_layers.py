@@ -123,9 +123,10 @@ def test_fused_decode_equals_the_per_layer_loop(tmp_path, need_kernels, qtype, b
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_the_fused_step_has_the_per_layer_bits_at_any_thread_count(tmp_path, need_kernels, threads, batch):
-    """The fused step splits every GEMM's columns over its threads, and attention by kv heads (batch 1; 3
-    threads: a thread without a kv head, 2 kv heads here) or by rows (batch 4): every split gives the
-    per-layer loop's bits."""
+    """The fused step splits every GEMM's columns over its threads (q/k/v at head boundaries, each thread
+    writing the k and v heads of its columns to the cache), and attention by query heads (batch 1; 3
+    threads over 4 query heads of 2 kv heads: one thread takes the second head of the first kv head's
+    group) or by rows (batch 4): every split gives the per-layer loop's bits."""
     model = _gguf_model(tmp_path, "Q4_1")
     fused_logits, fused_cache = _run(model, True, PROMPTS[:batch], decode_threads=threads)
     plain_logits, plain_cache = _run(model, False, PROMPTS[:batch])
@@ -137,8 +138,9 @@ def test_the_fused_step_has_the_per_layer_bits_at_any_thread_count(tmp_path, nee
         assert torch.equal(got, expected)
 
 
-def _attention_share(tables: list[list[int]], kv_lens: list[int], kv_heads: int, threads: int):
-    """The fused step's attention split: ``(first row, end row, first kv head, end kv head)`` per thread."""
+def _attention_share(tables: list[list[int]], kv_lens: list[int], q_heads: int, threads: int):
+    """The fused step's attention split: ``(first row, end row, first query head, end query head)`` per
+    thread."""
     library = native.native_library()
     share = library.decoder_attention_share
     share.restype = None
@@ -150,7 +152,7 @@ def _attention_share(tables: list[list[int]], kv_lens: list[int], kv_heads: int,
         ctypes.c_int64(table.shape[1]),
         ctypes.c_void_p(lens.ctypes.data),
         ctypes.c_int64(len(kv_lens)),
-        ctypes.c_int64(kv_heads),
+        ctypes.c_int64(q_heads),
         ctypes.c_int(threads),
         ctypes.c_void_p(out.ctypes.data),
     )
@@ -174,7 +176,7 @@ def _attention_share(tables: list[list[int]], kv_lens: list[int], kv_heads: int,
             [(0, 7, 0, 3), (7, 10, 0, 3)],
         ),
         ([[0], [1], [2], [3]], [9, 9, 9, 9], 3, [(0, 1, 0, 3), (1, 3, 0, 3), (3, 4, 0, 3)]),
-        # fewer rows than threads, or one sequence's drafts: every row, a run of kv heads
+        # fewer rows than threads, or one sequence's drafts: every row, a run of query heads
         ([[0]], [9], 2, [(0, 1, 0, 1), (0, 1, 1, 3)]),
         ([[3, 1]] * 5, [5, 6, 7, 8, 9], 2, [(0, 5, 0, 1), (0, 5, 1, 3)]),
         ([[0], [1], [2], [3]], [9, 9, 9, 9], 1, [(0, 4, 0, 3)]),
@@ -185,8 +187,18 @@ def test_attention_takes_whole_sequences_balanced_by_their_keys(
 ):
     """With rows enough, each thread attends whole rows (its own cache blocks), never splitting one
     sequence's rows (a draft row reads the keys its sequence's earlier rows wrote in the same step);
-    otherwise every thread takes a run of kv heads of every row."""
+    otherwise every thread takes a run of query heads of every row."""
     assert _attention_share(tables, kv_lens, 3, threads) == expected
+
+
+@pytest.mark.parametrize(
+    ("q_heads", "expected"), [(9, [(0, 1, 0, 4), (0, 1, 4, 9)]), (4, [(0, 1, 0, 2), (0, 1, 2, 4)])]
+)
+def test_batch_1_attention_is_cut_by_query_heads(need_kernels, q_heads, expected):
+    """SmolLM2's 9 query heads over 3 kv heads split 4 / 5 on two threads (by kv heads it was 1 / 2: one
+    thread took twice the other's time), and Gemma 3 270M's 4 query heads over its one kv head 2 / 2 (by kv
+    heads one thread had none)."""
+    assert _attention_share([[0]], [100], q_heads, 2) == expected
 
 
 @pytest.mark.parametrize("threads", [2, 3])

@@ -146,6 +146,17 @@ def test_to_hf_dict_round_trips(config):
     assert config_from_hf(config.to_hf_dict(), "c") == config
 
 
+def test_a_gemma_config_dict_is_one_transformers_accepts():
+    """The dict a GGUF cache entry writes as config.json is read by transformers (ONNX Runtime GenAI's
+    model builder, vLLM): its config classes validate field types, and query_pre_attn_scalar is an int."""
+    from transformers import AutoConfig
+
+    config = ModelConfig("gemma3_text", 100, 32, 64, 3, 2, 1, 16, 64, qk_norm=True, query_scale=16.0)
+    data = config.to_hf_dict()
+    hf = AutoConfig.for_model(data.pop("model_type"), **data)
+    assert hf.query_pre_attn_scalar == 16 and type(data["query_pre_attn_scalar"]) is int
+
+
 def test_llama3_inv_freq_matches_transformers():
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

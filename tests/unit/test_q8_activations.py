@@ -48,14 +48,22 @@ def _build(tmp_path_factory, name: str, flags: list[str]) -> ctypes.CDLL:
     return ctypes.CDLL(str(path))
 
 
-@pytest.fixture(scope="module", params=["host", "avx2", "portable"])
+AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c"]
+# the 512-bit one-row body (its integer sums of unsigned bytes, the offsets taken back out)
+AVX512_FLAGS = [*AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
+AVX512_FEATURES = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+
+
+@pytest.fixture(scope="module", params=["host", "avx2", "avx512", "portable"])
 def library(request, tmp_path_factory) -> ctypes.CDLL:
     _need_kernels()
     if request.param == "host":
         return native.native_library()
     if request.param == "avx2" and not {"avx2", "fma", "f16c"} <= set(cpu_features()):
         pytest.skip("this CPU has no AVX2 + FMA + F16C")
-    flags = {"avx2": ["-O3", "-mavx2", "-mfma", "-mf16c"], "portable": ["-O3"]}[request.param]
+    if request.param == "avx512" and not set(cpu_features()) >= AVX512_FEATURES:
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    flags = {"avx2": AVX2_FLAGS, "avx512": AVX512_FLAGS, "portable": ["-O3"]}[request.param]
     return _build(tmp_path_factory, request.param, flags)
 
 
@@ -126,11 +134,12 @@ def _weight(qtype: QType, out: int, k: int, seed: int) -> QuantizedWeight:
     return weight
 
 
-@pytest.mark.parametrize("rows", [1, 2, 9, 70])
+@pytest.mark.parametrize("rows", [1, 2, 9, 70, 140])
 @pytest.mark.parametrize("qtype", Q8_TYPES, ids=lambda q: q.name)
 def test_the_q8_kernel_is_the_integer_arithmetic_exactly(library, qtype, rows):
-    """One row takes the one-row kernel, more rows the many-row one (each block widened once for all of
-    them; 70 rows: two passes of at most 64), and each equals the integer reference bit for bit."""
+    """One row takes the one-row kernel, more rows a many-row one (each block widened once for all of
+    them; AVX2: 70 rows are two passes of at most 64; AVX-512: from 8 rows on, x rows in panels of 16, a
+    short last one, 140 rows two passes of at most 128), and each equals the integer reference bit for bit."""
     kernels = QuantKernels(library)
     # 8-row groups with a short last one; several blocks; more blocks than Q8_0's by-rows chunk of 32
     for out, k in ((37, 96), (21, 576), (11, 1088)):
@@ -174,11 +183,13 @@ def _column_slices(library: ctypes.CDLL, x: torch.Tensor, weight: QuantizedWeigh
     return y[:, :n]
 
 
+@pytest.mark.parametrize("rows", [1, 3, 20])
 @pytest.mark.parametrize("qtype", Q8_TYPES, ids=lambda q: q.name)
-def test_column_slices_of_the_q8_kernel_have_its_bits(library, qtype):
+def test_column_slices_of_the_q8_kernel_have_its_bits(library, qtype, rows):
     """decoder_layers.c splits each GEMM's outputs over its threads at any row, multiple of 8 or not:
-    every split gives the whole kernel's bits, with and without a bias."""
-    weight, x = _weight(qtype, 37, 96, seed=4), _x(3, 96, seed=4)
+    every split gives the whole kernel's bits, with and without a bias (one x row: the one-row body, its
+    odd last block too; three: the many-row one; 20: AVX-512's panels, a short second one)."""
+    weight, x = _weight(qtype, 37, 96, seed=4), _x(rows, 96, seed=4)
     bias = torch.randn(37, generator=torch.Generator().manual_seed(4))
     for b in (None, bias):
         whole = reference(x, weight, b)
@@ -222,6 +233,8 @@ def test_the_host_build_uses_the_widest_integer_dot_product():
     features = set(cpu_features())
     vnni = {"avx512_vnni", "avx512vl"} <= features or "avx_vnni" in features
     expected = 2 if vnni and {"avx2", "f16c"} <= features else 1 if {"avx2", "f16c"} <= features else 0
+    if features >= AVX512_FEATURES:
+        expected = 3
     assert variant() == expected
 
 

@@ -71,6 +71,10 @@ int64_t quant_q8_buffer_bytes(int64_t m_rows, int64_t k);
 int quant_q8_quantize(const float *x, int64_t m_rows, int64_t k, void *buf);
 int quant_gemm_q8_rows(const void *buf, int64_t m_rows, const uint8_t *w, int64_t row_bytes, int qtype, int64_t k,
                        int64_t n_begin, int64_t n_end, const float *bias, float *y, int64_t y_stride);
+void paged_decode_qheads_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
+                             int64_t start, int64_t len, int64_t num_q_heads, int64_t num_kv_heads,
+                             int64_t h_begin, int64_t h_end, int64_t head_dim, int64_t block_size, float scale,
+                             float *scores, float *out);
 void paged_decode_heads_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
                             int64_t start, int64_t len, int64_t num_q_heads, int64_t num_kv_heads,
                             int64_t kv_begin, int64_t kv_end, int64_t head_dim, int64_t block_size, float scale,
@@ -223,34 +227,56 @@ typedef struct {
     void *q8;                   /* quant_q8_buffer_bytes(T, widest k): one GEMM's x rounded to 8 bits */
 } thread_buffers;
 
-/* The attention part of a layer for rows r0 .. r1 - 1 and kv heads g0 .. g1 - 1 of each: q/k norms,
- * rotary, the K/V write, then attention. Every key a row attends from this step (its own, and those of
- * earlier rows of its sequence: draft verification) is written by the same call before it is read, since
- * a call owns either a kv head for all rows or (attention_share) whole sequences. */
+/* Whole heads of width d in columns [0, c) of a run of `heads` heads (c clamped to the run). */
+static int64_t clamp_heads(int64_t c, int64_t d, int64_t heads) {
+    return c <= 0 ? 0 : c >= heads * d ? heads : c / d;
+}
+
+/* The K/V part of a layer for the k and v heads inside output columns c0 .. c1 - 1 of its q/k/v GEMM (this
+ * thread's slice, cut at head boundaries): k norm and rotary, then every row's key and value written to
+ * its slot, all before the barrier that follows the GEMM, so every key a row attends this step (its own,
+ * and those of earlier rows of its sequence: draft verification) is in the cache before attention reads
+ * it, whichever thread attends. */
+static void kv_part(const decoder_layer *layer, const decoder_dims *dims, const decoder_step *step,
+                    const kv_view *view, const float *cos, const float *sin, int64_t c0, int64_t c1) {
+    const int64_t d = dims->head_dim, t = step->tokens;
+    const int64_t q_width = dims->q_heads * d, kv_width = dims->kv_heads * d, qkv_width = q_width + 2 * kv_width;
+    /* kv heads [k0, k1) have their k columns in the slice, [v0, v1) their v columns */
+    const int64_t k0 = clamp_heads(c0 - q_width, d, dims->kv_heads), k1 = clamp_heads(c1 - q_width, d, dims->kv_heads);
+    const int64_t v0 = clamp_heads(c0 - q_width - kv_width, d, dims->kv_heads);
+    const int64_t v1 = clamp_heads(c1 - q_width - kv_width, d, dims->kv_heads);
+    for (int64_t r = 0; r < t; ++r) {
+        float *row = step->qkv + r * qkv_width, *k = row + q_width + k0 * d;
+        const int64_t slot = view->slots[r];
+        if (k0 < k1) {
+            if (layer->k_norm != NULL) head_rms_norm_f32(k, 1, k1 - k0, d, qkv_width, layer->k_norm, dims->eps, 1);
+            rotary_f32(k, 1, k1 - k0, d, qkv_width, cos + r * d, sin + r * d, 1);
+            memcpy(layer->k_cache + slot * kv_width + k0 * d, k, sizeof(float) * (size_t)((k1 - k0) * d));
+        }
+        if (v0 < v1)
+            memcpy(layer->v_cache + slot * kv_width + v0 * d, row + q_width + kv_width + v0 * d,
+                   sizeof(float) * (size_t)((v1 - v0) * d));
+    }
+}
+
+/* The attention part of a layer for rows r0 .. r1 - 1 and query heads h0 .. h1 - 1 of each: q norm and
+ * rotary, then attention over the cache kv_part filled. */
 static void attention_part(const decoder_layer *layer, const decoder_dims *dims, const decoder_step *step,
                            const kv_view *view, const float *cos, const float *sin, int64_t r0, int64_t r1,
-                           int64_t g0, int64_t g1, float *scores) {
-    const int64_t d = dims->head_dim, groups = dims->q_heads / dims->kv_heads;
+                           int64_t h0, int64_t h1, float *scores) {
+    const int64_t d = dims->head_dim;
     const int64_t q_width = dims->q_heads * d, kv_width = dims->kv_heads * d, qkv_width = q_width + 2 * kv_width;
-    if (g0 >= g1) return;
+    if (h0 >= h1) return;
     for (int64_t r = r0; r < r1; ++r) {
-        float *row = step->qkv + r * qkv_width, *q = row + g0 * groups * d, *k = row + q_width + g0 * d;
-        const int64_t heads = (g1 - g0) * groups, kv = g1 - g0;
-        if (layer->q_norm != NULL) {
-            head_rms_norm_f32(q, 1, heads, d, qkv_width, layer->q_norm, dims->eps, 1);
-            head_rms_norm_f32(k, 1, kv, d, qkv_width, layer->k_norm, dims->eps, 1);
-        }
-        rotary_f32(q, 1, heads, d, qkv_width, cos + r * d, sin + r * d, 1);
-        rotary_f32(k, 1, kv, d, qkv_width, cos + r * d, sin + r * d, 1);
-        const int64_t slot = view->slots[r];
-        memcpy(layer->k_cache + slot * kv_width + g0 * d, k, sizeof(float) * (size_t)(kv * d));
-        memcpy(layer->v_cache + slot * kv_width + g0 * d, k + kv_width, sizeof(float) * (size_t)(kv * d));
+        float *q = step->qkv + r * qkv_width + h0 * d;
+        if (layer->q_norm != NULL) head_rms_norm_f32(q, 1, h1 - h0, d, qkv_width, layer->q_norm, dims->eps, 1);
+        rotary_f32(q, 1, h1 - h0, d, qkv_width, cos + r * d, sin + r * d, 1);
     }
     for (int64_t r = r0; r < r1; ++r)
-        paged_decode_heads_f32(step->qkv + step->token_rows[r] * qkv_width, layer->k_cache, layer->v_cache,
-                               view->tables + r * view->table_stride, view->kv_starts ? view->kv_starts[r] : 0,
-                               view->kv_lens[r], dims->q_heads, dims->kv_heads, g0, g1, d, step->block_size,
-                               dims->scale, scores, step->attn + step->token_rows[r] * q_width);
+        paged_decode_qheads_f32(step->qkv + step->token_rows[r] * qkv_width, layer->k_cache, layer->v_cache,
+                                view->tables + r * view->table_stride, view->kv_starts ? view->kv_starts[r] : 0,
+                                view->kv_lens[r], dims->q_heads, dims->kv_heads, h0, h1, d, step->block_size,
+                                dims->scale, scores, step->attn + step->token_rows[r] * q_width);
 }
 
 /* Whether rows r - 1 and r may be one sequence's (draft verification): a sequence's rows are consecutive
@@ -276,14 +302,15 @@ static int64_t rows_boundary(const kv_view *view, int64_t tokens, int64_t total,
     return b;
 }
 
-/* Which rows and kv heads of attention thread tid takes. With at least as many rows as threads, whole
- * rows, balanced by the keys they attend: each thread then reads its own rows' cache blocks (split by kv
- * heads, the threads read the same cache lines, since a position's heads are adjacent, and a 1-kv-head
- * model used one thread). With fewer rows, or when keeping sequences whole would leave a thread without
- * rows, every row and a run of kv heads. Every head of a row is computed by the same code either way, so
- * the bits do not depend on the split. */
-static void attention_share(const kv_view *view, int64_t tokens, int64_t kv_heads, int tid, int nth, int64_t *r0,
-                            int64_t *r1, int64_t *g0, int64_t *g1) {
+/* Which rows and query heads of attention thread tid takes. With at least as many rows as threads, whole
+ * rows, balanced by the keys they attend: each thread then reads its own rows' cache blocks. With fewer
+ * rows (batch 1), or when keeping sequences whole would leave a thread without rows, every row and a run of
+ * query heads: cut by query heads, not kv heads, a model with 3 kv heads splits 5 / 4 query heads instead
+ * of 2 / 1 kv heads on two threads (one thread took twice the other's time), and one with 1 kv head uses
+ * both threads instead of one. Every head of a row is computed by the same code either way, so the bits do
+ * not depend on the split. */
+static void attention_share(const kv_view *view, int64_t tokens, int64_t q_heads, int tid, int nth, int64_t *r0,
+                            int64_t *r1, int64_t *h0, int64_t *h1) {
     if (nth > 1 && tokens >= nth) {
         int64_t total = 0;
         for (int64_t r = 0; r < tokens; ++r) total += view->kv_lens[r] + ROW_COST;
@@ -293,12 +320,12 @@ static void attention_share(const kv_view *view, int64_t tokens, int64_t kv_head
                                   rows_boundary(view, tokens, total, i + 1, nth);
         if (every_part_has_rows) {
             *r0 = rows_boundary(view, tokens, total, tid, nth), *r1 = rows_boundary(view, tokens, total, tid + 1, nth);
-            *g0 = 0, *g1 = kv_heads;
+            *h0 = 0, *h1 = q_heads;
             return;
         }
     }
     *r0 = 0, *r1 = tokens;
-    share(kv_heads, 1, tid, nth, g0, g1);
+    share(q_heads, 1, tid, nth, h0, h1);
 }
 
 /* One thread's part of every layer; the threads meet only where a product feeds the next (five barriers
@@ -309,9 +336,9 @@ static void layers_on_thread(const decoder_layer *layers, int64_t num_layers, co
     const int64_t t = step->tokens, hidden = dims->hidden, d = dims->head_dim, inner = dims->inner;
     const int64_t q_width = dims->q_heads * d, kv_width = dims->kv_heads * d, qkv_width = q_width + 2 * kv_width;
     const float eps = dims->eps;
-    int64_t c0, c1, a0, a1, g0, g1, o0, o1, i0, i1;
-    share(qkv_width, 8, tid, nth, &c0, &c1);
-    attention_share(&step->full, t, dims->kv_heads, tid, nth, &a0, &a1, &g0, &g1);
+    int64_t c0, c1, a0, a1, h0, h1, o0, o1, i0, i1;
+    share(qkv_width, d, tid, nth, &c0, &c1); /* whole heads: kv_part writes the k and v heads of its slice */
+    attention_share(&step->full, t, dims->q_heads, tid, nth, &a0, &a1, &h0, &h1);
     share(hidden, 8, tid, nth, &o0, &o1);
     share(inner, 16, tid, nth, &i0, &i1);
     const float *delta = NULL; /* the previous layer's output (shared, or this thread's normed copy) */
@@ -327,9 +354,10 @@ static void layers_on_thread(const decoder_layer *layers, int64_t num_layers, co
             add_rms_norm_f32(own->x, delta, t, hidden, layer->input_norm, eps, own->h, 1);
         const void *xq = quantised_for(&layer->qkv, own->h, t, hidden, own->q8);
         packed_columns(own->h, xq, t, &layer->qkv, hidden, c0, c1, step->qkv, qkv_width, own->gemm);
+        kv_part(layer, dims, step, view, cos, sin, c0, c1);
         prefetch_columns(&layer->o, o0, o1);
         step_barrier_wait(meet);
-        attention_part(layer, dims, step, view, cos, sin, a0, a1, g0, g1, own->scores);
+        attention_part(layer, dims, step, view, cos, sin, a0, a1, h0, h1, own->scores);
         step_barrier_wait(meet);
         xq = quantised_for(&layer->o, step->attn, t, q_width, own->q8);
         packed_columns(step->attn, xq, t, &layer->o, q_width, o0, o1, step->o, hidden, own->gemm);
@@ -403,8 +431,9 @@ static int kernels_known(const decoder_layer *layers, int64_t num_layers, const 
  *
  * Threads: one parallel region for the whole step. Each thread owns a fixed slice of every GEMM's output
  * columns (gate and up: the same inner columns of both, so it applies the activation to its own slice) and a
- * fixed part of attention (attention_share: whole sequences, or with rows < threads a run of kv heads of
- * every row, so every thread still works), and keeps its own copy of
+ * fixed part of attention (attention_share: whole sequences, or with rows < threads a run of query heads of
+ * every row, so every thread still works; the k and v heads of its q/k/v columns it writes to the cache
+ * before the barrier that ends that GEMM), and keeps its own copy of
  * the residual stream and norm outputs; the threads meet at five barriers per layer instead of the
  * fork and join of every kernel. Every value is computed by the same code as the per-layer path's kernels
  * (the GEMM slices by quant_gemm_rows_f32 or quant_gemm_q8_rows, a head's attention by decode_row), so the
@@ -462,11 +491,11 @@ void decoder_barrier_spin(int64_t spin_ns) { barrier_spin_ns = spin_ns < 0 ? SPI
 int64_t decoder_barrier_naps(void) { return __atomic_load_n(&barrier_naps, __ATOMIC_RELAXED); }
 
 /* attention_share for every thread of nth, for the tests: out[4 i .. 4 i + 3] = thread i's first row, end
- * row, first kv head and end kv head, for a step of `tokens` rows with these tables and key counts. */
+ * row, first query head and end query head, for a step of `tokens` rows with these tables and key counts. */
 void decoder_attention_share(const int32_t *tables, int64_t table_stride, const int32_t *kv_lens, int64_t tokens,
-                             int64_t kv_heads, int nth, int64_t *out) {
+                             int64_t q_heads, int nth, int64_t *out) {
     const kv_view view = {NULL, 0, tables, table_stride, kv_lens, NULL};
     for (int i = 0; i < nth; ++i)
-        attention_share(&view, tokens, kv_heads, i, nth, out + 4 * i, out + 4 * i + 1, out + 4 * i + 2,
+        attention_share(&view, tokens, q_heads, i, nth, out + 4 * i, out + 4 * i + 1, out + 4 * i + 2,
                         out + 4 * i + 3);
 }

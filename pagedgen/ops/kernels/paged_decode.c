@@ -167,6 +167,33 @@ void paged_decode_heads_f32(const float *q, const float *k_cache, const float *v
                    pos_stride, block_size, scale, scores, len, out + first);
 }
 
+/* Query heads h_begin .. h_end - 1 of one row: a run that may begin or end inside a kv head's group (the
+ * fused decode step splits one row's heads over its threads). Each kv head's part of the run is one
+ * decode_row call over that kv head alone, whose per-head operations are those of a call over every head,
+ * so the bits are paged_decode's. Arguments as paged_decode_heads_f32's; scores holds (h_end - h_begin) *
+ * len floats. */
+void paged_decode_qheads_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
+                             int64_t start, int64_t len, int64_t num_q_heads, int64_t num_kv_heads,
+                             int64_t h_begin, int64_t h_end, int64_t head_dim, int64_t block_size, float scale,
+                             float *scores, float *out) {
+    const int64_t groups = num_q_heads / num_kv_heads, pos_stride = num_kv_heads * head_dim;
+    for (int64_t h = h_begin; h < h_end;) {
+        const int64_t g = h / groups, stop = (g + 1) * groups < h_end ? (g + 1) * groups : h_end;
+        const float *qh = q + h * head_dim, *kh = k_cache + g * head_dim, *vh = v_cache + g * head_dim;
+        float *oh = out + h * head_dim;
+        if (head_dim == 64)
+            decode_row(qh, kh, vh, table, start, len, stop - h, 1, 64, pos_stride, block_size, scale, scores, len,
+                       oh);
+        else if (head_dim == 128)
+            decode_row(qh, kh, vh, table, start, len, stop - h, 1, 128, pos_stride, block_size, scale, scores, len,
+                       oh);
+        else
+            decode_row(qh, kh, vh, table, start, len, stop - h, 1, head_dim, pos_stride, block_size, scale, scores,
+                       len, oh);
+        h = stop;
+    }
+}
+
 /* k_cache/v_cache slot s (a [row_len] run, row_len = Hkv * D) = key/value row t for every t with s =
  * slots[t]; key/value rows are key_stride/value_stride floats apart. Returns 1, writing nothing, if a slot
  * is outside [0, num_slots). */

@@ -43,6 +43,12 @@
 #if defined(__AVX2__) && defined(__F16C__)
 #include <immintrin.h>
 #define Q8_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define Q8_AVX512 1 /* the one-row body at 512 bits (group_avx512), the panels from 8 x rows on */
+#ifndef Q8_PANEL_MIN_ROWS
+#define Q8_PANEL_MIN_ROWS 8
+#endif
+#endif
 #endif
 
 enum { Q8_Q4_0 = 2, Q8_Q4_1 = 3, Q8_Q5_0 = 6, Q8_Q5_1 = 7, Q8_Q8_0 = 8 };
@@ -74,8 +80,9 @@ static inline int round_half_away(float v) {
     return t;
 }
 
-/* One x row of k values -> k int8 q, k / 32 scales dx and scaled sums sx (see the top). */
-static void quantize_row(const float *x, int64_t k, int8_t *q, float *dx, float *sx) {
+/* One x row of k values -> k int8 q, k / 32 scales dx, scaled sums sx (see the top) and the blocks' integer
+ * sums qsum (sum_j q_j, for the unsigned-byte dot products of the AVX-512 path). */
+static void quantize_row(const float *x, int64_t k, int8_t *q, float *dx, float *sx, int32_t *qsum) {
     for (int64_t b = 0; b < k / 32; ++b, x += 32, q += 32) {
         float amax = 0.f;
         for (int j = 0; j < 32; ++j) {
@@ -90,6 +97,7 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *dx, float 
         }
         dx[b] = f16_to_f32(f32_to_f16(d));
         sx[b] = f16_to_f32(f32_to_f16((float)sum * d));
+        qsum[b] = sum;
     }
 }
 
@@ -198,6 +206,7 @@ static inline void headers_at(const uint8_t *const rows[8], int64_t offset, int 
     if (affine) *m = _mm256_cvtph_ps(_mm256_extracti128_si256(packed, 1));
 }
 
+#ifndef Q8_AVX512
 /* Eight weight rows (lane r: row rows[r]) against one quantised x row: the portable arithmetic with the
  * rows in lanes, so each lane's operations are row_dot_portable's, in its order.
  *
@@ -265,6 +274,7 @@ static void group_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int64_t b
     }
     _mm256_storeu_ps(out, acc);
 }
+#endif /* the one-row body of AVX2 builds without AVX-512 VNNI */
 /* Eight weight rows against several quantised x rows (q, dx, sx: x rows 0 .. m_rows - 1), into acc[m] (lane r:
  * weight row r). Each weight block is widened to bytes (and, for the signed formats, to its magnitudes) and
  * its headers converted once per Q8_MANY_BLOCKS blocks for every x row, where a call of rows_dot_avx2 per x
@@ -345,6 +355,352 @@ static void group_many_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int6
 #endif
 
 
+/* The quantised form of m_rows x rows of k in one buffer: the scales dx [m_rows, k / 32], the scaled sums
+ * sx [m_rows, k / 32], the integer sums qsum [m_rows, k / 32], the bytes q [m_rows, k]; then, in AVX-512
+ * builds, the same rows as panels of Q8_PANEL (below) for the many-row body: for panel p, block b and
+ * 4-byte group g, the 16 rows' 4 bytes side by side (pq, each q + 128 as an unsigned byte; rows past m_rows
+ * zero), and the 16 rows' dx and sx per block (pdx, psx [panels, k / 32, 16]). */
+#define Q8_PANEL 16
+typedef struct {
+    int8_t *q;
+    float *dx, *sx;
+    int32_t *qsum;
+    uint8_t *pq;
+    float *pdx, *psx;
+} q8_rows;
+
+#ifdef Q8_AVX512
+static int64_t panels_of(int64_t m_rows) { return (m_rows + Q8_PANEL - 1) / Q8_PANEL; }
+#endif
+
+/* The buffer's layout; with panels, pq starts at a 64-byte boundary (the buffer holds 64 bytes more). */
+static q8_rows q8_rows_in(void *buf, int64_t m_rows, int64_t k) {
+    float *scales = buf;
+    const int64_t nb = k / 32;
+    q8_rows r = {(int8_t *)(scales + 3 * m_rows * nb), scales, scales + m_rows * nb,
+                 (int32_t *)(scales + 2 * m_rows * nb), NULL, NULL, NULL};
+#ifdef Q8_AVX512
+    const uintptr_t end = (uintptr_t)(r.q + m_rows * k);
+    r.pq = (uint8_t *)((end + 63) / 64 * 64);
+    r.pdx = (float *)(r.pq + panels_of(m_rows) * Q8_PANEL * k);
+    r.psx = r.pdx + panels_of(m_rows) * nb * Q8_PANEL;
+#endif
+    return r;
+}
+
+/* The bytes quant_q8_quantize needs for m_rows rows of k (k a multiple of 32). */
+int64_t quant_q8_buffer_bytes(int64_t m_rows, int64_t k) {
+    const int64_t rows = (int64_t)sizeof(float) * 3 * m_rows * (k / 32) + m_rows * k;
+#ifdef Q8_AVX512
+    const int64_t panels = panels_of(m_rows) * Q8_PANEL;
+    return rows + 64 + panels * k + (int64_t)sizeof(float) * 2 * panels * (k / 32);
+#else
+    return rows;
+#endif
+}
+
+#ifdef Q8_AVX512
+/* The panels of the rows already quantised in r (see q8_rows). */
+static void fill_panels(const q8_rows *r, int64_t m_rows, int64_t k) {
+    const int64_t nb = k / 32, panels = panels_of(m_rows);
+    memset(r->pq, 0, (size_t)(panels * Q8_PANEL * k));
+    memset(r->pdx, 0, sizeof(float) * (size_t)(2 * panels * nb * Q8_PANEL));
+    for (int64_t m = 0; m < m_rows; ++m) {
+        const int64_t p = m / Q8_PANEL, lane = m % Q8_PANEL;
+        uint8_t *panel = r->pq + p * Q8_PANEL * k;
+        for (int64_t j = 0; j < k; j += 4) /* group j / 4: bytes at (j / 4) * 64 + lane * 4 */
+            for (int i = 0; i < 4; ++i) panel[(j / 4) * 64 + lane * 4 + i] = (uint8_t)(r->q[m * k + j + i] ^ 0x80);
+        for (int64_t b = 0; b < nb; ++b) {
+            r->pdx[(p * nb + b) * Q8_PANEL + lane] = r->dx[m * nb + b];
+            r->psx[(p * nb + b) * Q8_PANEL + lane] = r->sx[m * nb + b];
+        }
+    }
+}
+#endif
+
+#ifdef Q8_AVX512
+/* The one-row body at 512 bits: two blocks of a weight row against 64 activation bytes per dpbusd, where
+ * the AVX2 body takes one block per 256-bit dpbusd after flipping signs. Each block's integers go in as
+ * unsigned bytes (Q8_0's q + 128, Q4_0's and Q5_0's q before their offset of 8 or 16, Q4_1's and Q5_1's q
+ * as stored), so no sign trick is needed, and the offset comes back out in integers: sum_j (u_j - o) q_j =
+ * sum_j u_j q_j - o * qsum, the same int32 as the portable sum. The two blocks' eight lanes per row are
+ * reduced for eight rows at once (three unpack-and-add levels and one lane shuffle), and from there each
+ * block's float operations are rows_dot_avx2's in its order: the same bits. */
+
+/* p's 16 (32) bytes, or zeros when the block is not there (the odd last block of a row: nothing past the
+ * row is read). */
+static inline __m128i bytes16(const uint8_t *p, int there) {
+    return there ? _mm_loadu_si128((const __m128i *)p) : _mm_setzero_si128();
+}
+static inline __m256i bytes32(const uint8_t *p, int there) {
+    return there ? _mm256_loadu_si256((const __m256i *)p) : _mm256_setzero_si256();
+}
+static inline uint64_t bits32(const uint8_t *p, int there) {
+    uint32_t v = 0;
+    if (there) memcpy(&v, p, 4);
+    return v;
+}
+
+/* log2 of the offset o the unsigned bytes of pair_bytes carry over the block's integers (0: none). */
+static inline int offset_bits(const int qtype) {
+    return qtype == Q8_Q8_0 ? 7 : qtype == Q8_Q5_0 ? 4 : qtype == Q8_Q4_0 ? 3 : 0;
+}
+
+/* Blocks b (at block) and b + 1 (block + bytes; zeros unless two) of one weight row as 64 unsigned bytes in
+ * weight order. Nibbles: the two blocks' 16 bytes go to lanes [b, b, b + 1, b + 1], the second of each pair
+ * shifted down by 4, then masked to 4 bits; a Q5 block's 32 fifth bits are the mask of an add of 16. */
+static inline __attribute__((always_inline)) __m512i pair_bytes(const int qtype, const uint8_t *block,
+                                                                int64_t bytes, const int two) {
+    if (qtype == Q8_Q8_0) {
+        const __m256i first = _mm256_loadu_si256((const __m256i *)(block + 2));
+        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(first), bytes32(block + bytes + 2, two), 1);
+        return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80));
+    }
+    const int five = qtype == Q8_Q5_0 || qtype == Q8_Q5_1, affine = qtype == Q8_Q4_1 || qtype == Q8_Q5_1;
+    const int64_t qh = affine ? 4 : 2, qs = qh + (five ? 4 : 0);
+    const __m256i pair = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(block + qs))), bytes16(block + bytes + qs, two), 1);
+    __m512i v = _mm512_shuffle_i64x2(_mm512_castsi256_si512(pair), _mm512_castsi256_si512(pair), 0x50);
+    v = _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xFF00FF00u, v, 4), _mm512_set1_epi8(15));
+    if (five) {
+        const uint64_t bits = bits32(block + qh, 1) | bits32(block + bytes + qh, two) << 32;
+        v = _mm512_mask_add_epi8(v, _cvtu64_mask64(bits), v, _mm512_set1_epi8(16));
+    }
+    return v;
+}
+
+/* v[r]: lanes 0-7 block b of row r, lanes 8-15 block b + 1 -> lane r: row r's sum over block b, lane
+ * 8 + r: over block b + 1. */
+static inline __m512i pair_sums(const __m512i v[8]) {
+    __m512i t[4];
+    for (int i = 0; i < 4; ++i)
+        t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
+                                _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+    /* each 128-bit lane: the four rows' sums over that lane's four int32 */
+    const __m512i u0 = _mm512_add_epi32(_mm512_unpacklo_epi64(t[0], t[1]), _mm512_unpackhi_epi64(t[0], t[1]));
+    const __m512i u1 = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2], t[3]), _mm512_unpackhi_epi64(t[2], t[3]));
+    /* [b rows 0-3, b + 1 rows 0-3, b rows 4-7, b + 1 rows 4-7] */
+    const __m512i both = _mm512_add_epi32(_mm512_shuffle_i64x2(u0, u1, 0x88), _mm512_shuffle_i64x2(u0, u1, 0xDD));
+    return _mm512_shuffle_i64x2(both, both, 0xD8);
+}
+
+/* Lanes 0-7 v[0], lanes 8-15 v[1] (v[0] alone unless two). */
+static inline __m512 pair_bcast(const float *v, const int two) {
+    const __m512d first = _mm512_castps_pd(_mm512_set1_ps(v[0]));
+    return _mm512_castpd_ps(_mm512_insertf64x4(first, _mm256_castps_pd(_mm256_set1_ps(two ? v[1] : 0.f)), 1));
+}
+
+/* The first four bytes of block b of the eight rows (lanes 0-7) and of block b + 1 (lanes 8-15; zeros
+ * unless two): their f16 d, and m after it for an affine format. Vector loads of four bytes and unpacks:
+ * a gather took longer here. */
+static inline __attribute__((always_inline)) __m512i header_words(const uint8_t *const rows[8], int64_t offset,
+                                                                 int64_t bytes, const int two) {
+    __m128i w[16];
+    for (int r = 0; r < 8; ++r) {
+        w[r] = _mm_loadu_si32(rows[r] + offset);
+        w[8 + r] = two ? _mm_loadu_si32(rows[r] + offset + bytes) : _mm_setzero_si128();
+    }
+    __m128i p[8], quad[4];
+    for (int i = 0; i < 8; ++i) p[i] = _mm_unpacklo_epi32(w[2 * i], w[2 * i + 1]);
+    for (int i = 0; i < 4; ++i) quad[i] = _mm_unpacklo_epi64(p[2 * i], p[2 * i + 1]);
+    const __m256i lo = _mm256_inserti128_si256(_mm256_castsi128_si256(quad[0]), quad[1], 1);
+    const __m256i hi = _mm256_inserti128_si256(_mm256_castsi128_si256(quad[2]), quad[3], 1);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+/* Blocks b and b + 1 (b alone unless two) of the eight rows into acc, rows_dot_avx2's float steps per
+ * block with both blocks in one vector (lane r block b, lane 8 + r block b + 1), then added to acc block
+ * by block. */
+static inline __attribute__((always_inline)) __m256 pair_step(const int qtype, const int two,
+                                                              const uint8_t *const rows[8], int64_t bytes,
+                                                              const int8_t *q, const float *dx, const float *sx,
+                                                              const int32_t *qsum, int64_t b, __m256 acc) {
+    const int affine = qtype == Q8_Q4_1 || qtype == Q8_Q5_1;
+    const int shift = offset_bits(qtype);
+    const __m512i qv = two ? _mm512_loadu_si512((const void *)(q + 32 * b))
+                           : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(q + 32 * b)));
+    __m512i v[8];
+    for (int r = 0; r < 8; ++r)
+        v[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), pair_bytes(qtype, rows[r] + b * bytes, bytes, two), qv);
+    __m512i isum = pair_sums(v);
+    if (shift) { /* minus o * qsum, block by block */
+        const __m256i next = _mm256_set1_epi32(two ? qsum[b + 1] : 0);
+        const __m512i sums = _mm512_inserti64x4(_mm512_set1_epi32(qsum[b]), next, 1);
+        isum = _mm512_sub_epi32(isum, _mm512_slli_epi32(sums, (unsigned)shift));
+    }
+    const __m512i words = header_words(rows, b * bytes, bytes, two);
+    const __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
+    __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, pair_bcast(dx + b, two)));
+    if (affine) {
+        const __m512 mw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16)));
+        t = _mm512_add_ps(t, _mm512_mul_ps(mw, pair_bcast(sx + b, two)));
+    }
+    acc = _mm256_add_ps(acc, _mm512_castps512_ps256(t));
+    if (two) acc = _mm256_add_ps(acc, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1)));
+    return acc;
+}
+
+static inline __attribute__((always_inline)) __m256 rows_dot_avx512(const int qtype, const uint8_t *const rows[8],
+                                                                    int64_t bytes, const int8_t *q,
+                                                                    const float *dx, const float *sx,
+                                                                    const int32_t *qsum, int64_t nb,
+                                                                    const ahead_window *ahead) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        ask_step(ahead, b / 2);
+        acc = pair_step(qtype, 1, rows, bytes, q, dx, sx, qsum, b, acc);
+    }
+    if (b < nb) {
+        ask_step(ahead, b / 2);
+        acc = pair_step(qtype, 0, rows, bytes, q, dx, sx, qsum, b, acc);
+    }
+    return acc;
+}
+
+static void group_avx512(int qtype, const uint8_t *w, int64_t row_bytes, int64_t bytes, int64_t n, int nr,
+                         const int8_t *q, const float *dx, const float *sx, const int32_t *qsum, int64_t nb,
+                         const ahead_window *ahead, float out[8]) {
+    const uint8_t *rows[8];
+    for (int r = 0; r < 8; ++r) rows[r] = w + (n + (r < nr ? r : 0)) * row_bytes;
+    __m256 acc;
+    switch (qtype) {
+    case Q8_Q4_0: acc = rows_dot_avx512(Q8_Q4_0, rows, bytes, q, dx, sx, qsum, nb, ahead); break;
+    case Q8_Q4_1: acc = rows_dot_avx512(Q8_Q4_1, rows, bytes, q, dx, sx, qsum, nb, ahead); break;
+    case Q8_Q5_0: acc = rows_dot_avx512(Q8_Q5_0, rows, bytes, q, dx, sx, qsum, nb, ahead); break;
+    case Q8_Q5_1: acc = rows_dot_avx512(Q8_Q5_1, rows, bytes, q, dx, sx, qsum, nb, ahead); break;
+    default: acc = rows_dot_avx512(Q8_Q8_0, rows, bytes, q, dx, sx, qsum, nb, ahead); break;
+    }
+    _mm256_storeu_ps(out, acc);
+}
+/* The many-row body at 512 bits: x rows in lanes. For 16 x rows (a panel) and one weight block, each of
+ * the block's eight 4-byte groups is one dpbusd of the panel's group (16 rows' 4 bytes, q + 128) by the
+ * group's 4 weight bytes broadcast to every lane (the signed integers, widened once per block for all the
+ * panels), so a block's int32 sum lands in each row's own lane with no reduction across lanes, and the
+ * + 128 comes back out as 128 * sum_j w_j. The float steps per lane are the one-row bodies' (scale = dw *
+ * dx, t = isum * scale [+ mw * sx], acc + t in block order), so every output has their bits. */
+#define Q8_PANEL_CHUNK 32 /* blocks of the eight rows widened at a time (8 KB of bytes) */
+#define Q8_PANEL_PASS 8   /* panels per pass: 128 x rows, their accumulators on the stack */
+
+/* The eight rows' blocks b0 .. b0 + cb - 1 as signed bytes in weight order (wb), with each block's
+ * 128 * sum_j w_j (wsum) and its scales (dw, mw) as floats. */
+typedef struct {
+    int8_t wb[Q8_PANEL_CHUNK][8][32];
+    int32_t wsum[Q8_PANEL_CHUNK][8];
+    float dw[Q8_PANEL_CHUNK][8], mw[Q8_PANEL_CHUNK][8];
+} panel_weights;
+
+static inline __attribute__((always_inline)) __m256i signed_block(const int qtype, const uint8_t *block) {
+    if (qtype == Q8_Q8_0) return _mm256_loadu_si256((const __m256i *)(block + 2));
+    const int five = qtype == Q8_Q5_0 || qtype == Q8_Q5_1, affine = qtype == Q8_Q4_1 || qtype == Q8_Q5_1;
+    const int64_t qh = affine ? 4 : 2, qs = qh + (five ? 4 : 0);
+    const __m128i nib = _mm_loadu_si128((const __m128i *)(block + qs)), low = _mm_set1_epi8(15);
+    __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(nib, low)),
+                                        _mm_and_si128(_mm_srli_epi16(nib, 4), low), 1);
+    if (five) v = _mm256_mask_add_epi8(v, (__mmask32)bits32(block + qh, 1), v, _mm256_set1_epi8(16));
+    if (!affine) v = _mm256_sub_epi8(v, _mm256_set1_epi8(five ? 16 : 8));
+    return v;
+}
+
+static inline __attribute__((always_inline)) void widen_panel_weights(const int qtype,
+                                                                     const uint8_t *const rows[8],
+                                                                     int64_t bytes, int64_t b0, int64_t cb,
+                                                                     const ahead_window *ahead,
+                                                                     panel_weights *pw) {
+    const int affine = qtype == Q8_Q4_1 || qtype == Q8_Q5_1;
+    for (int64_t c = 0; c < cb; ++c) {
+        ask_step(ahead, b0 + c);
+        for (int r = 0; r < 8; ++r) {
+            const uint8_t *block = rows[r] + (b0 + c) * bytes;
+            const __m256i v = signed_block(qtype, block);
+            _mm256_storeu_si256((__m256i *)pw->wb[c][r], v);
+            /* sum of the 32 signed bytes: their + 128 summed 8 at a time by sad, less 32 * 128 */
+            const __m256i sad = _mm256_sad_epu8(_mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)),
+                                                _mm256_setzero_si256());
+            const __m128i half = _mm_add_epi64(_mm256_castsi256_si128(sad), _mm256_extracti128_si256(sad, 1));
+            const int64_t sum = _mm_cvtsi128_si64(_mm_add_epi64(half, _mm_unpackhi_epi64(half, half)));
+            pw->wsum[c][r] = 128 * (int32_t)(sum - 32 * 128);
+            pw->dw[c][r] = f16_at(block);
+            pw->mw[c][r] = affine ? f16_at(block + 2) : 0.f;
+        }
+    }
+}
+
+/* The eight rows against panels p0 .. p1 - 1 over blocks b0 .. b0 + cb - 1, into acc[p - p0][r]. */
+static inline __attribute__((always_inline)) void panel_blocks(const int affine, const panel_weights *pw,
+                                                              const q8_rows *xq, int64_t k, int64_t p0,
+                                                              int64_t p1, int64_t b0, int64_t cb,
+                                                              __m512 acc[][8]) {
+    const int64_t nb = k / 32;
+    for (int64_t p = p0; p < p1; ++p) {
+        const uint8_t *panel = xq->pq + p * Q8_PANEL * k;
+        for (int64_t c = 0; c < cb; ++c) {
+            const int64_t b = b0 + c;
+            __m512i qv[8];
+            for (int g = 0; g < 8; ++g) qv[g] = _mm512_load_si512((const void *)(panel + (8 * b + g) * 64));
+            const __m512 dx = _mm512_loadu_ps(xq->pdx + (p * nb + b) * Q8_PANEL);
+            const __m512 sx = _mm512_loadu_ps(xq->psx + (p * nb + b) * Q8_PANEL);
+            for (int r = 0; r < 8; ++r) {
+                const int8_t *wb = pw->wb[c][r];
+                __m512i isum = _mm512_setzero_si512();
+                for (int g = 0; g < 8; ++g) /* the 4 bytes broadcast by the load (a move through a GPR: 15% slower) */
+                    isum = _mm512_dpbusd_epi32(isum, qv[g], _mm512_broadcastd_epi32(_mm_loadu_si32(wb + 4 * g)));
+                isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(pw->wsum[c][r]));
+                const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(pw->dw[c][r]), dx);
+                __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), scale);
+                if (affine) t = _mm512_add_ps(t, _mm512_mul_ps(_mm512_set1_ps(pw->mw[c][r]), sx));
+                acc[p - p0][r] = _mm512_add_ps(acc[p - p0][r], t);
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void panels_dot_avx512(const int qtype, const uint8_t *const rows[8],
+                                                                    int64_t bytes, int nr, int64_t n,
+                                                                    const q8_rows *xq, int64_t m_rows, int64_t k,
+                                                                    const ahead_window *ahead, const float *bias,
+                                                                    float *y, int64_t y_stride) {
+    const int affine = qtype == Q8_Q4_1 || qtype == Q8_Q5_1;
+    const int64_t nb = k / 32, panels = panels_of(m_rows);
+    const ahead_window none = {NULL, 0, 0};
+    panel_weights pw;
+    for (int64_t p0 = 0; p0 < panels; p0 += Q8_PANEL_PASS) {
+        const int64_t p1 = panels - p0 < Q8_PANEL_PASS ? panels : p0 + Q8_PANEL_PASS;
+        __m512 acc[Q8_PANEL_PASS][8];
+        for (int64_t p = 0; p < p1 - p0; ++p)
+            for (int r = 0; r < 8; ++r) acc[p][r] = _mm512_setzero_ps();
+        for (int64_t b0 = 0; b0 < nb; b0 += Q8_PANEL_CHUNK) {
+            const int64_t cb = nb - b0 < Q8_PANEL_CHUNK ? nb - b0 : Q8_PANEL_CHUNK;
+            widen_panel_weights(qtype, rows, bytes, b0, cb, p0 == 0 ? ahead : &none, &pw);
+            panel_blocks(affine, &pw, xq, k, p0, p1, b0, cb, acc);
+        }
+        for (int64_t p = p0; p < p1; ++p)
+            for (int r = 0; r < nr; ++r) {
+                float out[Q8_PANEL];
+                _mm512_storeu_ps(out, acc[p - p0][r]);
+                for (int64_t m = p * Q8_PANEL; m < m_rows && m < (p + 1) * Q8_PANEL; ++m)
+                    y[m * y_stride + n + r] = bias ? out[m % Q8_PANEL] + bias[n + r] : out[m % Q8_PANEL];
+            }
+    }
+}
+
+/* q8_group's outputs for m_rows >= Q8_PANEL_MIN_ROWS x rows, from the panels. */
+static void group_panels_avx512(int qtype, const uint8_t *w, int64_t row_bytes, int64_t bytes, int64_t n, int nr,
+                                int64_t n_end, const q8_rows *xq, int64_t m_rows, int64_t k, const float *bias,
+                                float *y, int64_t y_stride) {
+    const uint8_t *rows[8];
+    for (int r = 0; r < 8; ++r) rows[r] = w + (n + (r < nr ? r : 0)) * row_bytes;
+    const ahead_window ahead = window_ahead(w, row_bytes, n, n_end, 8, Q8_PREFETCH_ROWS, k / 32);
+    switch (qtype) {
+    case Q8_Q4_0: panels_dot_avx512(Q8_Q4_0, rows, bytes, nr, n, xq, m_rows, k, &ahead, bias, y, y_stride); break;
+    case Q8_Q4_1: panels_dot_avx512(Q8_Q4_1, rows, bytes, nr, n, xq, m_rows, k, &ahead, bias, y, y_stride); break;
+    case Q8_Q5_0: panels_dot_avx512(Q8_Q5_0, rows, bytes, nr, n, xq, m_rows, k, &ahead, bias, y, y_stride); break;
+    case Q8_Q5_1: panels_dot_avx512(Q8_Q5_1, rows, bytes, nr, n, xq, m_rows, k, &ahead, bias, y, y_stride); break;
+    default: panels_dot_avx512(Q8_Q8_0, rows, bytes, nr, n, xq, m_rows, k, &ahead, bias, y, y_stride); break;
+    }
+}
+#endif
+
 /* The eight rows Q8_PREFETCH_ROWS (below) ahead are asked for while a group computes (prefetch.h: spread over the
  * first x row's loop with AVX2, one burst before the group in the portable build). */
 #ifndef Q8_AVX2
@@ -356,26 +712,41 @@ static inline void prefetch_rows(const uint8_t *w, int64_t row_bytes, int64_t fi
 }
 #endif
 
-/* Outputs n .. n + nr - 1 (nr <= 8) of every x row, from the quantised rows (q, dx, sx: m_rows rows of k),
+/* Outputs n .. n + nr - 1 (nr <= 8) of every x row, from the quantised rows (xq: m_rows rows of k),
  * written at y[m * y_stride + n + r] (bias indexed by n + r); the rows ahead are asked for up to row n_end.
  * An output's operations depend on its own weight row and x row only, not on where its group of eight
  * starts: any split of the outputs gives the same bits. */
 static void q8_group(int qtype, const uint8_t *w, int64_t row_bytes, int64_t bytes, int64_t n, int nr,
-                     int64_t n_end, const int8_t *q, const float *dx, const float *sx, int64_t m_rows, int64_t k,
-                     const float *bias, float *y, int64_t y_stride) {
+                     int64_t n_end, const q8_rows *xq, int64_t m_rows, int64_t k, const float *bias, float *y,
+                     int64_t y_stride) {
     const int64_t nb = k / 32;
+    const int8_t *q = xq->q;
+    const float *dx = xq->dx, *sx = xq->sx;
+#ifdef Q8_AVX512
+    if (m_rows >= Q8_PANEL_MIN_ROWS) {
+        group_panels_avx512(qtype, w, row_bytes, bytes, n, nr, n_end, xq, m_rows, k, bias, y, y_stride);
+        return;
+    }
+#endif
 #ifdef Q8_AVX2
     if (m_rows > 1) {
         group_many_avx2(qtype, w, row_bytes, bytes, n, nr, n_end, q, dx, sx, m_rows, k, bias, y, y_stride);
         return;
     }
+#ifdef Q8_AVX512
+    const ahead_window ahead = window_ahead(w, row_bytes, n, n_end, 8, Q8_PREFETCH_ROWS, (nb + 1) / 2);
+#else
     const ahead_window ahead = window_ahead(w, row_bytes, n, n_end, 8, Q8_PREFETCH_ROWS, steps_of(qtype, nb));
+#endif
 #else
     prefetch_rows(w, row_bytes, n + Q8_PREFETCH_ROWS, n_end);
 #endif
     for (int64_t m = 0; m < m_rows; ++m) {
         float out[8];
-#ifdef Q8_AVX2
+#if defined(Q8_AVX512)
+        group_avx512(qtype, w, row_bytes, bytes, n, nr, q + m * k, dx + m * nb, sx + m * nb, xq->qsum + m * nb, nb,
+                     &ahead, out); /* one x row here: more take group_many_avx2 */
+#elif defined(Q8_AVX2)
         group_avx2(qtype, w, row_bytes, bytes, n, nr, q + m * k, dx + m * nb, sx + m * nb, nb, &ahead,
                    out); /* one x row here: more take group_many_avx2 */
 #else
@@ -387,24 +758,6 @@ static void q8_group(int qtype, const uint8_t *w, int64_t row_bytes, int64_t byt
     }
 }
 
-/* The quantised form of m_rows x rows of k in one buffer: the scales dx [m_rows, k / 32], the scaled sums
- * sx [m_rows, k / 32], then the bytes q [m_rows, k]. */
-typedef struct {
-    int8_t *q;
-    float *dx, *sx;
-} q8_rows;
-
-static q8_rows q8_rows_in(void *buf, int64_t m_rows, int64_t k) {
-    float *scales = buf;
-    const int64_t nb = k / 32;
-    return (q8_rows){(int8_t *)(scales + 2 * m_rows * nb), scales, scales + m_rows * nb};
-}
-
-/* The bytes quant_q8_quantize needs for m_rows rows of k (k a multiple of 32). */
-int64_t quant_q8_buffer_bytes(int64_t m_rows, int64_t k) {
-    return (int64_t)sizeof(float) * 2 * m_rows * (k / 32) + m_rows * k;
-}
-
 /* x [m_rows, k] rounded to 8-bit blocks into buf (quant_q8_buffer_bytes(m_rows, k) bytes, float-aligned):
  * the rows every quant_gemm_q8_rows call over this x reads. The same code as quant_gemm_q8's own, so the
  * same bytes. Returns 0, -1 for k not a multiple of 32. */
@@ -412,7 +765,11 @@ int quant_q8_quantize(const float *x, int64_t m_rows, int64_t k, void *buf) {
     if (k % 32) return -1;
     const q8_rows r = q8_rows_in(buf, m_rows, k);
     const int64_t nb = k / 32;
-    for (int64_t m = 0; m < m_rows; ++m) quantize_row(x + m * k, k, r.q + m * k, r.dx + m * nb, r.sx + m * nb);
+    for (int64_t m = 0; m < m_rows; ++m)
+        quantize_row(x + m * k, k, r.q + m * k, r.dx + m * nb, r.sx + m * nb, r.qsum + m * nb);
+#ifdef Q8_AVX512
+    if (m_rows >= Q8_PANEL_MIN_ROWS) fill_panels(&r, m_rows, k);
+#endif
     return 0;
 }
 
@@ -429,7 +786,7 @@ int quant_gemm_q8_rows(const void *buf, int64_t m_rows, const uint8_t *w, int64_
     const q8_rows r = q8_rows_in((void *)buf, m_rows, k);
     for (int64_t n = n_begin; n < n_end; n += 8) {
         const int nr = n_end - n >= 8 ? 8 : (int)(n_end - n);
-        q8_group(qtype, w, row_bytes, bytes, n, nr, n_end, r.q, r.dx, r.sx, m_rows, k, bias, y, y_stride);
+        q8_group(qtype, w, row_bytes, bytes, n, nr, n_end, &r, m_rows, k, bias, y, y_stride);
     }
     return 0;
 }
@@ -449,7 +806,7 @@ int quant_gemm_q8(const float *x, int64_t m_rows, const uint8_t *w, int64_t row_
     for (int64_t g = 0; g < groups; ++g) {
         const int64_t n = 8 * g;
         const int nr = n_out - n >= 8 ? 8 : (int)(n_out - n);
-        q8_group(qtype, w, row_bytes, bytes, n, nr, n_out, r.q, r.dx, r.sx, m_rows, k, bias, y, n_out);
+        q8_group(qtype, w, row_bytes, bytes, n, nr, n_out, &r, m_rows, k, bias, y, n_out);
     }
     free(buf);
     return 0;
@@ -458,9 +815,12 @@ int quant_gemm_q8(const float *x, int64_t m_rows, const uint8_t *w, int64_t row_
 /* Whether qtype has a q8 kernel (for the Python side's refusal). */
 int quant_q8_supports(int qtype) { return q8_block_bytes(qtype) != 0; }
 
-/* The instruction set the integer dot products use: 0 portable, 1 AVX2 maddubs, 2 VNNI dpbusd. */
+/* The instruction set the integer dot products use: 0 portable, 1 AVX2 maddubs, 2 VNNI dpbusd at 256 bits,
+ * 3 the same with the one-row body at 512 bits (AVX-512 VNNI). */
 int quant_q8_variant(void) {
-#if defined(Q8_AVX2) && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
+#if defined(Q8_AVX512)
+    return 3;
+#elif defined(Q8_AVX2) && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
     return 2;
 #elif defined(Q8_AVX2)
     return 1;
