@@ -134,12 +134,13 @@ def _weight(qtype: QType, out: int, k: int, seed: int) -> QuantizedWeight:
     return weight
 
 
-@pytest.mark.parametrize("rows", [1, 2, 9, 70, 140])
+@pytest.mark.parametrize("rows", [1, 2, 9, 32, 70, 140])
 @pytest.mark.parametrize("qtype", Q8_TYPES, ids=lambda q: q.name)
 def test_the_q8_kernel_is_the_integer_arithmetic_exactly(library, qtype, rows):
     """One row takes the one-row kernel, more rows a many-row one (each block widened once for all of
-    them; AVX2: 70 rows are two passes of at most 64; AVX-512: from 8 rows on, x rows in panels of 16, a
-    short last one, 140 rows two passes of at most 128), and each equals the integer reference bit for bit."""
+    them; AVX2: 70 rows are two passes of at most 64; AVX-512: from 8 rows on, x rows in panels of 16, full
+    ones at 32 rows, else a short last one, 140 rows two passes of at most 128), and each equals the integer
+    reference bit for bit."""
     kernels = QuantKernels(library)
     # 8-row groups with a short last one; several blocks; more blocks than Q8_0's by-rows chunk of 32
     for out, k in ((37, 96), (21, 576), (11, 1088)):

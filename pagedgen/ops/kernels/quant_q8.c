@@ -403,13 +403,19 @@ int64_t quant_q8_buffer_bytes(int64_t m_rows, int64_t k) {
 /* The panels of the rows already quantised in r (see q8_rows). */
 static void fill_panels(const q8_rows *r, int64_t m_rows, int64_t k) {
     const int64_t nb = k / 32, panels = panels_of(m_rows);
-    memset(r->pq, 0, (size_t)(panels * Q8_PANEL * k));
-    memset(r->pdx, 0, sizeof(float) * (size_t)(2 * panels * nb * Q8_PANEL));
+    if (m_rows % Q8_PANEL) { /* the last panel's lanes past m_rows */
+        memset(r->pq, 0, (size_t)(panels * Q8_PANEL * k));
+        memset(r->pdx, 0, sizeof(float) * (size_t)(2 * panels * nb * Q8_PANEL));
+    }
     for (int64_t m = 0; m < m_rows; ++m) {
         const int64_t p = m / Q8_PANEL, lane = m % Q8_PANEL;
-        uint8_t *panel = r->pq + p * Q8_PANEL * k;
-        for (int64_t j = 0; j < k; j += 4) /* group j / 4: bytes at (j / 4) * 64 + lane * 4 */
-            for (int i = 0; i < 4; ++i) panel[(j / 4) * 64 + lane * 4 + i] = (uint8_t)(r->q[m * k + j + i] ^ 0x80);
+        uint8_t *panel = r->pq + p * Q8_PANEL * k + lane * 4;
+        for (int64_t g = 0; g < k / 4; ++g) { /* group g of the row: 4 bytes at g * 64 + lane * 4 */
+            uint32_t v;
+            memcpy(&v, r->q + m * k + 4 * g, 4);
+            v ^= 0x80808080u;
+            memcpy(panel + g * 64, &v, 4);
+        }
         for (int64_t b = 0; b < nb; ++b) {
             r->pdx[(p * nb + b) * Q8_PANEL + lane] = r->dx[m * nb + b];
             r->psx[(p * nb + b) * Q8_PANEL + lane] = r->sx[m * nb + b];
