@@ -305,8 +305,8 @@ static int64_t rows_boundary(const kv_view *view, int64_t tokens, int64_t total,
 /* Which rows and query heads of attention thread tid takes. With at least as many rows as threads, whole
  * rows, balanced by the keys they attend: each thread then reads its own rows' cache blocks. With fewer
  * rows (batch 1), or when keeping sequences whole would leave a thread without rows, every row and a run of
- * query heads: cut by query heads, not kv heads, a model with 3 kv heads splits 5 / 4 query heads instead
- * of 2 / 1 kv heads on two threads (one thread took twice the other's time), and one with 1 kv head uses
+ * query heads: cut by query heads, not kv heads, a model with 3 kv heads splits 4 / 5 query heads instead
+ * of 1 / 2 kv heads on two threads (one thread took twice the other's time), and one with 1 kv head uses
  * both threads instead of one. Every head of a row is computed by the same code either way, so the bits do
  * not depend on the split. */
 static void attention_share(const kv_view *view, int64_t tokens, int64_t q_heads, int tid, int nth, int64_t *r0,
