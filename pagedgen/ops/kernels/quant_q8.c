@@ -588,25 +588,14 @@ static void group_avx512(int qtype, const uint8_t *w, int64_t row_bytes, int64_t
 #define Q8_PANEL_CHUNK 32 /* blocks of the eight rows widened at a time (8 KB of bytes) */
 #define Q8_PANEL_PASS 8   /* panels per pass: 128 x rows, their accumulators on the stack */
 
-/* The eight rows' blocks b0 .. b0 + cb - 1 as signed bytes in weight order (wb), with each block's
+/* The eight rows' blocks b0 .. b0 + cb - 1 as block_bytes gives them (wb: signed bytes in weight order, Q4_1's
+ * and Q5_1's unsigned q below 128 as they are, so all are dpbusd's signed operand), with each block's
  * 128 * sum_j w_j (wsum) and its scales (dw, mw) as floats. */
 typedef struct {
     int8_t wb[Q8_PANEL_CHUNK][8][32];
     int32_t wsum[Q8_PANEL_CHUNK][8];
     float dw[Q8_PANEL_CHUNK][8], mw[Q8_PANEL_CHUNK][8];
 } panel_weights;
-
-static inline __attribute__((always_inline)) __m256i signed_block(const int qtype, const uint8_t *block) {
-    if (qtype == Q8_Q8_0) return _mm256_loadu_si256((const __m256i *)(block + 2));
-    const int five = qtype == Q8_Q5_0 || qtype == Q8_Q5_1, affine = qtype == Q8_Q4_1 || qtype == Q8_Q5_1;
-    const int64_t qh = affine ? 4 : 2, qs = qh + (five ? 4 : 0);
-    const __m128i nib = _mm_loadu_si128((const __m128i *)(block + qs)), low = _mm_set1_epi8(15);
-    __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(nib, low)),
-                                        _mm_and_si128(_mm_srli_epi16(nib, 4), low), 1);
-    if (five) v = _mm256_mask_add_epi8(v, (__mmask32)bits32(block + qh, 1), v, _mm256_set1_epi8(16));
-    if (!affine) v = _mm256_sub_epi8(v, _mm256_set1_epi8(five ? 16 : 8));
-    return v;
-}
 
 static inline __attribute__((always_inline)) void widen_panel_weights(const int qtype,
                                                                      const uint8_t *const rows[8],
@@ -618,7 +607,7 @@ static inline __attribute__((always_inline)) void widen_panel_weights(const int 
         ask_step(ahead, b0 + c);
         for (int r = 0; r < 8; ++r) {
             const uint8_t *block = rows[r] + (b0 + c) * bytes;
-            const __m256i v = signed_block(qtype, block);
+            const __m256i v = block_bytes(qtype, block);
             _mm256_storeu_si256((__m256i *)pw->wb[c][r], v);
             /* sum of the 32 signed bytes: their + 128 summed 8 at a time by sad, less 32 * 128 */
             const __m256i sad = _mm256_sad_epu8(_mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)),
