@@ -75,10 +75,6 @@ void paged_decode_qheads_f32(const float *q, const float *k_cache, const float *
                              int64_t start, int64_t len, int64_t num_q_heads, int64_t num_kv_heads,
                              int64_t h_begin, int64_t h_end, int64_t head_dim, int64_t block_size, float scale,
                              float *scores, float *out);
-void paged_decode_heads_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
-                            int64_t start, int64_t len, int64_t num_q_heads, int64_t num_kv_heads,
-                            int64_t kv_begin, int64_t kv_end, int64_t head_dim, int64_t block_size, float scale,
-                            float *scores, float *out);
 
 enum { MAX_SEGMENTS = 3 };
 #define QT_Q8_ACTIVATIONS 0x100 /* quant_gemm.c: the opt-in 8-bit-activation kernels */

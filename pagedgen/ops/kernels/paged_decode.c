@@ -26,7 +26,7 @@ static inline __attribute__((always_inline)) void decode_row(
     const float *q, const float *k_cache, const float *v_cache, const int32_t *table, int64_t start,
     int64_t len, int64_t q_heads, int64_t kv_heads, const int64_t head_dim, int64_t pos_stride, int64_t block_size,
     float scale, float *scores, int64_t score_stride, float *acc) {
-    /* q_heads / kv_heads of the cache's kv heads (all of them, or a run of them: heads_f32 below); a
+    /* q_heads / kv_heads of the cache's kv heads (all of them, or one: paged_decode_qheads_f32 below); a
      * position's keys of every kv head are contiguous, pos_stride floats apart */
     const int64_t groups = q_heads / kv_heads;
     const int64_t block_stride = block_size * pos_stride;
@@ -144,34 +144,13 @@ int paged_decode_window_attention_f32(const float *q, const float *k_cache, cons
                         num_q_heads, num_kv_heads, head_dim, block_size, scale, out, num_threads);
 }
 
-/* One row's attention for kv heads kv_begin .. kv_end - 1 (and their query heads) on the calling thread,
- * so that a caller can split a row's heads over its own threads (decoder_layers.c). A head's scores,
- * softmax and weighted sum do not involve the other heads, and this runs decode_row's code for them, so
- * the bits are paged_decode's. q and out point at the row's first query head (the row's [Hq, D]); table is
- * the row's block table; keys start .. len - 1 are attended; scores holds Hq * len floats. */
-void paged_decode_heads_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
-                            int64_t start, int64_t len, int64_t num_q_heads, int64_t num_kv_heads,
-                            int64_t kv_begin, int64_t kv_end, int64_t head_dim, int64_t block_size, float scale,
-                            float *scores, float *out) {
-    const int64_t groups = num_q_heads / num_kv_heads, heads = (kv_end - kv_begin) * groups;
-    const int64_t first = kv_begin * groups * head_dim, kv_offset = kv_begin * head_dim;
-    const int64_t pos_stride = num_kv_heads * head_dim, kv = kv_end - kv_begin;
-    if (head_dim == 64)
-        decode_row(q + first, k_cache + kv_offset, v_cache + kv_offset, table, start, len, heads, kv, 64,
-                   pos_stride, block_size, scale, scores, len, out + first);
-    else if (head_dim == 128)
-        decode_row(q + first, k_cache + kv_offset, v_cache + kv_offset, table, start, len, heads, kv, 128,
-                   pos_stride, block_size, scale, scores, len, out + first);
-    else
-        decode_row(q + first, k_cache + kv_offset, v_cache + kv_offset, table, start, len, heads, kv, head_dim,
-                   pos_stride, block_size, scale, scores, len, out + first);
-}
-
-/* Query heads h_begin .. h_end - 1 of one row: a run that may begin or end inside a kv head's group (the
- * fused decode step splits one row's heads over its threads). Each kv head's part of the run is one
- * decode_row call over that kv head alone, whose per-head operations are those of a call over every head,
- * so the bits are paged_decode's. Arguments as paged_decode_heads_f32's; scores holds (h_end - h_begin) *
- * len floats. */
+/* One row's attention for query heads h_begin .. h_end - 1 on the calling thread, so that a caller can
+ * split a row's heads over its own threads (decoder_layers.c); the run may begin or end inside a kv head's
+ * group. A head's scores, softmax and weighted sum do not involve the other heads: each kv head's part of
+ * the run is one decode_row call over that kv head alone, whose per-head operations are those of a call
+ * over every head, so the bits are paged_decode's. q and out point at the row's first query head (the
+ * row's [Hq, D]); table is the row's block table; keys start .. len - 1 are attended; scores holds
+ * (h_end - h_begin) * len floats. */
 void paged_decode_qheads_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
                              int64_t start, int64_t len, int64_t num_q_heads, int64_t num_kv_heads,
                              int64_t h_begin, int64_t h_end, int64_t head_dim, int64_t block_size, float scale,
