@@ -38,6 +38,7 @@ from pagedgen.bench.serve import (
 from pagedgen.bench.workloads import LengthRange, WorkloadSpec, build_workload
 from pagedgen.models.synthetic import SyntheticModel, SyntheticTokenizer
 from pagedgen.server.app import ServerOptions, build_app
+from tests.server.doubles import wait_until
 from tests.server.live import LiveServer
 
 VOCAB = 257  # SyntheticModel's default, so '--tokenizer synthetic' matches the server
@@ -185,8 +186,15 @@ def roomy_server():
     server.stop()
 
 
-def _settled_free_blocks(server) -> int:
+def _settled_free_blocks(server, disconnects: int) -> int:
+    """Free blocks once the server has noticed ``disconnects`` closed streams and applied their cancels.
+
+    The event loop sees a closed socket on its own schedule, after the client has returned; a stream
+    counts its disconnect only after queueing its cancel, so a sync after the count sees the cancel applied.
+    """
     state = server.server.config.app.state
+    counter = state.metrics.disconnects
+    wait_until(lambda: counter._value.get() >= disconnects, f"the server noticed {disconnects} disconnects")
     done = threading.Event()
     state.worker.sync(lambda _snapshot: done.set())
     assert done.wait(timeout=120)
@@ -199,12 +207,14 @@ def test_arrival_against_the_server_sees_the_streams_around_the_long_prompt(room
     long_request = build_workload(
         WorkloadSpec("l", 1, LengthRange(1500, 1500), LengthRange(1, 1)), tokenizer
     )[0]
+    disconnects = roomy_server.server.config.app.state.metrics.disconnects._value.get()
     s = asyncio.run(run_arrival(roomy_server.url, "synthetic", streams, long_request, label="synthetic"))
     assert s.errors == () and s.long_prompt_tokens == 1500 and s.streams == 2
     assert s.long_ttft_s is not None
     assert s.itl_before.count >= 2 * 3  # four warm-up chunks per stream before the send
     assert s.itl_during.count >= 2  # at least the gap of each stream that spans the window
-    assert _settled_free_blocks(roomy_server) == 512  # the closed streams were cancelled, blocks freed
+    # The closed streams were cancelled and their blocks freed.
+    assert _settled_free_blocks(roomy_server, disconnects + 2) == 512
 
 
 def test_cli_serve_long_prompt_scenario_writes_runs(roomy_server, tmp_path, capsys):
