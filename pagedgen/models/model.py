@@ -102,7 +102,7 @@ def resolve_activations(activations: str, weights_format: WeightFormat, weights_
 
 def with_q8_activations(weights: dict, source: str) -> dict:
     """``weights`` with every quantised weight of a format in ``Q8_ACTIVATION_TYPES`` flagged for 8-bit
-    activations; the others (K-quants, f16/bf16) stay exact. Raises :class:`ModelLoadError` if none is."""
+    activations; the others (Q2_K, Q3_K, f16/bf16) stay exact. Raises :class:`ModelLoadError` if none is."""
     flagged = {
         name: replace(w, q8_activations=True)
         if isinstance(w, QuantizedWeight) and w.qtype in Q8_ACTIVATION_TYPES

@@ -581,21 +581,34 @@ def test_a_q8_model_decodes_fused_with_the_per_layer_bits(tmp_path, need_kernels
     assert not torch.equal(exact[-1], q8[-1])  # the integer kernels ran
 
 
+# Which segments of each fused matrix run the 8-bit-activation kernels in a mix loaded with activations="q8".
+Q8_SEGMENTS = {
+    # every format has a kernel: the 32-blocks (Q5_0, Q8_0) and the K-quants' 256-blocks (Q4_K, Q6_K)
+    "q4_k_m-like": {"qkv": [True, True, True], "o": [True], "gate_up": [True], "down": [True]},
+    # Q2_K and Q3_K stay exact beside Q5_K and Q5_1 in the same matrices
+    "k-quants": {"qkv": [False, False, True], "o": [False], "gate_up": [True, False], "down": [True]},
+    # q/k/v rounds its x to both block sizes (Q4_K, Q4_1, Q6_K); f16 / bf16 stay exact
+    "all-different": {"qkv": [True, True, True], "o": [True], "gate_up": [False, False], "down": [True]},
+}
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("mix", sorted(Q8_SEGMENTS))
 def test_a_q8_model_with_k_quants_mixes_q8_and_exact_segments_in_one_step(
-    tmp_path, need_kernels, batch, threads
+    tmp_path, need_kernels, mix, batch, threads
 ):
-    """A Q4_K_M-like file with activations="q8": q/k/v and gate/up (Q5_0, Q8_0) run the integer kernels,
-    o and down (Q4_K, Q6_K) stay exact, in one fused step; bit for bit the per-layer path."""
-    model = _mixed_model(tmp_path, "q4_k_m-like", activations="q8")
+    """Mixed files with activations="q8": the segments with an integer kernel (32-block formats and Q4_K /
+    Q5_K / Q6_K) run it, the others (Q2_K, Q3_K, f16, bf16) stay exact, in one fused step; bit for bit the
+    per-layer path."""
+    model = _mixed_model(tmp_path, mix, activations="q8")
     c_layer = model.runtime.fused_decoder._c_layers[0]
     flagged = {
         name: [bool(s.qtype & Q8_FLAG) for s in w.segments[: w.num_segments]]
         for name in ("qkv", "o", "gate_up", "down")
         for w in [getattr(c_layer, name)]
     }
-    assert flagged == {"qkv": [True, True, True], "o": [False], "gate_up": [True], "down": [False]}
+    assert flagged == Q8_SEGMENTS[mix]
     before = decoder_layers.FUSED_STEPS.count
     _assert_same(model, PROMPTS[:batch], threads)
     assert decoder_layers.FUSED_STEPS.count - before == 5

@@ -30,7 +30,8 @@ from tests.model.tiny_checkpoints import TINY_RAW, random_state, write_gguf
 
 pytestmark = pytest.mark.cpu  # native CPU kernels
 
-Q8_TYPES = sorted(Q8_ACTIVATION_TYPES, key=lambda q: q.ggml_id)
+K_TYPES = (QType.Q4_K, QType.Q5_K, QType.Q6_K)  # against 256-element activation blocks (quant_q8_k.c)
+Q8_TYPES = sorted(Q8_ACTIVATION_TYPES - set(K_TYPES), key=lambda q: q.ggml_id)  # 32-element blocks
 _F32 = np.float32
 
 
@@ -42,7 +43,7 @@ def _need_kernels():
 def _build(tmp_path_factory, name: str, flags: list[str]) -> ctypes.CDLL:
     compiler = shutil.which("cc") or shutil.which("gcc")
     path = tmp_path_factory.mktemp("kernels") / f"q8-{name}.so"
-    sources = [str(native.KERNELS / f) for f in ("quant_gemm.c", "quant_q8.c")]
+    sources = [str(source) for source in native.QUANT_SOURCES]
     cmd = [compiler, *flags, "-fopenmp", "-shared", "-fPIC", "-o", str(path), *sources]
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
     return ctypes.CDLL(str(path))
@@ -198,12 +199,158 @@ def test_column_slices_of_the_q8_kernel_have_its_bits(library, qtype, rows):
             np.testing.assert_array_equal(_column_slices(library, x, weight, b, cuts), whole)
 
 
+# ---- the K-quants against 256-element activation blocks (quant_q8_k.c) ----
+
+
+def quantize_rows_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """llama.cpp's quantize_row_q8_K_ref per 256-block: q (the x of largest |x| scaled to -127, rint: half to
+    even, at most 127), d = 1 / iscale, and the sums of q per 16 and per 32."""
+    m = x.shape[0]
+    blocks = x.reshape(m, -1, 256).astype(_F32)
+    first_max = np.take_along_axis(blocks, np.abs(blocks).argmax(-1)[..., None], -1)[..., 0]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        iscale = np.where(first_max != 0, _F32(-127) / first_max, _F32(0)).astype(_F32)
+        d = np.where(first_max != 0, _F32(1) / iscale, _F32(0)).astype(_F32)
+    q = np.minimum(np.rint((blocks * iscale[..., None]).astype(_F32)), 127).astype(np.int64)
+    return q, d, q.reshape(m, -1, 16, 16).sum(-1), q.reshape(m, -1, 8, 32).sum(-1)
+
+
+def _scales_mins_k4(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's get_scale_min_k4 over a block's 12 bytes: eight 6-bit scales and eight 6-bit mins."""
+    q = packed.astype(np.int64)
+    scales = np.concatenate([q[..., 0:4] & 63, (q[..., 8:12] & 15) | ((q[..., 0:4] >> 6) << 4)], -1)
+    mins = np.concatenate([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)], -1)
+    return scales, mins
+
+
+def k_block_ints(weight: QuantizedWeight):
+    """Each 256-block's unsigned quants u, each element's integer scale c, the eight mins (Q4_K / Q5_K, else
+    None), d and dmin (0 for Q6_K): the weight is d * c * u - dmin * min, Q6_K's d * c * (u - 32)."""
+    qtype = weight.qtype
+    raw = weight.data.numpy().reshape(weight.shape[0], -1, qtype.block_bytes)
+    u = np.zeros(raw.shape[:2] + (256,), dtype=np.int64)
+    if qtype is QType.Q6_K:
+        ql, qh = raw[..., :128].astype(np.int64), raw[..., 128:192].astype(np.int64)
+        for half in range(2):
+            lo, hi = ql[..., 64 * half : 64 * half + 64], qh[..., 32 * half : 32 * half + 32]
+            base = 128 * half
+            u[..., base : base + 32] = (lo[..., :32] & 15) | (hi & 3) << 4
+            u[..., base + 32 : base + 64] = (lo[..., 32:] & 15) | ((hi >> 2) & 3) << 4
+            u[..., base + 64 : base + 96] = (lo[..., :32] >> 4) | ((hi >> 4) & 3) << 4
+            u[..., base + 96 : base + 128] = (lo[..., 32:] >> 4) | ((hi >> 6) & 3) << 4
+        scales = raw[..., 192:208].copy().view(np.int8).astype(np.int64)
+        d = raw[..., 208:210].copy().view(np.float16)[..., 0].astype(_F32)
+        return u, np.repeat(scales, 16, -1), None, d, np.zeros_like(d)
+    scales, mins = _scales_mins_k4(raw[..., 4:16])
+    five = qtype is QType.Q5_K
+    qs = raw[..., 48:176] if five else raw[..., 16:144]
+    qh = raw[..., 16:48].astype(np.int64)
+    for c in range(4):
+        byte = qs[..., 32 * c : 32 * c + 32].astype(np.int64)
+        u[..., 64 * c : 64 * c + 32] = (byte & 15) | ((((qh >> (2 * c)) & 1) << 4) if five else 0)
+        u[..., 64 * c + 32 : 64 * c + 64] = (byte >> 4) | ((((qh >> (2 * c + 1)) & 1) << 4) if five else 0)
+    d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(_F32)
+    dmin = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(_F32)
+    return u, np.repeat(scales, 32, -1), mins, d, dmin
+
+
+def reference_k(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> np.ndarray:
+    """quant_q8_k.c's arithmetic: eight int32 lanes per block (lane i: bytes 4i .. 4i + 3 of each 32), Q6_K's
+    offset out in integers, the fp32 lanes L (and M for the mins) in block order, then the fixed sums."""
+    q, dx, b16, b32 = quantize_rows_k(x.numpy())
+    u, c, mins, dw, dmin = k_block_ints(weight)
+    m, (n, nsb) = q.shape[0], u.shape[:2]
+    lanes = np.einsum("nbvil,mbvil->mnbi", (c * u).reshape(n, nsb, 8, 8, 4), q.reshape(m, nsb, 8, 8, 4))
+    if weight.qtype is QType.Q6_K:
+        sc = c[..., ::16].reshape(n, nsb, 8, 2)
+        lanes = lanes - 32 * np.einsum("nbip,mbip->mnbi", sc, b16.reshape(m, nsb, 8, 2))
+    else:
+        minima = np.einsum("nbip,mbip->mnbi", mins.reshape(n, nsb, 4, 2), b32.reshape(m, nsb, 4, 2))
+    assert np.abs(lanes).max() < 2**31
+    L, M = np.zeros((m, n, 8), dtype=_F32), np.zeros((m, n, 4), dtype=_F32)
+    for b in range(nsb):
+        L = L + lanes[:, :, b].astype(_F32) * (dw[None, :, b] * dx[:, b, None])[..., None]
+        if mins is not None:
+            M = M + minima[:, :, b].astype(_F32) * (dmin[None, :, b] * dx[:, b, None])[..., None]
+    half = L[..., :4] + L[..., 4:]
+    y = (half[..., 0] + half[..., 2]) + (half[..., 1] + half[..., 3])
+    if mins is not None:
+        y = y - ((M[..., 0] + M[..., 2]) + (M[..., 1] + M[..., 3]))
+    return y if bias is None else y + bias.numpy()
+
+
+def _x_k(rows: int, k: int, seed: int) -> torch.Tensor:
+    x = _x(rows, k, seed)
+    x[0, 256:512] = 0.0  # a whole 256-block of zeros: d = 0
+    if rows > 1 and k >= 512:  # block 1 of row 1: scale -1 exactly, so ties to round
+        x[1, 256:512].clamp_(-100.0, 100.0)
+        x[1, 256], x[1, 263] = -127.0, 127.0  # two of the largest |x|: the first one's sign sets the scale's
+        x[1, 257:261] = torch.tensor([2.5, -3.5, 0.5, 126.5])  # ties: half to even (2, -4, 0, 126 negated)
+    return x
+
+
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
+def test_the_k_quant_reference_reads_the_blocks_as_gguf_does(qtype):
+    """The numpy rebuild's reading of the K-quant blocks (quants, scales, mins) dequantises to what gguf's own
+    dequantiser gives, so the kernel is checked against the format, not against itself."""
+    weight = random_weight(qtype, 9, 512, seed=7)
+    u, c, mins, d, dmin = k_block_ints(weight)
+    offset = 32 if qtype is QType.Q6_K else 0
+    values = d[..., None] * (c * (u - offset)).astype(_F32)
+    if mins is not None:
+        values = values - (dmin[..., None] * np.repeat(mins, 32, -1).astype(_F32))
+    expected = gguf.quants.dequantize(weight.data.numpy(), gguf.GGMLQuantizationType[qtype.name])
+    np.testing.assert_allclose(values.reshape(9, 512), expected, rtol=1e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 9, 70])
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
+def test_the_k_quant_q8_kernel_is_the_integer_arithmetic_exactly(library, qtype, rows):
+    """Q4_K, Q5_K and Q6_K against 256-element activation blocks: every build equals the integer reference
+    bit for bit, at one x row and at several (each block widened once for all of them; 70 rows are two
+    passes of at most 64), with and without a bias, including a block of zero activations."""
+    kernels = QuantKernels(library)
+    for out, k in ((37, 512), (21, 1536), (11, 256)):
+        weight, x = random_weight(qtype, out, k, seed=out), _x_k(rows, k, seed=rows)
+        bias = torch.randn(out, generator=torch.Generator().manual_seed(out))
+        np.testing.assert_array_equal(
+            kernels.gemm(x, _q8(weight), None).numpy(), reference_k(x, weight, None)
+        )
+        np.testing.assert_array_equal(
+            kernels.gemm(x, _q8(weight), bias).numpy(), reference_k(x, weight, bias)
+        )
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
+def test_column_slices_of_the_k_quant_q8_kernel_have_its_bits(library, qtype, rows):
+    weight, x = random_weight(qtype, 37, 512, seed=4), _x_k(rows, 512, seed=4)
+    bias = torch.randn(37, generator=torch.Generator().manual_seed(4))
+    for b in (None, bias):
+        whole = reference_k(x, weight, b)
+        for cuts in ([], [8, 16, 24, 32], [5, 13], [1, 36]):
+            np.testing.assert_array_equal(_column_slices(library, x, weight, b, cuts), whole)
+
+
+def test_the_k_quant_q8_kernel_is_close_to_the_exact_one():
+    """Rounding activations to 8 bits moves each output by a little of its range, no more: the integer path
+    computes the weights' model (a wrong scale or nibble order would be far off)."""
+    _need_kernels()
+    kernels = quant_kernels()
+    for qtype in K_TYPES:
+        weight, x = random_weight(qtype, 64, 1024, seed=2), _x_k(4, 1024, seed=2)
+        exact, fast = kernels.gemm(x, weight, None), kernels.gemm(x, _q8(weight), None)
+        assert float((exact - fast).abs().max()) <= 0.02 * float(exact.abs().max()), qtype.name
+
+
 def test_the_q8_slice_entry_refuses_what_has_no_kernel(library):
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     library.quant_gemm_q8_rows.argtypes = [p, i64, p, i64, ctypes.c_int, i64, i64, i64, p, p, i64]
     library.quant_q8_quantize.argtypes = [p, i64, i64, p]
     check = library.quant_gemm_q8_rows
-    assert check(None, 1, None, 0, QType.Q4_K.ggml_id, 256, 0, 0, None, None, 0) == -1  # no q8 kernel
+    assert check(None, 1, None, 0, QType.Q3_K.ggml_id, 256, 0, 0, None, None, 0) == -1  # no q8 kernel
+    assert check(None, 1, None, 0, QType.Q4_K.ggml_id, 96, 0, 0, None, None, 0) == -1  # not 256-blocks
+    assert check(None, 1, None, 0, QType.Q6_K.ggml_id, 512, 0, 0, None, None, 0) == 0
     assert (
         check(None, 1, None, 0, QType.Q4_1.ggml_id, 48, 0, 0, None, None, 0) == -1
     )  # k not a multiple of 32
@@ -211,11 +358,11 @@ def test_the_q8_slice_entry_refuses_what_has_no_kernel(library):
     assert library.quant_q8_quantize(None, 1, 48, None) == -1
 
 
-@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q8_0, QType.Q4_K, QType.Q6_K], ids=lambda q: q.name)
 def test_a_q8_rows_bits_do_not_depend_on_the_batch_or_the_thread_count(qtype):
     _need_kernels()
     kernels = quant_kernels()
-    weight, x = _q8(_weight(qtype, 75, 576, seed=5)), _x(6, 576, seed=5)
+    weight, x = _q8(_weight(qtype, 75, 768, seed=5)), _x(6, 768, seed=5)
     batch = kernels.gemm(x, weight, None)
     alone = torch.cat([kernels.gemm(x[i : i + 1], weight, None) for i in range(6)])
     threads = torch.get_num_threads()
@@ -240,8 +387,8 @@ def test_the_host_build_uses_the_widest_integer_dot_product():
 
 
 def test_only_formats_with_a_kernel_take_the_flag():
-    with pytest.raises(ValueError, match="Q4_K has no 8-bit-activation kernel"):
-        _q8(random_weight(QType.Q4_K, 8, 256))
+    with pytest.raises(ValueError, match="Q3_K has no 8-bit-activation kernel"):
+        _q8(random_weight(QType.Q3_K, 8, 256))
     weight = _q8(random_weight(QType.Q4_1, 8, 64))
     assert weight.kernel_id == QType.Q4_1.ggml_id | 0x100 and weight.rows(2, 5).q8_activations
 

@@ -81,7 +81,7 @@ def kernels(request, tmp_path_factory) -> QuantKernels:
     flags = {"avx2": ["-O3", "-mavx2", "-mfma", "-mf16c"], "portable": ["-O3"]}[request.param]
     compiler = shutil.which("cc") or shutil.which("gcc")
     path = tmp_path_factory.mktemp("kernels") / f"quant-{request.param}.so"
-    sources = [str(native.KERNELS / name) for name in ("quant_gemm.c", "quant_q8.c")]  # q8: its flag's target
+    sources = [str(source) for source in native.QUANT_SOURCES]  # q8: its flag's target
     cmd = [compiler, *flags, "-fopenmp", "-shared", "-fPIC", "-o", str(path), *sources]
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
     return QuantKernels(ctypes.CDLL(str(path)))

@@ -63,7 +63,7 @@ def slices(request, tmp_path_factory) -> Slices:
     flags = {"avx2": ["-O3", "-mavx2", "-mfma", "-mf16c"], "portable": ["-O3"]}[request.param]
     compiler = shutil.which("cc") or shutil.which("gcc")
     path = tmp_path_factory.mktemp("slices") / f"quant-{request.param}.so"
-    sources = [str(native.KERNELS / name) for name in ("quant_gemm.c", "quant_q8.c")]
+    sources = [str(source) for source in native.QUANT_SOURCES]
     cmd = [compiler, *flags, "-fopenmp", "-shared", "-fPIC", "-o", str(path), *sources]
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
     return Slices(ctypes.CDLL(str(path)))

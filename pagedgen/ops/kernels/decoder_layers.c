@@ -30,8 +30,9 @@
  *
  * 8-bit activations (activations="q8", quant_q8.c): a segment flagged QT_Q8_ACTIVATIONS runs the integer
  * kernel's column slice (quant_gemm_q8_rows) on the GEMM's x rounded to 8-bit blocks; each thread rounds
- * the whole x itself, with the kernel's own code, so every thread reads the bytes quant_gemm_q8 would.
- * Segments without such a kernel (K-quants, f16, bf16 in a q8 model) stay exact, in the same step.
+ * the whole x itself (the 32-blocks, the K-quants' 256-blocks or both, as its segments read), with the
+ * kernel's own code, so every thread reads the bytes quant_gemm_q8 would. Segments without such a kernel
+ * (Q2_K, Q3_K, f16, bf16 in a q8 model) stay exact, in the same step.
  *
  * Threads: one OpenMP region for the whole step, not one per kernel. Each thread owns a fixed slice of
  * every GEMM's output columns and a fixed part of attention (whole sequences when there are rows enough,
@@ -68,7 +69,8 @@ int quant_gemm_rows_f32(const float *x, int64_t m_rows, const uint8_t *w, int64_
                         int64_t n_begin, int64_t n_end, const float *bias, float *y, int64_t y_stride, float *buf);
 int64_t quant_gemm_buffer_floats(int64_t m_rows, int64_t k);
 int64_t quant_q8_buffer_bytes(int64_t m_rows, int64_t k);
-int quant_q8_quantize(const float *x, int64_t m_rows, int64_t k, void *buf);
+int quant_q8_quantize_parts(const float *x, int64_t m_rows, int64_t k, void *buf, int parts);
+int quant_q8_part(int qtype);
 int quant_gemm_q8_rows(const void *buf, int64_t m_rows, const uint8_t *w, int64_t row_bytes, int qtype, int64_t k,
                        int64_t n_begin, int64_t n_end, const float *bias, float *y, int64_t y_stride);
 void paged_decode_qheads_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
@@ -157,10 +159,13 @@ static void share(int64_t n, int64_t align, int tid, int nth, int64_t *begin, in
     *end = e < n ? e : n;
 }
 
-static int has_q8_segment(const packed_weight *w) {
+/* The parts of the quantised x (quant_q8.c's Q8_PART_*) that w's 8-bit-activation segments read; 0 for none. */
+static int q8_parts_of(const packed_weight *w) {
+    int parts = 0;
     for (int64_t s = 0; s < w->num_segments; ++s)
-        if (w->segments[s].qtype & QT_Q8_ACTIVATIONS) return 1;
-    return 0;
+        if (w->segments[s].qtype & QT_Q8_ACTIVATIONS)
+            parts |= quant_q8_part((int)(w->segments[s].qtype & ~QT_Q8_ACTIVATIONS));
+    return parts;
 }
 
 /* x [t, k] rounded to 8-bit blocks into buf when some segment of w runs the 8-bit-activation kernels
@@ -168,8 +173,9 @@ static int has_q8_segment(const packed_weight *w) {
  * buffer: the same code on the same floats, so the same bytes as quant_gemm_q8's own, and no thread waits
  * for another's (at batch 1 that is a few thousand values per GEMM, cheaper than a barrier). */
 static const void *quantised_for(const packed_weight *w, const float *x, int64_t t, int64_t k, void *buf) {
-    if (!has_q8_segment(w)) return NULL;
-    quant_q8_quantize(x, t, k, buf);
+    const int parts = q8_parts_of(w);
+    if (!parts) return NULL;
+    quant_q8_quantize_parts(x, t, k, buf, parts);
     return buf;
 }
 

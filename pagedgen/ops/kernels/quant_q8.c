@@ -367,7 +367,15 @@ typedef struct {
     int32_t *qsum;
     uint8_t *pq;
     float *pdx, *psx;
+    void *ks; /* the K-quants' 256-blocks (quant_q8_k.c), at a 64-byte boundary after the rest */
 } q8_rows;
+
+/* quant_q8_k.c: the K-quants against 256-element activation blocks. */
+int64_t q8k_block_bytes(int qtype);
+int64_t q8k_section_bytes(int64_t m_rows, int64_t k);
+void q8k_quantize(const float *x, int64_t m_rows, int64_t k, void *section);
+void q8k_group(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n, int nr, int64_t n_end, const void *section,
+               int64_t m_rows, int64_t k, const float *bias, float *y, int64_t y_stride);
 
 #ifdef Q8_AVX512
 static int64_t panels_of(int64_t m_rows) { return (m_rows + Q8_PANEL - 1) / Q8_PANEL; }
@@ -378,25 +386,26 @@ static q8_rows q8_rows_in(void *buf, int64_t m_rows, int64_t k) {
     float *scales = buf;
     const int64_t nb = k / 32;
     q8_rows r = {(int8_t *)(scales + 3 * m_rows * nb), scales, scales + m_rows * nb,
-                 (int32_t *)(scales + 2 * m_rows * nb), NULL, NULL, NULL};
+                 (int32_t *)(scales + 2 * m_rows * nb), NULL, NULL, NULL, NULL};
+    uintptr_t end = (uintptr_t)(r.q + m_rows * k);
 #ifdef Q8_AVX512
-    const uintptr_t end = (uintptr_t)(r.q + m_rows * k);
     r.pq = (uint8_t *)((end + 63) / 64 * 64);
     r.pdx = (float *)(r.pq + panels_of(m_rows) * Q8_PANEL * k);
     r.psx = r.pdx + panels_of(m_rows) * nb * Q8_PANEL;
+    end = (uintptr_t)(r.psx + panels_of(m_rows) * nb * Q8_PANEL);
 #endif
+    r.ks = (void *)((end + 63) / 64 * 64);
     return r;
 }
 
 /* The bytes quant_q8_quantize needs for m_rows rows of k (k a multiple of 32). */
 int64_t quant_q8_buffer_bytes(int64_t m_rows, int64_t k) {
-    const int64_t rows = (int64_t)sizeof(float) * 3 * m_rows * (k / 32) + m_rows * k;
+    int64_t bytes = (int64_t)sizeof(float) * 3 * m_rows * (k / 32) + m_rows * k;
 #ifdef Q8_AVX512
     const int64_t panels = panels_of(m_rows) * Q8_PANEL;
-    return rows + 64 + panels * k + (int64_t)sizeof(float) * 2 * panels * (k / 32);
-#else
-    return rows;
+    bytes += 64 + panels * k + (int64_t)sizeof(float) * 2 * panels * (k / 32);
 #endif
+    return bytes + 64 + q8k_section_bytes(m_rows, k); /* the K section, sized whatever k is: grows with k */
 }
 
 #ifdef Q8_AVX512
@@ -753,62 +762,99 @@ static void q8_group(int qtype, const uint8_t *w, int64_t row_bytes, int64_t byt
     }
 }
 
+/* The parts of the quantised buffer a GEMM reads: the 32-blocks (Q4_0 .. Q8_0) and the 256-blocks (the
+ * K-quants). */
+enum { Q8_PART_32 = 1, Q8_PART_256 = 2, Q8_PARTS_ALL = 3 };
+
+/* The part a format's kernel reads (0: no q8 kernel). */
+static int q8_part_of(int qtype) {
+    return q8_block_bytes(qtype) ? Q8_PART_32 : q8k_block_bytes(qtype) ? Q8_PART_256 : 0;
+}
+
 /* x [m_rows, k] rounded to 8-bit blocks into buf (quant_q8_buffer_bytes(m_rows, k) bytes, float-aligned):
- * the rows every quant_gemm_q8_rows call over this x reads. The same code as quant_gemm_q8's own, so the
- * same bytes. Returns 0, -1 for k not a multiple of 32. */
-int quant_q8_quantize(const float *x, int64_t m_rows, int64_t k, void *buf) {
+ * the parts asked for (Q8_PART_*; the 256-blocks only where k is a multiple of 256), which every
+ * quant_gemm_q8_rows call over this x for a format of those parts reads. The same code as quant_gemm_q8's
+ * own, so the same bytes. Returns 0, -1 for k not a multiple of 32. */
+int quant_q8_quantize_parts(const float *x, int64_t m_rows, int64_t k, void *buf, int parts) {
     if (k % 32) return -1;
     const q8_rows r = q8_rows_in(buf, m_rows, k);
     const int64_t nb = k / 32;
-    for (int64_t m = 0; m < m_rows; ++m)
-        quantize_row(x + m * k, k, r.q + m * k, r.dx + m * nb, r.sx + m * nb, r.qsum + m * nb);
+    if (parts & Q8_PART_32) {
+        for (int64_t m = 0; m < m_rows; ++m)
+            quantize_row(x + m * k, k, r.q + m * k, r.dx + m * nb, r.sx + m * nb, r.qsum + m * nb);
 #ifdef Q8_AVX512
-    if (m_rows >= Q8_PANEL_MIN_ROWS) fill_panels(&r, m_rows, k);
+        if (m_rows >= Q8_PANEL_MIN_ROWS) fill_panels(&r, m_rows, k);
 #endif
+    }
+    if ((parts & Q8_PART_256) && k % 256 == 0) q8k_quantize(x, m_rows, k, r.ks);
     return 0;
 }
 
+/* Every part (quant_q8_quantize_parts). */
+int quant_q8_quantize(const float *x, int64_t m_rows, int64_t k, void *buf) {
+    return quant_q8_quantize_parts(x, m_rows, k, buf, Q8_PARTS_ALL);
+}
+
+/* The part qtype's q8 kernel reads (Q8_PART_32 or Q8_PART_256), 0 if it has none: for a caller that rounds
+ * x once for several formats (decoder_layers.c). */
+int quant_q8_part(int qtype) { return q8_part_of(qtype); }
+
+/* Whether qtype has a q8 kernel for rows of k: a 32-block format and k a multiple of 32, or a K-quant and k
+ * a multiple of 256. */
+static int q8_fits(int qtype, int64_t k) {
+    const int part = q8_part_of(qtype);
+    return part == Q8_PART_32 ? k % 32 == 0 : part == Q8_PART_256 ? k % 256 == 0 : 0;
+}
+
+/* Outputs n .. n + nr - 1 of every x row, by the format's kernel. */
+static void group_of(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n, int nr, int64_t n_end,
+                     const q8_rows *r, int64_t m_rows, int64_t k, const float *bias, float *y, int64_t y_stride) {
+    if (q8_part_of(qtype) == Q8_PART_256)
+        q8k_group(qtype, w, row_bytes, n, nr, n_end, r->ks, m_rows, k, bias, y, y_stride);
+    else
+        q8_group(qtype, w, row_bytes, q8_block_bytes(qtype), n, nr, n_end, r, m_rows, k, bias, y, y_stride);
+}
+
 /* Outputs n_begin .. n_end - 1 of quant_gemm_q8 on the calling thread alone, from x already quantised into
- * buf by quant_q8_quantize, written at y[m * y_stride + n] (bias indexed by n too): a slice of the columns
- * for a caller that splits one GEMM over its own threads (decoder_layers.c). Every output is quant_gemm_q8's
- * (q8_group), so any split gives its bits. Returns 0, -1 for a qtype without a q8 kernel or k not a
- * multiple of 32 (checked first: buf NULL with n_begin == n_end only checks). */
+ * buf by quant_q8_quantize (or quant_q8_quantize_parts with this format's part), written at y[m * y_stride
+ * + n] (bias indexed by n too): a slice of the columns for a caller that splits one GEMM over its own
+ * threads (decoder_layers.c). Every output is quant_gemm_q8's, so any split gives its bits. Returns 0, -1
+ * for a qtype without a q8 kernel for rows of k (checked first: buf NULL with n_begin == n_end only
+ * checks). */
 int quant_gemm_q8_rows(const void *buf, int64_t m_rows, const uint8_t *w, int64_t row_bytes, int qtype, int64_t k,
                        int64_t n_begin, int64_t n_end, const float *bias, float *y, int64_t y_stride) {
-    const int64_t bytes = q8_block_bytes(qtype);
-    if (bytes == 0 || k % 32) return -1;
+    if (!q8_fits(qtype, k)) return -1;
     if (n_begin >= n_end) return 0;
     const q8_rows r = q8_rows_in((void *)buf, m_rows, k);
     for (int64_t n = n_begin; n < n_end; n += 8) {
         const int nr = n_end - n >= 8 ? 8 : (int)(n_end - n);
-        q8_group(qtype, w, row_bytes, bytes, n, nr, n_end, &r, m_rows, k, bias, y, y_stride);
+        group_of(qtype, w, row_bytes, n, nr, n_end, &r, m_rows, k, bias, y, y_stride);
     }
     return 0;
 }
 
-/* y = x @ W^T (+ bias) with x rounded to 8-bit blocks (see the top). Returns 0, -1 for a qtype without a
- * q8 kernel or k not a multiple of 32, -2 if the quantised rows could not be allocated. */
+/* y = x @ W^T (+ bias) with x rounded to 8-bit blocks (see the top; the K-quants: quant_q8_k.c). Returns 0,
+ * -1 for a qtype without a q8 kernel for rows of k, -2 if the quantised rows could not be allocated. */
 int quant_gemm_q8(const float *x, int64_t m_rows, const uint8_t *w, int64_t row_bytes, int qtype, int64_t k,
                   int64_t n_out, const float *bias, float *y, int num_threads) {
-    const int64_t bytes = q8_block_bytes(qtype);
-    if (bytes == 0 || k % 32) return -1;
+    if (!q8_fits(qtype, k)) return -1;
     void *buf = malloc((size_t)quant_q8_buffer_bytes(m_rows, k) + 1);
     if (buf == NULL) return -2;
-    quant_q8_quantize(x, m_rows, k, buf);
+    quant_q8_quantize_parts(x, m_rows, k, buf, q8_part_of(qtype));
     const q8_rows r = q8_rows_in(buf, m_rows, k);
     const int64_t groups = (n_out + 7) / 8;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t g = 0; g < groups; ++g) {
         const int64_t n = 8 * g;
         const int nr = n_out - n >= 8 ? 8 : (int)(n_out - n);
-        q8_group(qtype, w, row_bytes, bytes, n, nr, n_out, &r, m_rows, k, bias, y, n_out);
+        group_of(qtype, w, row_bytes, n, nr, n_out, &r, m_rows, k, bias, y, n_out);
     }
     free(buf);
     return 0;
 }
 
 /* Whether qtype has a q8 kernel (for the Python side's refusal). */
-int quant_q8_supports(int qtype) { return q8_block_bytes(qtype) != 0; }
+int quant_q8_supports(int qtype) { return q8_part_of(qtype) != 0; }
 
 /* The instruction set the integer dot products use: 0 portable, 1 AVX2 maddubs, 2 VNNI dpbusd at 256 bits,
  * 3 the same with the one-row body at 512 bits (AVX-512 VNNI). */

@@ -53,7 +53,11 @@ NATIVE_GGUF_TYPES = {q.name: q for q in QType}
 
 # Formats with an 8-bit-activation kernel (``kernels/quant_q8.c``, ``pg.Model(..., activations="q8")``), and
 # the flag a weight's kernel id carries when it takes that path.
-Q8_ACTIVATION_TYPES = frozenset({QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0})
+# The 32-block formats pair with 32-element activation blocks, the K-quants with 256-element ones, as
+# llama.cpp pairs them.
+Q8_ACTIVATION_TYPES = frozenset(
+    {QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0, QType.Q4_K, QType.Q5_K, QType.Q6_K}
+)
 Q8_ACTIVATIONS_FLAG = 0x100
 
 
