@@ -61,7 +61,31 @@ typedef __m512 vec;
 static inline vec vzero(void) { return _mm512_setzero_ps(); }
 static inline vec vload(const float *p) { return _mm512_loadu_ps(p); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+/* The sum of the 16 lanes in a fixed tree (GCC's _mm512_reduce_add_ps, written out so that no compiler's
+ * own version can change it, and vsum8 below can give the same bits): t_i = v_i + v_{i+8}, u_j = t_j +
+ * t_{j+4}, then (u_0 + u_2) + (u_1 + u_3). */
+static inline float vsum(vec v) {
+    const __m256 t =
+        _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    const __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    const __m128 w = _mm_add_ps(u, _mm_movehl_ps(u, u));
+    return _mm_cvtss_f32(_mm_add_ss(w, _mm_movehdup_ps(w)));
+}
+/* vsum of a[0] .. a[7] at once, each in vsum's tree, as the lanes 0-7 of the result (AVX-512F alone): 24
+ * instructions where eight vsums take 64. */
+static inline __attribute__((always_inline)) __m512 vsum8(const vec a[8]) {
+    __m512 x[4], y[2];
+    for (int p = 0; p < 4; ++p) /* lanes 0-7: t of a[2p], 8-15: t of a[2p + 1] */
+        x[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0xEE));
+    for (int q = 0; q < 2; ++q) /* 128-bit lane l: u of a[4q + l] */
+        y[q] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * q], x[2 * q + 1], 0x88),
+                             _mm512_shuffle_f32x4(x[2 * q], x[2 * q + 1], 0xDD));
+    /* lane l: u_0 + u_2, u_1 + u_3 of a[l], then of a[4 + l] */
+    const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x44), _mm512_shuffle_ps(y[0], y[1], 0xEE));
+    const __m512 r = _mm512_add_ps(z, _mm512_permute_ps(z, 0xB1)); /* elements 0 and 2 of lane l: a[l], a[4 + l] */
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0), r);
+}
 static inline vec vset1(float f) { return _mm512_set1_ps(f); }
 /* 16 bytes -> 16 floats at out (unsigned or signed bytes), times scale plus offset (exact: see the top). */
 static inline void bytes16_u(__m128i b, vec scale, vec offset, float *out) {
@@ -532,6 +556,38 @@ static inline __attribute__((always_inline)) void tile_3x4(const float *x, int64
         for (int c = 0; c < 4; ++c) y[(m + r) * n_out + n + c] = add_bias(vsum(acc[r][c]), bias, n + c);
 }
 
+#if VW == 16
+/* The AVX-512 tile: x rows m .. m + mr - 1 (mr <= 3) against eight expanded rows w[8][k], 24 accumulators
+ * in the 32 registers, outputs n .. n + nr - 1 written (the rows past nr are computed, not stored). Each
+ * output's chain is tile_3x4's (fma over k in order, then vsum), so the bits are the same; what changes is
+ * the traffic: at 32 x rows of k = 640 the x rows (80 KB) do not stay in L1, and eight weight rows per pass
+ * over them read x half as often per FMA as four. */
+static inline __attribute__((always_inline)) void tile_3x8(const float *x, int64_t k, const float *w,
+                                                           const float *bias, float *y, int64_t n_out,
+                                                           int64_t m, int64_t n, const int mr, int nr) {
+    const float *x0 = x + m * k, *x1 = mr > 1 ? x0 + k : x0, *x2 = mr > 2 ? x0 + 2 * k : x0;
+    vec a[3][8];
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) a[0][c] = vzero(), a[1][c] = vzero(), a[2][c] = vzero();
+    for (int64_t d = 0; d < k; d += VW) {
+        const vec v0 = vload(x0 + d), v1 = vload(x1 + d), v2 = vload(x2 + d);
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; ++c) {
+            const vec b = vload(w + c * k + d);
+            a[0][c] = vfma(v0, b, a[0][c]);
+            if (mr > 1) a[1][c] = vfma(v1, b, a[1][c]);
+            if (mr > 2) a[2][c] = vfma(v2, b, a[2][c]);
+        }
+    }
+    const __mmask16 stored = (__mmask16)((1u << nr) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(stored, bias + n) : _mm512_setzero_ps();
+    for (int r = 0; r < mr; ++r) { /* add_bias's one add per output */
+        const __m512 sums = vsum8(a[r]);
+        _mm512_mask_storeu_ps(y + (m + r) * n_out + n, stored, bias ? _mm512_add_ps(sums, b) : sums);
+    }
+}
+#endif
+
 /* One expanded row against one x row with the tile's arithmetic (one accumulator chain). */
 static inline float dot_vec(const float *x, const float *w, int64_t k) {
     vec a = vzero();
@@ -544,6 +600,20 @@ static inline float dot_vec(const float *x, const float *w, int64_t k) {
 static void rows_times_x(const float *x, int64_t m_rows, const float *buf, int nr, int64_t k, const float *bias,
                          float *y, int64_t n_out, int64_t n) {
 #ifdef VW
+#if VW == 16
+    if (k % VW == 0 && nr > 4) { /* a group of eight (WHOLE_ROW_GROUP) */
+        for (int64_t m = 0; m < m_rows; m += 3) {
+            const int mr = m_rows - m >= 3 ? 3 : (int)(m_rows - m);
+            if (mr == 3)
+                tile_3x8(x, k, buf, bias, y, n_out, m, n, 3, nr);
+            else if (mr == 2)
+                tile_3x8(x, k, buf, bias, y, n_out, m, n, 2, nr);
+            else
+                tile_3x8(x, k, buf, bias, y, n_out, m, n, 1, nr);
+        }
+        return;
+    }
+#endif
     if (k % VW == 0) {
         if (nr == 4) {
             for (int64_t m = 0; m < m_rows; m += 3) {
@@ -621,6 +691,13 @@ static int64_t block_elems(int qtype, int64_t *bytes) {
 
 #define CHUNK 256
 #define GROUP_MAX 8
+/* Weight rows expanded per group on the whole-row path (more than 3 x rows): eight on AVX-512 builds
+ * (tile_3x8), four elsewhere (tile_3x4: sixteen registers). */
+#if defined(VW) && VW == 16
+#define WHOLE_ROW_GROUP 8
+#else
+#define WHOLE_ROW_GROUP 4
+#endif
 
 #ifdef VW
 /* The few-rows path (decode): instead of expanding whole rows (4 x k floats: 24 KB at k = 1536, more than
@@ -1187,7 +1264,8 @@ typedef struct {
     int by_chunks;        /* the chunk buffer (the 1-row register paths among it) */
     int q8_direct;        /* direct_q8_0_1x4 */
     int register_path;    /* a one-row register path: direct_q8_0_1x4 or direct_1x8's kernel */
-    int group;            /* output rows per group: 8 on the 1-row chunked paths, else 4 */
+    int group;            /* output rows per group: 8 on the 1-row chunked paths, 4 on the others, else
+                           * WHOLE_ROW_GROUP */
     int64_t ahead;        /* prefetch distance in rows (prefetch_rows) */
     int64_t steps;        /* loop steps of a group that ask for the rows ahead (ahead_window); 0: one burst */
 } gemm_plan;
@@ -1215,7 +1293,7 @@ static int plan_gemm(int qtype, const uint8_t *w, int64_t m_rows, int64_t row_by
     p->by_chunks = m_rows <= 3 && k % VW == 0 && CHUNK % p->elems == 0 && qtype != QT_Q8_0; /* see direct_q4_0_1x8 */
 #endif
     p->q8_direct = q8_0_direct(qtype, m_rows, k);
-    p->group = p->by_chunks && m_rows == 1 ? 8 : 4;
+    p->group = p->by_chunks && m_rows == 1 ? 8 : p->by_chunks || p->q8_direct ? 4 : WHOLE_ROW_GROUP;
     p->register_path = p->q8_direct;
 #ifdef VW
     p->register_path = p->register_path || (p->by_chunks && m_rows == 1 && direct_1x8(qtype) != NULL);
@@ -1264,7 +1342,7 @@ int quant_gemm_f32(const float *x, int64_t m_rows, const uint8_t *w, int64_t row
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        const size_t floats = plan.by_chunks ? (size_t)GROUP_MAX * CHUNK : (size_t)(4 * k);
+        const size_t floats = plan.by_chunks ? (size_t)GROUP_MAX * CHUNK : (size_t)(WHOLE_ROW_GROUP * k);
         float *buf = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
         if (buf == NULL) failed = 1;
         else memset(buf, 0, floats * sizeof(float)); /* rows past a short group's end are read, never stored */
@@ -1282,7 +1360,8 @@ int quant_gemm_f32(const float *x, int64_t m_rows, const uint8_t *w, int64_t row
 
 /* The floats of the buffer one thread of quant_gemm_rows_f32 needs for m_rows rows of in size k. */
 int64_t quant_gemm_buffer_floats(int64_t m_rows, int64_t k) {
-    return m_rows <= 3 ? (4 * k > GROUP_MAX * CHUNK ? 4 * k : GROUP_MAX * CHUNK) : 4 * k;
+    const int64_t whole_rows = WHOLE_ROW_GROUP * k; /* also at 1-3 rows where the chunks do not apply */
+    return m_rows <= 3 && GROUP_MAX * CHUNK > whole_rows ? GROUP_MAX * CHUNK : whole_rows;
 }
 
 /* Outputs n_begin .. n_end - 1 of quant_gemm_f32 on the calling thread alone, written at y[r * y_stride + n]
