@@ -27,7 +27,7 @@ from pagedgen.executor.cuda_graphs import (
     StaticDecodeBuffers,
 )
 from pagedgen.models.llama import Linear
-from pagedgen.ops.kernels.cpu_memory import retain_freed_cpu_memory
+from pagedgen.ops.kernels.cpu_memory import release_freed_cpu_memory, retain_freed_cpu_memory
 from pagedgen.ops.matmul.gemm import gemm_step
 from pagedgen.ops.matmul.gemm_threads import torch_pool
 from pagedgen.ops.matmul.gemm_tune import adapt_to_model
@@ -97,6 +97,8 @@ class ModelRunner:
         the cache; :mod:`pagedgen.ops.matmul.gemm_tune`). A no-op for models with neither CPU fp32 nor
         quantized linear layers and for tables that were pinned."""
         adapt_to_model(self.runtime, (Linear,), max_batch_size, max_scheduled_tokens, chunk_size)
+        if self.device.type == "cpu":
+            release_freed_cpu_memory()  # a measurement's prefill-sized temporaries, not needed again
 
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Run the model once; returns float logits ``[len(inputs.logits_rows), vocab]``.

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from pagedgen.core.step_inputs import StepInputs
 from pagedgen.executor.inputs import SequenceChunk, pack_step
 from pagedgen.ops.kernels import native
-from pagedgen.ops.kernels.cpu_memory import retain_freed_cpu_memory
+from pagedgen.ops.kernels.cpu_memory import release_freed_cpu_memory, retain_freed_cpu_memory
 from pagedgen.ops.mixers import attention
 from pagedgen.ops.mixers.attention import (
     check_step_slots,
@@ -363,6 +363,23 @@ def test_retained_cpu_memory_reuses_buffers_past_glibcs_mmap_threshold():
         torch.empty(32, 262144).fill_(1.0)  # 32 MiB, written, freed
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     assert min(faults) < 100, faults  # mapped afresh: 8,192 faults of 4 KiB pages each time
+
+
+def _resident_mib() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+
+
+@pytest.mark.cpu
+def test_released_cpu_memory_leaves_the_heap():
+    """A one-off phase's freed buffers stay resident under the retaining settings until released."""
+    if not retain_freed_cpu_memory():
+        pytest.skip("not glibc: allocator settings cannot be tuned")
+    buffers = [torch.ones(64, 262144) for _ in range(4)]  # 256 MiB, touched
+    del buffers
+    kept = _resident_mib()
+    assert release_freed_cpu_memory()
+    assert _resident_mib() < kept - 200
 
 
 @pytest.mark.parametrize("use_native", [True, False], ids=["native", "torch"])
