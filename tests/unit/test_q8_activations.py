@@ -186,15 +186,19 @@ def _column_slices(library: ctypes.CDLL, x: torch.Tensor, weight: QuantizedWeigh
 
 
 @pytest.mark.parametrize("rows", [1, 3, 20])
-@pytest.mark.parametrize("qtype", Q8_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [*Q8_TYPES, *K_TYPES], ids=lambda q: q.name)
 def test_column_slices_of_the_q8_kernel_have_its_bits(library, qtype, rows):
     """decoder_layers.c splits each GEMM's outputs over its threads at any row, multiple of 8 or not:
     every split gives the whole kernel's bits, with and without a bias (one x row: the one-row body, its
-    odd last block too; three: the many-row one; 20: AVX-512's panels, a short second one)."""
-    weight, x = _weight(qtype, 37, 96, seed=4), _x(rows, 96, seed=4)
+    odd last block too; three: the many-row one; 20: AVX-512's panels, a short second one; the K-quants
+    against their 256-blocks)."""
+    if qtype in K_TYPES:
+        weight, x, rebuild = random_weight(qtype, 37, 512, seed=4), _x_k(rows, 512, seed=4), reference_k
+    else:
+        weight, x, rebuild = _weight(qtype, 37, 96, seed=4), _x(rows, 96, seed=4), reference
     bias = torch.randn(37, generator=torch.Generator().manual_seed(4))
     for b in (None, bias):
-        whole = reference(x, weight, b)
+        whole = rebuild(x, weight, b)
         for cuts in ([], [8, 16, 24, 32], [5, 13], [1, 36]):
             np.testing.assert_array_equal(_column_slices(library, x, weight, b, cuts), whole)
 
@@ -319,17 +323,6 @@ def test_the_k_quant_q8_kernel_is_the_integer_arithmetic_exactly(library, qtype,
         np.testing.assert_array_equal(
             kernels.gemm(x, _q8(weight), bias).numpy(), reference_k(x, weight, bias)
         )
-
-
-@pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
-def test_column_slices_of_the_k_quant_q8_kernel_have_its_bits(library, qtype, rows):
-    weight, x = random_weight(qtype, 37, 512, seed=4), _x_k(rows, 512, seed=4)
-    bias = torch.randn(37, generator=torch.Generator().manual_seed(4))
-    for b in (None, bias):
-        whole = reference_k(x, weight, b)
-        for cuts in ([], [8, 16, 24, 32], [5, 13], [1, 36]):
-            np.testing.assert_array_equal(_column_slices(library, x, weight, b, cuts), whole)
 
 
 def test_the_k_quant_q8_kernel_is_close_to_the_exact_one():
