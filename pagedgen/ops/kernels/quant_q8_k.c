@@ -43,6 +43,9 @@
 #if defined(__AVX2__) && defined(__F16C__)
 #include <immintrin.h>
 #define Q8K_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define Q8K_AVX512 1 /* two slices per 512-bit maddubs on the x-row side (block_rows_avx2) */
+#endif
 #endif
 
 enum { Q8K_Q4_K = 12, Q8K_Q5_K = 13, Q8K_Q6_K = 14 };
@@ -228,8 +231,20 @@ static float row_dot_portable(const int qtype, const uint8_t *wrow, int64_t byte
  * its sixteen scales; Q4_K / Q5_K: the eight mins in the low half), d and dmin. */
 typedef struct {
     __m256i u[8], c[8], corr;
+#ifdef Q8K_AVX512
+    __m512i u2[4], c2[4]; /* slices 2i and 2i + 1 in one vector each */
+#endif
     float d, dmin;
 } k_block;
+
+#ifdef Q8K_AVX512
+static inline __attribute__((always_inline)) void pair_slices(k_block *b) {
+    for (int i = 0; i < 4; ++i) {
+        b->u2[i] = _mm512_inserti64x4(_mm512_castsi256_si512(b->u[2 * i]), b->u[2 * i + 1], 1);
+        b->c2[i] = _mm512_inserti64x4(_mm512_castsi256_si512(b->c[2 * i]), b->c[2 * i + 1], 1);
+    }
+}
+#endif
 
 static inline __attribute__((always_inline)) void unpack_avx2(const int qtype, const uint8_t *block, k_block *b) {
     const __m256i low4 = _mm256_set1_epi8(15);
@@ -291,6 +306,16 @@ static inline __m256i madd_add(__m256i acc, __m256i p, __m256i c) {
 #endif
 }
 
+#ifdef Q8K_AVX512
+static inline __m512i madd_add512(__m512i acc, __m512i p, __m512i c) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, p, c);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(p, c));
+#endif
+}
+#endif
+
 static inline float hsum8_avx(__m256 v) {
     const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
@@ -301,22 +326,50 @@ static inline float hsum4_avx(__m128 a) {
     return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
 }
 
-/* One widened block against x rows m0 .. m0 + mr - 1 (block s of each), into their lanes L and M. */
-static inline __attribute__((always_inline)) void block_rows_avx2(const int qtype, const k_block *b,
+/* The eight int32 lanes P of a block against 256 activation bytes q: madd(maddubs(u, q), c) per slice of
+ * 32, in two chains (the same sums). */
+static inline __attribute__((always_inline)) __m256i slices_256(const k_block *b, const int8_t *q) {
+    __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
+    for (int v = 0; v < 8; v += 2) {
+        even = madd_add(even, _mm256_maddubs_epi16(b->u[v], _mm256_loadu_si256((const __m256i *)(q + 32 * v))),
+                        b->c[v]);
+        odd = madd_add(odd, _mm256_maddubs_epi16(b->u[v + 1], _mm256_loadu_si256((const __m256i *)(q + 32 * v + 32))),
+                       b->c[v + 1]);
+    }
+    return _mm256_add_epi32(even, odd);
+}
+
+#ifdef Q8K_AVX512
+/* The same lanes two slices per vector (b's pairs), the halves added at the end. */
+static inline __attribute__((always_inline)) __m256i slices_512(const k_block *b, const int8_t *q) {
+    __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+    for (int i = 0; i < 4; i += 2) {
+        even = madd_add512(even, _mm512_maddubs_epi16(b->u2[i], _mm512_loadu_si512((const void *)(q + 64 * i))),
+                           b->c2[i]);
+        odd = madd_add512(odd, _mm512_maddubs_epi16(b->u2[i + 1], _mm512_loadu_si512((const void *)(q + 64 * i + 64))),
+                          b->c2[i + 1]);
+    }
+    const __m512i both = _mm512_add_epi32(even, odd);
+    return _mm256_add_epi32(_mm512_castsi512_si256(both), _mm512_extracti64x4_epi64(both, 1));
+}
+#endif
+
+/* One widened block against x rows m0 .. m0 + mr - 1 (block s of each), into their lanes L and M; wide:
+ * two slices per 512-bit maddubs (AVX-512 builds; the pairs made once per block pay off from two x rows on,
+ * and the integer lanes are the same either way). */
+static inline __attribute__((always_inline)) void block_rows_avx2(const int qtype, const int wide, const k_block *b,
                                                                   const q8k_rows *r, int64_t k, int64_t s,
                                                                   int64_t m0, int64_t mr, __m256 *L, __m128 *M) {
     const int64_t nsb = k / QK;
     for (int64_t i = 0; i < mr; ++i) {
         const int64_t m = m0 + i;
         const int8_t *q = r->q + m * k + QK * s;
-        __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256(); /* two chains, the same sums */
-        for (int v = 0; v < 8; v += 2) {
-            even = madd_add(even, _mm256_maddubs_epi16(b->u[v], _mm256_loadu_si256((const __m256i *)(q + 32 * v))),
-                            b->c[v]);
-            odd = madd_add(odd, _mm256_maddubs_epi16(b->u[v + 1], _mm256_loadu_si256((const __m256i *)(q + 32 * v + 32))),
-                           b->c[v + 1]);
-        }
-        __m256i p = _mm256_add_epi32(even, odd);
+#ifdef Q8K_AVX512
+        __m256i p = wide ? slices_512(b, q) : slices_256(b, q);
+#else
+        (void)wide;
+        __m256i p = slices_256(b, q);
+#endif
         const float dx = r->d[m * nsb + s];
         if (qtype == Q8K_Q6_K) {
             const __m256i b16 = _mm256_loadu_si256((const __m256i *)(r->b16 + m * (k / 16) + 16 * s));
@@ -332,10 +385,10 @@ static inline __attribute__((always_inline)) void block_rows_avx2(const int qtyp
 
 /* One weight row against x rows m0 .. m0 + mr - 1: outputs into out[i]; each block widened once for all of
  * them, the rows ahead asked for at steps first_step .. (when ahead is not NULL). */
-static inline __attribute__((always_inline)) void row_avx2(const int qtype, const uint8_t *wrow, int64_t bytes,
-                                                           const q8k_rows *r, int64_t k, int64_t m0, int64_t mr,
-                                                           const ahead_window *ahead, int64_t first_step,
-                                                           float *out) {
+static inline __attribute__((always_inline)) void row_avx2(const int qtype, const int wide, const uint8_t *wrow,
+                                                           int64_t bytes, const q8k_rows *r, int64_t k, int64_t m0,
+                                                           int64_t mr, const ahead_window *ahead,
+                                                           int64_t first_step, float *out) {
     __m256 L[Q8K_PASS_ROWS];
     __m128 M[Q8K_PASS_ROWS];
     for (int64_t i = 0; i < mr; ++i) L[i] = _mm256_setzero_ps(), M[i] = _mm_setzero_ps();
@@ -343,7 +396,10 @@ static inline __attribute__((always_inline)) void row_avx2(const int qtype, cons
         if (ahead) ask_step(ahead, first_step + s);
         k_block b;
         unpack_avx2(qtype, wrow + s * bytes, &b);
-        block_rows_avx2(qtype, &b, r, k, s, m0, mr, L, M);
+#ifdef Q8K_AVX512
+        if (wide) pair_slices(&b);
+#endif
+        block_rows_avx2(qtype, wide, &b, r, k, s, m0, mr, L, M);
     }
     for (int64_t i = 0; i < mr; ++i)
         out[i] = qtype == Q8K_Q6_K ? hsum8_avx(L[i]) : hsum8_avx(L[i]) - hsum4_avx(M[i]);
@@ -364,10 +420,14 @@ void q8k_group(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n, int nr
             float out[Q8K_PASS_ROWS];
             const uint8_t *wrow = w + (n + j) * row_bytes;
             const ahead_window *asked = m0 == 0 ? &ahead : NULL;
-            switch (qtype) {
-            case Q8K_Q4_K: row_avx2(Q8K_Q4_K, wrow, bytes, &r, k, m0, mr, asked, j * nsb, out); break;
-            case Q8K_Q5_K: row_avx2(Q8K_Q5_K, wrow, bytes, &r, k, m0, mr, asked, j * nsb, out); break;
-            default: row_avx2(Q8K_Q6_K, wrow, bytes, &r, k, m0, mr, asked, j * nsb, out); break;
+            const int q = qtype == Q8K_Q4_K ? 0 : qtype == Q8K_Q5_K ? 1 : 2, wide = mr > 1;
+            switch (2 * q + wide) { /* each format and width its own body */
+            case 0: row_avx2(Q8K_Q4_K, 0, wrow, bytes, &r, k, m0, mr, asked, j * nsb, out); break;
+            case 1: row_avx2(Q8K_Q4_K, 1, wrow, bytes, &r, k, m0, mr, asked, j * nsb, out); break;
+            case 2: row_avx2(Q8K_Q5_K, 0, wrow, bytes, &r, k, m0, mr, asked, j * nsb, out); break;
+            case 3: row_avx2(Q8K_Q5_K, 1, wrow, bytes, &r, k, m0, mr, asked, j * nsb, out); break;
+            case 4: row_avx2(Q8K_Q6_K, 0, wrow, bytes, &r, k, m0, mr, asked, j * nsb, out); break;
+            default: row_avx2(Q8K_Q6_K, 1, wrow, bytes, &r, k, m0, mr, asked, j * nsb, out); break;
             }
             for (int64_t i = 0; i < mr; ++i)
                 y[(m0 + i) * y_stride + n + j] = bias ? out[i] + bias[n + j] : out[i];
