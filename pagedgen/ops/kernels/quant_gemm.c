@@ -94,7 +94,7 @@ static inline void bytes16_u(__m128i b, vec scale, vec offset, float *out) {
 static inline void bytes16_i(__m128i b, vec scale, float *out) {
     _mm512_storeu_ps(out, _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))));
 }
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) /* F16C: the f16 scales */
 #define VW 8
 typedef __m256 vec;
 static inline vec vzero(void) { return _mm256_setzero_ps(); }
