@@ -186,7 +186,8 @@ static void unpack_portable(const int qtype, const uint8_t *block, k_block *b) {
     for (int c = 0; c < 4; ++c)
         for (int l = 0; l < 32; ++l) {
             const uint8_t byte = qs[32 * c + l];
-            const int high0 = five ? ((qh[l] >> (2 * c)) & 1) << 4 : 0, high1 = five ? ((qh[l] >> (2 * c + 1)) & 1) << 4 : 0;
+            const int high0 = five ? ((qh[l] >> (2 * c)) & 1) << 4 : 0;
+            const int high1 = five ? ((qh[l] >> (2 * c + 1)) & 1) << 4 : 0;
             b->u[64 * c + l] = (uint8_t)((byte & 15) | high0);
             b->u[64 * c + 32 + l] = (uint8_t)((byte >> 4) | high1);
         }
@@ -274,7 +275,8 @@ static inline __attribute__((always_inline)) void unpack_avx2(const int qtype, c
     scales_mins_k4(block + 4, packed);
     /* 16 int16: the scales, then the mins; each scale to every int16 of its vector by a shuffle from
      * registers (bytes read back from a store of the words would stall on store forwarding) */
-    const __m256i both = _mm256_cvtepu8_epi16(_mm_set_epi32((int)packed[3], (int)packed[2], (int)packed[1], (int)packed[0]));
+    const __m256i both =
+        _mm256_cvtepu8_epi16(_mm_set_epi32((int)packed[3], (int)packed[2], (int)packed[1], (int)packed[0]));
     const __m256i scales = _mm256_permute4x64_epi64(both, 0x44);
     for (int v = 0; v < 8; ++v)
         b->c[v] = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)(0x0100 + 0x0202 * v)));
