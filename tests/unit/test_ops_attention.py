@@ -432,3 +432,32 @@ def test_write_kv_checks_a_device_step_on_the_host_copy_of_its_slots():
     with pytest.raises(IndexError, match="outside the cache's 4 slots"):
         write_kv(key, key, k_cache, v_cache, slots, host_slots=torch.tensor([1, 4]))
     write_kv(key, key, k_cache, v_cache, slots, host_slots=torch.tensor([1, 3]))
+
+
+GROUPED_LAYOUTS = [(4, 1, 256), (9, 3, 64), (16, 2, 128), (6, 3, 96)]  # query heads, kv heads, head size
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim"), GROUPED_LAYOUTS)
+def test_grouped_value_sums_have_the_per_head_bits(q_heads, kv_heads, head_dim):
+    """The native decode kernel sums the values of a kv head's 2-8 query heads together; the same problem
+    with every kv head repeated for its query heads (one query head per kv head) takes the per-head loop.
+    The two give the same bits: the grouping changes what is read when, not the sums."""
+    kernel = native.decode_kernel()
+    if kernel is None:
+        pytest.skip(native.native_status().detail)
+    rows, block = 5, 16
+    g = torch.Generator().manual_seed(q_heads * head_dim)
+    lens = torch.tensor([1, 17, 40, 3, 64], dtype=torch.int32)
+    tables = torch.randperm(rows * 4, generator=g).to(torch.int32).view(rows, 4)
+    keys = torch.randn(rows * 4, block, kv_heads, head_dim, generator=g)
+    values = torch.randn(rows * 4, block, kv_heads, head_dim, generator=g)
+    query = torch.randn(rows, q_heads, head_dim, generator=g)
+    token_rows = torch.arange(rows)
+    grouped, per_head = torch.empty_like(query), torch.empty_like(query)
+    kernel(query, keys, values, tables, lens, token_rows, 0.125, grouped)
+    repeat = q_heads // kv_heads
+    wide_keys = keys.repeat_interleave(repeat, dim=2).contiguous()
+    wide_values = values.repeat_interleave(repeat, dim=2).contiguous()
+    kernel(query, wide_keys, wide_values, tables, lens, token_rows, 0.125, per_head)
+    assert torch.equal(grouped, per_head)
