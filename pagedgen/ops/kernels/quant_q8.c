@@ -766,8 +766,9 @@ static void q8_group(int qtype, const uint8_t *w, int64_t row_bytes, int64_t byt
  * K-quants). */
 enum { Q8_PART_32 = 1, Q8_PART_256 = 2, Q8_PARTS_ALL = 3 };
 
-/* The part a format's kernel reads (0: no q8 kernel). */
-static int q8_part_of(int qtype) {
+/* The part qtype's q8 kernel reads (Q8_PART_32 or Q8_PART_256), 0 if it has none; exported for a caller
+ * that rounds x once for several formats (decoder_layers.c). */
+int quant_q8_part(int qtype) {
     return q8_block_bytes(qtype) ? Q8_PART_32 : q8k_block_bytes(qtype) ? Q8_PART_256 : 0;
 }
 
@@ -795,21 +796,17 @@ int quant_q8_quantize(const float *x, int64_t m_rows, int64_t k, void *buf) {
     return quant_q8_quantize_parts(x, m_rows, k, buf, Q8_PARTS_ALL);
 }
 
-/* The part qtype's q8 kernel reads (Q8_PART_32 or Q8_PART_256), 0 if it has none: for a caller that rounds
- * x once for several formats (decoder_layers.c). */
-int quant_q8_part(int qtype) { return q8_part_of(qtype); }
-
 /* Whether qtype has a q8 kernel for rows of k: a 32-block format and k a multiple of 32, or a K-quant and k
  * a multiple of 256. */
 static int q8_fits(int qtype, int64_t k) {
-    const int part = q8_part_of(qtype);
+    const int part = quant_q8_part(qtype);
     return part == Q8_PART_32 ? k % 32 == 0 : part == Q8_PART_256 ? k % 256 == 0 : 0;
 }
 
 /* Outputs n .. n + nr - 1 of every x row, by the format's kernel. */
 static void group_of(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n, int nr, int64_t n_end,
                      const q8_rows *r, int64_t m_rows, int64_t k, const float *bias, float *y, int64_t y_stride) {
-    if (q8_part_of(qtype) == Q8_PART_256)
+    if (quant_q8_part(qtype) == Q8_PART_256)
         q8k_group(qtype, w, row_bytes, n, nr, n_end, r->ks, m_rows, k, bias, y, y_stride);
     else
         q8_group(qtype, w, row_bytes, q8_block_bytes(qtype), n, nr, n_end, r, m_rows, k, bias, y, y_stride);
@@ -840,7 +837,7 @@ int quant_gemm_q8(const float *x, int64_t m_rows, const uint8_t *w, int64_t row_
     if (!q8_fits(qtype, k)) return -1;
     void *buf = malloc((size_t)quant_q8_buffer_bytes(m_rows, k) + 1);
     if (buf == NULL) return -2;
-    quant_q8_quantize_parts(x, m_rows, k, buf, q8_part_of(qtype));
+    quant_q8_quantize_parts(x, m_rows, k, buf, quant_q8_part(qtype));
     const q8_rows r = q8_rows_in(buf, m_rows, k);
     const int64_t groups = (n_out + 7) / 8;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
@@ -854,7 +851,7 @@ int quant_gemm_q8(const float *x, int64_t m_rows, const uint8_t *w, int64_t row_
 }
 
 /* Whether qtype has a q8 kernel (for the Python side's refusal). */
-int quant_q8_supports(int qtype) { return q8_part_of(qtype) != 0; }
+int quant_q8_supports(int qtype) { return quant_q8_part(qtype) != 0; }
 
 /* The instruction set the integer dot products use: 0 portable, 1 AVX2 maddubs, 2 VNNI dpbusd at 256 bits,
  * 3 the same with the one-row body at 512 bits (AVX-512 VNNI). */
