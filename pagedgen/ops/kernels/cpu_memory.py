@@ -9,8 +9,9 @@ at 32 MiB, so a buffer of that size or more was still mapped afresh on every cal
 step of 32 rows over Gemma 3's 262,144-token vocabulary are exactly 32 MiB, and allocating and writing them
 took 7.3 ms against 0.6 ms for 31 rows from the heap (about 5% of that step). So mmap is turned off for the
 allocator altogether (``M_MMAP_MAX`` 0): every buffer comes from the heap and is reused (1.2 ms for the same
-32 MiB). The weights (file mappings) and the KV cache (its own anonymous mapping, ``core/kv.py``) do not go
-through malloc. The cost: resident memory stays at its high-water mark, which an inference server reaches
+32 MiB). The KV cache (its own anonymous mapping, ``core/kv.py``) and weights kept as stored (mappings of
+their cache file) do not go through malloc; weights dequantised at load do, and live as long as the
+process anyway. The cost: resident memory stays at its high-water mark, which an inference server reaches
 anyway.
 
 This is process-global, so the executor (not a library op) decides to call it, once, for CPU execution.
