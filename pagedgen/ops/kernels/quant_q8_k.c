@@ -422,7 +422,12 @@ void q8k_group(int qtype, const uint8_t *w, int64_t row_bytes, int64_t n, int nr
             float out[Q8K_PASS_ROWS];
             const uint8_t *wrow = w + (n + j) * row_bytes;
             const ahead_window *asked = m0 == 0 ? &ahead : NULL;
-            const int q = qtype == Q8K_Q4_K ? 0 : qtype == Q8K_Q5_K ? 1 : 2, wide = mr > 1;
+#ifdef Q8K_AVX512
+            const int wide = mr > 1;
+#else
+            const int wide = 0; /* no 512-bit side: one body per format */
+#endif
+            const int q = qtype == Q8K_Q4_K ? 0 : qtype == Q8K_Q5_K ? 1 : 2;
             switch (2 * q + wide) { /* each format and width its own body */
             case 0: row_avx2(Q8K_Q4_K, 0, wrow, bytes, &r, k, m0, mr, asked, j * nsb, out); break;
             case 1: row_avx2(Q8K_Q4_K, 1, wrow, bytes, &r, k, m0, mr, asked, j * nsb, out); break;
