@@ -487,6 +487,7 @@ def machine_info(peak_flops: float | None) -> JsonObject:
 
     from pagedgen.bench.cpu import cpu_flags
     from pagedgen.ops.kernels.cpu_info import cpu_model
+    from pagedgen.ops.kernels.native import kernel_march
     from pagedgen.ops.matmul.gemm import active_table
     from pagedgen.ops.matmul.gemm_threads import current_thread_settings
 
@@ -494,6 +495,7 @@ def machine_info(peak_flops: float | None) -> JsonObject:
     return {
         "cpu": cpu_model(),
         "cpu_flags": list(cpu_flags()),
+        "kernel_march": kernel_march(),
         "cpus": threads.cpus,
         "torch_threads": threads.torch_threads,
         "blas_threads": threads.blas_threads,
@@ -735,7 +737,8 @@ def _plot_path(explicit: Path | None, json_path: Path | None, purpose: str) -> P
 def _print_machine(machine: JsonObject) -> None:
     peak = machine["gemm_peak_gflops"]
     print(
-        f"{machine['cpu']}: {machine['cpus']} CPUs, torch {machine['torch_threads']} threads, OpenBLAS "
+        f"{machine['cpu']}: {machine['cpus']} CPUs, kernels -march={machine['kernel_march']}, "
+        f"torch {machine['torch_threads']} threads, OpenBLAS "
         f"{machine['blas_threads']} threads ({machine['blas_core']}); GEMM table: {machine['gemm_table']}; "
         f"fp32 GEMM peak {'—' if peak is None else f'{peak:.1f} GFLOP/s'}; load {machine['load_average']}",
         flush=True,

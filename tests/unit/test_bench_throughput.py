@@ -23,6 +23,7 @@ from pagedgen.engine.events import EngineErrorCode, EngineEventFlags
 from pagedgen.engine.outcomes import Phase
 from pagedgen.engine.request import GeneratorParams, RequestOptions, TurnOptions
 from pagedgen.models.synthetic import SyntheticModel, synthetic_greedy
+from pagedgen.ops.kernels import native
 
 MODEL = SyntheticModel()
 SPEC = WorkloadSpec("tiny", 6, LengthRange(3, 20), LengthRange(2, 9), seed=5)
@@ -244,6 +245,7 @@ def test_cli_writes_json_markdown_and_chart(tmp_path, capsys):
     document = json.loads(out.read_text())
     assert document["command"].startswith("pagedgen bench throughput --model synthetic")
     assert document["machine"]["cpus"] >= 1 and document["machine"]["gemm_peak_gflops"] is None
+    assert document["machine"]["kernel_march"] == native.kernel_march()
     assert [(r["workload"], r["system"], r["status"]) for r in document["records"]] == [
         ("custom", "pagedgen", "ok"),
         ("custom", "hf-static", "skipped"),

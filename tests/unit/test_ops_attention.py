@@ -182,6 +182,36 @@ def test_native_kernels_can_be_switched_off_and_a_failed_build_says_why(monkeypa
     assert not list(tmp_path.rglob("*.so*"))  # no half-written library left behind
 
 
+@pytest.mark.cpu
+def test_the_kernels_march_comes_from_the_environment_and_a_bad_one_is_refused(monkeypatch, tmp_path):
+    """PAGEDGEN_KERNEL_MARCH replaces -march=native (and keys the cache); a value that is not one word never
+    reaches the compiler's command line."""
+    args = tmp_path / "args"
+    compiler = tmp_path / "cc"
+    compiler.write_text(
+        f'#!/bin/sh\n[ "$1" = --version ] && echo fake-cc 1 && exit 0\necho "$@" > {args}\nexit 1\n'
+    )
+    compiler.chmod(0o755)
+    monkeypatch.setenv("PAGEDGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(compiler))
+    monkeypatch.setenv(native.MARCH_ENV, "x86-64-v3")
+    assert native.kernel_march() == "x86-64-v3"
+    library = native._build_and_load()
+    assert not library.status.available
+    flags = args.read_text().split()
+    assert "-march=x86-64-v3" in flags and "-march=native" not in flags
+    args.unlink()
+    monkeypatch.setenv(native.MARCH_ENV, "native -O0")
+    library = native._build_and_load()
+    assert library.status.detail == (
+        f"building the native kernels failed: {native.MARCH_ENV}='native -O0' is not a -march value "
+        "(one word such as x86-64-v3 or znver3)"
+    )
+    assert not args.exists()
+    monkeypatch.delenv(native.MARCH_ENV)
+    assert native.kernel_march() == "native"
+
+
 def test_a_step_plan_is_reusable_across_layers():
     """One plan serves every layer: the same result as planning inside each call, for both decode paths."""
     case = build_case(

@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -28,6 +29,10 @@ from pagedgen.core.paths import cache_root
 log = logging.getLogger(__name__)
 
 DISABLE_ENV = "PAGEDGEN_NATIVE_KERNELS"
+# The -march the library is built for; "native" (this CPU) unless set. Another value builds it for an older
+# instruction set on this machine (x86-64-v3: AVX2, FMA, F16C, no AVX-512), to measure that variant here.
+MARCH_ENV = "PAGEDGEN_KERNEL_MARCH"
+_MARCH = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 KERNELS = Path(__file__).parent
 SOURCES = tuple(
     KERNELS / name
@@ -360,10 +365,10 @@ def _build_and_load() -> _Library:
     if compiler is None:
         return _off("no C compiler found (set CC)")
     try:
-        path = _build(compiler)
+        path = _build(compiler, _cflags())
         runtimes_before = _openmp_runtimes()
         library = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as exc:
+    except (OSError, ValueError, subprocess.SubprocessError) as exc:
         return _off(f"building the native kernels failed: {exc}")
     runtimes = _openmp_runtimes()
     if len(runtimes) > max(1, len(runtimes_before)):
@@ -377,12 +382,27 @@ def _off(reason: str) -> _Library:
     return _Library(None, None, None, NativeStatus(False, reason))
 
 
-def _build(compiler: str) -> Path:
+def kernel_march() -> str:
+    """The -march the library is (to be) built for: :data:`MARCH_ENV`'s value, else ``native``."""
+    return os.environ.get(MARCH_ENV, "").strip() or "native"
+
+
+def _cflags() -> tuple[str, ...]:
+    """CFLAGS with :func:`kernel_march`; a value that is not one word is refused."""
+    march = kernel_march()
+    if not _MARCH.fullmatch(march):
+        raise ValueError(
+            f"{MARCH_ENV}={march!r} is not a -march value (one word such as x86-64-v3 or znver3)"
+        )
+    return tuple(f"-march={march}" if flag == "-march=native" else flag for flag in CFLAGS)
+
+
+def _build(compiler: str, cflags: tuple[str, ...]) -> Path:
     """Compile the library into the cache unless an entry for this source/flags/compiler/CPU exists."""
     sources = [source.read_bytes() for source in (*SOURCES, *HEADERS)]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60, check=True)
     key = hashlib.sha256(
-        b"\0".join([*sources, " ".join(CFLAGS).encode(), version.stdout.encode(), _cpu_id()])
+        b"\0".join([*sources, " ".join(cflags).encode(), version.stdout.encode(), _cpu_id()])
     )
     directory = cache_root() / "kernels"
     path = directory / f"pagedgen-kernels-{key.hexdigest()[:16]}.so"
@@ -393,7 +413,7 @@ def _build(compiler: str) -> Path:
     os.close(fd)
     try:
         result = subprocess.run(
-            [compiler, *CFLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True, timeout=300
+            [compiler, *cflags, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True, timeout=300
         )
         if result.returncode != 0:
             raise subprocess.SubprocessError(result.stderr.strip() or f"exit status {result.returncode}")
