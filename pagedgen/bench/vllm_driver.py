@@ -15,10 +15,10 @@ import time
 import traceback
 from typing import TYPE_CHECKING
 
-from pagedgen.core.json_value import JsonObject, JsonValue
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: at run time this file imports nothing from pagedgen
     import vllm
+
+    from pagedgen.core.json_value import JsonObject, JsonValue
 
 
 def start(message: JsonObject) -> tuple[vllm.LLM, JsonObject]:

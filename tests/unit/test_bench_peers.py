@@ -239,8 +239,11 @@ class LLM:
 
 
 def stub_package(tmp_path, source):
+    """A stub ``vllm`` on a path where pagedgen is not importable, as in vLLM's own venv (a sitecustomize,
+    which the interpreter imports from the path at start-up, blocks it)."""
     (tmp_path / "stub" / "vllm").mkdir(parents=True)
     (tmp_path / "stub" / "vllm" / "__init__.py").write_text(source)
+    (tmp_path / "stub" / "sitecustomize.py").write_text("import sys\nsys.modules['pagedgen'] = None\n")
     return tmp_path / "stub"
 
 
