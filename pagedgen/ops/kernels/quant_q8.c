@@ -81,7 +81,7 @@ static inline int round_half_away(float v) {
 }
 
 /* One x row of k values -> k int8 q, k / 32 scales dx, scaled sums sx (see the top) and the blocks' integer
- * sums qsum (sum_j q_j, for the unsigned-byte dot products of the AVX-512 path). */
+ * sums qsum (sum_j q_j, for the unsigned-byte dot products: the AVX-512 path, Q4_0 / Q5_0 on AVX2). */
 static void quantize_row(const float *x, int64_t k, int8_t *q, float *dx, float *sx, int32_t *qsum) {
     for (int64_t b = 0; b < k / 32; ++b, x += 32, q += 32) {
         float amax = 0.f;
@@ -153,15 +153,24 @@ static inline __m256i bits_to_bytes(const uint8_t *p) {
     return _mm256_cmpeq_epi8(_mm256_or_si256(spread, others), _mm256_set1_epi64x(-1));
 }
 
-/* A block's 32 integers as bytes, in weight order: the unsigned q of Q4_1/Q5_1, else the signed values. */
-static inline __m256i block_bytes(const int qtype, const uint8_t *block) {
+/* The offset o of a format whose integers are its unsigned q minus o (Q4_0: 8, Q5_0: 16); 0 for the others. */
+static inline int offset_of(const int qtype) { return qtype == Q8_Q4_0 ? 8 : qtype == Q8_Q5_0 ? 16 : 0; }
+
+/* A block's 32 quants as bytes, in weight order: Q8_0's signed q, the other formats' unsigned q (before the
+ * offset of Q4_0 / Q5_0). */
+static inline __m256i block_ubytes(const int qtype, const uint8_t *block) {
     if (qtype == Q8_Q8_0) return _mm256_loadu_si256((const __m256i *)(block + 2));
     const int five = qtype == Q8_Q5_0 || qtype == Q8_Q5_1, affine = qtype == Q8_Q4_1 || qtype == Q8_Q5_1;
     const __m128i qs = _mm_loadu_si128((const __m128i *)(block + (affine ? 4 : 2) + (five ? 4 : 0)));
-    __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), _mm256_set1_epi8(15));
-    if (five) v = _mm256_or_si256(v, _mm256_and_si256(bits_to_bytes(block + (affine ? 4 : 2)), _mm256_set1_epi8(16)));
-    if (!affine) v = _mm256_sub_epi8(v, _mm256_set1_epi8(five ? 16 : 8));
-    return v;
+    const __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), _mm256_set1_epi8(15));
+    if (!five) return v;
+    return _mm256_or_si256(v, _mm256_and_si256(bits_to_bytes(block + (affine ? 4 : 2)), _mm256_set1_epi8(16)));
+}
+
+/* A block's 32 integers as bytes, in weight order: the unsigned q of Q4_1/Q5_1, else the signed values. */
+static inline __m256i block_bytes(const int qtype, const uint8_t *block) {
+    const __m256i u = block_ubytes(qtype, block);
+    return offset_of(qtype) ? _mm256_sub_epi8(u, _mm256_set1_epi8((char)offset_of(qtype))) : u;
 }
 
 /* 8 int32 lanes whose sum is sum_j w_j q_j: u unsigned bytes times s signed bytes, four per lane. */
@@ -176,10 +185,19 @@ static inline __m256i dot_lanes(__m256i u, __m256i s) {
 #endif
 }
 
+/* 8 int32 lanes whose sum is sum_j u_j q_j, u the block's bytes of block_ubytes: for Q4_0 / Q5_0 that is
+ * the block's integer sum plus o * (the x block's sum of q), which the caller takes back out (offset_of):
+ * the same int32, without the two sign operations a signed weight byte needs. */
 static inline __m256i block_lanes(const int qtype, const uint8_t *block, __m256i q) {
-    const __m256i w = block_bytes(qtype, block);
-    if (qtype == Q8_Q4_1 || qtype == Q8_Q5_1) return dot_lanes(w, q);
+    const __m256i w = block_ubytes(qtype, block);
+    if (qtype != Q8_Q8_0) return dot_lanes(w, q);
     return dot_lanes(_mm256_sign_epi8(w, w), _mm256_sign_epi8(q, w)); /* |w| times q with w's sign */
+}
+
+/* The row sums of sum_each less o * qsum, o the format's offset (exact: int32). */
+static inline __m256i offset_out(const int qtype, __m256i sums, int32_t qsum) {
+    if (!offset_of(qtype)) return sums;
+    return _mm256_sub_epi32(sums, _mm256_set1_epi32(offset_of(qtype) * qsum));
 }
 
 /* Lane r = the sum of v[r]'s eight lanes (exact: int32). */
@@ -220,8 +238,8 @@ static inline void headers_at(const uint8_t *const rows[8], int64_t offset, int 
 static inline __attribute__((always_inline)) __m256 rows_dot_avx2(const int qtype, const int by_rows,
                                                                   const uint8_t *const rows[8], int64_t bytes,
                                                                   const int8_t *q, const float *dx,
-                                                                  const float *sx, int64_t nb,
-                                                                  const ahead_window *ahead) {
+                                                                  const float *sx, const int32_t *qsum,
+                                                                  int64_t nb, const ahead_window *ahead) {
     const int affine = qtype == Q8_Q4_1 || qtype == Q8_Q5_1;
     __m256 acc = _mm256_setzero_ps();
     __m256i lanes[Q8_CHUNK][8];
@@ -245,7 +263,8 @@ static inline __attribute__((always_inline)) __m256 rows_dot_avx2(const int qtyp
             __m256 dw, mw = _mm256_setzero_ps();
             headers_at(rows, b * bytes, affine, &dw, &mw);
             const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(dx[b]));
-            __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(sum_each(lanes[c])), scale);
+            const __m256i sums = offset_out(qtype, sum_each(lanes[c]), qsum[b]);
+            __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(sums), scale);
             if (affine) t = _mm256_add_ps(t, _mm256_mul_ps(mw, _mm256_set1_ps(sx[b])));
             acc = _mm256_add_ps(acc, t);
         }
@@ -260,17 +279,17 @@ static inline int64_t steps_of(int qtype, int64_t nb) {
 }
 
 static void group_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int64_t bytes, int64_t n, int nr,
-                       const int8_t *q, const float *dx, const float *sx, int64_t nb, const ahead_window *ahead,
-                       float out[8]) {
+                       const int8_t *q, const float *dx, const float *sx, const int32_t *qsum, int64_t nb,
+                       const ahead_window *ahead, float out[8]) {
     const uint8_t *rows[8];
     for (int r = 0; r < 8; ++r) rows[r] = w + (n + (r < nr ? r : 0)) * row_bytes;
     __m256 acc;
     switch (qtype) {
-    case Q8_Q4_0: acc = rows_dot_avx2(Q8_Q4_0, 0, rows, bytes, q, dx, sx, nb, ahead); break;
-    case Q8_Q4_1: acc = rows_dot_avx2(Q8_Q4_1, 0, rows, bytes, q, dx, sx, nb, ahead); break;
-    case Q8_Q5_0: acc = rows_dot_avx2(Q8_Q5_0, 0, rows, bytes, q, dx, sx, nb, ahead); break;
-    case Q8_Q5_1: acc = rows_dot_avx2(Q8_Q5_1, 0, rows, bytes, q, dx, sx, nb, ahead); break;
-    default: acc = rows_dot_avx2(Q8_Q8_0, 1, rows, bytes, q, dx, sx, nb, ahead); break;
+    case Q8_Q4_0: acc = rows_dot_avx2(Q8_Q4_0, 0, rows, bytes, q, dx, sx, qsum, nb, ahead); break;
+    case Q8_Q4_1: acc = rows_dot_avx2(Q8_Q4_1, 0, rows, bytes, q, dx, sx, qsum, nb, ahead); break;
+    case Q8_Q5_0: acc = rows_dot_avx2(Q8_Q5_0, 0, rows, bytes, q, dx, sx, qsum, nb, ahead); break;
+    case Q8_Q5_1: acc = rows_dot_avx2(Q8_Q5_1, 0, rows, bytes, q, dx, sx, qsum, nb, ahead); break;
+    default: acc = rows_dot_avx2(Q8_Q8_0, 1, rows, bytes, q, dx, sx, qsum, nb, ahead); break;
     }
     _mm256_storeu_ps(out, acc);
 }
@@ -287,9 +306,10 @@ static inline __attribute__((always_inline)) void many_rows_dot_avx2(const int q
                                                                      const uint8_t *const rows[8],
                                                                      int64_t bytes, const int8_t *q,
                                                                      const float *dx, const float *sx,
-                                                                     int64_t m_rows, int64_t k, int64_t nb,
+                                                                     const int32_t *qsum, int64_t m_rows,
+                                                                     int64_t k, int64_t nb,
                                                                      const ahead_window *ahead, __m256 *acc) {
-    const int affine = qtype == Q8_Q4_1 || qtype == Q8_Q5_1;
+    const int affine = qtype == Q8_Q4_1 || qtype == Q8_Q5_1, signed_bytes = qtype == Q8_Q8_0;
     __m256i mag[Q8_MANY_BLOCKS][8], sgn[Q8_MANY_BLOCKS][8];
     __m256 dw[Q8_MANY_BLOCKS], mw[Q8_MANY_BLOCKS];
     for (int64_t m = 0; m < m_rows; ++m) acc[m] = _mm256_setzero_ps();
@@ -298,8 +318,8 @@ static inline __attribute__((always_inline)) void many_rows_dot_avx2(const int q
         for (int64_t c = 0; c < cb; ++c) {
             ask_step(ahead, b0 + c);
             for (int r = 0; r < 8; ++r) {
-                const __m256i w = block_bytes(qtype, rows[r] + (b0 + c) * bytes);
-                mag[c][r] = affine ? w : _mm256_sign_epi8(w, w), sgn[c][r] = w;
+                const __m256i w = block_ubytes(qtype, rows[r] + (b0 + c) * bytes);
+                mag[c][r] = signed_bytes ? _mm256_sign_epi8(w, w) : w, sgn[c][r] = w;
             }
             mw[c] = _mm256_setzero_ps();
             headers_at(rows, (b0 + c) * bytes, affine, &dw[c], &mw[c]);
@@ -311,9 +331,10 @@ static inline __attribute__((always_inline)) void many_rows_dot_avx2(const int q
                 const __m256i qv = _mm256_loadu_si256((const __m256i *)(q + m * k + 32 * b));
                 __m256i lanes[8];
                 for (int r = 0; r < 8; ++r)
-                    lanes[r] = dot_lanes(mag[c][r], affine ? qv : _mm256_sign_epi8(qv, sgn[c][r]));
+                    lanes[r] = dot_lanes(mag[c][r], signed_bytes ? _mm256_sign_epi8(qv, sgn[c][r]) : qv);
                 const __m256 scale = _mm256_mul_ps(dw[c], _mm256_set1_ps(dx[m * nb + b]));
-                __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(sum_each(lanes)), scale);
+                const __m256i sums = offset_out(qtype, sum_each(lanes), qsum[m * nb + b]);
+                __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(sums), scale);
                 if (affine) t = _mm256_add_ps(t, _mm256_mul_ps(mw[c], _mm256_set1_ps(sx[m * nb + b])));
                 a = _mm256_add_ps(a, t);
             }
@@ -325,8 +346,9 @@ static inline __attribute__((always_inline)) void many_rows_dot_avx2(const int q
 /* q8_group's outputs for m_rows > 1 x rows, Q8_MANY_ROWS x rows per pass (the rows ahead asked for along
  * the first pass). */
 static void group_many_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int64_t bytes, int64_t n, int nr,
-                            int64_t n_end, const int8_t *q, const float *dx, const float *sx, int64_t m_rows,
-                            int64_t k, const float *bias, float *y, int64_t y_stride) {
+                            int64_t n_end, const int8_t *q, const float *dx, const float *sx,
+                            const int32_t *qsum, int64_t m_rows, int64_t k, const float *bias, float *y,
+                            int64_t y_stride) {
     const uint8_t *rows[8];
     for (int r = 0; r < 8; ++r) rows[r] = w + (n + (r < nr ? r : 0)) * row_bytes;
     const int64_t nb = k / 32;
@@ -336,14 +358,15 @@ static void group_many_avx2(int qtype, const uint8_t *w, int64_t row_bytes, int6
         const int64_t mr = m_rows - m0 < Q8_MANY_ROWS ? m_rows - m0 : Q8_MANY_ROWS;
         const int8_t *qm = q + m0 * k;
         const float *dxm = dx + m0 * nb, *sxm = sx + m0 * nb;
+        const int32_t *qsm = qsum + m0 * nb;
         const ahead_window *asked = m0 == 0 ? &ahead : &none;
         __m256 acc[Q8_MANY_ROWS];
         switch (qtype) {
-        case Q8_Q4_0: many_rows_dot_avx2(Q8_Q4_0, rows, bytes, qm, dxm, sxm, mr, k, nb, asked, acc); break;
-        case Q8_Q4_1: many_rows_dot_avx2(Q8_Q4_1, rows, bytes, qm, dxm, sxm, mr, k, nb, asked, acc); break;
-        case Q8_Q5_0: many_rows_dot_avx2(Q8_Q5_0, rows, bytes, qm, dxm, sxm, mr, k, nb, asked, acc); break;
-        case Q8_Q5_1: many_rows_dot_avx2(Q8_Q5_1, rows, bytes, qm, dxm, sxm, mr, k, nb, asked, acc); break;
-        default: many_rows_dot_avx2(Q8_Q8_0, rows, bytes, qm, dxm, sxm, mr, k, nb, asked, acc); break;
+        case Q8_Q4_0: many_rows_dot_avx2(Q8_Q4_0, rows, bytes, qm, dxm, sxm, qsm, mr, k, nb, asked, acc); break;
+        case Q8_Q4_1: many_rows_dot_avx2(Q8_Q4_1, rows, bytes, qm, dxm, sxm, qsm, mr, k, nb, asked, acc); break;
+        case Q8_Q5_0: many_rows_dot_avx2(Q8_Q5_0, rows, bytes, qm, dxm, sxm, qsm, mr, k, nb, asked, acc); break;
+        case Q8_Q5_1: many_rows_dot_avx2(Q8_Q5_1, rows, bytes, qm, dxm, sxm, qsm, mr, k, nb, asked, acc); break;
+        default: many_rows_dot_avx2(Q8_Q8_0, rows, bytes, qm, dxm, sxm, qsm, mr, k, nb, asked, acc); break;
         }
         for (int64_t m = 0; m < mr; ++m) {
             float out[8];
@@ -734,7 +757,8 @@ static void q8_group(int qtype, const uint8_t *w, int64_t row_bytes, int64_t byt
 #endif
 #ifdef Q8_AVX2
     if (m_rows > 1) {
-        group_many_avx2(qtype, w, row_bytes, bytes, n, nr, n_end, q, dx, sx, m_rows, k, bias, y, y_stride);
+        group_many_avx2(qtype, w, row_bytes, bytes, n, nr, n_end, q, dx, sx, xq->qsum, m_rows, k, bias, y,
+                        y_stride);
         return;
     }
 #ifdef Q8_AVX512
@@ -751,8 +775,8 @@ static void q8_group(int qtype, const uint8_t *w, int64_t row_bytes, int64_t byt
         group_avx512(qtype, w, row_bytes, bytes, n, nr, q + m * k, dx + m * nb, sx + m * nb, xq->qsum + m * nb, nb,
                      &ahead, out); /* one x row here: more take group_many_avx2 */
 #elif defined(Q8_AVX2)
-        group_avx2(qtype, w, row_bytes, bytes, n, nr, q + m * k, dx + m * nb, sx + m * nb, nb, &ahead,
-                   out); /* one x row here: more take group_many_avx2 */
+        group_avx2(qtype, w, row_bytes, bytes, n, nr, q + m * k, dx + m * nb, sx + m * nb, xq->qsum + m * nb, nb,
+                   &ahead, out); /* one x row here: more take group_many_avx2 */
 #else
         for (int r = 0; r < nr; ++r)
             out[r] = row_dot_portable(qtype, w + (n + r) * row_bytes, bytes, q + m * k, dx + m * nb, sx + m * nb,
