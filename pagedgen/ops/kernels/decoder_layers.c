@@ -36,7 +36,8 @@
  *
  * Threads: one OpenMP region for the whole step, not one per kernel. Each thread owns a fixed slice of
  * every GEMM's output columns and a fixed part of attention (whole sequences when there are rows enough,
- * else a run of kv heads of every row: attention_share), keeps its own copy of the residual stream and of
+ * whose keys and values it also writes; else a run of query heads of every row: attention_share), keeps its
+ * own copy of the residual stream and of
  * each norm's output, and the threads meet at five barriers per layer, where a product feeds the next
  * (decoder_layers_f32, at the end; step_barrier.h: a wait spins briefly, then sleeps, so that a core taken
  * by another process does not cost a scheduler slice per barrier). At batch 1 that also puts both threads on attention, and on norms and
@@ -234,20 +235,14 @@ static int64_t clamp_heads(int64_t c, int64_t d, int64_t heads) {
     return c <= 0 ? 0 : c >= heads * d ? heads : c / d;
 }
 
-/* The K/V part of a layer for the k and v heads inside output columns c0 .. c1 - 1 of its q/k/v GEMM (this
- * thread's slice, cut at head boundaries): k norm and rotary, then every row's key and value written to
- * its slot, all before the barrier that follows the GEMM, so every key a row attends this step (its own,
- * and those of earlier rows of its sequence: draft verification) is in the cache before attention reads
- * it, whichever thread attends. */
-static void kv_part(const decoder_layer *layer, const decoder_dims *dims, const decoder_step *step,
-                    const kv_view *view, const float *cos, const float *sin, int64_t c0, int64_t c1) {
-    const int64_t d = dims->head_dim, t = step->tokens;
+/* Keys and values of rows r0 .. r1 - 1 for kv heads [k0, k1) (keys) and [v0, v1) (values): k norm and
+ * rotary in place in the q/k/v output, then each row's key and value written to its slot. */
+static void kv_write(const decoder_layer *layer, const decoder_dims *dims, const decoder_step *step,
+                     const kv_view *view, const float *cos, const float *sin, int64_t r0, int64_t r1, int64_t k0,
+                     int64_t k1, int64_t v0, int64_t v1) {
+    const int64_t d = dims->head_dim;
     const int64_t q_width = dims->q_heads * d, kv_width = dims->kv_heads * d, qkv_width = q_width + 2 * kv_width;
-    /* kv heads [k0, k1) have their k columns in the slice, [v0, v1) their v columns */
-    const int64_t k0 = clamp_heads(c0 - q_width, d, dims->kv_heads), k1 = clamp_heads(c1 - q_width, d, dims->kv_heads);
-    const int64_t v0 = clamp_heads(c0 - q_width - kv_width, d, dims->kv_heads);
-    const int64_t v1 = clamp_heads(c1 - q_width - kv_width, d, dims->kv_heads);
-    for (int64_t r = 0; r < t; ++r) {
+    for (int64_t r = r0; r < r1; ++r) {
         float *row = step->qkv + r * qkv_width, *k = row + q_width + k0 * d;
         const int64_t slot = view->slots[r];
         if (k0 < k1) {
@@ -261,8 +256,23 @@ static void kv_part(const decoder_layer *layer, const decoder_dims *dims, const 
     }
 }
 
+/* The K/V part of a layer when attention is cut by query heads (kv_write for every row): the k and v heads
+ * inside output columns c0 .. c1 - 1 of its q/k/v GEMM (this thread's slice, cut at head boundaries), all
+ * before the barrier that follows the GEMM, so every key a row attends this step is in the cache before
+ * attention reads it, whichever thread attends. (When attention takes whole rows, each thread writes its
+ * own rows' keys and values after that barrier instead: see layers_on_thread.) */
+static void kv_part(const decoder_layer *layer, const decoder_dims *dims, const decoder_step *step,
+                    const kv_view *view, const float *cos, const float *sin, int64_t c0, int64_t c1) {
+    const int64_t d = dims->head_dim, q_width = dims->q_heads * d, kv_width = dims->kv_heads * d;
+    /* kv heads [k0, k1) have their k columns in the slice, [v0, v1) their v columns */
+    const int64_t k0 = clamp_heads(c0 - q_width, d, dims->kv_heads), k1 = clamp_heads(c1 - q_width, d, dims->kv_heads);
+    const int64_t v0 = clamp_heads(c0 - q_width - kv_width, d, dims->kv_heads);
+    const int64_t v1 = clamp_heads(c1 - q_width - kv_width, d, dims->kv_heads);
+    kv_write(layer, dims, step, view, cos, sin, 0, step->tokens, k0, k1, v0, v1);
+}
+
 /* The attention part of a layer for rows r0 .. r1 - 1 and query heads h0 .. h1 - 1 of each: q norm and
- * rotary, then attention over the cache kv_part filled. */
+ * rotary, then attention over the cache kv_part or kv_write filled. */
 static void attention_part(const decoder_layer *layer, const decoder_dims *dims, const decoder_step *step,
                            const kv_view *view, const float *cos, const float *sin, int64_t r0, int64_t r1,
                            int64_t h0, int64_t h1, float *scores) {
@@ -311,8 +321,8 @@ static int64_t rows_boundary(const kv_view *view, int64_t tokens, int64_t total,
  * of 1 / 2 kv heads on two threads (one thread took twice the other's time), and one with 1 kv head uses
  * both threads instead of one. Every head of a row is computed by the same code either way, so the bits do
  * not depend on the split. */
-static void attention_share(const kv_view *view, int64_t tokens, int64_t q_heads, int tid, int nth, int64_t *r0,
-                            int64_t *r1, int64_t *h0, int64_t *h1) {
+static int attention_share(const kv_view *view, int64_t tokens, int64_t q_heads, int tid, int nth, int64_t *r0,
+                           int64_t *r1, int64_t *h0, int64_t *h1) {
     if (nth > 1 && tokens >= nth) {
         int64_t total = 0;
         for (int64_t r = 0; r < tokens; ++r) total += view->kv_lens[r] + ROW_COST;
@@ -323,11 +333,12 @@ static void attention_share(const kv_view *view, int64_t tokens, int64_t q_heads
         if (every_part_has_rows) {
             *r0 = rows_boundary(view, tokens, total, tid, nth), *r1 = rows_boundary(view, tokens, total, tid + 1, nth);
             *h0 = 0, *h1 = q_heads;
-            return;
+            return 1;
         }
     }
     *r0 = 0, *r1 = tokens;
     share(q_heads, 1, tid, nth, h0, h1);
+    return 0;
 }
 
 /* One thread's part of every layer; the threads meet only where a product feeds the next (five barriers
@@ -340,7 +351,9 @@ static void layers_on_thread(const decoder_layer *layers, int64_t num_layers, co
     const float eps = dims->eps;
     int64_t c0, c1, a0, a1, h0, h1, o0, o1, i0, i1;
     share(qkv_width, d, tid, nth, &c0, &c1); /* whole heads: kv_part writes the k and v heads of its slice */
-    attention_share(&step->full, t, dims->q_heads, tid, nth, &a0, &a1, &h0, &h1);
+    /* whole rows: every thread writes its own rows' keys and values (kv_write, after the q/k/v barrier), so
+     * the writes and their first-touch page faults are shared out like attention; else kv_part */
+    const int whole_rows = attention_share(&step->full, t, dims->q_heads, tid, nth, &a0, &a1, &h0, &h1);
     share(hidden, 8, tid, nth, &o0, &o1);
     share(inner, 16, tid, nth, &i0, &i1);
     const float *delta = NULL; /* the previous layer's output (shared, or this thread's normed copy) */
@@ -356,9 +369,10 @@ static void layers_on_thread(const decoder_layer *layers, int64_t num_layers, co
             add_rms_norm_f32(own->x, delta, t, hidden, layer->input_norm, eps, own->h, 1);
         const void *xq = quantised_for(&layer->qkv, own->h, t, hidden, own->q8);
         packed_columns(own->h, xq, t, &layer->qkv, hidden, c0, c1, step->qkv, qkv_width, own->gemm);
-        kv_part(layer, dims, step, view, cos, sin, c0, c1);
+        if (!whole_rows) kv_part(layer, dims, step, view, cos, sin, c0, c1);
         prefetch_columns(&layer->o, o0, o1);
         step_barrier_wait(meet);
+        if (whole_rows) kv_write(layer, dims, step, view, cos, sin, a0, a1, 0, dims->kv_heads, 0, dims->kv_heads);
         attention_part(layer, dims, step, view, cos, sin, a0, a1, h0, h1, own->scores);
         step_barrier_wait(meet);
         xq = quantised_for(&layer->o, step->attn, t, q_width, own->q8);
@@ -433,10 +447,10 @@ static int kernels_known(const decoder_layer *layers, int64_t num_layers, const 
  *
  * Threads: one parallel region for the whole step. Each thread owns a fixed slice of every GEMM's output
  * columns (gate and up: the same inner columns of both, so it applies the activation to its own slice) and a
- * fixed part of attention (attention_share: whole sequences, or with rows < threads a run of query heads of
- * every row, so every thread still works; the k and v heads of its q/k/v columns it writes to the cache
- * before the barrier that ends that GEMM), and keeps its own copy of
- * the residual stream and norm outputs; the threads meet at five barriers per layer instead of the
+ * fixed part of attention (attention_share: whole sequences, whose keys and values it writes to the cache
+ * itself after the q/k/v barrier; or with rows < threads a run of query heads of every row, so every thread
+ * still works, the k and v heads of its q/k/v columns then written before that barrier), and keeps its own
+ * copy of the residual stream and norm outputs; the threads meet at five barriers per layer instead of the
  * fork and join of every kernel. Every value is computed by the same code as the per-layer path's kernels
  * (the GEMM slices by quant_gemm_rows_f32 or quant_gemm_q8_rows, a head's attention by decode_row), so the
  * output is the same bit for bit, whatever the thread count. */
