@@ -49,7 +49,7 @@ SOURCES = tuple(
 # The quantised GEMMs alone (exact, 8-bit activations, the K-quants' 8-bit path): what a test builds to
 # check one instruction set's variant of them.
 QUANT_SOURCES = tuple(KERNELS / name for name in ("quant_gemm.c", "quant_q8.c", "quant_q8_k.c"))
-HEADERS = (KERNELS / "vec_math.h", KERNELS / "half.h", KERNELS / "prefetch.h", KERNELS / "step_barrier.h")
+HEADERS = tuple(KERNELS / name for name in ("vec_math.h", "half.h", "hsum.h", "prefetch.h", "step_barrier.h"))
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
 _POINTER = ctypes.c_void_p
 _I64 = ctypes.c_int64

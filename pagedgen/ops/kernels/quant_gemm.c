@@ -30,6 +30,8 @@
 
 #if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
+
+#include "hsum.h"
 #endif
 
 #include "half.h"
@@ -67,9 +69,7 @@ static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 static inline float vsum(vec v) {
     const __m256 t =
         _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-    const __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-    const __m128 w = _mm_add_ps(u, _mm_movehl_ps(u, u));
-    return _mm_cvtss_f32(_mm_add_ss(w, _mm_movehdup_ps(w)));
+    return hsum8_ps(t);
 }
 /* vsum of a[0] .. a[7] at once, each in vsum's tree, as the lanes 0-7 of the result (AVX-512F alone): 24
  * instructions where eight vsums take 64. */
@@ -100,12 +100,7 @@ typedef __m256 vec;
 static inline vec vzero(void) { return _mm256_setzero_ps(); }
 static inline vec vload(const float *p) { return _mm256_loadu_ps(p); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-static inline float vsum(vec v) {
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
-}
+static inline float vsum(vec v) { return hsum8_ps(v); }
 static inline vec vset1(float f) { return _mm256_set1_ps(f); }
 static inline void bytes16_u(__m128i b, vec scale, vec offset, float *out) {
     _mm256_storeu_ps(out, _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), offset));

@@ -42,6 +42,8 @@
 
 #if defined(__AVX2__) && defined(__F16C__)
 #include <immintrin.h>
+
+#include "hsum.h"
 #define Q8K_AVX2 1
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define Q8K_AVX512 1 /* two slices per 512-bit maddubs on the x-row side (block_rows_avx2) */
@@ -318,15 +320,6 @@ static inline __m512i madd_add512(__m512i acc, __m512i p, __m512i c) {
 }
 #endif
 
-static inline float hsum8_avx(__m256 v) {
-    const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
-    return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
-}
-static inline float hsum4_avx(__m128 a) {
-    const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
-    return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
-}
 
 /* The eight int32 lanes P of a block against 256 activation bytes q: madd(maddubs(u, q), c) per slice of
  * 32, in two chains (the same sums). */
@@ -404,7 +397,7 @@ static inline __attribute__((always_inline)) void row_avx2(const int qtype, cons
         block_rows_avx2(qtype, wide, &b, r, k, s, m0, mr, L, M);
     }
     for (int64_t i = 0; i < mr; ++i)
-        out[i] = qtype == Q8K_Q6_K ? hsum8_avx(L[i]) : hsum8_avx(L[i]) - hsum4_avx(M[i]);
+        out[i] = qtype == Q8K_Q6_K ? hsum8_ps(L[i]) : hsum8_ps(L[i]) - hsum4_ps(M[i]);
 }
 #endif
 

@@ -57,12 +57,8 @@ static void one_output(const float *x, int64_t m_rows, const float *w, int64_t k
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-static inline float hsum8(__m256 v) {
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
-}
+#include "hsum.h"
+
 
 static inline float with_bias(float s, const float *bias, int64_t n) { return bias ? s + bias[n] : s; }
 
@@ -90,7 +86,7 @@ static inline __attribute__((always_inline)) void tile_3x4(const float *x, int64
     }
     const __m256 acc[3][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}, {a20, a21, a22, a23}};
     for (int r = 0; r < mr; ++r)
-        for (int c = 0; c < 4; ++c) y[(m + r) * n_out + n + c] = with_bias(hsum8(acc[r][c]), bias, n + c);
+        for (int c = 0; c < 4; ++c) y[(m + r) * n_out + n + c] = with_bias(hsum8_ps(acc[r][c]), bias, n + c);
 }
 
 /* One weight row against one x row with the tile's arithmetic (one accumulator, eight k at a time). */
@@ -98,7 +94,7 @@ static inline void tile_1x1(const float *x, int64_t k, const float *w, const flo
                             int64_t n_out, int64_t m, int64_t n) {
     __m256 a = _mm256_setzero_ps();
     for (int64_t d = 0; d < k; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * k + d), _mm256_loadu_ps(w + n * k + d), a);
-    y[m * n_out + n] = with_bias(hsum8(a), bias, n);
+    y[m * n_out + n] = with_bias(hsum8_ps(a), bias, n);
 }
 
 /* Weight rows per task: streamed from memory once, then reused from cache by every x row. 32 splits the
