@@ -37,11 +37,11 @@
  * Threads: one OpenMP region for the whole step, not one per kernel. Each thread owns a fixed slice of
  * every GEMM's output columns and a fixed part of attention (whole sequences when there are rows enough,
  * whose keys and values it also writes; else a run of query heads of every row: attention_share), keeps its
- * own copy of the residual stream and of
- * each norm's output, and the threads meet at five barriers per layer, where a product feeds the next
- * (decoder_layers_f32, at the end; step_barrier.h: a wait spins briefly, then sleeps, so that a core taken
- * by another process does not cost a scheduler slice per barrier). At batch 1 that also puts both threads on attention, and on norms and
- * activations no thread waits for. Every value is still computed by the per-layer path's code, so the
+ * own copy of the residual stream and of each norm's output, and the threads meet at five barriers per
+ * layer, where a product feeds the next (decoder_layers_f32, at the end; step_barrier.h: a wait spins
+ * briefly, then sleeps, so that a core taken by another process does not cost a scheduler slice per
+ * barrier). At batch 1 that also puts both threads on attention, and on norms and activations no thread
+ * waits for. Every value is still computed by the per-layer path's code, so the
  * bits do not depend on the split or the thread count.
  *
  * Layouts: all row-major and contiguous; weights are packed rows as in quant_gemm.c (the qtype is a ggml
